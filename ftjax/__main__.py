@@ -1,0 +1,5 @@
+import sys
+
+from ftjax.cli import main
+
+sys.exit(main())

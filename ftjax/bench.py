@@ -1,0 +1,27 @@
+"""`ftjax bench NAME ...`: each benchmark compares two things measured in the same run and prints
+one JSON line (this machine is shared and noisy: ratios, not absolute times)."""
+
+from __future__ import annotations
+
+import sys
+
+from ftjax.cli import resolve
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "coordinator": ("coordinator.bench:main", "quorum latency of N simulated replicas"),
+    "ftar": ("ftjax.ftar.bench:main", "FTAR bus bandwidth against the raw TCP loopback link"),
+    "step": ("ftjax.bench_step:main", "FT-HSDP step time against a synchronous HSDP step"),
+    "catchup": ("ftjax.catchup_bench:main", "catch-up transfer rate against the raw link"),
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: ftjax bench NAME [ARGS...]\n\nbenchmarks:")
+        for name, (_, help_) in BENCHES.items():
+            print(f"  {name:<12} {help_}")
+        return 0 if argv else 2
+    if argv[0] not in BENCHES:
+        print(f"ftjax bench: unknown benchmark {argv[0]!r}; choose from {', '.join(BENCHES)}", file=sys.stderr)
+        return 2
+    return int(resolve(BENCHES[argv[0]][0])(argv[1:]) or 0)

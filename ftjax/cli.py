@@ -1,0 +1,48 @@
+"""The `ftjax` command. Each subcommand lives in the module named for what it does; this file only
+dispatches, so that `ftjax coordinator` never imports JAX and `ftjax train` sets its devices before
+JAX is imported."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> ("module:function", one-line help). Each function takes argv (list[str]) and returns
+# an exit code.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("ftjax.train:main", "train one replica (standalone, or as a member of a job)"),
+    "coordinator": ("coordinator.server:main", "run the job's coordinator (gRPC quorum service + HTTP status)"),
+    "launch": ("ftjax.launch:main", "run a fault-tolerant job on this machine (coordinator + replicas)"),
+    "bench": ("ftjax.bench:main", "benchmarks; each prints one JSON line"),
+    "simulate": ("ftjax.sim.cli:main", "discrete-event goodput model of fault-tolerant training at scale"),
+    "demo": ("ftjax.demo:main", "the flagship demo (what `make demo` runs)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: ftjax COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `ftjax COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def resolve(target: str):
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ftjax: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    code = resolve(COMMANDS[name][0])(rest)
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

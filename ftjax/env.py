@@ -1,0 +1,57 @@
+"""Process environment that must be fixed before JAX is imported.
+
+Many JAX processes share two cores in tests and on the demo machine; each one is limited to a
+single XLA/BLAS thread so that timing-based checks (stall bounds, failure detection) do not flake
+from oversubscription. Simulated CPU devices are also an XLA flag, so they are set here too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTEROP_THREADS",
+                "TF_NUM_INTRAOP_THREADS")
+_SINGLE_THREAD_XLA = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
+
+
+def _merge_xla_flags(flags: str, device_count: int | None) -> str:
+    parts = [p for p in flags.split() if p]
+    if device_count is not None:
+        parts = [p for p in parts if not p.startswith("--xla_force_host_platform_device_count")]
+        parts.append(f"--xla_force_host_platform_device_count={device_count}")
+    for flag in _SINGLE_THREAD_XLA:
+        key = re.split("=", flag)[0]
+        if not any(p.split("=")[0] == key for p in parts):
+            parts.append(flag)
+    return " ".join(parts)
+
+
+def limited_env(base: Mapping[str, str] | None = None, *, device_count: int | None = None) -> dict[str, str]:
+    """A copy of ``base`` (default: os.environ) for a child process: one compute thread, quiet logs."""
+    env = dict(os.environ if base is None else base)
+    for var in _THREAD_VARS:
+        env.setdefault(var, "1")
+    env["XLA_FLAGS"] = _merge_xla_flags(env.get("XLA_FLAGS", ""), device_count)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def configure_process(device_count: int | None = None) -> None:
+    """Apply :func:`limited_env` to this process. Must run before the first ``import jax``."""
+    import sys
+
+    if "jax" in sys.modules and device_count is not None and _current_device_flag() != device_count:
+        raise RuntimeError(
+            "simulated CPU devices must be set before the first `import jax`; "
+            f"this process already imported JAX with device count {_current_device_flag()}"
+        )
+    os.environ.update(limited_env(device_count=device_count))
+
+
+def _current_device_flag() -> int | None:
+    m = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(m.group(1)) if m else None
