@@ -13,17 +13,18 @@ from collections.abc import Mapping
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTEROP_THREADS",
                 "TF_NUM_INTRAOP_THREADS")
-_SINGLE_THREAD_XLA = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
+_SINGLE_THREAD_XLA = ("--xla_cpu_multi_thread_eigen=false",)
 
 
 def _merge_xla_flags(flags: str, device_count: int | None) -> str:
-    parts = [p for p in flags.split() if p]
+    # Only `--flag=value` tokens: XLA stops parsing at the first token that is not one, silently
+    # dropping every flag after it (a stray token once cost a multi-process replica its devices).
+    parts = [p for p in flags.split() if p.startswith("--")]
     if device_count is not None:
         parts = [p for p in parts if not p.startswith("--xla_force_host_platform_device_count")]
-        parts.append(f"--xla_force_host_platform_device_count={device_count}")
+        parts.insert(0, f"--xla_force_host_platform_device_count={device_count}")
     for flag in _SINGLE_THREAD_XLA:
-        key = re.split("=", flag)[0]
-        if not any(p.split("=")[0] == key for p in parts):
+        if not any(p.split("=")[0] == flag.split("=")[0] for p in parts):
             parts.append(flag)
     return " ".join(parts)
 

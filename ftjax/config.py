@@ -1,0 +1,185 @@
+"""Run configuration: YAML files validated by pydantic, with `key.sub=value` overrides.
+
+Every mistake is reported once, naming the field at fault (`model.d_model: ...`), and the command
+exits with code 2 (see :class:`ConfigError`). Cross-field checks that depend on the mesh (divisibility
+of the batch and of the sharded model dimensions by the replica's device count) live here too, so an
+impossible mesh is refused before JAX starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be run. ``str()`` names the field(s) at fault."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    kind: Literal["gpt", "mlp"] = "gpt"
+    vocab_size: int = Field(256, gt=0, description="byte-level tokens: 256")
+    d_model: int = Field(64, gt=0)
+    n_layers: int = Field(2, gt=0)
+    n_heads: int = Field(4, gt=0)
+    d_ff: int = Field(256, gt=0)
+    seq_len: int = Field(64, gt=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.kind == "gpt" and self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        return self
+
+
+class DataConfig(_Strict):
+    source: Literal["stdlib", "synthetic"] = "stdlib"
+    batch_size: int = Field(8, gt=0, description="sequences per step, per replica")
+
+
+class MeshConfig(_Strict):
+    hosts: int = Field(1, gt=0, description="processes (hosts) in one replica")
+    devices_per_host: int = Field(1, gt=0, description="simulated CPU devices per process")
+
+    @property
+    def num_devices(self) -> int:
+        return self.hosts * self.devices_per_host
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    decay_steps: int | None = Field(None, gt=0, description="cosine decay length; default: steps")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    clip_norm: float = Field(1.0, gt=0)
+
+
+class CheckpointConfig(_Strict):
+    every: int = Field(0, ge=0, description="save a durable checkpoint every N steps (0: never)")
+    keep: int = Field(3, gt=0)
+    async_save: bool = True
+    dir: str | None = Field(None, description="default: RUN_DIR/checkpoints")
+
+
+class CoordinatorConfig(_Strict):
+    min_replicas: int = Field(1, gt=0)
+    heartbeat_timeout_ms: int = Field(2000, gt=0)
+    join_timeout_ms: int = Field(1000, ge=0)
+
+
+class FTConfig(_Strict):
+    replicas: int = Field(1, gt=0, description="data-parallel replicas in the job (data streams)")
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    ftar_timeout_s: float = Field(10.0, gt=0)
+
+
+class Config(_Strict):
+    seed: int = 0
+    steps: int = Field(30, gt=0)
+    log_every: int = Field(1, gt=0)
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    mesh: MeshConfig = MeshConfig()
+    optim: OptimConfig = OptimConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    ft: FTConfig = FTConfig()
+
+    @model_validator(mode="after")
+    def _mesh_fits(self) -> "Config":
+        n = self.mesh.num_devices
+        if self.data.batch_size % n:
+            raise ValueError(
+                f"mesh: data.batch_size ({self.data.batch_size}) must be divisible by the replica's "
+                f"{n} devices (mesh.hosts={self.mesh.hosts} x mesh.devices_per_host={self.mesh.devices_per_host})"
+            )
+        # FSDP shards every parameter along its `embed` (d_model) dimension over all devices.
+        if self.model.d_model % n:
+            raise ValueError(
+                f"mesh: model.d_model ({self.model.d_model}) must be divisible by the replica's {n} devices "
+                "(FSDP shards the embedding dimension)"
+            )
+        return self
+
+    def with_overrides(self, overrides: list[str]) -> "Config":
+        return load_config_dict(apply_overrides(self.model_dump(), overrides))
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        lines.append(f"{loc}: {msg}{got}" if loc else msg)
+    return "; ".join(lines)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, returning a new dict."""
+    out = _deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. model.d_model=128")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r}: empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{key}: cannot parse value {raw!r}: {e}") from None
+        node = out
+        for p in parts[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"{key}: {p!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deepcopy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deepcopy(v) for k, v in d.items()}
+    return d
+
+
+def load_config_dict(data: Any) -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config must be a mapping of sections, got {type(data).__name__}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply overrides, validate. Raises ConfigError naming the field at fault."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: config must be a mapping of sections")
+    return load_config_dict(apply_overrides(data, overrides or []))

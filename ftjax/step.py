@@ -1,0 +1,130 @@
+"""The replica's compiled functions: state init, gradients, update, and the fused train step.
+
+The train state is a plain pytree `{"params", "opt", "step"}` (pure dicts and optax states), so
+that orbax, digests and FTAR's flat gradient buffers all see the same leaves in the same order.
+Every function is one `jax.jit` with explicit in/out shardings over the replica mesh (pjit-style).
+
+The step is split in two for fault-tolerant training, gradients then update, with FTAR between
+them on the host; standalone training uses the fused `train_step`. Both compute the same update:
+`lr_scale` multiplies the final updates (AdamW's updates, weight decay included, are linear in the
+learning rate), and a scale of exactly 1.0 leaves every bit unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import models
+from ftjax import sharding as shd
+from ftjax.config import Config
+from ftjax.optim import make_optimizer
+
+# Variables are created unsharded and placed by jit's out_shardings, from the logical names.
+flax.config.update("flax_always_shard_variable", False)
+
+State = dict[str, Any]
+
+
+def loss_fn(graphdef, params, batch: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of a (batch, seq_len + 1) token array."""
+    model = nnx.merge(graphdef, params)
+    logits = model(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+@dataclass
+class ReplicaProgram:
+    """Everything compiled for one replica: mesh, shardings, and the jitted step functions."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    graphdef: Any
+    state_shardings: State
+    batch_sharding: jax.sharding.NamedSharding
+    init: Any          # (seed: int array) -> State
+    grads: Any         # (params, batch) -> (loss, grads)
+    apply: Any         # (State, grads, lr_scale) -> State  (donates State)
+    train_step: Any    # (State, batch, lr_scale) -> (State, loss)  (donates State)
+
+    @property
+    def grad_shardings(self):
+        return self.state_shardings["params"]
+
+    def abstract_state(self) -> State:
+        """Shapes, dtypes and shardings of the state, for restoring a checkpoint into this mesh."""
+        shapes = jax.eval_shape(self.init, jnp.int32(0))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_shardings)
+
+    def topology(self) -> str:
+        """Mesh shape and shard layout: replicas may exchange gradients only if these agree."""
+        return f"devices={self.mesh.devices.size} hosts={self.cfg.mesh.hosts}\n" + shd.describe(self.state_shardings)
+
+
+def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> ReplicaProgram:
+    if mesh is None:
+        # jax.devices() is global (every process's devices); a replica uses the first
+        # hosts x devices_per_host of them, which lets tests build several meshes in one process.
+        mesh = shd.replica_mesh(jax.devices()[: cfg.mesh.num_devices])
+    tx = make_optimizer(cfg.optim, cfg.steps)
+
+    abstract_model = nnx.eval_shape(lambda: models.build(cfg.model, nnx.Rngs(0)))
+    graphdef, abstract_vars = nnx.split(abstract_model)
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_vars))
+    p_shard = shd.param_shardings(logical, mesh)
+
+    def _init_params(seed):
+        return nnx.to_pure_dict(nnx.state(models.build(cfg.model, nnx.Rngs(jax.random.key(seed)))))
+
+    params_shape = jax.eval_shape(_init_params, jnp.int32(0))
+    opt_shard = shd.follow_params(jax.eval_shape(tx.init, params_shape), p_shard, mesh)
+    rep = shd.replicated(mesh)
+    state_shardings = {"params": p_shard, "opt": opt_shard, "step": rep}
+    b_shard = shd.batch_sharding(mesh)
+
+    def init(seed):
+        params = _init_params(seed)
+        return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def grads(params, batch):
+        return jax.value_and_grad(lambda p: loss_fn(graphdef, p, batch))(params)
+
+    def apply(state, g, lr_scale):
+        updates, opt = tx.update(g, state["opt"], state["params"])
+        updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt, "step": state["step"] + 1}
+
+    def train_step(state, batch, lr_scale):
+        loss, g = grads(state["params"], batch)
+        return apply(state, g, lr_scale), loss
+
+    return ReplicaProgram(
+        cfg=cfg, mesh=mesh, graphdef=graphdef, state_shardings=state_shardings, batch_sharding=b_shard,
+        init=jax.jit(init, out_shardings=state_shardings),
+        grads=jax.jit(grads, in_shardings=(p_shard, b_shard), out_shardings=(rep, p_shard)),
+        apply=jax.jit(apply, in_shardings=(state_shardings, p_shard, rep), out_shardings=state_shardings,
+                      donate_argnums=0),
+        train_step=jax.jit(train_step, in_shardings=(state_shardings, b_shard, rep),
+                           out_shardings=(state_shardings, rep), donate_argnums=0),
+    )
+
+
+def device_batch(program: ReplicaProgram, batch) -> jax.Array:
+    """Place a full (global) batch on the replica mesh; each process contributes its own rows."""
+    import numpy as np
+
+    n_proc = jax.process_count()
+    rows = batch.shape[0] // n_proc
+    local = np.asarray(batch)[jax.process_index() * rows:(jax.process_index() + 1) * rows]
+    return jax.make_array_from_process_local_data(program.batch_sharding, local, batch.shape)
+
+
+def param_count(state: State) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(state["params"]))

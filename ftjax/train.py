@@ -1,0 +1,142 @@
+"""`ftjax train CONFIG [key=value ...]`: one replica, one or several processes.
+
+Standalone (no `--coordinator`), the replica trains alone with the fused train step. With
+`--coordinator`, its leader joins a fault-tolerant job and the step protocol of `ftjax.manager`
+runs instead. Either way: config validated before JAX starts (exit 2 on a bad one), simulated CPU
+devices set from the config, metrics in RUN_DIR, durable checkpoints with orbax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from ftjax.config import Config, ConfigError, load_config
+from ftjax.env import configure_process
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ftjax train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config (see configs/)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. steps=30 model.d_model=128")
+    p.add_argument("--out", default=None, help="run directory (default: runs/<config name>)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest durable checkpoint")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="stop (with a checkpoint) once N steps are done, as if interrupted")
+    p.add_argument("--num-processes", type=int, default=None, help="hosts in this replica (sets mesh.hosts)")
+    p.add_argument("--process-id", type=int, default=0, help="this process's rank within the replica")
+    p.add_argument("--dist-address", default=None, help="HOST:PORT of the replica's jax.distributed service")
+    p.add_argument("--replica-id", type=int, default=0, help="this replica's index in the job (0-based)")
+    p.add_argument("--coordinator", default=None, help="HOST:PORT of the job's coordinator (joins a job)")
+    return p
+
+
+def parse_config(args: argparse.Namespace) -> Config:
+    overrides = list(args.overrides)
+    if args.num_processes is not None:
+        if args.num_processes < 1:
+            raise ConfigError(f"--num-processes: must be >= 1 (got {args.num_processes})")
+        overrides.append(f"mesh.hosts={args.num_processes}")
+    cfg = load_config(args.config, overrides)
+    if cfg.mesh.hosts > 1 and not args.dist_address:
+        raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} needs --dist-address HOST:PORT for the replica's processes")
+    if not 0 <= args.process_id < cfg.mesh.hosts:
+        raise ConfigError(f"--process-id: {args.process_id} is not in [0, {cfg.mesh.hosts})")
+    if not 0 <= args.replica_id < cfg.ft.replicas:
+        raise ConfigError(f"--replica-id: {args.replica_id} is not in [0, ft.replicas={cfg.ft.replicas})")
+    return cfg
+
+
+def init_distributed(cfg: Config, args: argparse.Namespace) -> None:
+    """Form the replica's own jax.distributed cluster (CPU collectives over gloo)."""
+    import jax
+
+    if cfg.mesh.hosts > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=args.dist_address, num_processes=cfg.mesh.hosts,
+                                   process_id=args.process_id)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_intermixed_args(argv)
+    try:
+        cfg = parse_config(args)
+    except ConfigError as e:
+        print(f"ftjax train: config error: {e}", file=sys.stderr)
+        return 2
+    configure_process(device_count=cfg.mesh.devices_per_host)
+    out = Path(args.out or Path("runs") / Path(args.config).stem)
+    init_distributed(cfg, args)
+    if args.coordinator:
+        from ftjax.manager import run_member
+
+        return run_member(cfg, args, out)
+    return run_standalone(cfg, args, out)
+
+
+def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:
+    import jax
+    import numpy as np
+
+    from ftjax.checkpoint import DurableCheckpoints
+    from ftjax.data import make_stream
+    from ftjax.digest import state_digest
+    from ftjax.metrics import MetricsLog
+    from ftjax.step import build_program, device_batch, param_count
+
+    leader = jax.process_index() == 0
+    program = build_program(cfg)
+    stream = make_stream(cfg, replica=args.replica_id)
+    log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}")
+    ckpt = None
+    if cfg.checkpoint.every > 0 or args.resume or args.stop_after:
+        ckpt = DurableCheckpoints(cfg.checkpoint.dir or out / "checkpoints", every=cfg.checkpoint.every,
+                                  keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    step, position = 0, 0
+    if args.resume and ckpt is not None and ckpt.latest_step() is not None:
+        state, meta = ckpt.restore(program.abstract_state())
+        step, position = int(meta["step"]), int(meta["data_position"])
+        if meta.get("data_fingerprint") != stream.fingerprint:
+            print(f"ftjax train: warning: checkpoint data fingerprint {meta.get('data_fingerprint')} != "
+                  f"{stream.fingerprint}: the corpus changed", file=sys.stderr)
+        log.event("restore", restored_step=step, data_position=position)
+    else:
+        state = program.init(np.int32(cfg.seed))
+    devices = program.mesh.devices.size
+    log.event("start", data_fingerprint=stream.fingerprint, data_files=stream.num_files,
+              params=param_count(state), devices=devices, processes=jax.process_count())
+    one = np.float32(1.0)
+    stop = min(cfg.steps, args.stop_after) if args.stop_after else cfg.steps
+    tokens = cfg.data.batch_size * cfg.model.seq_len
+    while step < stop:
+        t0 = time.perf_counter()
+        batch_id = stream.batch_id(position)
+        batch = device_batch(program, stream.batch(position))
+        t1 = time.perf_counter()
+        state, loss = program.train_step(state, batch, one)
+        loss = float(loss)
+        t2 = time.perf_counter()
+        step, position = step + 1, position + 1
+        meta = {"step": step, "data_position": position, "data_fingerprint": stream.fingerprint}
+        if ckpt is not None:
+            ckpt.maybe_save(step, state, meta, force=step == stop)
+        t3 = time.perf_counter()
+        log.log({"step": step, "loss": loss, "tokens": tokens, "batch_id": batch_id, "step_time_s": t3 - t0,
+                 "data_s": t1 - t0, "compute_s": t2 - t1, "checkpoint_s": t3 - t2})
+    if ckpt is not None:
+        ckpt.close()
+    digest = state_digest(state)
+    log.summary(param_digest=digest, data_fingerprint=stream.fingerprint, params=param_count(state),
+                devices=devices, processes=jax.process_count(), data_position=position)
+    log.close()
+    if cfg.mesh.hosts > 1:
+        jax.distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
