@@ -26,6 +26,8 @@ class DurableCheckpoints:
         """Save at multiples of `every` (or when forced). Returns whether a save started."""
         if not force and (self.every <= 0 or step % self.every):
             return False
+        if step == self.latest_step():  # already saved (a forced final save after a periodic one)
+            return False
         return bool(self.manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
             force=force,

@@ -81,7 +81,11 @@ class CoordinatorConfig(_Strict):
 class FTConfig(_Strict):
     replicas: int = Field(1, gt=0, description="data-parallel replicas in the job (data streams)")
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
-    ftar_timeout_s: float = Field(10.0, gt=0)
+    ftar_timeout_s: float = Field(10.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
+    quorum_timeout_s: float = Field(120.0, gt=0)
+    digest_every: int = Field(1, ge=0, description="log the state digest every N steps (0: never)")
+    catchup_buffer_steps: int = Field(64, gt=0, description="averaged updates a healing replica keeps")
+    catchup_rate_limit_mbps: float | None = Field(None, gt=0, description="test knob: slow snapshot transfers")
 
 
 class Config(_Strict):

@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dist-address", default=None, help="HOST:PORT of the replica's jax.distributed service")
     p.add_argument("--replica-id", type=int, default=0, help="this replica's index in the job (0-based)")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of the job's coordinator (joins a job)")
+    p.add_argument("--die-at", default=None, metavar="STEP:PHASE",
+                   help="fault injection: SIGKILL this process at that step and phase "
+                        "(forward|ftar|commit|catchup)")
     return p
 
 

@@ -1,0 +1,276 @@
+"""Non-blocking peer catch-up: a live replica serves its state to a restarted one.
+
+Source side (`SnapshotServer`): when a quorum names this replica as the heal source of a peer, the
+replica snapshots the state it holds at that step with orbax's async checkpointer. Only the
+device-to-host copy blocks (after it, the train step may donate the state's buffers); the write to
+a local directory and the transfer run in the background. The snapshot directory is served over
+HTTP as a tar stream, only to requests carrying the job token, and only while the quorum still
+lists that peer as healing (`keep_only` drops the others and deletes their files).
+
+Newcomer side (`SnapshotFetch`): a background thread downloads the snapshot into a local
+directory; `restore_snapshot` reads it with orbax into the newcomer's own mesh and shardings
+(orbax reshards, so the newcomer's device count may differ). Meanwhile the newcomer keeps taking
+part in FTAR with zero gradients; the manager buffers what it receives and replays it on install.
+
+Why orbax + HTTP: orbax owns the serialization and resharding of sharded arrays; what no library
+does is the peer-to-peer transport and its lifetime rules, which are here.
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.client
+import json
+import shutil
+import tarfile
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote, urlparse
+
+TOKEN_HEADER = "X-Ftjax-Token"
+_CHUNK = 4 << 20
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+
+    return ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+
+
+@dataclass
+class _Snapshot:
+    key: str
+    step: int
+    meta: dict
+    path: Path
+    checkpointer: Any
+    ready: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    nbytes: int = 0
+
+
+class SnapshotServer:
+    """Serves orbax snapshots of this replica's state to healing peers (one server per replica)."""
+
+    def __init__(self, token: str, workdir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
+                 serve: bool = True, rate_limit_mbps: float | None = None, wait_offer_s: float = 30.0):
+        self.token = token
+        self.workdir = Path(workdir).absolute()
+        self.rate_limit_mbps = rate_limit_mbps
+        self.wait_offer_s = wait_offer_s
+        self._snapshots: dict[str, _Snapshot] = {}
+        self._refresh: dict[str, int] = {}  # key -> min step a fetcher asked for
+        self._cv = threading.Condition()
+        self.served_bytes = 0
+        self._httpd = None
+        if serve:  # only a replica's leader serves; every host takes part in the orbax save
+            self._httpd = ThreadingHTTPServer((host, port), self._handler())
+            self._httpd.daemon_threads = True
+            threading.Thread(target=self._httpd.serve_forever, name="snapshot-server", daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"{host}:{port}"
+
+    # --- source side, called from the training loop -------------------------------------------
+    def offer(self, key: str, state: Any, step: int, meta: dict) -> None:
+        """Snapshot `state` (at `step`) for peer `key`. Returns once the state is copied to host."""
+        import jax
+
+        path = self.workdir / f"{_safe(key)}-step{step}"
+        if jax.process_index() == 0 and path.exists():
+            shutil.rmtree(path)
+        ckptr = _checkpointer()
+        import orbax.checkpoint as ocp
+
+        ckptr.save(path, args=ocp.args.StandardSave(state))  # blocks for the device->host copy only
+        snap = _Snapshot(key, step, dict(meta), path, ckptr)
+        threading.Thread(target=self._finish, args=(snap,), name="snapshot-write", daemon=True).start()
+        with self._cv:
+            old = self._snapshots.pop(key, None)
+            self._snapshots[key] = snap
+            self._refresh.pop(key, None)
+            self._cv.notify_all()
+        if old is not None:
+            self._drop(old)
+
+    def _finish(self, snap: _Snapshot) -> None:
+        try:
+            snap.checkpointer.wait_until_finished()
+            snap.nbytes = sum(f.stat().st_size for f in snap.path.rglob("*") if f.is_file())
+        except Exception as e:  # noqa: BLE001 - reported to the fetcher, which asks another source
+            snap.error = f"{type(e).__name__}: {e}"
+        snap.ready.set()
+
+    def offered(self, key: str) -> bool:
+        with self._cv:
+            return key in self._snapshots and key not in self._refresh
+
+    def keep_only(self, keys: set[str]) -> None:
+        """Drop (and delete) every snapshot not for one of `keys`: its quorum no longer stands."""
+        with self._cv:
+            gone = [self._snapshots.pop(k) for k in list(self._snapshots) if k not in keys]
+            for k in list(self._refresh):
+                if k not in keys:
+                    del self._refresh[k]
+        for snap in gone:
+            self._drop(snap)
+
+    def _drop(self, snap: _Snapshot) -> None:
+        def rm():
+            snap.ready.wait(60)
+            shutil.rmtree(snap.path, ignore_errors=True)
+
+        threading.Thread(target=rm, daemon=True).start()
+
+    def close(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        self.keep_only(set())
+
+    # --- HTTP ------------------------------------------------------------------------------------
+    def _lookup(self, key: str, min_step: int) -> _Snapshot | None:
+        deadline = time.monotonic() + self.wait_offer_s
+        with self._cv:
+            while True:
+                snap = self._snapshots.get(key)
+                if snap is not None and snap.step >= min_step:
+                    return snap
+                if snap is not None:
+                    self._refresh[key] = min_step  # the training loop takes a fresher snapshot
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cv.wait(min(left, 0.5))
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet: the manager logs transfers
+                pass
+
+            def do_GET(self):
+                url = urlparse(self.path)
+                if url.path != "/snapshot":
+                    return self.send_error(404, "unknown path")
+                token = self.headers.get(TOKEN_HEADER, "")
+                if not hmac.compare_digest(token.encode(), server.token.encode()):
+                    return self.send_error(401, "bad or missing job token")
+                q = parse_qs(url.query)
+                key = q.get("key", [""])[0]
+                try:
+                    min_step = int(q.get("min_step", ["0"])[0])
+                except ValueError:
+                    return self.send_error(400, "min_step: not an integer")
+                snap = server._lookup(key, min_step)
+                if snap is None:
+                    return self.send_error(404, f"no snapshot offered for {key!r} (quorum gone?)")
+                snap.ready.wait()
+                if snap.error or not snap.path.exists():
+                    return self.send_error(410, f"snapshot unavailable: {snap.error or 'withdrawn'}")
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-tar")
+                self.send_header("X-Ftjax-Step", str(snap.step))
+                self.send_header("X-Ftjax-Meta", json.dumps(snap.meta))
+                self.end_headers()
+                out = _Throttled(self.wfile, server.rate_limit_mbps)
+                with tarfile.open(fileobj=out, mode="w|", bufsize=_CHUNK) as tar:
+                    tar.add(snap.path, arcname=".")
+                server.served_bytes += out.count
+
+        return Handler
+
+
+class _Throttled:
+    """A write-only file that counts bytes and, for tests, can cap the rate."""
+
+    def __init__(self, raw, mbps: float | None):
+        self.raw, self.mbps, self.count, self.t0 = raw, mbps, 0, time.monotonic()
+
+    def write(self, data) -> int:
+        n = len(data)
+        self.raw.write(data)
+        self.count += n
+        if self.mbps:
+            ahead = self.count / (self.mbps * 1e6) - (time.monotonic() - self.t0)
+            if ahead > 0:
+                time.sleep(ahead)
+        return n
+
+
+@dataclass
+class FetchResult:
+    path: Path
+    step: int
+    meta: dict
+    nbytes: int
+    seconds: float
+    source: str
+
+
+class SnapshotFetch:
+    """Downloads a peer's snapshot in a background thread (newcomer side, run by the leader)."""
+
+    def __init__(self, address: str, key: str, token: str, dest: str | Path, *, source: str,
+                 min_step: int = 0, timeout_s: float = 120.0):
+        self.address, self.key, self.source = address, key, source
+        self.result: FetchResult | None = None
+        self.error: str | None = None
+        self.done = threading.Event()
+        self.started = time.monotonic()
+        self._args = (token, Path(dest).absolute(), min_step, timeout_s)
+        threading.Thread(target=self._run, name="snapshot-fetch", daemon=True).start()
+
+    def _run(self) -> None:
+        token, dest, min_step, timeout_s = self._args
+        try:
+            if dest.exists():
+                shutil.rmtree(dest)
+            dest.mkdir(parents=True)
+            host, port = self.address.rsplit(":", 1)
+            conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+            conn.request("GET", f"/snapshot?key={quote(self.key)}&min_step={min_step}",
+                         headers={TOKEN_HEADER: token})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"source {self.source} ({self.address}) answered {resp.status}: {resp.reason}")
+            counted = _Counted(resp)
+            with tarfile.open(fileobj=counted, mode="r|", bufsize=_CHUNK) as tar:
+                tar.extractall(dest, filter="data")
+            conn.close()
+            self.result = FetchResult(dest, int(resp.getheader("X-Ftjax-Step")),
+                                      json.loads(resp.getheader("X-Ftjax-Meta") or "{}"), counted.count,
+                                      time.monotonic() - self.started, self.source)
+        except Exception as e:  # noqa: BLE001 - the manager asks the next quorum for another source
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.done.set()
+
+
+class _Counted:
+    def __init__(self, raw):
+        self.raw, self.count = raw, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.count += len(data)
+        return data
+
+
+def restore_snapshot(path: str | Path, abstract_state: Any) -> Any:
+    """Read a fetched snapshot into `abstract_state`'s shardings (every host of the newcomer calls it)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(Path(path).absolute(), abstract_state)
+
+
+def _safe(key: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)

@@ -1,0 +1,31 @@
+"""Fault injection inside a replica process: `--die-at STEP:PHASE` SIGKILLs this process at exactly
+that point of that step (the launcher passes it to a replica's first incarnation only)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+PHASES = ("forward", "ftar", "commit", "catchup")
+
+
+def parse_die_at(text: str | None) -> tuple[int, str] | None:
+    if not text:
+        return None
+    step, _, phase = text.partition(":")
+    phase = phase or "forward"
+    if not step.isdigit() or int(step) < 1 or phase not in PHASES:
+        raise ValueError(f"--die-at: expected STEP[:PHASE] with STEP >= 1 and PHASE in {'|'.join(PHASES)}, got {text!r}")
+    return int(step), phase
+
+
+class FaultPlan:
+    def __init__(self, die_at: tuple[int, str] | None):
+        self.die_at = die_at
+
+    def point(self, step: int, phase: str) -> None:
+        """Called at each phase of step `step` (1-based: the step being computed)."""
+        if self.die_at is not None and self.die_at == (step, phase):
+            print(f"fault injection: SIGKILL at step {step} phase {phase}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)

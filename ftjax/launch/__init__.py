@@ -1,0 +1,5 @@
+"""`ftjax launch`: a fault-tolerant job on this machine (coordinator + replicas), supervised."""
+
+from ftjax.launch.job import LocalJob
+
+__all__ = ["LocalJob"]

@@ -1,0 +1,136 @@
+"""The processes of one local job: a coordinator and R replicas of H hosts each.
+
+`LocalJob` only starts, watches and kills processes (every one in a `ProcessGroup`, so none
+survives its owner); policy (restarts, faults, views) belongs to the launcher. Tests of the step
+protocol use it directly.
+
+Layout of the run directory:
+    RUN/coordinator.log, RUN/coordinator.json (its bound addresses)
+    RUN/replica-R/metrics.jsonl, summary.json  (written by the replica's leader)
+    RUN/replica-R/host-H.log                   (each host's output, all incarnations appended)
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ftjax.config import Config, load_config
+from ftjax.procs import ProcessGroup, free_port
+
+
+class LocalJob:
+    def __init__(self, config_path: str | Path, overrides: list[str], out: str | Path, *, replicas: int,
+                 procs: ProcessGroup, token: str | None = None, extra_env: dict[str, str] | None = None):
+        self.config_path = str(config_path)
+        self.overrides = [*overrides, f"ft.replicas={replicas}"]
+        self.cfg: Config = load_config(self.config_path, self.overrides)  # validated before anything starts
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.replicas = replicas
+        self.procs = procs
+        self.token = token or secrets.token_hex(16)
+        self.env = {"FTJAX_TOKEN": self.token, **(extra_env or {})}
+        self.coordinator: subprocess.Popen | None = None
+        self.coordinator_address: str | None = None
+        self.coordinator_http: str | None = None
+        self.hosts: dict[int, list[subprocess.Popen]] = {}
+        self.incarnations: dict[int, int] = {}
+
+    # --- coordinator -----------------------------------------------------------------------------
+    def start_coordinator(self, timeout: float = 30.0, port: int = 0, http_port: int = 0) -> str:
+        c = self.cfg.coordinator
+        ready = self.out / "coordinator.json"
+        ready.unlink(missing_ok=True)
+        log = open(self.out / "coordinator.log", "a")
+        self.coordinator = self.procs.start(
+            [sys.executable, "-m", "ftjax", "coordinator", "--port", str(port), "--http-port", str(http_port),
+             "--min-replicas", str(c.min_replicas), "--heartbeat-timeout-ms", str(c.heartbeat_timeout_ms),
+             "--join-timeout-ms", str(c.join_timeout_ms), "--ready-file", str(ready)],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.coordinator.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {self.coordinator.returncode}; see {log.name}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"coordinator not ready after {timeout} s; see {log.name}")
+            time.sleep(0.05)
+        info = json.loads(ready.read_text())
+        self.coordinator_address, self.coordinator_http = info["grpc"], info.get("http")
+        return self.coordinator_address
+
+    def restart_coordinator(self, timeout: float = 30.0) -> str:
+        """Kill the coordinator and start a new one on the same ports (its state is soft)."""
+        host, port = self.coordinator_address.rsplit(":", 1)
+        http_port = int(self.coordinator_http.rsplit(":", 1)[1]) if self.coordinator_http else 0
+        self.procs.kill(self.coordinator)
+        self.coordinator.wait(10)
+        deadline = time.monotonic() + timeout
+        while True:  # the port can linger for a moment after the kill
+            try:
+                return self.start_coordinator(timeout=timeout, port=int(port), http_port=http_port)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    # --- replicas --------------------------------------------------------------------------------
+    def replica_dir(self, r: int) -> Path:
+        return self.out / f"replica-{r}"
+
+    def start_replica(self, r: int, *, die_at: str | None = None, die_host: int = 0,
+                      extra_args: list[str] | None = None) -> list[subprocess.Popen]:
+        """Start replica r's H host processes (a new incarnation)."""
+        if self.coordinator_address is None:
+            raise RuntimeError("start the coordinator first")
+        hosts = self.cfg.mesh.hosts
+        rdir = self.replica_dir(r)
+        rdir.mkdir(parents=True, exist_ok=True)
+        dist = ["--dist-address", f"127.0.0.1:{free_port()}"] if hosts > 1 else []
+        self.incarnations[r] = self.incarnations.get(r, 0) + 1
+        children = []
+        for h in range(hosts):
+            args = [sys.executable, "-m", "ftjax", "train", self.config_path, *self.overrides,
+                    "--out", str(rdir), "--replica-id", str(r), "--coordinator", self.coordinator_address,
+                    "--num-processes", str(hosts), "--process-id", str(h), *dist, *(extra_args or [])]
+            if die_at and h == die_host:
+                args += ["--die-at", die_at]
+            log = open(rdir / f"host-{h}.log", "a")
+            log.write(f"--- incarnation {self.incarnations[r]} host {h} at {time.time():.3f}\n")
+            log.flush()
+            children.append(self.procs.start(args, env=self.env, device_count=self.cfg.mesh.devices_per_host,
+                                             stdout=log, stderr=subprocess.STDOUT))
+        self.hosts[r] = children
+        return children
+
+    def replica_exit_codes(self, r: int) -> list[int | None]:
+        return [p.poll() for p in self.hosts.get(r, [])]
+
+    def kill_replica(self, r: int, host: int | None = None) -> None:
+        """SIGKILL one host of replica r (or all of them)."""
+        for h, p in enumerate(self.hosts.get(r, [])):
+            if host is None or h == host:
+                self.procs.kill(p)
+
+    def wait(self, replicas: list[int] | None = None, timeout: float = 300.0) -> dict[int, list[int]]:
+        """Wait for the given replicas' processes to exit; raises TimeoutError (processes left running)."""
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for r in replicas if replicas is not None else list(self.hosts):
+            codes[r] = []
+            for p in self.hosts[r]:
+                left = deadline - time.monotonic()
+                try:
+                    codes[r].append(p.wait(max(left, 0.01)))
+                except subprocess.TimeoutExpired:
+                    raise TimeoutError(f"replica {r} still running after {timeout} s; see {self.replica_dir(r)}") from None
+        return codes
+
+    def log_tail(self, r: int, host: int = 0, chars: int = 3000) -> str:
+        path = self.replica_dir(r) / f"host-{host}.log"
+        return path.read_text()[-chars:] if path.exists() else ""
+

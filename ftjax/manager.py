@@ -1,0 +1,354 @@
+"""The step protocol of a fault-tolerant replica (ARCHITECTURE.md, "One step").
+
+One `Manager` per process of a replica owns the protocol; its leader (process 0) also talks to the
+coordinator and serves catch-up snapshots. Each step:
+
+1. the leader's quorum request for step n is already in flight while this host computes the
+   gradients of step n (async dispatch);
+2. the leader's quorum is broadcast to the replica's hosts;
+3. local gradient shards go to host as one flat buffer; FTAR (host rank h of every participant)
+   averages it over the contributors; a healing member relays zeros;
+4. two-phase commit: every host votes; the update is applied only if all hosts' FTAR succeeded.
+   Otherwise the step is discarded, the failed peer reported, and step n retried with the same batch;
+5. a replica that is behind, or has no state, heals: it fetches a snapshot from its assigned source
+   in the background, keeps the averaged gradients it receives meanwhile, and replays them through
+   the same jitted update once the snapshot is installed, so it ends bitwise in step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from coordinator.client import CoordinatorClient, MemberInfo, QuorumResult, new_incarnation
+from ftjax.catchup import SnapshotFetch, SnapshotServer, restore_snapshot
+from ftjax.checkpoint import DurableCheckpoints
+from ftjax.config import Config
+from ftjax.data import make_stream
+from ftjax.digest import state_digest
+from ftjax.faults import FaultPlan, parse_die_at
+from ftjax.flat import HostFlattener
+from ftjax.ftar import FTAREndpoint, FTARError
+from ftjax.metrics import MetricsLog
+from ftjax.replica_comm import ReplicaComm
+from ftjax.step import build_program, device_batch, param_count
+
+
+def lr_scale(policy: str, live: int, total: int) -> float:
+    """Learning-rate response to missing replicas (FT-HSDP paper: sqrt beat linear beat none)."""
+    frac = min(live, total) / total
+    return {"none": 1.0, "linear": frac, "sqrt": math.sqrt(frac)}[policy]
+
+
+def _quorum_to_json(q: QuorumResult) -> dict:
+    return asdict(q)
+
+
+def _quorum_from_json(d: dict) -> QuorumResult:
+    from coordinator.quorum import Participant
+
+    d = dict(d)
+    d["participants"] = tuple(Participant(**{**p, "ftar_addresses": tuple(p["ftar_addresses"])})
+                              for p in d["participants"])
+    return QuorumResult(**d)
+
+
+class Manager:
+    def __init__(self, cfg: Config, args: argparse.Namespace, out: Path, token: str):
+        self.cfg, self.out, self.token = cfg, out, token
+        self.replica_id = str(args.replica_id)
+        self.comm = ReplicaComm()
+        self.host = self.comm.rank
+        self.leader = self.host == 0
+        self.program = build_program(cfg)
+        self.abstract = self.program.abstract_state()
+        self.flat = HostFlattener(self.abstract["params"], self.program.grad_shardings)
+        self.stream = make_stream(cfg, replica=args.replica_id)
+        self.faults = FaultPlan(parse_die_at(getattr(args, "die_at", None)))
+        self.log = MetricsLog(out, enabled=self.leader, total_steps=cfg.steps, label=f"replica {self.replica_id}")
+        self.ckpt = None
+        if cfg.checkpoint.every > 0:
+            self.ckpt = DurableCheckpoints(cfg.checkpoint.dir or out / "checkpoints", every=cfg.checkpoint.every,
+                                           keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+        self.endpoint = FTAREndpoint(token, timeout_s=cfg.ft.ftar_timeout_s)
+        ftar_addresses = self.comm.allgather(self.endpoint.address)
+        self.snapshots = SnapshotServer(token, out / "snapshots", serve=self.leader,
+                                        rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps)
+        import hashlib
+
+        self.topology = hashlib.sha256(self.program.topology().encode()).hexdigest()[:16]
+        self.incarnation = self.comm.broadcast(new_incarnation() if self.leader else None)
+        self.client = None
+        if self.leader:
+            info = MemberInfo(replica_id=self.replica_id, incarnation=self.incarnation, num_hosts=self.comm.hosts,
+                              ftar_addresses=tuple(ftar_addresses), catchup_address=self.snapshots.address,
+                              topology_fingerprint=self.topology)
+            self.client = CoordinatorClient(args.coordinator, token, info,
+                                            quorum_timeout_s=cfg.ft.quorum_timeout_s)
+        # training state of this replica
+        self.state = None
+        self.step = 0              # steps committed (the state's step when it has one)
+        self.position = 0          # next batch of this replica's own stream
+        self.commit_failures = 0   # since the last successful step (tells the coordinator)
+        self.total_commit_failures = 0
+        self.fetch: SnapshotFetch | None = None
+        self.fetch_source: str = ""
+        self.buffer: dict[int, tuple[np.ndarray, float]] = {}  # step -> (averaged grads, lr scale)
+        self.heal_started: float | None = None
+        self.fetch_count = 0
+
+    # --- helpers ------------------------------------------------------------------------------
+    @property
+    def has_state(self) -> bool:
+        return self.state is not None
+
+    def _ask(self):
+        """Start the leader's quorum request for the next step (the future is read later)."""
+        if self.leader:
+            return self.client.quorum_async(self.step, self.position, self.has_state, self.commit_failures)
+        return None
+
+    def _meta(self) -> dict:
+        return {"step": self.step, "data_position": self.position, "data_fingerprint": self.stream.fingerprint}
+
+    def _init_state(self) -> None:
+        """Nobody in the job has state: the latest durable checkpoint, else a fresh init from the seed."""
+        if self.ckpt is not None and self.ckpt.latest_step() is not None:
+            self.state, meta = self.ckpt.restore(self.abstract)
+            self.step, self.position = int(meta["step"]), int(meta["data_position"])
+            self.log.event("restore", restored_step=self.step, data_position=self.position, source="durable")
+        else:
+            self.state = self.program.init(np.int32(self.cfg.seed))
+            self.step = 0
+            self.log.event("init", seed=self.cfg.seed)
+
+    def _serve(self, q: QuorumResult) -> None:
+        """Source role: snapshot our state for each peer that heals from us, once per peer incarnation."""
+        keys = set()
+        for p in q.heal_targets:
+            key = f"{p.replica_id}/{p.incarnation}"
+            keys.add(key)
+            if self.has_state and not self.snapshots.offered(key):
+                self.snapshots.offer(key, self.state, self.step, self._meta())
+                self.log.event("snapshot_offered", to=p.replica_id, at_step=self.step)
+        self.snapshots.keep_only(keys)
+
+    def _heal_bookkeeping(self, q: QuorumResult) -> dict | None:
+        """Newcomer role (leader): start or restart the fetch; report a finished one to all hosts."""
+        me = q.participants[q.rank]
+        source_alive = any(p.replica_id == self.fetch_source for p in q.participants)
+        if self.fetch is not None and self.fetch.done.is_set():
+            fetch, self.fetch = self.fetch, None
+            if fetch.result is not None:
+                r = fetch.result
+                return {"path": str(r.path), "step": r.step, "meta": r.meta, "nbytes": r.nbytes,
+                        "seconds": r.seconds, "source": r.source}
+            self.log.event("catchup_failed", source=fetch.source, error=fetch.error)
+        if self.fetch is not None and not source_alive:
+            self.log.event("catchup_abandoned", source=self.fetch_source, reason="source left the quorum")
+            self.fetch = None
+        if self.fetch is None and q.heal_source:
+            missing = self._first_missing_step(q.step)
+            self.fetch_count += 1
+            self.fetch_source = q.heal_source
+            self.fetch = SnapshotFetch(q.heal_source_address, f"{me.replica_id}/{me.incarnation}", self.token,
+                                       self.out / "catchup" / f"fetch{self.fetch_count}", source=q.heal_source,
+                                       min_step=missing, timeout_s=self.cfg.ft.quorum_timeout_s)
+            self.log.event("catchup_started", source=q.heal_source, at_step=q.step, min_step=missing)
+        return None
+
+    def _first_missing_step(self, current: int) -> int:
+        """A snapshot older than this cannot be brought up to date from the buffer."""
+        s = current
+        while s - 1 in self.buffer:
+            s -= 1
+        return s
+
+    def _install(self, got: dict, q: QuorumResult) -> float:
+        """Every host: restore the fetched snapshot into our mesh and replay the buffered updates."""
+        t0 = time.perf_counter()
+        state = restore_snapshot(got["path"], self.abstract)
+        step = got["step"]
+        replayed = 0
+        while step < q.step:
+            if step not in self.buffer:
+                self.log.event("catchup_gap", snapshot_step=got["step"], missing=step)
+                return time.perf_counter() - t0  # incomplete: the next quorum asks for a fresher one
+            g, scale = self.buffer[step]
+            state = self.program.apply(state, self.flat.unflatten(g), np.float32(scale))
+            step += 1
+            replayed += 1
+        self.state, self.step = state, step
+        self.buffer.clear()
+        seconds = time.monotonic() - self.heal_started if self.heal_started else 0.0
+        self.log.event("catchup_done", source=got["source"], snapshot_step=got["step"], at_step=step,
+                       bytes=got["nbytes"], transfer_s=got["seconds"],
+                       mb_per_s=got["nbytes"] / 1e6 / max(got["seconds"], 1e-9), replayed=replayed,
+                       catchup_s=seconds)
+        self.heal_started = None
+        return time.perf_counter() - t0
+
+    # --- the loop -----------------------------------------------------------------------------
+    def run(self) -> int:
+        cfg = self.cfg
+        if self.leader:
+            self.client.start()
+        self.log.event("start", replica=self.replica_id, incarnation=self.incarnation, topology=self.topology,
+                       data_fingerprint=self.stream.fingerprint, hosts=self.comm.hosts,
+                       devices=int(self.program.mesh.devices.size), pid=os.getpid())
+        tokens = cfg.data.batch_size * cfg.model.seq_len
+        zeros = np.zeros(self.flat.size, np.float32)
+        fut = self._ask()
+        while self.step < cfg.steps:
+            n = self.step + 1
+            t0 = time.perf_counter()
+            self.faults.point(n, "forward")
+            grads = loss = None
+            used_position = self.position
+            if self.has_state:
+                batch = device_batch(self.program, self.stream.batch(self.position))
+                loss, grads = self.program.grads(self.state["params"], batch)
+                jax.block_until_ready(grads)
+            t1 = time.perf_counter()
+            msg = None
+            if self.leader:
+                q = fut.result()
+                msg = {"q": _quorum_to_json(q),
+                       "install": self._heal_bookkeeping(q) if (q.healing or self.fetch) else None}
+            msg = self.comm.broadcast(msg)
+            q, install = _quorum_from_json(msg["q"]), msg.get("install")
+            t2 = time.perf_counter()
+
+            if q.no_state:
+                # nobody has state: everyone restores its latest durable checkpoint (or inits), then asks again
+                self._init_state()
+                fut = self._ask()
+                continue
+            if install is not None and not self.has_state:
+                self._install(install, q)
+            if q.healing and self.has_state and self.step != q.step:
+                # behind the job (a step we discarded was committed by others): our state is stale
+                self.log.event("stale_state", step=self.step, job_step=q.step)
+                self.state = None
+            if q.healing and not self.has_state:
+                if self.heal_started is None:
+                    self.heal_started = time.monotonic()
+                self.faults.point(q.step + 1, "catchup")
+            elif self.has_state:
+                self._serve(q)
+
+            position = q.data_position
+            if position != self.position:
+                peers = [self.stream.batch_id(p) for p in range(self.position, position)]
+                if position > self.position:
+                    self.log.event("batches_committed_by_peers", batch_ids=peers)
+                self.position = position
+            contributes = not q.healing and self.has_state
+            if contributes and used_position != self.position:  # (rare) our batch changed under us
+                batch = device_batch(self.program, self.stream.batch(self.position))
+                loss, grads = self.program.grads(self.state["params"], batch)
+
+            # FTAR of this host's flat gradient buffer over host rank `self.host` of every participant
+            self.faults.point(q.step + 1, "ftar")
+            buf = self.flat.flatten(grads) if contributes else zeros
+            t3 = time.perf_counter()
+            members = [p.ftar_addresses[self.host] for p in q.participants]
+            contributors = [not p.healing for p in q.participants]
+            error = None
+            try:
+                avg = self.endpoint.allreduce(buf, quorum_id=q.quorum_id, step=q.step, members=members,
+                                              rank=q.rank, contributors=contributors)
+            except FTARError as e:
+                error = {"peer": e.peer, "error": f"{type(e).__name__}: {e}"}
+            t4 = time.perf_counter()
+
+            # two-phase commit inside the replica: apply only if every host's FTAR succeeded
+            votes = self.comm.allgather(error)
+            failed = [v for v in votes if v is not None]
+            if failed:
+                self._discard(q, failed, n)
+                fut = self._ask()
+                continue
+            self.faults.point(q.step + 1, "commit")
+            scale = lr_scale(cfg.ft.lr_scaling, q.num_contributors, cfg.ft.replicas)
+            batch_id = None
+            if self.has_state and self.step == q.step:
+                self.state = self.program.apply(self.state, self.flat.unflatten(avg), np.float32(scale))
+                self.step += 1
+                if contributes:
+                    batch_id = self.stream.batch_id(self.position)
+                    self.position += 1
+            else:  # healing: keep the update for the replay
+                self.buffer[q.step] = (avg, scale)
+                if len(self.buffer) > cfg.ft.catchup_buffer_steps:
+                    self.buffer.pop(min(self.buffer))
+            self.commit_failures = 0
+            fut = self._ask()  # the next quorum is requested while this step finishes
+            if self.ckpt is not None and self.has_state:
+                self.ckpt.maybe_save(self.step, self.state, self._meta())
+            t5 = time.perf_counter()
+            record = {
+                "step": q.step + 1, "committed": self.has_state, "healing": not contributes,
+                "loss": float(loss) if contributes else None, "tokens": tokens if contributes else 0,
+                "batch_id": batch_id, "data_position": self.position, "quorum_id": q.quorum_id,
+                "participants": len(q.participants), "contributors": q.num_contributors, "lr_scale": scale,
+                "step_time_s": t5 - t0, "compute_s": t1 - t0, "quorum_wait_s": t2 - t1, "d2h_s": t3 - t2,
+                "ftar_s": t4 - t3, "commit_s": t5 - t4, "commit_failures": self.total_commit_failures,
+            }
+            if self.has_state and cfg.ft.digest_every and self.step % cfg.ft.digest_every == 0:
+                record["param_digest"] = state_digest(self.state)
+            self.log.log(record)
+        return self._finish()
+
+    def _discard(self, q: QuorumResult, failed: list[dict], n: int) -> None:
+        self.commit_failures += 1
+        self.total_commit_failures += 1
+        self.log.event("commit_failure", step=n, quorum_id=q.quorum_id, errors=failed)
+        if self.leader:
+            by_address = {a: p for p in q.participants for a in p.ftar_addresses}
+            for f in failed:
+                p = by_address.get(f["peer"])
+                if p is not None and p.replica_id != self.replica_id:
+                    self.client.report_failure(q.quorum_id, p.replica_id, p.incarnation, f["error"][:200])
+
+    def _finish(self) -> int:
+        if self.ckpt is not None:
+            self.ckpt.maybe_save(self.step, self.state, self._meta(), force=True)
+            self.ckpt.close()
+        digest = state_digest(self.state)
+        self.log.summary(param_digest=digest, replica=self.replica_id, incarnation=self.incarnation,
+                         data_position=self.position, commit_failures=self.total_commit_failures,
+                         params=param_count(self.state))
+        self.close()
+        return 0
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        self.endpoint.close()
+        self.snapshots.close()
+        self.log.close()
+
+
+def run_member(cfg: Config, args: argparse.Namespace, out: Path) -> int:
+    token = os.environ.get("FTJAX_TOKEN", "")
+    if not token:
+        print("ftjax train: --coordinator needs the job token in $FTJAX_TOKEN", file=sys.stderr)
+        return 2
+    manager = Manager(cfg, args, out, token)
+    try:
+        code = manager.run()
+    except BaseException:
+        manager.close()
+        raise
+    if cfg.mesh.hosts > 1:
+        jax.distributed.shutdown()
+    return code

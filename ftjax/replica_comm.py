@@ -1,0 +1,46 @@
+"""Control messages between the hosts of one replica, over the replica's own jax.distributed
+collectives: the leader's quorum broadcast, and the two-phase commit vote.
+
+A single-host replica skips the collectives. Messages are small JSON objects; the collectives
+need fixed shapes, so lengths travel first.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class ReplicaComm:
+    def __init__(self) -> None:
+        self.hosts = jax.process_count()
+        self.rank = jax.process_index()
+
+    def broadcast(self, obj: Any) -> Any:
+        """The leader's `obj`, on every host (others pass anything, e.g. None)."""
+        if self.hosts == 1:
+            return obj
+        from jax.experimental import multihost_utils as mh
+
+        data = np.frombuffer(json.dumps(obj).encode(), np.uint8) if self.rank == 0 else np.zeros(0, np.uint8)
+        n = int(mh.broadcast_one_to_all(np.array([data.size], np.int64))[0])
+        buf = np.zeros(n, np.uint8)
+        if self.rank == 0:
+            buf[:] = data
+        return json.loads(bytes(np.asarray(mh.broadcast_one_to_all(buf))).decode())
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Every host's `obj`, in host order."""
+        if self.hosts == 1:
+            return [obj]
+        from jax.experimental import multihost_utils as mh
+
+        data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+        sizes = np.asarray(mh.process_allgather(np.array([data.size], np.int64))).reshape(-1)
+        buf = np.zeros(int(sizes.max()), np.uint8)
+        buf[: data.size] = data
+        rows = np.asarray(mh.process_allgather(buf)).reshape(self.hosts, -1)
+        return [json.loads(bytes(rows[i, : sizes[i]]).decode()) for i in range(self.hosts)]
