@@ -35,6 +35,13 @@ def limited_env(base: Mapping[str, str] | None = None, *, device_count: int | No
     for var in _THREAD_VARS:
         env.setdefault(var, "1")
     env["XLA_FLAGS"] = _merge_xla_flags(env.get("XLA_FLAGS", ""), device_count)
+    # A persistent XLA compilation cache shared by every process of every job on this machine:
+    # a restarted replica (and each test's fresh processes) loads its executables instead of
+    # recompiling them, which is most of a JAX process's start-up. Same HLO, same executable, so
+    # results are bitwise unchanged. Set JAX_COMPILATION_CACHE_DIR= (empty) to turn it off.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ftjax", "xla"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     env.setdefault("JAX_PLATFORMS", "cpu")
     env.setdefault("PYTHONUNBUFFERED", "1")

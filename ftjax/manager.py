@@ -22,13 +22,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from coordinator.client import CoordinatorClient, MemberInfo, QuorumResult, new_incarnation
+from coordinator.quorum import Participant
 from ftjax.catchup import SnapshotFetch, SnapshotServer, restore_snapshot
 from ftjax.checkpoint import DurableCheckpoints
 from ftjax.config import Config
@@ -49,12 +50,13 @@ def lr_scale(policy: str, live: int, total: int) -> float:
 
 
 def _quorum_to_json(q: QuorumResult) -> dict:
-    return asdict(q)
+    """A quorum as plain JSON, to broadcast it to the replica's other hosts."""
+    d = {f.name: getattr(q, f.name) for f in fields(q)}
+    d["participants"] = [dict(p._asdict()) for p in q.participants]
+    return d
 
 
 def _quorum_from_json(d: dict) -> QuorumResult:
-    from coordinator.quorum import Participant
-
     d = dict(d)
     d["participants"] = tuple(Participant(**{**p, "ftar_addresses": tuple(p["ftar_addresses"])})
                               for p in d["participants"])
@@ -69,6 +71,7 @@ class Manager:
         self.host = self.comm.rank
         self.leader = self.host == 0
         self.program = build_program(cfg)
+        self.program.precompile()  # before joining: a late compile would stall every peer's FTAR
         self.abstract = self.program.abstract_state()
         self.flat = HostFlattener(self.abstract["params"], self.program.grad_shardings)
         self.stream = make_stream(cfg, replica=args.replica_id)

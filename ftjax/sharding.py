@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 FSDP = "fsdp"
+REPLICA = "replica"  # only in the synchronous HSDP baseline mesh
 
 # logical axis name -> mesh axis (None: replicated). Names not listed are replicated.
 LOGICAL_AXIS_RULES: Mapping[str, str | None] = {
@@ -37,6 +38,12 @@ def replica_mesh(devices: list | None = None) -> Mesh:
     """
     devices = jax.devices() if devices is None else devices
     return Mesh(np.asarray(devices), (FSDP,))
+
+
+def hsdp_mesh(devices: list, replicas: int) -> Mesh:
+    """Synchronous HSDP baseline: `replicas` x `fsdp` devices; parameters are sharded over `fsdp`
+    and replicated over `replica`, batches split over both (see `batch_sharding`)."""
+    return Mesh(np.asarray(devices).reshape(replicas, -1), (REPLICA, FSDP))
 
 
 def logical_to_mesh(spec: P) -> P:
@@ -70,7 +77,7 @@ def follow_params(tree_shape: Any, params_sharding: Any, mesh: Mesh) -> Any:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(FSDP, None))
+    return NamedSharding(mesh, P(tuple(mesh.axis_names), None))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -63,16 +63,32 @@ class ReplicaProgram:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, self.state_shardings)
 
+    def precompile(self) -> None:
+        """Compile `grads` and `apply` ahead of time and call the executables directly from now on.
+
+        A replica that joins a running job does this before its first quorum: compiling inside the
+        step would make every peer wait for it at the next FTAR."""
+        st = self.abstract_state()
+        batch = jax.ShapeDtypeStruct((self.cfg.data.batch_size, self.cfg.model.seq_len + 1), jnp.int32,
+                                     sharding=self.batch_sharding)
+        lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=shd.replicated(self.mesh))
+        self.grads = self.grads.lower(st["params"], batch).compile()
+        self.apply = self.apply.lower(st, st["params"], lr).compile()
+
     def topology(self) -> str:
         """Mesh shape and shard layout: replicas may exchange gradients only if these agree."""
         return f"devices={self.mesh.devices.size} hosts={self.cfg.mesh.hosts}\n" + shd.describe(self.state_shardings)
 
 
-def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> ReplicaProgram:
+def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, *, sync_replicas: int = 1) -> ReplicaProgram:
+    """Compile a replica's functions. `sync_replicas` > 1 builds the synchronous HSDP baseline
+    instead: one program over a (replica, fsdp) mesh whose gradient all-reduce across replicas
+    is an XLA collective (what FT-HSDP replaces with FTAR), used by `ftjax bench step`."""
     if mesh is None:
         # jax.devices() is global (every process's devices); a replica uses the first
         # hosts x devices_per_host of them, which lets tests build several meshes in one process.
-        mesh = shd.replica_mesh(jax.devices()[: cfg.mesh.num_devices])
+        devices = jax.devices()[: cfg.mesh.num_devices]
+        mesh = shd.replica_mesh(devices) if sync_replicas == 1 else shd.hsdp_mesh(devices, sync_replicas)
     tx = make_optimizer(cfg.optim, cfg.steps)
 
     abstract_model = nnx.eval_shape(lambda: models.build(cfg.model, nnx.Rngs(0)))

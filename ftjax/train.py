@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dist-address", default=None, help="HOST:PORT of the replica's jax.distributed service")
     p.add_argument("--replica-id", type=int, default=0, help="this replica's index in the job (0-based)")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of the job's coordinator (joins a job)")
+    p.add_argument("--sync-replicas", type=int, default=1, help=argparse.SUPPRESS)  # bench baseline
     p.add_argument("--die-at", default=None, metavar="STEP:PHASE",
                    help="fault injection: SIGKILL this process at that step and phase "
                         "(forward|ftar|commit|catchup)")
@@ -92,7 +93,7 @@ def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:
     from ftjax.step import build_program, device_batch, param_count
 
     leader = jax.process_index() == 0
-    program = build_program(cfg)
+    program = build_program(cfg, sync_replicas=args.sync_replicas)
     stream = make_stream(cfg, replica=args.replica_id)
     log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}")
     ckpt = None

@@ -1,0 +1,94 @@
+"""`ftjax bench step CONFIG`: an FT-HSDP step against a synchronous HSDP step, same model, same devices.
+
+(a) FT-HSDP: 2 replicas of 1 process x 2 devices each, a coordinator, FTAR between them;
+(b) synchronous HSDP: one jax.distributed cluster of 2 processes x 2 devices, mesh
+    replica=2 x fsdp=2, the cross-replica gradient reduction done by XLA collectives (gloo).
+Both train the same global batch (2 x data.batch_size) per step. The two run one after the other
+in this command, so they see the same machine; each step time is the median after warm-up.
+Prints one JSON line: ft_step_s, sync_step_s, ratio = ft / sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ftjax.config import ConfigError, load_config
+from ftjax.launch.job import LocalJob
+from ftjax.metrics import read_metrics
+from ftjax.procs import ProcessGroup, free_port
+
+
+def _median_step(metrics: Path, warmup: int) -> float:
+    recs = read_metrics(metrics)
+    times = [r["step_time_s"] for r in recs if r["step"] > warmup]
+    if not times:
+        raise RuntimeError(f"{metrics}: no steps after the {warmup} warm-up steps")
+    return statistics.median(times)
+
+
+def run_ft(config: str, overrides: list[str], out: Path, timeout: float) -> Path:
+    with ProcessGroup() as procs:
+        job = LocalJob(config, [*overrides, "coordinator.min_replicas=2"], out, replicas=2, procs=procs)
+        job.start_coordinator()
+        for r in range(2):
+            job.start_replica(r)
+        codes = job.wait(timeout=timeout)
+        if codes != {0: [0], 1: [0]}:
+            raise RuntimeError(f"FT-HSDP run failed {codes}:\n{job.log_tail(0)}")
+        return job.replica_dir(0) / "metrics.jsonl"
+
+
+def run_sync(config: str, overrides: list[str], batch: int, devices: int, out: Path, timeout: float) -> Path:
+    port = free_port()
+    with ProcessGroup() as procs:
+        children = []
+        for i in range(2):
+            log = open(out / f"sync-{i}.log", "w")
+            children.append(procs.start(
+                [sys.executable, "-m", "ftjax", "train", config, *overrides, f"data.batch_size={2 * batch}",
+                 "--out", str(out / "sync"), "--num-processes", "2", "--process-id", str(i),
+                 "--dist-address", f"127.0.0.1:{port}", "--sync-replicas", "2"],
+                device_count=devices, stdout=log, stderr=subprocess.STDOUT))
+        for i, c in enumerate(children):
+            if c.wait(timeout) != 0:
+                raise RuntimeError(f"synchronous run failed:\n{(out / f'sync-{i}.log').read_text()[-3000:]}")
+    return out / "sync" / "metrics.jsonl"
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ftjax bench step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
+    p.add_argument("--timeout", type=float, default=540.0)
+    args = p.parse_intermixed_args(argv)
+    if args.steps <= args.warmup + 1:
+        print("ftjax bench step: --steps must exceed --warmup + 1", file=sys.stderr)
+        return 2
+    devices = 2
+    overrides = [*args.overrides, f"steps={args.steps}", f"mesh.devices_per_host={devices}", "mesh.hosts=1",
+                 "ft.digest_every=0", "checkpoint.every=0"]
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"ftjax bench step: config error: {e}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="ftjax-bench-step-") as tmp:
+        out = Path(args.out or tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        ft = _median_step(run_ft(args.config, overrides, out / "ft", args.timeout), args.warmup)
+        sync = _median_step(run_sync(args.config, [*overrides, "ft.replicas=1"], cfg.data.batch_size, devices,
+                                     out, args.timeout), args.warmup)
+    print(json.dumps({"bench": "step", "config": args.config, "replicas": 2, "devices_per_replica": devices,
+                      "global_batch": 2 * cfg.data.batch_size, "steps": args.steps, "warmup": args.warmup,
+                      "ft_step_s": round(ft, 5), "sync_step_s": round(sync, 5), "ratio": round(ft / sync, 4)}))
+    return 0

@@ -1,0 +1,126 @@
+"""Non-blocking peer catch-up: a restarted replica rejoins from a live peer, bitwise in step."""
+
+import time
+
+import pytest
+
+from ftjax.launch import LocalJob
+
+from conftest import REPO
+from ftjob import committed_digests, records
+
+TINY = f"{REPO}/configs/tiny.yaml"
+# bigger batches than tiny.yaml's: steps long enough (~0.1 s) that a restarted process (import,
+# compile from the cache) is back while the job still runs
+BASE = ["data.batch_size=32", "coordinator.min_replicas=1", "coordinator.heartbeat_timeout_ms=2000"]
+
+
+def _wait_for_event(job, r, kind, timeout=120.0, after=0.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = job.replica_dir(r) / "metrics.jsonl"
+        if path.exists():
+            for e in records(job.replica_dir(r))[1]:
+                if e["event"] == kind and e["time"] >= after:
+                    return e
+        time.sleep(0.1)
+    raise TimeoutError(f"replica {r}: no {kind} event within {timeout} s:\n{job.log_tail(r)}")
+
+
+def _restart_when_dead(job, r, timeout=120.0):
+    job.hosts[r][0].wait(timeout)
+    assert job.replica_exit_codes(r) == [-9]
+    return job.start_replica(r)
+
+
+def _assert_in_step(job, survivor, newcomer, start_after):
+    """From the newcomer's first committed step after `start_after`, digests equal the survivor's."""
+    ds, dn = committed_digests(job.replica_dir(survivor)), committed_digests(job.replica_dir(newcomer))
+    mine = [s for s in sorted(dn) if s > start_after]
+    assert len(mine) >= 5, dn
+    assert all(dn[s] == ds[s] for s in mine), [(s, dn[s], ds.get(s)) for s in mine if dn[s] != ds.get(s)]
+
+
+@pytest.mark.slow
+def test_restarted_replica_catches_up_without_stalling_the_other(tmp_path, procs):
+    steps = 300
+    job = LocalJob(TINY, [*BASE, f"steps={steps}"], tmp_path, replicas=2, procs=procs)
+    job.start_coordinator()
+    job.start_replica(0)
+    job.start_replica(1, die_at="10:forward")
+    _restart_when_dead(job, 1)
+    assert job.wait(timeout=400) == {0: [0], 1: [0]}, job.log_tail(1)
+
+    done = _wait_for_event(job, 1, "catchup_done", timeout=1)
+    _assert_in_step(job, 0, 1, start_after=9)
+    # replica 0 never waited: its largest step gap while replica 1 rejoined and caught up
+    steps0 = [s for s in records(job.replica_dir(0))[0] if s["committed"]]
+    started = _wait_for_event(job, 1, "catchup_started", timeout=1)
+    times = [s["time"] for s in steps0]
+    gaps = [(b - a) for a, b in zip(times, times[1:])]
+    window = [g for (a, g) in zip(times, gaps) if started["time"] - 2 <= a <= done["time"] + 2]
+    median = sorted(gaps[5:])[len(gaps[5:]) // 2]
+    assert window and max(window) <= 1.5 * median + 0.5, (max(window), median)
+    # its data stream neither repeats nor skips: batches resume where the coordinator says
+    s1 = records(job.replica_dir(1))[0]
+    ids = [s["batch_id"] for s in s1 if s["batch_id"] is not None]
+    assert ids == [2 * k + 1 for k in range(len(ids))]
+
+
+@pytest.mark.slow
+def test_slow_transfer_replays_buffered_updates(tmp_path, procs):
+    # 1.6 MB of state at 0.4 MB/s: the transfer spans several seconds, i.e. dozens of steps
+    job = LocalJob(TINY, [*BASE, "steps=300", "ft.catchup_rate_limit_mbps=0.4"], tmp_path, replicas=2, procs=procs)
+    job.start_coordinator()
+    job.start_replica(0)
+    job.start_replica(1, die_at="5:forward")
+    _restart_when_dead(job, 1)
+    assert job.wait(timeout=400) == {0: [0], 1: [0]}, job.log_tail(1)
+    done = _wait_for_event(job, 1, "catchup_done", timeout=1)
+    assert done["replayed"] >= 3 and done["transfer_s"] >= 2.0, done
+    _assert_in_step(job, 0, 1, start_after=5)
+
+
+@pytest.mark.slow
+def test_source_killed_mid_transfer_newcomer_uses_another(tmp_path, procs):
+    job = LocalJob(TINY, [*BASE, "steps=400", "ft.catchup_rate_limit_mbps=0.3"], tmp_path, replicas=3,
+                   procs=procs)
+    job.start_coordinator()
+    for r in (0, 1):
+        job.start_replica(r)
+    job.start_replica(2, die_at="5:forward")
+    t0 = time.time()
+    _restart_when_dead(job, 2)
+    first = _wait_for_event(job, 2, "catchup_started", after=t0)
+    source = int(first["source"])
+    time.sleep(1.0)  # mid-transfer (it takes ~5 s at this rate)
+    job.kill_replica(source)
+    other = 1 - source
+    assert job.wait([other, 2], timeout=400) == {other: [0], 2: [0]}, job.log_tail(2)
+    dones = [e for e in records(job.replica_dir(2))[1] if e["event"] == "catchup_done" and e["time"] > t0]
+    assert dones and dones[-1]["source"] == str(other), dones
+    _assert_in_step(job, other, 2, start_after=5)
+
+
+@pytest.mark.slow
+def test_whole_job_restart_resumes_from_durable_checkpoint(tmp_path, procs):
+    over = [*BASE, "steps=40", "checkpoint.every=10", "coordinator.min_replicas=2"]
+    job = LocalJob(TINY, over, tmp_path, replicas=2, procs=procs)
+    job.start_coordinator()
+    job.start_replica(0, die_at="24:forward")
+    job.start_replica(1, die_at="24:forward")
+    for r in (0, 1):
+        job.hosts[r][0].wait(300)
+        assert job.replica_exit_codes(r) == [-9], job.log_tail(r)
+    for r in (0, 1):  # every replica restarted: nobody has state; the latest checkpoint (step 20) is used
+        job.start_replica(r)
+    assert job.wait(timeout=400) == {0: [0], 1: [0]}, job.log_tail(0)
+    for r in (0, 1):
+        steps, events = records(job.replica_dir(r))
+        restore = [e for e in events if e["event"] == "restore"]
+        assert restore and restore[-1]["restored_step"] == 20 and restore[-1]["data_position"] == 20
+        after = [s for s in steps if s["time"] > restore[-1]["time"]]
+        assert after[0]["step"] == 21
+        assert [s["batch_id"] for s in after] == [2 * k + r for k in range(20, 40)]  # positions intact
+    d0, d1 = (committed_digests(job.replica_dir(r)) for r in (0, 1))
+    assert all(d0[s] == d1[s] for s in range(21, 41))
