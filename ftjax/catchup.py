@@ -4,7 +4,7 @@ Source side (`SnapshotServer`): when a quorum names this replica as the heal sou
 replica snapshots the state it holds at that step with orbax's async checkpointer. Only the
 device-to-host copy blocks (after it, the train step may donate the state's buffers); the write to
 a local directory and the transfer run in the background. The snapshot directory is served over
-HTTP as a tar stream, only to requests carrying the job token, and only while the quorum still
+HTTP (a stream of files, sent with zero-copy sendfile), only to requests carrying the job token, and only while the quorum still
 lists that peer as healing (`keep_only` drops the others and deletes their files).
 
 Newcomer side (`SnapshotFetch`): a background thread downloads the snapshot into a local
@@ -22,7 +22,6 @@ import hmac
 import http.client
 import json
 import shutil
-import tarfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -176,33 +175,72 @@ class SnapshotServer:
                 if snap.error or not snap.path.exists():
                     return self.send_error(410, f"snapshot unavailable: {snap.error or 'withdrawn'}")
                 self.send_response(200)
-                self.send_header("Content-Type", "application/x-tar")
+                self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("X-Ftjax-Step", str(snap.step))
                 self.send_header("X-Ftjax-Meta", json.dumps(snap.meta))
                 self.end_headers()
-                out = _Throttled(self.wfile, server.rate_limit_mbps)
-                with tarfile.open(fileobj=out, mode="w|", bufsize=_CHUNK) as tar:
-                    tar.add(snap.path, arcname=".")
-                server.served_bytes += out.count
+                server.served_bytes += _send_tree(self.connection, snap.path, server.rate_limit_mbps)
 
         return Handler
 
 
-class _Throttled:
-    """A write-only file that counts bytes and, for tests, can cap the rate."""
+def _send_tree(sock, root: Path, mbps: float | None) -> int:
+    """Stream every file under `root`: per file an 8-byte header length, a JSON header
+    {path, size}, then the bytes (zero-copy `sendfile` unless a test caps the rate). An empty
+    header ends the stream. Returns the bytes sent."""
+    sent, t0 = 0, time.monotonic()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        size = f.stat().st_size
+        header = json.dumps({"path": f.relative_to(root).as_posix(), "size": size}).encode()
+        sock.sendall(len(header).to_bytes(8, "little") + header)
+        with open(f, "rb") as fh:
+            if mbps is None:
+                sock.sendfile(fh)
+                sent += size
+                continue
+            while chunk := fh.read(256 << 10):
+                sock.sendall(chunk)
+                sent += len(chunk)
+                ahead = sent / (mbps * 1e6) - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+    sock.sendall((0).to_bytes(8, "little"))
+    return sent
 
-    def __init__(self, raw, mbps: float | None):
-        self.raw, self.mbps, self.count, self.t0 = raw, mbps, 0, time.monotonic()
 
-    def write(self, data) -> int:
-        n = len(data)
-        self.raw.write(data)
-        self.count += n
-        if self.mbps:
-            ahead = self.count / (self.mbps * 1e6) - (time.monotonic() - self.t0)
-            if ahead > 0:
-                time.sleep(ahead)
-        return n
+def _recv_tree(resp, dest: Path) -> int:
+    """The receiving end of `_send_tree`: files land under `dest` (paths may not leave it)."""
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    total = 0
+
+    def read_exact(n: int) -> bytes:
+        data = resp.read(n)
+        if len(data) != n:
+            raise ConnectionError(f"snapshot stream ended early ({len(data)} of {n} bytes)")
+        return data
+
+    while True:
+        n = int.from_bytes(read_exact(8), "little")
+        if n == 0:
+            return total
+        if n > 4096:
+            raise ValueError(f"snapshot stream: file header of {n} bytes")
+        header = json.loads(read_exact(n))
+        rel, size = Path(header["path"]), int(header["size"])
+        if rel.is_absolute() or ".." in rel.parts or size < 0:
+            raise ValueError(f"snapshot stream: refused path {header['path']!r}")
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as out:
+            left = size
+            while left:
+                got = resp.readinto(view[: min(left, _CHUNK)])
+                if not got:
+                    raise ConnectionError(f"snapshot stream ended inside {rel}")
+                out.write(view[:got])
+                left -= got
+        total += size
 
 
 @dataclass
@@ -211,8 +249,9 @@ class FetchResult:
     step: int
     meta: dict
     nbytes: int
-    seconds: float
+    seconds: float       # the transfer itself (first byte of the body to the last)
     source: str
+    wait_s: float = 0.0  # before it: the request, and the source's snapshot being written
 
 
 class SnapshotFetch:
@@ -241,27 +280,16 @@ class SnapshotFetch:
             resp = conn.getresponse()
             if resp.status != 200:
                 raise RuntimeError(f"source {self.source} ({self.address}) answered {resp.status}: {resp.reason}")
-            counted = _Counted(resp)
-            with tarfile.open(fileobj=counted, mode="r|", bufsize=_CHUNK) as tar:
-                tar.extractall(dest, filter="data")
+            t0 = time.monotonic()
+            nbytes = _recv_tree(resp, dest)
             conn.close()
             self.result = FetchResult(dest, int(resp.getheader("X-Ftjax-Step")),
-                                      json.loads(resp.getheader("X-Ftjax-Meta") or "{}"), counted.count,
-                                      time.monotonic() - self.started, self.source)
+                                      json.loads(resp.getheader("X-Ftjax-Meta") or "{}"), nbytes,
+                                      time.monotonic() - t0, self.source, t0 - self.started)
         except Exception as e:  # noqa: BLE001 - the manager asks the next quorum for another source
             self.error = f"{type(e).__name__}: {e}"
         finally:
             self.done.set()
-
-
-class _Counted:
-    def __init__(self, raw):
-        self.raw, self.count = raw, 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.raw.read(n)
-        self.count += len(data)
-        return data
 
 
 def restore_snapshot(path: str | Path, abstract_state: Any) -> Any:

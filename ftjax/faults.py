@@ -1,5 +1,9 @@
-"""Fault injection inside a replica process: `--die-at STEP:PHASE` SIGKILLs this process at exactly
-that point of that step (the launcher passes it to a replica's first incarnation only)."""
+"""Fault injection inside a replica process: `--die-at STEP:PHASE` SIGKILLs this process at that
+point of that step (the launcher passes it to a replica's first incarnation only).
+
+If the replica never runs that phase of exactly that step (it joined the job late and healed
+past it, say), it dies the first time it reaches that phase at a later step: a requested fault
+always happens."""
 
 from __future__ import annotations
 
@@ -26,6 +30,6 @@ class FaultPlan:
 
     def point(self, step: int, phase: str) -> None:
         """Called at each phase of step `step` (1-based: the step being computed)."""
-        if self.die_at is not None and self.die_at == (step, phase):
+        if self.die_at is not None and phase == self.die_at[1] and step >= self.die_at[0]:
             print(f"fault injection: SIGKILL at step {step} phase {phase}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

@@ -18,7 +18,9 @@ coordinator and serves catch-up snapshots. Each step:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
+import shutil
 import os
 import sys
 import time
@@ -41,6 +43,19 @@ from ftjax.ftar import FTAREndpoint, FTARError
 from ftjax.metrics import MetricsLog
 from ftjax.replica_comm import ReplicaComm
 from ftjax.step import build_program, device_batch, param_count
+
+
+def catchup_dir(cfg: Config, out: Path, replica_id: str) -> Path:
+    """Snapshots are transient: RAM-backed /dev/shm (when there is one) spares the disk twice per
+    catch-up (the source's write, the newcomer's download)."""
+    if cfg.ft.catchup_dir:
+        root = Path(cfg.ft.catchup_dir)
+    elif Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+        run = hashlib.sha256(str(out.absolute()).encode()).hexdigest()[:12]  # the same on every host
+        root = Path("/dev/shm") / f"ftjax-{os.getuid()}" / run
+    else:
+        root = out / "catchup"
+    return root / f"replica-{replica_id}"
 
 
 def lr_scale(policy: str, live: int, total: int) -> float:
@@ -83,10 +98,9 @@ class Manager:
                                            keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
         self.endpoint = FTAREndpoint(token, timeout_s=cfg.ft.ftar_timeout_s)
         ftar_addresses = self.comm.allgather(self.endpoint.address)
-        self.snapshots = SnapshotServer(token, out / "snapshots", serve=self.leader,
+        self.catchup_dir = catchup_dir(cfg, out, self.replica_id)
+        self.snapshots = SnapshotServer(token, self.catchup_dir / "served", serve=self.leader,
                                         rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps)
-        import hashlib
-
         self.topology = hashlib.sha256(self.program.topology().encode()).hexdigest()[:16]
         self.incarnation = self.comm.broadcast(new_incarnation() if self.leader else None)
         self.client = None
@@ -163,7 +177,7 @@ class Manager:
             self.fetch_count += 1
             self.fetch_source = q.heal_source
             self.fetch = SnapshotFetch(q.heal_source_address, f"{me.replica_id}/{me.incarnation}", self.token,
-                                       self.out / "catchup" / f"fetch{self.fetch_count}", source=q.heal_source,
+                                       self.catchup_dir / f"fetch{self.fetch_count}", source=q.heal_source,
                                        min_step=missing, timeout_s=self.cfg.ft.quorum_timeout_s)
             self.log.event("catchup_started", source=q.heal_source, at_step=q.step, min_step=missing)
         return None
@@ -179,6 +193,9 @@ class Manager:
         """Every host: restore the fetched snapshot into our mesh and replay the buffered updates."""
         t0 = time.perf_counter()
         state = restore_snapshot(got["path"], self.abstract)
+        self.comm.allgather(None)  # every host has read the snapshot: it can go (it may be in RAM)
+        if self.leader:
+            shutil.rmtree(got["path"], ignore_errors=True)
         step = got["step"]
         replayed = 0
         while step < q.step:
@@ -338,6 +355,8 @@ class Manager:
             self.client.close()
         self.endpoint.close()
         self.snapshots.close()
+        if self.leader:
+            shutil.rmtree(self.catchup_dir, ignore_errors=True)
         self.log.close()
 
 

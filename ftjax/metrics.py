@@ -74,4 +74,4 @@ class MetricsLog:
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The step records of a metrics.jsonl file (events skipped)."""
     with open(path) as f:
-        return [r for r in map(json.loads, f) if "step" in r]
+        return [r for r in map(json.loads, f) if "event" not in r]

@@ -42,15 +42,17 @@ class ProcessGroup:
         *,
         env: Mapping[str, str] | None = None,
         device_count: int | None = None,
+        stdin=None,
         stdout=None,
         stderr=None,
         cwd: str | None = None,
+        text: bool = False,
     ) -> subprocess.Popen:
         child_env = limited_env(device_count=device_count)
         if env:
             child_env.update(env)
         proc = subprocess.Popen(
-            list(args), env=child_env, stdout=stdout, stderr=stderr, cwd=cwd,
+            list(args), env=child_env, stdin=stdin, stdout=stdout, stderr=stderr, cwd=cwd, text=text,
             start_new_session=True,  # its own process group: kill() reaches its children too
         )
         self.procs.append(proc)

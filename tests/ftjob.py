@@ -18,7 +18,7 @@ def records(run_dir: Path) -> tuple[list[dict], list[dict]]:
     with open(run_dir / "metrics.jsonl") as f:
         for line in f:
             r = json.loads(line)
-            (steps if "step" in r else events).append(r)
+            (events if "event" in r else steps).append(r)
     return steps, events
 
 

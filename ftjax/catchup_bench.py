@@ -1,0 +1,145 @@
+"""`ftjax bench catchup CONFIG`: catch-up transfer rate against the raw loopback link, same run.
+
+A source process builds the config's model, trains two steps (so the optimizer moments are not
+all zeros), and offers a snapshot exactly as a replica does for a healing peer. This process then,
+three times over, measures (a) the raw link: one-way TCP from the source process to this one,
+the snapshot's byte count in 4 MiB sendall / recv_into calls, and (b) the snapshot transfer
+(`SnapshotFetch`: HTTP request, the source's files streamed with sendfile, written to disk here),
+and restores the last one with orbax into this process's mesh. Prints one JSON line: medians of
+`catchup_mb_s` and `link_mb_s`, `ratio`, and the other costs of a catch-up (snapshot copy, write,
+restore) for context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+_CHUNK = 4 << 20
+
+
+def _serve(argv: list[str]) -> int:
+    from ftjax.config import load_config
+    from ftjax.env import configure_process
+
+    cfg = load_config(argv[0], argv[1:])
+    configure_process(device_count=cfg.mesh.devices_per_host)
+    import jax
+    import numpy as np
+
+    from ftjax.catchup import SnapshotServer
+    from ftjax.data import make_stream
+    from ftjax.step import build_program, device_batch
+
+    program = build_program(cfg)
+    state = program.init(np.int32(cfg.seed))
+    stream = make_stream(cfg)
+    for k in range(2):
+        state, _ = program.train_step(state, device_batch(program, stream.batch(k)), np.float32(1.0))
+    jax.block_until_ready(state)
+    workdir = Path(tempfile.mkdtemp(prefix="ftjax-bench-catchup-"))
+    server = SnapshotServer("bench-token", workdir)
+    t0 = time.perf_counter()
+    server.offer("bench/0", state, 2, {"step": 2})
+    offer_s = time.perf_counter() - t0
+    snap = server._snapshots["bench/0"]
+    snap.ready.wait()
+    write_s = time.perf_counter() - t0
+    payload = bytearray(_CHUNK)
+    link = socket.create_server(("127.0.0.1", 0))
+
+    def link_loop():
+        while True:
+            conn, _ = link.accept()
+            with conn:
+                n = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
+                view = memoryview(payload)
+                while n > 0:
+                    conn.sendall(view[: min(n, _CHUNK)])
+                    n -= _CHUNK
+
+    threading.Thread(target=link_loop, daemon=True).start()
+    print(json.dumps({"address": server.address, "link": f"127.0.0.1:{link.getsockname()[1]}",
+                      "nbytes": snap.nbytes, "offer_s": offer_s, "write_s": write_s}), flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+    server.close()
+    return 0
+
+
+def _link_seconds(address: str, nbytes: int) -> float:
+    host, port = address.rsplit(":", 1)
+    buf = memoryview(bytearray(_CHUNK))
+    with socket.create_connection((host, int(port))) as s:
+        t0 = time.perf_counter()
+        s.sendall(nbytes.to_bytes(8, "little"))
+        left = nbytes
+        while left > 0:
+            got = s.recv_into(buf, min(left, _CHUNK))
+            if not got:
+                raise ConnectionError("link sender closed early")
+            left -= got
+        return time.perf_counter() - t0
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--serve":
+        return _serve(argv[1:])
+    p = argparse.ArgumentParser(prog="ftjax bench catchup", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_intermixed_args(argv)
+    from ftjax.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"ftjax bench catchup: config error: {e}", file=sys.stderr)
+        return 2
+    import subprocess
+
+    from ftjax.env import configure_process
+    from ftjax.procs import ProcessGroup
+
+    configure_process(device_count=cfg.mesh.devices_per_host)
+    with ProcessGroup() as procs, tempfile.TemporaryDirectory(prefix="ftjax-bench-catchup-") as tmp:
+        source = procs.start([sys.executable, "-m", "ftjax", "bench", "catchup", "--serve", args.config,
+                              *args.overrides], device_count=cfg.mesh.devices_per_host,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        info = json.loads(source.stdout.readline())
+        from ftjax.catchup import SnapshotFetch, restore_snapshot
+
+        links, transfers, fetch = [], [], None
+        for i in range(args.rounds):
+            links.append(_link_seconds(info["link"], info["nbytes"]))
+            fetch = SnapshotFetch(info["address"], "bench/0", "bench-token", Path(tmp) / f"fetch{i}", source="bench")
+            fetch.done.wait(300)
+            if fetch.result is None:
+                print(f"ftjax bench catchup: fetch failed: {fetch.error}", file=sys.stderr)
+                return 1
+            transfers.append(fetch.result.seconds)
+        import jax
+
+        from ftjax.step import build_program
+
+        abstract = build_program(cfg).abstract_state()
+        t0 = time.perf_counter()
+        jax.block_until_ready(restore_snapshot(fetch.result.path, abstract))
+        restore_s = time.perf_counter() - t0
+        source.stdin.close()
+    mb = info["nbytes"] / 1e6
+    link_mb_s, catchup_mb_s = mb / statistics.median(links), mb / statistics.median(transfers)
+    print(json.dumps({"bench": "catchup", "config": args.config, "snapshot_mb": round(mb, 2),
+                      "catchup_mb_s": round(catchup_mb_s, 1), "link_mb_s": round(link_mb_s, 1),
+                      "ratio": round(catchup_mb_s / link_mb_s, 3), "snapshot_copy_s": round(info["offer_s"], 3),
+                      "snapshot_write_s": round(info["write_s"], 3), "restore_s": round(restore_s, 3),
+                      "rounds": args.rounds}))
+    return 0

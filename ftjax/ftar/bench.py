@@ -1,0 +1,129 @@
+"""`ftjax bench ftar --world N --mib M`: FTAR bus bandwidth against the raw TCP link, same run.
+
+Starts N member processes on 127.0.0.1, warms up, then runs ``--rounds`` rounds, each of: raw TCP
+yardsticks, then ``--iters`` back-to-back all-reduces of M MiB float32. Interleaving puts every
+figure under the same background load of this shared machine. Prints one JSON line (GB/s = 1e9
+bytes per second; times are medians over the rounds):
+
+    busbw_gbps      2 (N-1)/N * bytes / all-reduce time (the slowest member's; the first call of
+                    each round, which absorbs the members' start skew, is not timed)
+    link_gbps       one-way TCP throughput between two members, M MiB walked through in chunk-size
+                    sendall / recv_into(MSG_WAITALL) calls on both sides
+    ratio           busbw_gbps / link_gbps
+    link_hot_gbps   the same, resending one chunk and receiving into one chunk: cache-hot copies,
+                    an upper bound no transfer of M MiB meets; ratio_hot = busbw_gbps / link_hot_gbps
+    pattern_gbps    the all-reduce's traffic without FTAR: every member sends 2 (N-1)/N * M MiB of
+                    raw TCP to its right neighbour while receiving as much from its left one;
+                    ratio_pattern = busbw_gbps / pattern_gbps (how close FTAR gets to what this
+                    machine does for the same traffic)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import sys
+
+from ftjax.ftar.endpoint import DEFAULT_CHUNK_BYTES
+from ftjax.ftar.member import MemberClient, start_members
+from ftjax.procs import ProcessGroup
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="ftjax bench ftar", description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2, help="number of member processes (>= 2)")
+    ap.add_argument("--mib", type=float, default=64.0, help="buffer size in MiB (float32)")
+    ap.add_argument("--iters", type=int, default=3, help="timed all-reduces per round")
+    ap.add_argument("--rounds", type=int, default=7, help="rounds of (yardsticks, all-reduces)")
+    ap.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="FTAR chunk and raw TCP call size")
+    ap.add_argument("--checksum", action="store_true", help="crc32 every frame")
+    ap.add_argument("--json", action="store_true", help="accepted for uniformity: the output is always one JSON line")
+    args = ap.parse_args(argv)
+    if args.world < 2:
+        ap.error("--world must be >= 2")
+    if args.iters < 1 or args.rounds < 1:
+        ap.error("--iters and --rounds must be >= 1")
+    if args.mib <= 0 or args.chunk_bytes < 4:
+        ap.error("--mib must be > 0 and --chunk-bytes >= 4")
+    return args
+
+
+class _Bench:
+    def __init__(self, members: list[MemberClient], args: argparse.Namespace) -> None:
+        self.members, self.args = members, args
+        self.n = int(args.mib * (1 << 20)) // 4
+        self.nbytes = self.n * 4
+        self.step = 0
+
+    def _collect(self, members: list[MemberClient]) -> list[dict]:
+        replies = [m.result() for m in members]
+        for r in replies:
+            if not r["ok"]:
+                raise RuntimeError(f"a member failed: {r}")
+        return replies
+
+    def allreduce(self, iters: int, verify: bool = False) -> list[float]:
+        """Per-call times (the slowest member's) of ``iters`` back-to-back all-reduces."""
+        addresses = [m.address for m in self.members]
+        for rank, m in enumerate(self.members):
+            m.send(op="allreduce", quorum_id=1, step=self.step, members=addresses, rank=rank, n=self.n,
+                   dtype="float32", seeds=list(range(len(self.members))), iters=iters, verify=verify)
+        replies = self._collect(self.members)
+        self.step += iters
+        if verify and not all(r["exact"] for r in replies):
+            raise RuntimeError(f"the all-reduce result is wrong: {replies}")
+        return [max(ts) for ts in zip(*(r["times"] for r in replies))]
+
+    def link(self, spread: bool) -> float:
+        src, dst = self.members[0], self.members[1]
+        common = dict(op="raw", nbytes=self.nbytes, chunk=self.args.chunk_bytes, spread=spread)
+        dst.send(send_to=None, receive=True, **common)
+        src.send(send_to=dst.raw_address, receive=False, **common)
+        seconds = self._collect([src])[0]["seconds"]
+        self._collect([dst])
+        return seconds
+
+    def pattern(self) -> float:
+        world = len(self.members)
+        per_member = 2 * (world - 1) * self.nbytes // world
+        for rank, m in enumerate(self.members):
+            m.send(op="raw", send_to=self.members[(rank + 1) % world].raw_address, receive=True,
+                   nbytes=per_member, chunk=self.args.chunk_bytes, spread=True)
+        return max(r["seconds"] for r in self._collect(self.members))
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Run the benchmark described in the module docstring; returns its JSON record."""
+    with ProcessGroup() as group:
+        bench = _Bench(start_members(group, args.world, secrets.token_hex(16), chunk_bytes=args.chunk_bytes,
+                                     checksum=args.checksum), args)
+        bench.allreduce(1, verify=True)  # warm-up: dials the ring, touches the buffers, checks the result
+        bench.link(True), bench.link(False), bench.pattern()  # warm-up: touches the yardsticks' buffers
+        times: dict[str, list[float]] = {"allreduce": [], "link": [], "link_hot": [], "pattern": []}
+        for _ in range(args.rounds):
+            times["link"].append(bench.link(True))
+            times["link_hot"].append(bench.link(False))
+            times["pattern"].append(bench.pattern())
+            times["allreduce"] += bench.allreduce(args.iters + 1)[1:]
+        for m in bench.members:
+            m.send(op="exit")
+    nbytes, world = bench.nbytes, args.world
+    med = {k: statistics.median(v) for k, v in times.items()}
+    busbw = 2 * (world - 1) / world * nbytes / med["allreduce"] / 1e9
+    link, hot = nbytes / med["link"] / 1e9, nbytes / med["link_hot"] / 1e9
+    pattern = 2 * (world - 1) / world * nbytes / med["pattern"] / 1e9
+    return {"bench": "ftar", "world": world, "mib": args.mib, "busbw_gbps": round(busbw, 3),
+            "link_gbps": round(link, 3), "ratio": round(busbw / link, 3), "median_s": round(med["allreduce"], 5),
+            "link_hot_gbps": round(hot, 3), "ratio_hot": round(busbw / hot, 3),
+            "pattern_gbps": round(pattern, 3), "ratio_pattern": round(busbw / pattern, 3),
+            "chunk_bytes": args.chunk_bytes, "checksum": args.checksum,
+            "times_s": {k: [round(t, 5) for t in v] for k, v in times.items()}}
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `ftjax bench ftar`."""
+    print(json.dumps(measure(_parse(argv))))
+    sys.stdout.flush()
+    return 0

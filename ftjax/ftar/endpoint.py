@@ -1,0 +1,433 @@
+"""The FTAR endpoint of one replica host: a listener, the links to its ring neighbours, membership
+per call, and failure handling.
+
+Links. Each member dials its right neighbour (and only sends on that link) and accepts a link
+from its left one. A link is opened by an authenticated hello naming a quorum id; the listener
+refuses wrong tokens and quorums older than the newest one this endpoint has begun, and *parks*
+the others until a call asks for them (a neighbour may dial for quorum q+1 while this member is
+still finishing quorum q). After a successful call both links stay cached; the next call, of the
+same or a new quorum, reuses a link whose neighbour is unchanged and dials only changed links.
+
+Failures. Any error in a call interrupts and resets both of its links, which makes the neighbours
+fail at once, and so on around the ring. A failing member also sends a short *abort notice* ("I
+left (quorum, step) because of X") to every member, which aborts their call even where no link
+carries the failure (a member still waiting for a link from a dead neighbour), and which every
+listener acknowledges at once. The acknowledgements say whom to blame: a closed link or a timeout
+cannot tell "my neighbour died (or hangs)" from "my neighbour gave up because another member did",
+but a member whose listener refuses the notice is dead, and one that does not acknowledge it
+within ``probe_timeout_s`` hangs. The error names that member.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import ml_dtypes
+import numpy as np
+
+from ftjax.ftar import wire
+from ftjax.ftar.errors import FTARError, HandshakeRefused, PeerFailed, PeerTimeout
+from ftjax.ftar.ring import Aborted, CallState, Ring
+
+log = logging.getLogger("ftjax.ftar")
+
+DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
+DEFAULT_CHUNK_BYTES = 1 << 20
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not finish its hello in time is dropped
+
+
+class FTAREndpoint:
+    """Host-side fault-tolerant all-reduce between the members of a quorum (see module doc).
+
+    Binds and listens at once (port 0: the OS picks; read :attr:`address`). One call at a time; use
+    the same endpoint for the whole life of the replica host, and ``close()`` it at the end.
+    All members of a job must use the same ``chunk_bytes`` and ``checksum`` settings.
+    """
+
+    def __init__(self, token: str, *, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, checksum: bool = False,
+                 probe_timeout_s: float = 0.5) -> None:
+        if not isinstance(token, str) or not token:
+            raise ValueError("token: must be a non-empty string (the job's shared secret)")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
+        if not isinstance(chunk_bytes, int) or chunk_bytes < 4:
+            raise ValueError(f"chunk_bytes: must be an int >= 4, got {chunk_bytes!r}")
+        if not probe_timeout_s > 0:
+            raise ValueError(f"probe_timeout_s: must be > 0, got {probe_timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.chunk_elems = chunk_bytes // 4  # in float32 elements: the unit of both phases
+        self.checksum = checksum
+        self.probe_timeout_s = probe_timeout_s
+        self._token = token.encode()
+        self._listener = socket.create_server((host, port), backlog=128)
+        self._address = f"{host}:{self._listener.getsockname()[1]}"
+
+        self._cv = threading.Condition()  # guards everything below
+        self._closed = False
+        self._floor = -1  # newest quorum id begun here; hellos for older ones are refused
+        self._parked: dict[tuple[str, int], socket.socket] = {}  # (dialer address, quorum) -> link
+        self._links_in: dict[str, socket.socket] = {}  # left neighbour -> idle link, after a success
+        self._links_out: dict[str, socket.socket] = {}  # right neighbour -> idle link
+        self._notices: dict[tuple[int, int], wire.Hello] = {}  # (quorum, step) -> first abort notice
+        self._call: CallState | None = None
+        self._call_lock = threading.Lock()
+        self._scratch: np.ndarray | None = None  # see _scratch_for
+        # counters, for metrics and tests: links dialled, links accepted, hellos refused
+        self.stats = {"dials": 0, "accepted": 0, "refused": 0}
+
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name=f"ftar-accept-{self._address}")
+        self._acceptor.start()
+
+    @property
+    def address(self) -> str:
+        """``"host:port"`` that peers dial."""
+        return self._address
+
+    # --- the call ------------------------------------------------------------------------------
+    def allreduce(self, buf: np.ndarray, *, quorum_id: int, step: int, members: Sequence[str], rank: int,
+                  contributors: Sequence[bool] | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Average ``buf`` over the contributing members of the ring ``members`` (this one is
+        ``members[rank]``). Non-contributors add zeros but still relay. Returns ``out`` (or a new
+        array) holding sum / number of contributors, bitwise identical on every member.
+
+        Every member must pass the same ``members``, ``contributors``, length and dtype (checked:
+        each frame carries a fingerprint of them). Calls with the same ``quorum_id`` reuse the
+        links; a new one keeps links to unchanged neighbours. Pass ``out`` to reuse its memory.
+
+        Raises ValueError for bad arguments (nothing changes), FTARError subclasses naming the peer
+        at fault if the ring fails; ``out`` then holds garbage, and the endpoint serves the next
+        quorum. A (quorum_id, step) that failed is abandoned for good: retry under a new quorum id
+        (a member still to join it fails at once, from the abort notices it received).
+        """
+        buf, out, contributors = self._validate(buf, quorum_id, step, members, rank, contributors, out)
+        if not self._call_lock.acquire(blocking=False):
+            raise RuntimeError("FTAREndpoint.allreduce: another call is running on this endpoint")
+        try:
+            count = sum(contributors)
+            if len(members) == 1:
+                np.copyto(out, buf)
+                return out
+            return self._ring_call(buf, out, quorum_id, step, list(members), rank, contributors, count)
+        finally:
+            self._call_lock.release()
+
+    def _validate(self, buf: np.ndarray, quorum_id: int, step: int, members: Sequence[str], rank: int,
+                  contributors: Sequence[bool] | None, out: np.ndarray | None
+                  ) -> tuple[np.ndarray, np.ndarray, list[bool]]:
+        """Check every argument before anything changes; ValueError names the one at fault."""
+        if self._closed:
+            raise RuntimeError("FTAREndpoint is closed")
+        if not isinstance(buf, np.ndarray) or buf.ndim != 1:
+            raise ValueError("buf: must be a 1-D numpy array")
+        if buf.dtype not in DTYPES:
+            raise ValueError(f"buf: dtype must be float32 or bfloat16, got {buf.dtype}")
+        for name, value in (("quorum_id", quorum_id), ("step", step), ("rank", rank)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}: must be a non-negative int, got {value!r}")
+        if quorum_id < self._floor:
+            raise ValueError(f"quorum_id: {quorum_id} is older than quorum {self._floor} already begun here")
+        members = list(members)
+        if not members:
+            raise ValueError("members: must not be empty")
+        for m in members:
+            try:
+                wire.parse_address(m)
+            except ValueError as exc:
+                raise ValueError(f"members: {exc}") from None
+        if len(set(members)) != len(members):
+            raise ValueError(f"members: duplicate addresses in {members}")
+        if rank >= len(members) or members[rank] != self._address:
+            raise ValueError(f"rank: members[{rank}] must be this endpoint's address {self._address}, "
+                             f"members are {members}")
+        contributors = [True] * len(members) if contributors is None else [bool(c) for c in contributors]
+        if len(contributors) != len(members):
+            raise ValueError(f"contributors: length {len(contributors)} != number of members {len(members)}")
+        if not any(contributors):
+            raise ValueError("contributors: at least one member must contribute")
+        buf = np.ascontiguousarray(buf)
+        if out is None:
+            out = np.empty_like(buf)
+        elif (not isinstance(out, np.ndarray) or out.shape != buf.shape or out.dtype != buf.dtype
+              or not out.flags.c_contiguous or not out.flags.writeable):
+            raise ValueError(f"out: must be a writeable contiguous {buf.dtype} array of shape {buf.shape}")
+        elif np.shares_memory(out, buf):
+            raise ValueError("out: must not overlap buf")
+        return buf, out, contributors
+
+    def _ring_call(self, buf: np.ndarray, out: np.ndarray, quorum_id: int, step: int, members: list[str],
+                   rank: int, contributors: list[bool], count: int) -> np.ndarray:
+        world = len(members)
+        left, right = members[(rank - 1) % world], members[(rank + 1) % world]
+        meta = wire.call_fingerprint(buf.size, buf.dtype, self.chunk_elems, members, contributors)
+        state = CallState(quorum_id, step, on_abort=self._wake)
+        pending = self._begin(state, left, right)
+        ring = Ring(state=state, buf=buf, res=out, rank=rank, world=world, contributes=contributors[rank],
+                    count=count, chunk_elems=self.chunk_elems, meta=meta, left=left, right=right,
+                    timeout_s=self.timeout_s, checksum=self.checksum, scratch=self._scratch_for(buf))
+        links: dict[str, socket.socket] = {}
+        try:
+            if pending is not None:
+                raise pending
+            ring.run(lambda: self._link_out(right, state, links), lambda: self._link_in(left, state, links))
+        except FTARError as err:
+            self._end(state, None)
+            raise self._resolve(err, members) from None
+        except BaseException:
+            self._end(state, None)
+            raise
+        self._end(state, links)
+        return out
+
+    def _scratch_for(self, buf: np.ndarray) -> np.ndarray | None:
+        """float32 accumulator for bfloat16 calls, kept across calls (grown when needed)."""
+        if buf.dtype == np.float32:
+            return None
+        if self._scratch is None or self._scratch.size < buf.size:
+            self._scratch = np.empty(buf.size, np.float32)
+        return self._scratch
+
+    def _begin(self, state: CallState, left: str, right: str) -> FTARError | None:
+        """Enter a call: raise the quorum floor, drop what is stale, keep links to unchanged
+        neighbours. Returns the error to fail with at once if the call was already abandoned by a
+        member (its notice arrived before this member joined)."""
+        q, key = state.quorum_id, (state.quorum_id, state.step)
+        with self._cv:
+            self._floor = max(self._floor, q)
+            for k in [k for k in self._parked if k[1] < q]:
+                wire.close_hard(self._parked.pop(k))
+            for links, keep in ((self._links_in, left), (self._links_out, right)):
+                for peer in [p for p in links if p != keep]:
+                    wire.close_hard(links.pop(peer))
+            for k in [k for k in self._notices if k < key]:
+                del self._notices[k]
+            self._call = state
+            notice = self._notices.get(key)
+            return self._notice_error(notice, state) if notice is not None else None
+
+    def _end(self, state: CallState, links: dict[str, socket.socket] | None) -> None:
+        """Leave a call: cache its links after a success, reset them all after a failure."""
+        with self._cv:
+            self._call = None
+            if links is not None:
+                self._links_in[links["left"]] = links["in_sock"]
+                self._links_out[links["right"]] = links["out_sock"]
+        if links is None:
+            for sock in state.sockets:
+                wire.close_hard(sock)
+
+    # --- links ---------------------------------------------------------------------------------
+    def _link_out(self, right: str, state: CallState, links: dict) -> socket.socket:
+        with self._cv:
+            sock = self._links_out.pop(right, None)
+        if sock is not None and not wire.is_open(sock):
+            wire.close_hard(sock)
+            sock = None
+        if sock is None:
+            sock = self._dial(right, state)
+        else:
+            state.attach(sock)
+        links.update(right=right, out_sock=sock)
+        return sock
+
+    def _dial(self, peer: str, state: CallState) -> socket.socket:
+        host, port = wire.parse_address(peer)
+        sock = socket.create_connection((host, port), timeout=self.timeout_s)
+        with self._cv:
+            self.stats["dials"] += 1
+        try:
+            state.attach(sock)
+        except Aborted:
+            sock.close()
+            raise
+        hello = wire.Hello(wire.KIND_RING, state.quorum_id, self._address)
+        sock.sendall(wire.encode_hello(self._token, hello))
+        status = wire.recv_exact(sock, 1)[0]
+        if status != wire.STATUS_OK:
+            raise HandshakeRefused(f"refused our link: {wire.STATUS_TEXT.get(status, status)}",
+                                   peer=peer, quorum_id=state.quorum_id, step=state.step)
+        wire.tune(sock, self.timeout_s)
+        return sock
+
+    def _link_in(self, left: str, state: CallState, links: dict) -> socket.socket:
+        deadline = time.monotonic() + self.timeout_s
+        with self._cv:
+            while True:
+                state.check()
+                sock = self._parked.pop((left, state.quorum_id), None)
+                if sock is not None:  # a fresh link supersedes a cached one: the dialer dropped it
+                    old = self._links_in.pop(left, None)
+                    if old is not None:
+                        wire.close_hard(old)
+                    break
+                sock = self._links_in.pop(left, None)
+                if sock is not None:
+                    if wire.is_open(sock):
+                        break
+                    wire.close_hard(sock)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PeerTimeout(f"no link from it within {self.timeout_s:g} s", peer=left,
+                                      quorum_id=state.quorum_id, step=state.step)
+                self._cv.wait(remaining)
+        state.attach(sock)
+        links.update(left=left, in_sock=sock)
+        return sock
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    # --- listener ------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                log.exception("ftar %s: accept failed", self._address)
+                time.sleep(0.1)  # e.g. out of descriptors: do not spin
+                continue
+            threading.Thread(target=self._handshake, args=(conn,), daemon=True, name="ftar-hello").start()
+
+    def _handshake(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
+            hello = wire.read_hello(conn, self._token)
+        except wire.HelloRefused as exc:
+            with self._cv:
+                self.stats["refused"] += 1
+            log.warning("ftar %s: refused a connection from %s: %s", self._address, _peername(conn), exc)
+            _answer_and_close(conn, exc.status)
+            return
+        except (OSError, EOFError) as exc:
+            log.info("ftar %s: dropped a connection during its hello: %s", self._address, exc)
+            conn.close()
+            return
+        if hello.kind == wire.KIND_NOTICE:
+            _answer_and_close(conn, wire.STATUS_OK)  # the acknowledgement is the liveness probe
+            self._on_notice(hello)
+            return
+        with self._cv:
+            if self._closed or hello.quorum_id < self._floor:
+                self.stats["refused"] += 1
+                log.warning("ftar %s: refused a link from %s for stale quorum %d (now at %d)",
+                            self._address, hello.address, hello.quorum_id, self._floor)
+                _answer_and_close(conn, wire.STATUS_STALE_QUORUM)
+                return
+            try:
+                conn.sendall(bytes([wire.STATUS_OK]))
+                wire.tune(conn, self.timeout_s)
+            except OSError:
+                conn.close()
+                return
+            old = self._parked.pop((hello.address, hello.quorum_id), None)
+            if old is not None:  # the dialer redialled: the newer link wins
+                wire.close_hard(old)
+            self._parked[(hello.address, hello.quorum_id)] = conn
+            self.stats["accepted"] += 1
+            self._cv.notify_all()
+
+    # --- abort notices -------------------------------------------------------------------------
+    def _on_notice(self, notice: wire.Hello) -> None:
+        with self._cv:
+            if notice.quorum_id < self._floor or notice.address == self._address:
+                return
+            self._notices.setdefault((notice.quorum_id, notice.step), notice)
+            self._cv.notify_all()
+            call = self._call
+        if call is not None and (call.quorum_id, call.step) == (notice.quorum_id, notice.step):
+            call.fail(self._notice_error(notice, call))
+
+    def _notice_error(self, notice: wire.Hello, state: CallState) -> FTARError:
+        suspect = notice.suspect if notice.suspect != self._address else notice.address
+        return PeerFailed(f"call abandoned by {notice.address} ({notice.reason} of {notice.suspect})",
+                          peer=suspect, quorum_id=state.quorum_id, step=state.step)
+
+    def _broadcast_notice(self, err: FTARError, members: list[str]) -> dict[str, str]:
+        """Tell every other member that this call is abandoned and whom we blame. Returns each
+        member's health as its listener answered: "dead" (refused), "hung" (no answer within
+        ``probe_timeout_s``) or "alive"."""
+        notice = wire.encode_hello(self._token, wire.Hello(wire.KIND_NOTICE, err.quorum_id, self._address,
+                                                           err.step, err.peer, err.kind))
+        health: dict[str, str] = {}
+
+        def send(member: str) -> None:
+            try:
+                with socket.create_connection(wire.parse_address(member), timeout=self.probe_timeout_s) as s:
+                    s.sendall(notice)
+                    # closed without an answer: a process dying while we dialled (its listener
+                    # took the connection into its backlog, then went away)
+                    health[member] = "alive" if s.recv(1) == bytes([wire.STATUS_OK]) else "dead"
+            except ConnectionError:  # refused, or reset by a listener going away
+                health[member] = "dead"
+            except OSError:  # no answer in time (stopped), or unreachable
+                health[member] = "hung"
+
+        threads = [threading.Thread(target=send, args=(m,), daemon=True) for m in members if m != self._address]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return health
+
+    def _resolve(self, err: FTARError, members: list[str]) -> FTARError:
+        """The error to raise. A closed link or a timeout is blamed on the neighbour that showed it
+        only if that neighbour is itself dead or hung; otherwise on the member that is."""
+        health = self._broadcast_notice(err, members)
+        if err.kind not in ("failed", "timeout"):
+            return err  # a protocol violation or a refusal: the neighbour that did it is the one
+        culprit = err.peer if health.get(err.peer, "alive") != "alive" else next(
+            (m for state in ("dead", "hung") for m in members if health.get(m) == state), None)
+        if culprit is None:
+            return err
+        cls, what = (PeerFailed, "its process is gone") if health[culprit] == "dead" else \
+            (PeerTimeout, f"it does not answer within {self.probe_timeout_s:g} s")
+        if culprit == err.peer and cls is type(err):
+            return err
+        return cls(f"{what} (seen here: {err.detail}, from {err.peer})", peer=culprit,
+                   quorum_id=err.quorum_id, step=err.step)
+
+    # --- shutdown ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop listening and close every link. Call it when no allreduce is running."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            socks = [*self._parked.values(), *self._links_in.values(), *self._links_out.values()]
+            self._parked.clear()
+            self._links_in.clear()
+            self._links_out.clear()
+        wire.interrupt(self._listener)
+        self._listener.close()
+        for sock in socks:
+            wire.close_hard(sock)
+        self._acceptor.join(timeout=5)
+
+    def __enter__(self) -> "FTAREndpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _peername(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"
+
+
+def _answer_and_close(conn: socket.socket, status: int) -> None:
+    try:
+        conn.sendall(bytes([status]))
+    except OSError:
+        pass
+    conn.close()

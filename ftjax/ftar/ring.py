@@ -1,0 +1,242 @@
+"""The ring algorithm: reduce-scatter then all-gather over one link to the right neighbour and one
+from the left, chunked and pipelined.
+
+The buffer is cut into ``world`` segments and each segment into chunks. Member ``r`` sends the
+chunks of a schedule in order (a sender thread) while receiving its left neighbour's schedule in
+order (the calling thread): receive a chunk straight into its place in the result, add this
+member's own contribution in place, and count it done. A send that forwards what was received
+(every step after the first) waits only for *that chunk*, so sending chunk k+1, receiving chunk k
+and adding chunk k-1 overlap; numpy and socket calls release the GIL.
+
+After ``world - 1`` reduce-scatter steps member ``r`` owns segment ``r + 1``: it divides it by the
+number of contributors (and, for bfloat16, rounds the float32 sum once) and the all-gather carries
+those exact bits to everyone, so all members end bitwise identical.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ftjax.ftar import wire
+from ftjax.ftar.errors import FTARError, PeerFailed, PeerTimeout, ProtocolError
+
+RS, AG = wire.PHASE_REDUCE_SCATTER, wire.PHASE_ALL_GATHER
+
+
+@dataclass(frozen=True)
+class Chunk:
+    phase: int
+    start: int  # element range in the buffer
+    stop: int
+    first: bool = False  # sends: the first reduce-scatter step, which carries this member's own data
+    need: int = -1  # sends: index of the receive that must be done first (-1: none)
+    owned: bool = False  # receives: completes a segment this member owns (finalise it)
+
+
+def segment_bounds(n: int, world: int) -> list[int]:
+    """Element offsets of the ``world`` segments (sizes differ by at most one element)."""
+    return [i * n // world for i in range(world + 1)]
+
+
+def schedule(n: int, world: int, rank: int, chunk_elems: int) -> tuple[list[Chunk], list[Chunk]]:
+    """(sends, receives) of member ``rank``, in wire order.
+
+    The receives of member r are exactly the sends of member r-1, chunk for chunk, so the i-th frame
+    on a link is identified by its sequence number i. A send at step t > 0 forwards the segment
+    received at step t-1; ``need`` points at that receive.
+    """
+    bounds = segment_bounds(n, world)
+
+    def chunks(seg: int) -> list[tuple[int, int]]:
+        lo, hi = bounds[seg], bounds[seg + 1]
+        return [(a, min(a + chunk_elems, hi)) for a in range(lo, hi, chunk_elems)]
+
+    steps = world - 1
+    send_segs = [(RS, (rank - s) % world) for s in range(steps)] + [(AG, (rank + 1 - s) % world) for s in range(steps)]
+    recv_segs = [(RS, (rank - s - 1) % world) for s in range(steps)] + [(AG, (rank - s) % world) for s in range(steps)]
+
+    recvs: list[Chunk] = []
+    recv_offsets = []
+    for t, (phase, seg) in enumerate(recv_segs):
+        recv_offsets.append(len(recvs))
+        owned = phase == RS and t == steps - 1
+        recvs += [Chunk(phase, a, b, owned=owned) for a, b in chunks(seg)]
+    sends: list[Chunk] = []
+    for t, (phase, seg) in enumerate(send_segs):
+        for k, (a, b) in enumerate(chunks(seg)):
+            sends.append(Chunk(phase, a, b, first=t == 0, need=recv_offsets[t - 1] + k if t else -1))
+    return sends, recvs
+
+
+class Aborted(Exception):
+    """Raised inside a call's threads once the call has failed elsewhere; the first error is kept."""
+
+
+@dataclass
+class CallState:
+    """What a call's threads share: the first error, the done counter, the sockets to interrupt."""
+
+    quorum_id: int
+    step: int
+    on_abort: Callable[[], None] = lambda: None  # wakes waiters outside this object (the endpoint)
+    error: BaseException | None = None
+    done: int = 0  # receives completed, in order
+    sockets: list = field(default_factory=list)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def fail(self, err: BaseException) -> None:
+        """Record ``err`` if it is the first error, and wake every thread of the call: blocked
+        socket calls return (interrupt), waits on ``cond`` and on the endpoint end."""
+        with self.cond:
+            if self.error is not None:
+                return
+            self.error = err
+            for sock in self.sockets:
+                wire.interrupt(sock)
+            self.cond.notify_all()
+        self.on_abort()
+
+    def attach(self, sock) -> None:
+        """Register a socket of this call so that a failure interrupts it."""
+        with self.cond:
+            self.sockets.append(sock)
+            if self.error is not None:
+                wire.interrupt(sock)
+                raise Aborted
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise Aborted
+
+
+def _bytes(arr: np.ndarray) -> memoryview:
+    return memoryview(arr.view(np.uint8))
+
+
+class Ring:
+    """One all-reduce of ``buf`` into ``res`` between this member, its ``left`` and its ``right``.
+
+    ``res`` has ``buf``'s length and dtype (float32 or bfloat16). float32 sums accumulate in ``res``
+    itself; bfloat16 ones in ``scratch`` (float32, at least as long as ``buf``; the caller keeps it
+    across calls so its pages are not faulted in again every step), reduce-scatter frames carry
+    float32 partial sums and all-gather frames the rounded bfloat16 values.
+    """
+
+    def __init__(self, *, state: CallState, buf: np.ndarray, res: np.ndarray, rank: int, world: int,
+                 contributes: bool, count: int, chunk_elems: int, meta: int, left: str, right: str,
+                 timeout_s: float, checksum: bool, scratch: np.ndarray | None = None) -> None:
+        self.state, self.buf, self.res = state, buf, res
+        self.contributes, self.count = contributes, count
+        self.meta, self.left, self.right = meta, left, right
+        self.timeout_s, self.checksum = timeout_s, checksum
+        self.sends, self.recvs = schedule(buf.size, world, rank, chunk_elems)
+        if res.dtype == np.float32:
+            self.acc = res
+        else:
+            assert scratch is not None and scratch.dtype == np.float32 and scratch.size >= buf.size
+            self.acc = scratch[:buf.size]
+        # own data for the first step, as float32: zeros for a non-contributor, a converted copy for
+        # bfloat16 (float32 contributors send straight from ``buf``)
+        self.own = None
+        if not contributes:
+            self.own = np.zeros(chunk_elems, np.float32)
+        elif buf.dtype != np.float32:
+            self.own = np.empty(chunk_elems, np.float32)
+
+    # --- public -----------------------------------------------------------------------------
+    def run(self, connect_out: Callable[[], object], connect_in: Callable[[], object]) -> None:
+        """Run the call: ``connect_out()`` (in the sender thread) and ``connect_in()`` (here) return
+        the two links. Raises the call's first error."""
+        sender = threading.Thread(target=self._sender, args=(connect_out,), daemon=True,
+                                  name=f"ftar-send-q{self.state.quorum_id}")
+        sender.start()
+        try:
+            self._receiver(connect_in)
+        finally:
+            sender.join()
+        if self.state.error is not None:
+            raise self.state.error
+
+    # --- threads ----------------------------------------------------------------------------
+    def _sender(self, connect: Callable[[], object]) -> None:
+        try:
+            sock = connect()
+            state = self.state
+            for seq, chunk in enumerate(self.sends):
+                if chunk.need >= 0 and state.done <= chunk.need:
+                    with state.cond:
+                        while state.done <= chunk.need and state.error is None:
+                            state.cond.wait()
+                state.check()
+                payload = self._send_view(chunk)
+                header = wire.pack_frame(quorum_id=state.quorum_id, step=state.step, phase=chunk.phase,
+                                         seq=seq, meta=self.meta, payload=payload, checksum=self.checksum)
+                wire.send_all(sock, [memoryview(header), payload])
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller's thread
+            self._fail(exc, self.right)
+
+    def _receiver(self, connect: Callable[[], object]) -> None:
+        try:
+            sock = connect()
+            state = self.state
+            header = memoryview(bytearray(wire.FRAME.size))
+            for seq, chunk in enumerate(self.recvs):
+                dest = self.acc[chunk.start:chunk.stop] if chunk.phase == RS else self.res[chunk.start:chunk.stop]
+                payload = _bytes(dest)
+                wire.recv_into_all(sock, [header, payload])
+                wire.check_frame(header, payload, quorum_id=state.quorum_id, step=state.step,
+                                 phase=chunk.phase, seq=seq, meta=self.meta, require_checksum=self.checksum)
+                if chunk.phase == RS:
+                    if self.contributes:
+                        np.add(dest, self.buf[chunk.start:chunk.stop], out=dest)
+                    if chunk.owned:
+                        self._finalise(chunk, dest)
+                with state.cond:
+                    state.done = seq + 1
+                    state.cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(exc, self.left)
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _send_view(self, chunk: Chunk) -> memoryview:
+        a, b = chunk.start, chunk.stop
+        if chunk.phase == AG:
+            return _bytes(self.res[a:b])
+        if not chunk.first:
+            return _bytes(self.acc[a:b])
+        if self.own is None:  # float32 contributor: its own buffer, no copy
+            return _bytes(self.buf[a:b])
+        if self.contributes:  # bfloat16 contributor: widen to float32
+            np.copyto(self.own[:b - a], self.buf[a:b])
+        return _bytes(self.own[:b - a])
+
+    def _finalise(self, chunk: Chunk, acc: np.ndarray) -> None:
+        if self.count != 1:
+            np.divide(acc, self.count, out=acc)
+        if self.acc is not self.res:
+            self.res[chunk.start:chunk.stop] = acc  # the one rounding to bfloat16, at the owner
+
+    def _fail(self, exc: BaseException, peer: str) -> None:
+        if isinstance(exc, Aborted):
+            return
+        self.state.fail(_translate(exc, peer, self.state, self.timeout_s))
+
+
+def _translate(exc: BaseException, peer: str, state: CallState, timeout_s: float) -> BaseException:
+    """Map a socket/wire exception met while talking to ``peer`` to the FTAR error naming it."""
+    ids = dict(peer=peer, quorum_id=state.quorum_id, step=state.step)
+    if isinstance(exc, FTARError):
+        return exc
+    if isinstance(exc, (BlockingIOError, TimeoutError)):  # kernel SO_*TIMEO (EAGAIN) or Python timeout
+        return PeerTimeout(f"no progress for {timeout_s:g} s", **ids)
+    if isinstance(exc, EOFError):
+        return PeerFailed("connection closed", **ids)
+    if isinstance(exc, wire.WireError):
+        return ProtocolError(str(exc), **ids)
+    if isinstance(exc, OSError):
+        return PeerFailed(f"connection error: {exc.strerror or exc}", **ids)
+    return exc

@@ -1,0 +1,121 @@
+"""FTAR between real processes: a member SIGKILLed or SIGSTOPped in the middle of a 64 MiB
+all-reduce, and strangers knocking on a member's port during a live all-reduce."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from ftjax.ftar import wire
+from ftjax.ftar.member import start_members
+
+TOKEN = "failures-test-token"
+N_64MIB = 16 << 20  # float32 elements
+pytestmark = pytest.mark.timeout(120)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_allreduce(members, *, quorum_id, n, iters=1, verify=False, step=0):
+    addresses = [m.address for m in members]
+    for rank, m in enumerate(members):
+        m.send(op="allreduce", quorum_id=quorum_id, step=step, members=addresses, rank=rank, n=n, dtype="float32",
+               seeds=[100 + rank for rank in range(len(members))], iters=iters, verify=verify)
+    for m in members:
+        assert m.reply()["event"] == "started"
+
+
+def strike_mid_allreduce(victim, sig):
+    """Send ``sig`` to ``victim`` once it has spent 30 ms of CPU inside the all-reduce it has just
+    started (data generation happens before its "started" line): data is then flowing, and far from
+    done (a 64 MiB all-reduce in three processes takes several times that)."""
+    base = cpu_seconds(victim.pid)
+    deadline = time.monotonic() + 30
+    while cpu_seconds(victim.pid) < base + 0.03:
+        assert time.monotonic() < deadline, "the victim never got busy"
+        time.sleep(0.002)
+    os.kill(victim.pid, sig)
+    return time.time()
+
+
+def check_next_quorum(survivors, quorum_id):
+    """The survivors complete an exact, bitwise identical all-reduce between themselves."""
+    start_allreduce(survivors, quorum_id=quorum_id, n=N_64MIB, verify=True)
+    results = [m.result() for m in survivors]
+    assert all(r["ok"] and r["exact"] for r in results), results
+    assert len({r["digest"] for r in results}) == 1
+
+
+def test_sigkill_mid_allreduce_fails_survivors_within_a_second_then_next_quorum_works(procs):
+    members = start_members(procs, 3, TOKEN, timeout_s=30)
+    start_allreduce(members, quorum_id=1, n=N_64MIB)
+    victim = members[1]
+    killed_at = strike_mid_allreduce(victim, signal.SIGKILL)
+    survivors = [members[0], members[2]]
+    for m in survivors:
+        r = m.result(timeout_s=30)
+        assert not r["ok"], "the all-reduce completed although a member was killed in its middle"
+        assert r["error"] == "PeerFailed" and r["peer"] == victim.address, r
+        assert victim.address in r["message"]
+        assert r["t"] - killed_at < 1.0, f"raised {r['t'] - killed_at:.3f} s after the kill"
+    check_next_quorum(survivors, quorum_id=2)
+
+
+def test_sigstop_mid_allreduce_fails_survivors_after_the_timeout(procs):
+    timeout = 2.0
+    members = start_members(procs, 3, TOKEN, timeout_s=timeout)
+    start_allreduce(members, quorum_id=1, n=N_64MIB)
+    victim = members[2]
+    stopped_at = strike_mid_allreduce(victim, signal.SIGSTOP)
+    survivors = members[:2]
+    for m in survivors:
+        r = m.result(timeout_s=30)
+        assert not r["ok"] and r["error"] == "PeerTimeout" and r["peer"] == victim.address, (victim.address, r)
+        waited = r["t"] - stopped_at
+        # no progress for `timeout` after the stop (less the one chunk that may have been waited for
+        # just before it), then at most the notice grace (0.5 s) and scheduling slack
+        assert timeout - 0.2 <= waited <= timeout + 2.5, f"raised {waited:.3f} s after SIGSTOP"
+    check_next_quorum(survivors, quorum_id=2)
+
+
+def knock(address: str, hello: bytes) -> int | None:
+    """Dial ``address``, send ``hello``; the listener's answer byte (None if it just closed)."""
+    with socket.create_connection(wire.parse_address(address), timeout=5) as sock:
+        sock.sendall(hello)
+        answer = sock.recv(1)
+        try:
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:  # closed with our unread bytes still queued: a reset
+            closed = True
+        assert closed, "a refused connection must be closed"
+        return answer[0] if answer else None
+
+
+def test_wrong_token_and_stale_quorum_are_refused_during_a_live_allreduce(procs):
+    members = start_members(procs, 3, TOKEN)
+    start_allreduce(members, quorum_id=3, n=1 << 16)  # every member has now begun quorum 3
+    assert all(m.result()["ok"] for m in members)
+    start_allreduce(members, quorum_id=5, n=4 << 20, iters=12, verify=True)
+    target = members[1].address
+    stranger = wire.Hello(wire.KIND_RING, 5, "127.0.0.1:1")
+    assert knock(target, wire.encode_hello(b"another job", stranger)) == wire.STATUS_BAD_TOKEN
+    stale = wire.Hello(wire.KIND_RING, 4, members[0].address)
+    assert knock(target, wire.encode_hello(TOKEN.encode(), stale)) == wire.STATUS_STALE_QUORUM
+    assert knock(target, os.urandom(200)) == wire.STATUS_BAD_MESSAGE
+    # a forged abort notice (wrong token) must not abort the live call either
+    forged = wire.Hello(wire.KIND_NOTICE, 5, members[0].address, 0, members[2].address, "failed")
+    assert knock(target, wire.encode_hello(b"another job", forged)) == wire.STATUS_BAD_TOKEN
+    knocked_at = time.time()
+    results = [m.result() for m in members]
+    assert all(r["ok"] and r["exact"] for r in results), results
+    assert len({r["digest"] for r in results}) == 1
+    assert all(r["t_end"] > knocked_at for r in results), "the all-reduce was over before the knocks"

@@ -1,0 +1,405 @@
+"""FTAR in one process: the schedule, the numbers (property tests over world sizes, lengths, dtypes
+and zero-contributors, against numpy), link reuse across quorums, bad input, and frames that do
+not belong to the call."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import socket
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftjax.ftar import FTAREndpoint, FTARError, HandshakeRefused, PeerFailed, PeerTimeout, ProtocolError, wire
+from ftjax.ftar.ring import AG, RS, schedule
+
+TOKEN = "test-token"
+CHUNK_BYTES = 64  # 16 float32 elements: most buffers below span many chunks per segment
+BF16 = np.dtype(ml_dtypes.bfloat16)
+_quorums = itertools.count(1)
+
+
+def run_ring(endpoints, bufs, contributors=None, *, quorum_id=None, step=0, members=None, timeout=20.0):
+    """One all-reduce, each of ``endpoints`` in its own thread (``members``: the ring they are
+    told about, by default just them). Returns (results, errors) in the order of ``endpoints``."""
+    quorum_id = next(_quorums) if quorum_id is None else quorum_id
+    members = [ep.address for ep in endpoints] if members is None else members
+    results, errors = [None] * len(endpoints), [None] * len(endpoints)
+
+    def member(i):
+        try:
+            results[i] = endpoints[i].allreduce(bufs[i], quorum_id=quorum_id, step=step, members=members,
+                                                rank=members.index(endpoints[i].address), contributors=contributors)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            errors[i] = exc
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(len(endpoints))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "an allreduce did not return"
+    return results, errors
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Five endpoints reused by every example: each example picks a subset in a random order under
+    a fresh quorum id, so membership changes, link reuse and re-dials are exercised as a side effect."""
+    eps = [FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=10) for _ in range(5)]
+    yield eps
+    for ep in eps:
+        ep.close()
+
+
+# --- the schedule, without sockets -----------------------------------------------------------------
+@given(n=st.integers(0, 300), world=st.integers(2, 5), chunk=st.integers(1, 40))
+@settings(max_examples=60, deadline=None)
+def test_schedule_is_consistent_and_reduces_correctly(n, world, chunk):
+    plans = [schedule(n, world, r, chunk) for r in range(world)]
+    for r in range(world):
+        left_sends = plans[(r - 1) % world][0]
+        assert [(c.phase, c.start, c.stop) for c in plans[r][1]] == [(c.phase, c.start, c.stop) for c in left_sends]
+    # run the schedules against each other, each member sending as soon as its dependency is met
+    # and receiving in order: every member must end with the total
+    data = [np.arange(n) * (r + 1) for r in range(world)]
+    acc = [d.copy() for d in data]
+    res = [np.full(n, -1) for _ in range(world)]
+    inbox = [collections.deque() for _ in range(world)]
+    sent, done = [0] * world, [0] * world
+    progress = True
+    while progress:
+        progress = False
+        for r, (sends, recvs) in enumerate(plans):
+            while sent[r] < len(sends) and sends[sent[r]].need < done[r]:
+                c = sends[sent[r]]
+                src = res[r] if c.phase == AG else (data[r] if c.first else acc[r])
+                inbox[(r + 1) % world].append((c, src[c.start:c.stop].copy()))
+                sent[r] += 1
+                progress = True
+            while inbox[r]:
+                c, payload = inbox[r].popleft()
+                mine = recvs[done[r]]
+                assert (mine.phase, mine.start, mine.stop) == (c.phase, c.start, c.stop)
+                if c.phase == RS:
+                    acc[r][c.start:c.stop] = payload + data[r][c.start:c.stop]
+                    if mine.owned:
+                        res[r][c.start:c.stop] = acc[r][c.start:c.stop]
+                else:
+                    res[r][c.start:c.stop] = payload
+                done[r] += 1
+                progress = True
+    assert sent == [len(p[0]) for p in plans] and done == [len(p[1]) for p in plans]
+    for r in range(world):
+        np.testing.assert_array_equal(res[r], sum(data))
+
+
+# --- the numbers ---------------------------------------------------------------------------------
+@st.composite
+def cases(draw):
+    world = draw(st.integers(1, 5))
+    n = draw(st.one_of(st.integers(0, 8), st.integers(9, 2000)))  # tiny ones, and multi-chunk ones
+    dtype = draw(st.sampled_from([np.dtype(np.float32), BF16]))
+    contributors = draw(st.lists(st.booleans(), min_size=world, max_size=world).filter(any))
+    order = draw(st.permutations(range(5)))[:world]
+    seed = draw(st.integers(0, 2**32 - 1))
+    return world, n, dtype, contributors, order, seed
+
+
+@given(case=cases())
+@settings(max_examples=60, deadline=None)
+def test_allreduce_matches_numpy(pool, case):
+    world, n, dtype, contributors, order, seed = case
+    rng = np.random.default_rng(seed)
+    bufs = [rng.standard_normal(n).astype(np.float32).astype(dtype) for _ in range(world)]
+    endpoints = [pool[i] for i in order]
+    results, errors = run_ring(endpoints, bufs, contributors)
+    assert errors == [None] * world
+    contributed = [b.astype(np.float64) for b, c in zip(bufs, contributors) if c]
+    expected = np.sum(contributed, axis=0) / len(contributed) if n else np.zeros(0)
+    for res in results:
+        assert res.dtype == dtype and res.shape == (n,)
+        # identical bits everywhere: replicas must not drift apart
+        assert res.view(np.uint8).tobytes() == results[0].view(np.uint8).tobytes()
+    # float32: a sum of <= 5 terms in another order; bfloat16: one rounding of the float32 result
+    rtol, atol = (1e-6, 1e-6) if dtype == np.float32 else (2**-8, 1e-6)
+    np.testing.assert_allclose(results[0].astype(np.float64), expected, rtol=rtol, atol=atol * 8)
+
+
+def test_bfloat16_rounds_once_at_the_owner(pool):
+    """Three bfloat16 values whose float32 sum is exact but whose pairwise bfloat16 sums are not: the
+    result must be the float32 sum rounded once."""
+    a, b, c = (np.array([v] * 50, dtype=BF16) for v in (256.0, 1.0, 1.0))
+    results, errors = run_ring(pool[:3], [a, b, c])
+    assert errors == [None] * 3
+    expected = np.float32(258.0 / 3).astype(BF16)  # bf16(256 + 1) would already lose the 1
+    assert all((r == expected).all() for r in results)
+
+
+def test_world_of_one_returns_the_buffer(pool):
+    buf = np.arange(10, dtype=np.float32)
+    out = pool[0].allreduce(buf, quorum_id=next(_quorums), step=0, members=[pool[0].address], rank=0)
+    np.testing.assert_array_equal(out, buf)
+    assert out is not buf
+
+
+def test_same_and_changed_quorum_reuse_links():
+    eps = [FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES) for _ in range(3)]
+    try:
+        bufs = [np.full(100, r, np.float32) for r in range(3)]
+        q = next(_quorums)
+        assert run_ring(eps, bufs, quorum_id=q, step=0)[1] == [None] * 3
+        dials = [ep.stats["dials"] for ep in eps]
+        assert dials == [1, 1, 1]
+        assert run_ring(eps, bufs, quorum_id=q, step=1)[1] == [None] * 3
+        assert [ep.stats["dials"] for ep in eps] == dials  # same quorum: no new connection
+        # member 2 leaves: link 0 -> 1 stays, 1 -> 0 is new, 1 -> 2 and 2 -> 0 are dropped
+        results, errors = run_ring(eps[:2], bufs[:2], quorum_id=next(_quorums))
+        assert errors == [None, None]
+        np.testing.assert_array_equal(results[0], np.full(100, 0.5, np.float32))
+        assert [ep.stats["dials"] for ep in eps[:2]] == [1, 2]
+    finally:
+        for ep in eps:
+            ep.close()
+
+
+# --- bad input -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("change, field", [
+    (dict(buf=np.zeros((2, 2), np.float32)), "buf"),
+    (dict(buf=np.zeros(4, np.float64)), "buf"),
+    (dict(rank=1), "rank"),
+    (dict(rank=-1), "rank"),
+    (dict(step=-3), "step"),
+    (dict(contributors=[True]), "contributors"),
+    (dict(contributors=[False, False]), "contributors"),
+    (dict(members=["nohost", "x:1"]), "members"),
+    (dict(out=np.zeros(3, np.float32)), "out"),
+    (dict(quorum_id=0), "quorum_id"),  # older than the quorum already run below
+])
+def test_bad_input_is_refused_and_changes_nothing(change, field):
+    a, b = (FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES) for _ in range(2))
+    try:
+        bufs = [np.ones(8, np.float32), np.full(8, 3, np.float32)]
+        assert run_ring([a, b], bufs, quorum_id=5)[1] == [None, None]
+        call = dict(buf=bufs[0], quorum_id=6, step=0, members=[a.address, b.address], rank=0)
+        call.update(change)
+        with pytest.raises(ValueError, match=field):
+            a.allreduce(**call)
+        # nothing changed: the same ring still works, with its cached links and quorum floor
+        results, errors = run_ring([a, b], bufs, quorum_id=5, step=1)
+        assert errors == [None, None]
+        np.testing.assert_array_equal(results[0], np.full(8, 2, np.float32))
+        assert a.stats["dials"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+# --- frames and hellos that do not belong ---------------------------------------------------------
+class FakePeer:
+    """A hand-driven member: a listener that accepts the real member's link, and a link of its own to
+    the real member, over which the test sends whatever frames it likes."""
+
+    def __init__(self, token: str = TOKEN) -> None:
+        self.token = token.encode()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                wire.read_hello(conn, self.token)
+                conn.sendall(bytes([wire.STATUS_OK]))
+                while conn.recv(1 << 16):  # swallow the real member's frames
+                    pass
+            except (OSError, EOFError, wire.WireError):
+                pass
+
+    def dial(self, target: str, quorum_id: int) -> tuple[socket.socket, int]:
+        sock = socket.create_connection(wire.parse_address(target), timeout=5)
+        sock.sendall(wire.encode_hello(self.token, wire.Hello(wire.KIND_RING, quorum_id, self.address)))
+        return sock, wire.recv_exact(sock, 1)[0]
+
+    def close(self):
+        self.listener.close()
+
+
+def _first_frame_of_left(ep, fake, n):
+    """What the real member (rank 0 of [ep, fake]) expects first from its left neighbour."""
+    members = [ep.address, fake.address]
+    meta = wire.call_fingerprint(n, np.dtype(np.float32), ep.chunk_elems, members, [True, True])
+    return members, meta, schedule(n, 2, 1, ep.chunk_elems)[0][0]
+
+
+@pytest.mark.parametrize("fault", ["step", "quorum_id", "meta", "length", "checksum"])
+def test_frame_that_does_not_belong_raises_and_endpoint_recovers(fault):
+    checksum = fault == "checksum"
+    ep = FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=5, checksum=checksum)
+    fake = FakePeer()
+    try:
+        n, q, step = 40, 7, 3
+        members, meta, first = _first_frame_of_left(ep, fake, n)
+        box = {}
+
+        def call():
+            try:
+                ep.allreduce(np.ones(n, np.float32), quorum_id=q, step=step, members=members, rank=0)
+            except FTARError as exc:
+                box["err"] = exc
+
+        t = threading.Thread(target=call)
+        t.start()
+        sock, status = fake.dial(ep.address, q)
+        assert status == wire.STATUS_OK
+        payload = np.ones(first.stop - first.start, np.float32)
+        fields = dict(quorum_id=q, step=step, phase=first.phase, seq=0, meta=meta)
+        if fault in ("step", "quorum_id"):
+            fields[fault] += 1
+        elif fault == "meta":
+            fields["meta"] ^= 1
+        elif fault == "length":
+            payload = payload[:-1]
+        header = wire.pack_frame(payload=memoryview(payload.view(np.uint8)), checksum=checksum, **fields)
+        body = bytearray(payload.view(np.uint8).tobytes())
+        if fault == "checksum":
+            body[5] ^= 0x10  # one flipped bit in flight
+        sock.sendall(header + bytes(body) + bytes(64))
+        t.join(10)
+        assert not t.is_alive()
+        err = box["err"]
+        assert isinstance(err, ProtocolError) and err.peer == fake.address
+        assert {"step": "step", "quorum_id": "quorum_id", "meta": "fingerprint", "length": "length",
+                "checksum": "checksum"}[fault] in str(err)
+        sock.close()
+        # the endpoint serves the next quorum with real peers
+        other = FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=5, checksum=checksum)
+        results, errors = run_ring([ep, other], [np.ones(n, np.float32), np.full(n, 2, np.float32)], quorum_id=q + 1)
+        other.close()
+        assert errors == [None, None]
+        np.testing.assert_array_equal(results[0], np.full(n, 1.5, np.float32))
+    finally:
+        ep.close()
+        fake.close()
+
+
+def test_checksums_on_carry_correct_results():
+    eps = [FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, checksum=True) for _ in range(3)]
+    try:
+        bufs = [np.arange(500, dtype=np.float32) * (r + 1) for r in range(3)]
+        results, errors = run_ring(eps, bufs)
+        assert errors == [None] * 3
+        np.testing.assert_array_equal(results[2], np.arange(500, dtype=np.float32) * 2)
+    finally:
+        for ep in eps:
+            ep.close()
+
+
+def test_wrong_token_and_stale_quorum_are_refused():
+    ep = FTAREndpoint(TOKEN)
+    other = FTAREndpoint(TOKEN)
+    try:
+        bufs = [np.ones(4, np.float32)] * 2
+        assert run_ring([ep, other], bufs, quorum_id=10)[1] == [None, None]
+        assert FakePeer("another-job").dial(ep.address, 10)[1] == wire.STATUS_BAD_TOKEN
+        assert FakePeer().dial(ep.address, 9)[1] == wire.STATUS_STALE_QUORUM
+        assert FakePeer().dial(ep.address, 11)[1] == wire.STATUS_OK  # a future quorum is parked
+        assert ep.stats["refused"] == 2
+    finally:
+        ep.close()
+        other.close()
+
+
+def test_dialing_a_peer_of_another_job_raises_handshake_refused():
+    ep = FTAREndpoint(TOKEN, timeout_s=5)
+    stranger = FTAREndpoint("another-job", timeout_s=5)
+    try:
+        with pytest.raises(HandshakeRefused, match="wrong job token") as info:
+            ep.allreduce(np.ones(4, np.float32), quorum_id=1, step=0, members=[ep.address, stranger.address], rank=0)
+        assert info.value.peer == stranger.address
+    finally:
+        ep.close()
+        stranger.close()
+
+
+def test_missing_left_neighbour_times_out_naming_it():
+    ep = FTAREndpoint(TOKEN, timeout_s=0.5)
+    fake = FakePeer()  # accepts our link but never dials back
+    try:
+        with pytest.raises(PeerTimeout) as info:
+            ep.allreduce(np.ones(4, np.float32), quorum_id=1, step=0, members=[ep.address, fake.address], rank=0)
+        assert info.value.peer == fake.address
+    finally:
+        ep.close()
+        fake.close()
+
+
+def _dead_address() -> str:
+    """An address nobody listens on (bound then closed)."""
+    ep = FTAREndpoint(TOKEN)
+    ep.close()
+    return ep.address
+
+
+def test_abort_notice_fails_a_member_waiting_for_a_dead_neighbour_promptly():
+    """A -> B -> dead -> A: B's link to the dead member is refused; A, which only waits for a link
+    from it, must raise at once (B's notice), not after its 10 s timeout, and name the dead member."""
+    a, b = (FTAREndpoint(TOKEN, timeout_s=10) for _ in range(2))
+    dead = _dead_address()
+    try:
+        members = [a.address, b.address, dead]
+        errors = {}
+
+        def call(ep, rank):
+            t0 = time.monotonic()
+            try:
+                ep.allreduce(np.ones(64, np.float32), quorum_id=1, step=0, members=members, rank=rank)
+            except FTARError as exc:
+                errors[rank] = (exc, time.monotonic() - t0)
+
+        threads = [threading.Thread(target=call, args=(ep, r)) for r, ep in enumerate((a, b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        for rank in (0, 1):
+            exc, took = errors[rank]
+            assert isinstance(exc, PeerFailed) and exc.peer == dead, exc
+            assert took < 2.0, f"member {rank} raised after {took:.2f} s"
+        # a member joining the abandoned call late fails at once too (the notice waits for it)
+        t0 = time.monotonic()
+        with pytest.raises(PeerFailed):
+            a.allreduce(np.ones(64, np.float32), quorum_id=1, step=0, members=members, rank=0)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_member_gone_between_steps_is_named_at_once_on_the_next_step():
+    """Links cached from step 0 are checked before reuse: the step after a member vanished fails
+    fast (not after the 10 s timeout) on every survivor, naming it."""
+    eps = [FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=10) for _ in range(3)]
+    try:
+        bufs = [np.ones(100, np.float32)] * 3
+        q = next(_quorums)
+        assert run_ring(eps, bufs, quorum_id=q, step=0)[1] == [None] * 3
+        gone = eps[1].address
+        eps[1].close()
+        t0 = time.monotonic()
+        _, errors = run_ring([eps[0], eps[2]], bufs[:2], quorum_id=q, step=1, members=[e.address for e in eps])
+        assert time.monotonic() - t0 < 3.0
+        assert all(isinstance(e, PeerFailed) and e.peer == gone for e in errors), errors
+    finally:
+        for ep in eps:
+            ep.close()
