@@ -18,7 +18,9 @@ does is the peer-to-peer transport and its lifetime rules, which are here.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import os
 import http.client
 import json
 import shutil
@@ -298,6 +300,23 @@ def restore_snapshot(path: str | Path, abstract_state: Any) -> Any:
 
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(Path(path).absolute(), abstract_state)
+
+
+def snapshot_dir(configured: str | None, replica_out: str | Path) -> Path:
+    """Where a replica writes the snapshots it serves and the ones it fetches.
+
+    Snapshots are transient, so by default they live in RAM-backed /dev/shm (when writable): that
+    spares the disk a write and a read on each side of a catch-up. The directory is a function of
+    the replica's run directory, so every host of a replica, a restarted incarnation (which clears
+    what a killed one left) and the launcher (which removes it at the end) agree on it."""
+    out = Path(replica_out).absolute()
+    if configured:
+        base = Path(configured)
+    elif os.access("/dev/shm", os.W_OK):
+        base = Path("/dev/shm") / f"ftjax-{os.getuid()}"
+    else:
+        return out / "catchup"
+    return base / hashlib.sha256(str(out).encode()).hexdigest()[:16]
 
 
 def _safe(key: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import socket
 import statistics
 import sys
@@ -44,7 +45,7 @@ def _serve(argv: list[str]) -> int:
     for k in range(2):
         state, _ = program.train_step(state, device_batch(program, stream.batch(k)), np.float32(1.0))
     jax.block_until_ready(state)
-    workdir = Path(tempfile.mkdtemp(prefix="ftjax-bench-catchup-"))
+    workdir = Path(tempfile.mkdtemp(prefix="ftjax-bench-catchup-", dir=_scratch()))
     server = SnapshotServer("bench-token", workdir)
     t0 = time.perf_counter()
     server.offer("bench/0", state, 2, {"step": 2})
@@ -70,7 +71,13 @@ def _serve(argv: list[str]) -> int:
                       "nbytes": snap.nbytes, "offer_s": offer_s, "write_s": write_s}), flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     server.close()
+    shutil.rmtree(workdir, ignore_errors=True)
     return 0
+
+
+def _scratch() -> str | None:
+    """Where a replica puts snapshots (RAM-backed /dev/shm when present), so the bench measures the same path."""
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
 def _link_seconds(address: str, nbytes: int) -> float:
@@ -110,7 +117,7 @@ def main(argv: list[str]) -> int:
     from ftjax.procs import ProcessGroup
 
     configure_process(device_count=cfg.mesh.devices_per_host)
-    with ProcessGroup() as procs, tempfile.TemporaryDirectory(prefix="ftjax-bench-catchup-") as tmp:
+    with ProcessGroup() as procs, tempfile.TemporaryDirectory(prefix="ftjax-bench-catchup-", dir=_scratch()) as tmp:
         source = procs.start([sys.executable, "-m", "ftjax", "bench", "catchup", "--serve", args.config,
                               *args.overrides], device_count=cfg.mesh.devices_per_host,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -135,6 +142,7 @@ def main(argv: list[str]) -> int:
         jax.block_until_ready(restore_snapshot(fetch.result.path, abstract))
         restore_s = time.perf_counter() - t0
         source.stdin.close()
+        source.wait(30)  # it removes its snapshot (in RAM) on the way out
     mb = info["nbytes"] / 1e6
     link_mb_s, catchup_mb_s = mb / statistics.median(links), mb / statistics.median(transfers)
     print(json.dumps({"bench": "catchup", "config": args.config, "snapshot_mb": round(mb, 2),

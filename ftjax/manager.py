@@ -18,7 +18,6 @@ coordinator and serves catch-up snapshots. Each step:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import shutil
 import os
@@ -32,7 +31,7 @@ import numpy as np
 
 from coordinator.client import CoordinatorClient, MemberInfo, QuorumResult, new_incarnation
 from coordinator.quorum import Participant
-from ftjax.catchup import SnapshotFetch, SnapshotServer, restore_snapshot
+from ftjax.catchup import SnapshotFetch, SnapshotServer, restore_snapshot, snapshot_dir
 from ftjax.checkpoint import DurableCheckpoints
 from ftjax.config import Config
 from ftjax.data import make_stream
@@ -43,19 +42,6 @@ from ftjax.ftar import FTAREndpoint, FTARError
 from ftjax.metrics import MetricsLog
 from ftjax.replica_comm import ReplicaComm
 from ftjax.step import build_program, device_batch, param_count
-
-
-def catchup_dir(cfg: Config, out: Path, replica_id: str) -> Path:
-    """Snapshots are transient: RAM-backed /dev/shm (when there is one) spares the disk twice per
-    catch-up (the source's write, the newcomer's download)."""
-    if cfg.ft.catchup_dir:
-        root = Path(cfg.ft.catchup_dir)
-    elif Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
-        run = hashlib.sha256(str(out.absolute()).encode()).hexdigest()[:12]  # the same on every host
-        root = Path("/dev/shm") / f"ftjax-{os.getuid()}" / run
-    else:
-        root = out / "catchup"
-    return root / f"replica-{replica_id}"
 
 
 def lr_scale(policy: str, live: int, total: int) -> float:
@@ -98,7 +84,9 @@ class Manager:
                                            keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
         self.endpoint = FTAREndpoint(token, timeout_s=cfg.ft.ftar_timeout_s)
         ftar_addresses = self.comm.allgather(self.endpoint.address)
-        self.catchup_dir = catchup_dir(cfg, out, self.replica_id)
+        self.catchup_dir = snapshot_dir(cfg.ft.catchup_dir, out)
+        if self.leader:  # what a killed incarnation of this replica left behind (it may be in RAM)
+            shutil.rmtree(self.catchup_dir, ignore_errors=True)
         self.snapshots = SnapshotServer(token, self.catchup_dir / "served", serve=self.leader,
                                         rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps)
         self.topology = hashlib.sha256(self.program.topology().encode()).hexdigest()[:16]
@@ -294,7 +282,7 @@ class Manager:
             votes = self.comm.allgather(error)
             failed = [v for v in votes if v is not None]
             if failed:
-                self._discard(q, failed, n)
+                self._discard(q, failed)
                 fut = self._ask()
                 continue
             self.faults.point(q.step + 1, "commit")
@@ -328,10 +316,10 @@ class Manager:
             self.log.log(record)
         return self._finish()
 
-    def _discard(self, q: QuorumResult, failed: list[dict], n: int) -> None:
+    def _discard(self, q: QuorumResult, failed: list[dict]) -> None:
         self.commit_failures += 1
         self.total_commit_failures += 1
-        self.log.event("commit_failure", step=n, quorum_id=q.quorum_id, errors=failed)
+        self.log.event("commit_failure", step=q.step + 1, quorum_id=q.quorum_id, errors=failed)
         if self.leader:
             by_address = {a: p for p in q.participants for a in p.ftar_addresses}
             for f in failed:

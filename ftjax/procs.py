@@ -34,7 +34,12 @@ class ProcessGroup:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        self._on_close: list = []
         _LIVE_GROUPS.add(self)
+
+    def on_close(self, callback) -> None:
+        """Run `callback()` after the children are killed (cleanup of what they leave behind)."""
+        self._on_close.append(callback)
 
     def start(
         self,
@@ -87,6 +92,9 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 pass
         self.procs.clear()
+        callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            callback()
 
     def __enter__(self) -> "ProcessGroup":
         return self
