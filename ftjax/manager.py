@@ -18,6 +18,7 @@ coordinator and serves catch-up snapshots. Each step:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import shutil
 import os

@@ -9,7 +9,6 @@ devices set from the config, metrics in RUN_DIR, durable checkpoints with orbax.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
