@@ -52,7 +52,8 @@ class LocalJob:
         self.coordinator = self.procs.start(
             [sys.executable, "-m", "ftjax", "coordinator", "--port", str(port), "--http-port", str(http_port),
              "--min-replicas", str(c.min_replicas), "--heartbeat-timeout-ms", str(c.heartbeat_timeout_ms),
-             "--join-timeout-ms", str(c.join_timeout_ms), "--ready-file", str(ready)],
+             "--join-timeout-ms", str(c.join_timeout_ms), "--expected-replicas", str(self.replicas),
+             "--ready-file", str(ready)],
             env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not ready.exists():

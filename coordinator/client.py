@@ -1,0 +1,406 @@
+"""The coordinator client used by a replica's leader.
+
+    client = CoordinatorClient("host:port", token, MemberInfo(...))
+    client.start()                                   # heartbeat thread, independent of training
+    future = client.quorum_async(step, data_position, has_state=True)   # overlaps with compute
+    result = future.result()                         # a QuorumResult
+    client.report_failure(result.quorum_id, peer_id, peer_incarnation, "ring socket closed")
+    client.close()
+
+Heartbeats and quorum requests each use one long-lived stream on a channel of their own. When the
+coordinator is unreachable (restarting, say) both reconnect with capped exponential backoff on a
+fresh channel, and a quorum request is re-sent until its quorum timeout; errors that are the
+caller's fault (INVALID_ARGUMENT, FAILED_PRECONDITION, UNAUTHENTICATED, RESOURCE_EXHAUSTED) raise
+`CoordinatorError` at once and are not retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator import coordinator_pb2 as pb
+from coordinator import coordinator_pb2_grpc as pb_grpc
+from coordinator.quorum import MemberReport, Participant
+from coordinator import TOKEN_METADATA_KEY
+
+log = logging.getLogger(__name__)
+
+CALLER_FAULT = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED,
+})
+_STREAM_LIFETIME_S = 3600.0  # streams are renewed this often (every call has a deadline)
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.use_local_subchannel_pool", 1),  # a fresh channel is a fresh connection
+]
+
+
+def new_incarnation() -> str:
+    """A fresh incarnation id for this process start."""
+    return f"{os.getpid()}-{secrets.token_hex(6)}"
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator refused a request, or could not be reached in time. `code` is the gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.details = message
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """A replica leader's static fields: fixed for the life of its process."""
+
+    replica_id: str
+    incarnation: str
+    num_hosts: int
+    ftar_addresses: tuple[str, ...]
+    catchup_address: str
+    topology_fingerprint: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ftar_addresses", tuple(self.ftar_addresses))
+        if len(self.ftar_addresses) != self.num_hosts:
+            raise ValueError(f"ftar_addresses: {len(self.ftar_addresses)} addresses for num_hosts={self.num_hosts}")
+        MemberReport(self.replica_id, self.incarnation, ftar_addresses=self.ftar_addresses,
+                     catchup_address=self.catchup_address,
+                     topology_fingerprint=self.topology_fingerprint).validate("member_info")
+
+    def to_proto(self, step: int = 0, data_position: int = 0, has_state: bool = True,
+                 commit_failures: int = 0) -> pb.Member:
+        return pb.Member(
+            replica_id=self.replica_id, incarnation=self.incarnation, step=step, data_position=data_position,
+            has_state=has_state, num_hosts=self.num_hosts, ftar_addresses=self.ftar_addresses,
+            catchup_address=self.catchup_address, topology_fingerprint=self.topology_fingerprint,
+            commit_failures=commit_failures,
+        )
+
+
+@dataclass(frozen=True)
+class QuorumResult:
+    """One step's quorum, as this replica sees it."""
+
+    quorum_id: int
+    step: int  # the max step among participants with state
+    participants: tuple[Participant, ...]  # ordered by replica_id
+    rank: int  # this replica's index in participants
+    healing: bool  # this replica must fetch the state of `step` from heal_source
+    heal_source: str
+    heal_source_address: str
+    num_contributors: int  # participants not healing: the divisor of the gradient average
+    data_position: int  # where this replica's data stream resumes
+    no_state: bool  # nobody has state: restore the latest durable checkpoint
+
+    @property
+    def replica_ids(self) -> tuple[str, ...]:
+        return tuple(p.replica_id for p in self.participants)
+
+    @property
+    def heal_targets(self) -> tuple[Participant, ...]:
+        """The participants that heal from this replica (it must serve them its state)."""
+        me = self.participants[self.rank].replica_id
+        return tuple(p for p in self.participants if p.healing and p.heal_source == me)
+
+
+def result_from_proto(r: pb.QuorumResponse, members: tuple[pb.MemberAddress, ...]) -> QuorumResult:
+    """Join a response's per-participant columns with the quorum's static membership."""
+    n = r.num_participants
+    steps = r.steps or [r.step] * n  # empty: everybody at the quorum's step
+    sources = r.heal_sources or [0] * n  # empty: nobody heals
+    if not (len(members) == len(steps) == len(r.data_positions) == len(sources) == n) or not 0 <= r.rank < n:
+        raise CoordinatorError(grpc.StatusCode.INTERNAL, f"malformed quorum {r.quorum_id}: inconsistent columns")
+    participants = tuple(
+        Participant(
+            replica_id=m.replica_id, incarnation=m.incarnation, step=steps[i], data_position=r.data_positions[i],
+            ftar_addresses=tuple(m.ftar_addresses), catchup_address=m.catchup_address,
+            healing=sources[i] > 0, heal_source=members[sources[i] - 1].replica_id if sources[i] > 0 else "",
+        )
+        for i, m in enumerate(members)
+    )
+    return QuorumResult(
+        quorum_id=r.quorum_id, step=r.step, participants=participants, rank=r.rank, healing=r.healing,
+        heal_source=r.heal_source, heal_source_address=r.heal_source_address,
+        num_contributors=r.num_contributors, data_position=r.data_position, no_state=r.no_state,
+    )
+
+
+class _Backoff:
+    """Capped exponential backoff with jitter: 50 ms, 100 ms, ... 1 s."""
+
+    def __init__(self, first: float = 0.05, cap: float = 1.0) -> None:
+        self._first, self._cap, self._next = first, cap, first
+
+    def reset(self) -> None:
+        self._next = self._first
+
+    def next(self) -> float:
+        delay, self._next = self._next, min(self._cap, self._next * 2)
+        return delay * random.uniform(0.75, 1.25)
+
+
+class _QuorumStream:
+    """One Quorum stream: send a request, wait for its answer (at most `timeout`)."""
+
+    def __init__(self, channel: grpc.Channel, metadata) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.expires = time.monotonic() + _STREAM_LIFETIME_S
+        self._call = pb_grpc.CoordinatorStub(channel).Quorum(
+            iter(self._requests.get, None), timeout=_STREAM_LIFETIME_S, metadata=metadata)
+
+    def exchange(self, request: pb.QuorumRequest, timeout: float) -> pb.QuorumResponse:
+        self._requests.put(request)
+        # The server bounds the wait by the request's timeout_ms; this bounds it if the server hangs.
+        watchdog = threading.Timer(timeout, self._call.cancel)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            return next(self._call)
+        except StopIteration:
+            raise CoordinatorError(grpc.StatusCode.UNAVAILABLE, "the coordinator closed the quorum stream") from None
+        finally:
+            watchdog.cancel()
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._call.cancel()
+
+
+class CoordinatorClient:
+    """A replica leader's connection to the coordinator (see the module docstring)."""
+
+    def __init__(self, address: str, token: str, member: MemberInfo, *, heartbeat_interval_s: float = 0.1,
+                 rpc_timeout_s: float = 2.0, quorum_timeout_s: float = 60.0) -> None:
+        self.address = address
+        self.member = member
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self.quorum_timeout_s = quorum_timeout_s
+        self._metadata = ((TOKEN_METADATA_KEY, token),)
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._progress = (0, 0, False)  # (step, data_position, has_state) of the latest request
+        self._membership: tuple[int, tuple[pb.MemberAddress, ...]] = (0, ())
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._heartbeat_thread: threading.Thread | None = None
+        self._heartbeat_call: grpc.Future | None = None
+        self._quorum_thread: threading.Thread | None = None
+        self._quorum_channel: grpc.Channel | None = None
+        self._stream: _QuorumStream | None = None
+        self._report_channel: grpc.Channel | None = None
+        self.heartbeat_error: CoordinatorError | None = None  # the coordinator refused our heartbeats
+
+    def _channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+
+    # -- heartbeats ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the heartbeat thread (a daemon)."""
+        with self._lock:
+            if self._heartbeat_thread is None:
+                self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                                          name=f"ftjax-heartbeat-{self.member.replica_id}")
+                self._heartbeat_thread.start()
+
+    def _heartbeats(self, done: threading.Event):
+        step, position, has_state = self._progress
+        yield pb.HeartbeatRequest(member=self.member.to_proto(step, position, has_state))
+        while not done.wait(self.heartbeat_interval_s):
+            yield pb.HeartbeatRequest()
+
+    def _heartbeat_loop(self) -> None:
+        backoff = _Backoff()
+        while not self._closed.is_set():
+            channel = self._channel()
+            done = threading.Event()
+            try:
+                call = pb_grpc.CoordinatorStub(channel).Heartbeat.future(
+                    self._heartbeats(done), timeout=_STREAM_LIFETIME_S, metadata=self._metadata)
+                self._heartbeat_call = call
+                if self._closed.is_set():
+                    call.cancel()
+                call.result()
+                backoff.reset()  # the stream lived out its lifetime: renew it at once
+            except (grpc.RpcError, grpc.FutureCancelledError) as e:  # cancelled: by close()
+                if self._closed.is_set():
+                    break
+                if isinstance(e, grpc.RpcError) and e.code() in CALLER_FAULT:
+                    error = CoordinatorError(e.code(), e.details() or "")
+                    if str(error) != str(self.heartbeat_error):  # log each new refusal once
+                        log.error("coordinator refused heartbeats of %s: %s", self.member.replica_id, error)
+                    self.heartbeat_error = error
+                self._closed.wait(backoff.next())
+            finally:
+                done.set()
+                channel.close()
+
+    # -- quorum -------------------------------------------------------------------------------
+
+    def quorum_async(self, step: int, data_position: int, has_state: bool,
+                     commit_failures: int = 0) -> Future:
+        """Ask for the quorum of `step` in the background; the Future yields a QuorumResult.
+
+        Requests are served one at a time, in order (one per training step)."""
+        if self._closed.is_set():
+            raise CoordinatorError(grpc.StatusCode.CANCELLED, "the client is closed")
+        future: Future = Future()
+        self._requests.put(((step, data_position, has_state, commit_failures), future))
+        with self._lock:
+            if self._quorum_thread is None:
+                self._quorum_thread = threading.Thread(target=self._quorum_loop, daemon=True,
+                                                       name=f"ftjax-quorum-{self.member.replica_id}")
+                self._quorum_thread.start()
+        return future
+
+    def quorum(self, step: int, data_position: int, has_state: bool, commit_failures: int = 0) -> QuorumResult:
+        """Blocking `quorum_async`."""
+        return self.quorum_async(step, data_position, has_state, commit_failures).result()
+
+    def _quorum_loop(self) -> None:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            args, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._request_quorum(*args))
+            except BaseException as e:  # handed to the caller through the future
+                future.set_exception(e)
+
+    def _request_quorum(self, step: int, data_position: int, has_state: bool, commit_failures: int) -> QuorumResult:
+        self._progress = (step, data_position, has_state)
+        member = self.member.to_proto(step, data_position, has_state, commit_failures)
+        deadline = time.monotonic() + self.quorum_timeout_s
+        backoff = _Backoff()
+        last_error = "none"
+        while True:
+            if self._closed.is_set():
+                raise CoordinatorError(grpc.StatusCode.CANCELLED, "the client was closed")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CoordinatorError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"no quorum within {self.quorum_timeout_s} s (last error: {last_error})")
+            known_id, members = self._membership
+            request = pb.QuorumRequest(member=member, timeout_ms=max(1, int(remaining * 1000)),
+                                       known_quorum_id=known_id)
+            try:
+                response = self._open_stream(remaining).exchange(request, remaining + 1.0)
+            except (grpc.RpcError, CoordinatorError) as e:
+                self._drop_stream()
+                code = e.code() if isinstance(e, grpc.RpcError) else e.code
+                details = (e.details() or "") if isinstance(e, grpc.RpcError) else e.details
+                if code in CALLER_FAULT:
+                    raise CoordinatorError(code, details) from None
+                last_error = f"{code.name}: {details}"
+                self._closed.wait(min(backoff.next(), max(0.0, deadline - time.monotonic())))
+                continue
+            if response.members:
+                members = tuple(response.members)
+                self._membership = (response.quorum_id, members)
+            elif response.quorum_id != known_id:
+                raise CoordinatorError(grpc.StatusCode.INTERNAL,
+                                       f"quorum {response.quorum_id} came without its membership")
+            return result_from_proto(response, members)
+
+    def _open_stream(self, needed_s: float) -> _QuorumStream:
+        stream = self._stream
+        if stream is not None and stream.expires - time.monotonic() > needed_s + 5.0:
+            return stream
+        if stream is not None:
+            stream.close()
+        if self._quorum_channel is None:
+            self._quorum_channel = self._channel()
+        self._stream = _QuorumStream(self._quorum_channel, self._metadata)
+        return self._stream
+
+    def _drop_stream(self) -> None:
+        """Forget the stream and its channel: the next attempt starts on a fresh connection."""
+        stream, self._stream = self._stream, None
+        channel, self._quorum_channel = self._quorum_channel, None
+        if stream is not None:
+            stream.close()
+        if channel is not None:
+            channel.close()
+
+    # -- failure reports ----------------------------------------------------------------------
+
+    def report_failure(self, quorum_id: int, replica_id: str, incarnation: str, reason: str = "") -> bool:
+        """Report that a peer failed. True if the accused is out of the membership now (it was
+        silent: dropped, or already gone); False if it is alive (or unknown, or replaced)."""
+        request = pb.FailureReport(quorum_id=quorum_id, replica_id=replica_id, incarnation=str(incarnation),
+                                   reason=reason, reporter_id=self.member.replica_id)
+        deadline = time.monotonic() + self.rpc_timeout_s
+        backoff = _Backoff()
+        while True:
+            with self._lock:
+                if self._report_channel is None:
+                    self._report_channel = self._channel()
+                channel = self._report_channel
+            try:
+                verdict = pb_grpc.CoordinatorStub(channel).ReportFailure(
+                    request, timeout=max(0.01, deadline - time.monotonic()), metadata=self._metadata)
+                return verdict.dropped
+            except grpc.RpcError as e:
+                if e.code() in CALLER_FAULT or time.monotonic() + 0.05 >= deadline:
+                    raise CoordinatorError(e.code(), e.details() or "") from None
+                with self._lock:
+                    if self._report_channel is channel:
+                        self._report_channel = None
+                channel.close()
+                time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop heartbeating (the coordinator then drops this member) and fail pending requests."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        call = self._heartbeat_call
+        if call is not None:
+            call.cancel()
+        stream = self._stream
+        if stream is not None:
+            stream.close()
+        self._requests.put(None)
+        if self._quorum_thread is not None:
+            self._quorum_thread.join(5)
+        while True:  # requests queued behind the sentinel
+            try:
+                item = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(CoordinatorError(grpc.StatusCode.CANCELLED, "the client was closed"))
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(5)
+        self._drop_stream()
+        with self._lock:
+            if self._report_channel is not None:
+                self._report_channel.close()
+                self._report_channel = None
+
+    def __enter__(self) -> "CoordinatorClient":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

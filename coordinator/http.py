@@ -1,0 +1,158 @@
+"""The coordinator's HTTP side: `/` a status page, `/status` JSON, `/metrics` Prometheus text.
+
+Served by the standard library's threading HTTP server in a daemon thread; every request reads a
+snapshot of the state under its lock, so the gRPC loop is never blocked for more than a copy.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from coordinator.state import CoordinatorState
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
+_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _StateCollector:
+    """Counters and gauges read from the state at scrape time (nothing to update on the hot path)."""
+
+    def __init__(self, state: CoordinatorState) -> None:
+        self._state = state
+
+    def collect(self):
+        s = self._state.summary(time.monotonic())
+        c = s["counters"]
+        yield CounterMetricFamily("ftjax_coordinator_heartbeats", "Heartbeats received.", value=c["heartbeats"])
+        yield CounterMetricFamily("ftjax_coordinator_quorum_requests", "Quorum requests received.",
+                                  value=c["quorum_requests"])
+        yield CounterMetricFamily("ftjax_coordinator_quorums", "Quorums formed.", value=c["quorums"])
+        yield CounterMetricFamily("ftjax_coordinator_quorum_id_changes", "Quorums formed with a new id.",
+                                  value=c["quorum_id_changes"])
+        failures = CounterMetricFamily("ftjax_coordinator_failures", "Failure events by kind.", labels=["kind"])
+        for kind, n in sorted(s["failure_counts"].items()):
+            failures.add_metric([kind], n)
+        yield failures
+        yield GaugeMetricFamily("ftjax_coordinator_alive_replicas", "Replicas alive now.", value=s["alive"])
+        yield GaugeMetricFamily("ftjax_coordinator_quorum_id", "Id of the latest quorum (0: none yet).",
+                                value=s["quorum_id"])
+        yield GaugeMetricFamily("ftjax_coordinator_quorum_size", "Participants of the latest quorum.",
+                                value=s["quorum_size"])
+        yield GaugeMetricFamily("ftjax_coordinator_step", "Step of the latest quorum.", value=s["step"])
+
+
+class Metrics:
+    """The coordinator's Prometheus registry (one per server, so several can live in one process)."""
+
+    def __init__(self, state: CoordinatorState) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StateCollector(state))
+        self._answer = Histogram(
+            "ftjax_coordinator_quorum_latency_seconds",
+            "Per participant: from the request that completed its quorum to its answer handed to gRPC.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self._wait = Histogram(
+            "ftjax_coordinator_quorum_wait_seconds",
+            "From a quorum's first pending request to its formation (waiting for the others).",
+            buckets=_WAIT_BUCKETS, registry=self.registry)
+        self._rejected = Counter("ftjax_coordinator_rejected_calls", "Calls refused, by gRPC status.",
+                                 ["code"], registry=self.registry)
+
+    def observe_wait(self, seconds: float) -> None:
+        self._wait.observe(seconds)
+
+    def observe_answer(self, seconds: float) -> None:
+        self._answer.observe(seconds)
+
+    def rejected(self, code: str) -> None:
+        self._rejected.labels(code).inc()
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(r.get(c, '')))}</td>" for c in columns) + "</tr>" for r in rows
+    )
+    return f"<table><tr>{head}</tr>{body}</table>" if rows else "<p>none</p>"
+
+
+def status_page(snapshot: dict) -> str:
+    """The status page: replicas, the current quorum, recent quorums and failures."""
+    s = snapshot
+    q = s["quorum"]
+    quorum = "<p>none yet</p>" if q is None else (
+        f"<p>id {q['quorum_id']}, step {q['step']}, {len(q['participants'])} participants, "
+        f"{q['num_contributors']} contributing, formed by {html.escape(q['reason'])}"
+        f"{', no state: restoring a checkpoint' if q['no_state'] else ''}</p>"
+        + _table(q["participants"], ["replica_id", "incarnation", "step", "healing", "heal_source"])
+    )
+    history = [dict(h, participants=len(h["participants"]), healing=", ".join(f"{k}<-{v}" for k, v in h["healing"].items()),
+                    wait_ms=round(h["wait_s"] * 1000, 1)) for h in s["history"]]
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="2"><title>ftjax coordinator</title>
+<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left}}</style></head><body>
+<h1>ftjax coordinator</h1>
+<p>up {s['uptime_s']:.0f} s; {s['alive']} replicas alive; topology {html.escape(str(s['topology_fingerprint']))};
+waiting because: {html.escape(s['waiting_because'])}</p>
+<h2>Replicas</h2>
+{_table(s['replicas'], ['replica_id', 'incarnation', 'step', 'data_position', 'has_state', 'heartbeat_age_s', 'alive',
+                        'requesting', 'suspected', 'departed_because'])}
+<h2>Current quorum</h2>
+{quorum}
+<h2>Recent quorums</h2>
+{_table(history, ['quorum_id', 'step', 'participants', 'reason', 'wait_ms', 'healing'])}
+<h2>Recent failures</h2>
+{_table(s['failures'], ['age_s', 'kind', 'replica_id', 'incarnation', 'reporter', 'reason', 'outcome', 'quorum_id'])}
+</body></html>
+"""
+
+
+class StatusHTTPServer:
+    """Serves `/`, `/status` and `/metrics` from a daemon thread."""
+
+    def __init__(self, state: CoordinatorState, metrics: Metrics, host: str, port: int) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, CONTENT_TYPE_LATEST, metrics.text())
+                elif path == "/status":
+                    body = json.dumps(state.snapshot(time.monotonic()), indent=1).encode()
+                    self._send(200, "application/json", body)
+                elif path == "/":
+                    self._send(200, "text/html; charset=utf-8", status_page(state.snapshot(time.monotonic())).encode())
+                else:
+                    self._send(404, "text/plain", b"not found: try /, /status or /metrics\n")
+
+            def _send(self, code: int, content_type: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:  # quiet: the coordinator's stdout is for its address line
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.address = f"{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="coordinator-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

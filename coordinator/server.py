@@ -1,0 +1,566 @@
+"""The coordinator's gRPC server, and `ftjax coordinator`.
+
+One asyncio event loop (uvloop when installed) serves every call: heartbeats and quorum requests
+arrive on long-lived streams, and a pending quorum request is a future that the formation of a
+quorum resolves. The membership itself lives in `CoordinatorState` (one lock), which the HTTP
+status thread reads. Nothing here is durable: a restarted coordinator relearns everything from the
+members (see coordinator/state.py).
+
+A quorum's answer is serialized once and shared: each participant gets the common bytes followed
+by a few bytes of its own (protobuf merges concatenated messages), and the static membership only
+when it does not hold it yet, so a quorum of N members costs O(N) bytes to build, not O(N^2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import hmac
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator import TOKEN_METADATA_KEY
+from coordinator import coordinator_pb2 as pb
+from coordinator.http import Metrics, StatusHTTPServer
+from coordinator.quorum import (
+    MAX_HOSTS,
+    MAX_REASON_BYTES,
+    MAX_TIMEOUT_MS,
+    InvalidField,
+    MemberReport,
+    Quorum,
+    Settings,
+    check_id,
+    check_int,
+    check_text,
+)
+from coordinator.state import MAX_MEMBERS, Accusation, CoordinatorState, Rejected
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+MAX_MESSAGE_BYTES = 1 << 20  # a Member is at most ~270 KB (1024 addresses of 256 bytes)
+_VERDICTS = pb.FailureVerdict.Verdict
+
+
+class MemberDecoder:
+    """Wire Member -> validated MemberReport. The static fields of a member are validated once per
+    incarnation, not on every step's request (remembered in a bounded set)."""
+
+    def __init__(self, capacity: int = 4 * MAX_MEMBERS) -> None:
+        self._valid: set[tuple] = set()
+        self._capacity = capacity
+
+    def __call__(self, member: pb.Member, known_quorum_id: int = 0, prefix: str = "member") -> MemberReport:
+        """Raise InvalidField naming the bad field."""
+        check_int(f"{prefix}.num_hosts", member.num_hosts, 1, MAX_HOSTS)
+        if len(member.ftar_addresses) != member.num_hosts:
+            raise InvalidField(f"{prefix}.ftar_addresses",
+                               f"{len(member.ftar_addresses)} addresses for num_hosts={member.num_hosts}")
+        report = MemberReport(
+            member.replica_id, member.incarnation, member.step, member.data_position, member.has_state,
+            tuple(member.ftar_addresses), member.catchup_address, member.topology_fingerprint,
+            member.commit_failures, known_quorum_id,
+        )
+        static = (report.replica_id, report.incarnation, *report.static_fields())
+        known = static in self._valid
+        report.validate(prefix, static=not known)
+        if not known:
+            if len(self._valid) >= self._capacity:
+                self._valid.clear()
+            self._valid.add(static)
+        return report
+
+
+class _EncodedQuorum:
+    """One quorum's answer, serialized once for all of its participants."""
+
+    def __init__(self, q: Quorum) -> None:
+        self.q = q
+        self._index = index = {p.replica_id: i for i, p in enumerate(q.participants)}
+        parts = q.participants
+        uniform = all(p.step == q.step for p in parts)
+        healing = any(p.healing for p in parts)
+        self._common = pb.QuorumResponse(
+            quorum_id=q.quorum_id, step=q.step, no_state=q.no_state, num_contributors=q.num_contributors,
+            num_participants=len(parts),
+            steps=None if uniform else [p.step for p in parts],
+            data_positions=[p.data_position for p in parts],
+            heal_sources=[index[p.heal_source] + 1 if p.healing else 0 for p in parts] if healing else None,
+        ).SerializeToString()
+        self._members: bytes | None = None
+
+    def _membership(self) -> bytes:
+        if self._members is None:
+            self._members = pb.QuorumResponse(members=[
+                pb.MemberAddress(replica_id=p.replica_id, incarnation=p.incarnation,
+                                 ftar_addresses=p.ftar_addresses, catchup_address=p.catchup_address)
+                for p in self.q.participants
+            ]).SerializeToString()
+        return self._members
+
+    def rank(self, replica_id: str) -> int | None:
+        return self._index.get(replica_id)
+
+    def for_member(self, rank: int, known_quorum_id: int) -> bytes:
+        p = self.q.participants[rank]
+        if p.healing:
+            source = self.q.participants[self._index[p.heal_source]]
+            own = pb.QuorumResponse(rank=rank, healing=True, heal_source=p.heal_source,
+                                    heal_source_address=source.catchup_address, data_position=p.data_position)
+        else:
+            own = pb.QuorumResponse(rank=rank, data_position=p.data_position)
+        own = own.SerializeToString()
+        if known_quorum_id == self.q.quorum_id:
+            return self._common + own
+        return self._common + self._membership() + own
+
+
+@dataclass
+class _Failure:
+    """A pending request answered with an error instead of a quorum."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass
+class _Waiter:
+    future: asyncio.Future
+    incarnation: str
+    known_quorum_id: int
+    since: float
+
+
+class _Service:
+    """The three RPCs; every method runs on the server's event loop."""
+
+    def __init__(self, state: CoordinatorState, metrics: Metrics, loop: asyncio.AbstractEventLoop) -> None:
+        self.state = state
+        self.metrics = metrics
+        self.loop = loop
+        self._waiters: dict[str, _Waiter] = {}
+        self._decode = MemberDecoder()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    def _after_event(self, now: float) -> None:
+        if self.state.may_form(now):
+            self._evaluate(now, sweep=False)
+        self._arm(self.state.next_wake(now))
+
+    def _arm(self, when: float | None) -> None:
+        if when is None or (self._timer is not None and self._timer_at <= when):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self.loop.call_later(max(0.0, when - time.monotonic()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer, self._timer_at = None, float("inf")
+        now = time.monotonic()
+        self._evaluate(now)
+        self._arm(self.state.next_wake(now))
+
+    def _evaluate(self, now: float, *, sweep: bool = True) -> None:
+        decision = self.state.evaluate(now, sweep=sweep)
+        q = decision.quorum
+        if q is None:
+            return
+        encoded = _EncodedQuorum(q)
+        first = now
+        # Oldest request first (the dict keeps arrival order): who asked first has waited longest.
+        for rid, waiter in list(self._waiters.items()):
+            rank = encoded.rank(rid)
+            if rank is None or q.participants[rank].incarnation != waiter.incarnation:
+                continue  # not in this quorum (a dead member's request stays pending)
+            del self._waiters[rid]
+            first = min(first, waiter.since)
+            # Each handler encodes its own few bytes: the first answers leave sooner.
+            waiter.future.set_result((encoded, rank, waiter.known_quorum_id, now))
+        self.metrics.observe_wait(now - first)
+
+    def _fail_waiter(self, replica_id: str, code: grpc.StatusCode, message: str, *, spare: str | None = None) -> None:
+        """Answer the replica's pending request with an error (unless it is incarnation `spare`'s)."""
+        waiter = self._waiters.get(replica_id)
+        if waiter is None or waiter.incarnation == spare:
+            return
+        del self._waiters[replica_id]
+        if not waiter.future.done():
+            waiter.future.set_result(_Failure(code, message))
+
+    async def _reject(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:
+        self.state.reject()
+        self.metrics.rejected(code)
+        await context.abort(getattr(grpc.StatusCode, code), message)
+
+    # -- RPCs -----------------------------------------------------------------------------------
+
+    async def heartbeat(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.HeartbeatSummary:
+        key: tuple[str, str] | None = None
+        count = 0
+        try:
+            async for request in request_iterator:
+                now = time.monotonic()
+                count += 1
+                if key is not None:
+                    current, revived = self.state.heartbeat(key[0], key[1], now)
+                    if not current:
+                        await self._reject(context, "FAILED_PRECONDITION",
+                                           f"replica {key[0]!r} incarnation {key[1]!r} was replaced by a newer one")
+                    if revived:
+                        self._after_event(now)
+                    continue
+                if not request.HasField("member"):
+                    await self._reject(context, "INVALID_ARGUMENT", "member: the first heartbeat of a stream must carry it")
+                try:
+                    report = self._decode(request.member)
+                    replaced = self.state.register(report, now)
+                except InvalidField as e:
+                    await self._reject(context, "INVALID_ARGUMENT", str(e))
+                except Rejected as e:
+                    await self._reject(context, e.code, str(e))
+                key = report.key
+                if replaced:
+                    self._fail_waiter(report.replica_id, grpc.StatusCode.ABORTED,
+                                      f"replica {report.replica_id!r} restarted as incarnation {report.incarnation!r}",
+                                      spare=report.incarnation)
+                self._after_event(now)
+        finally:
+            if key is not None:
+                now = time.monotonic()
+                self.state.disconnected(key[0], key[1], now)
+                self._arm(self.state.next_wake(now))
+        return pb.HeartbeatSummary(heartbeats=count)
+
+    async def quorum(self, request_iterator, context: grpc.aio.ServicerContext):
+        mine: tuple[str, _Waiter] | None = None
+        try:
+            async for request in request_iterator:
+                now = time.monotonic()
+                try:
+                    check_int("timeout_ms", request.timeout_ms, 1, MAX_TIMEOUT_MS)
+                    check_int("known_quorum_id", request.known_quorum_id, 0, 2**62)
+                    if not request.HasField("member"):
+                        raise InvalidField("member", "missing")
+                    report = self._decode(request.member, request.known_quorum_id)
+                    replaced = self.state.request(report, now)
+                except InvalidField as e:
+                    await self._reject(context, "INVALID_ARGUMENT", str(e))
+                except Rejected as e:
+                    await self._reject(context, e.code, str(e))
+                rid = report.replica_id
+                self._fail_waiter(rid, grpc.StatusCode.ABORTED,
+                                  f"replica {rid!r} restarted as incarnation {report.incarnation!r}" if replaced
+                                  else f"superseded by a newer quorum request of replica {rid!r}")
+                waiter = _Waiter(self.loop.create_future(), report.incarnation, request.known_quorum_id, now)
+                self._waiters[rid] = waiter
+                mine = (rid, waiter)
+                self._after_event(now)
+                budget = request.timeout_ms / 1000
+                remaining = context.time_remaining()
+                if remaining is not None:
+                    budget = min(budget, remaining)
+                expiry = self.loop.call_later(budget, self._expire, rid, waiter)
+                try:
+                    result = await waiter.future
+                finally:
+                    expiry.cancel()
+                mine = None
+                if isinstance(result, _Failure):
+                    await context.abort(result.code, result.message)
+                encoded, rank, known_quorum_id, formed_at = result
+                answer = encoded.for_member(rank, known_quorum_id)
+                self.metrics.observe_answer(time.monotonic() - formed_at)
+                yield answer
+        finally:
+            if mine is not None:  # the stream went away (the caller died or hung up) while waiting
+                self._withdraw(*mine)
+
+    def _withdraw(self, rid: str, waiter: _Waiter) -> None:
+        if self._waiters.get(rid) is waiter:
+            del self._waiters[rid]
+            self.state.withdraw(rid, waiter.incarnation)
+            now = time.monotonic()
+            self._arm(self.state.next_wake(now))
+
+    def _expire(self, rid: str, waiter: _Waiter) -> None:
+        if waiter.future.done():
+            return
+        reason = self.state.explain(time.monotonic())  # before withdrawing: the caller's view
+        self._withdraw(rid, waiter)
+        waiter.future.set_result(_Failure(
+            grpc.StatusCode.DEADLINE_EXCEEDED, f"no quorum within the request's deadline: {reason}"))
+
+    async def report_failure(self, request: pb.FailureReport, context: grpc.aio.ServicerContext) -> pb.FailureVerdict:
+        try:
+            check_int("quorum_id", request.quorum_id, 0, 2**62)
+            check_id("replica_id", request.replica_id)
+            check_id("incarnation", request.incarnation)
+            check_text("reason", request.reason, MAX_REASON_BYTES)
+            if request.reporter_id:
+                check_id("reporter_id", request.reporter_id)
+        except InvalidField as e:
+            await self._reject(context, "INVALID_ARGUMENT", str(e))
+        now = time.monotonic()
+        verdict = self.state.accuse(request.replica_id, request.incarnation, now, quorum_id=request.quorum_id,
+                                    reporter=request.reporter_id, reason=request.reason)
+        self._after_event(now)
+        if verdict.verdict == "PENDING":
+            # The accused was heard from recently: it is dropped only if it stays silent until
+            # the end of its suspect window; a heartbeat before then proves it alive.
+            wait = verdict.confirm_at - time.monotonic() + 0.002
+            remaining = context.time_remaining()
+            if remaining is not None:
+                wait = min(wait, remaining - 0.05)
+            await asyncio.sleep(max(0.0, wait))
+            later = time.monotonic()
+            verdict = self.state.confirm(request.replica_id, request.incarnation, now, later)
+            self._after_event(later)
+        return _verdict_proto(verdict)
+
+
+def _verdict_proto(verdict: Accusation) -> pb.FailureVerdict:
+    return pb.FailureVerdict(dropped=verdict.dropped, verdict=_VERDICTS.Value(verdict.verdict), detail=verdict.detail)
+
+
+class _TokenCheck(grpc.aio.ServerInterceptor):
+    """Every call must carry the job token; otherwise UNAUTHENTICATED before any handler runs."""
+
+    def __init__(self, token: str, on_reject: Callable[[], None]) -> None:
+        self._token = token.encode()
+        self._on_reject = on_reject
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        given = b""
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                given = value.encode() if isinstance(value, str) else value
+        handler = await continuation(details)
+        if handler is None or hmac.compare_digest(given, self._token):
+            return handler
+        self._on_reject()
+
+        async def deny(request_or_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong job token ({TOKEN_METADATA_KEY})")
+
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        return make(deny, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop  # a faster event loop: about a third less CPU per stream message
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class CoordinatorServer:
+    """The coordinator, running in a background thread: gRPC on `address`, HTTP on `http_address`.
+
+    >>> server = CoordinatorServer(Settings(min_replicas=2), token="secret").start()
+    >>> server.address  # "127.0.0.1:PORT"
+    >>> server.stop()
+    """
+
+    def __init__(self, settings: Settings, token: str, *, host: str = "127.0.0.1", port: int = 0,
+                 http_port: int | None = 0, startup_grace: float | None = None) -> None:
+        if not token:
+            raise ValueError("the job token must not be empty")
+        self.settings = settings
+        self.state = CoordinatorState(settings, time.monotonic(), startup_grace=startup_grace)
+        self.metrics = Metrics(self.state)
+        self._token = token
+        self._host = host
+        self._port = port
+        self._http_port = http_port
+        self._http: StatusHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.address = ""
+        self.http_address = ""
+
+    def start(self, timeout: float = 30.0) -> "CoordinatorServer":
+        self._thread = threading.Thread(target=self._run, name="coordinator-grpc", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the coordinator's gRPC server did not start")
+        if self._error is not None:
+            raise RuntimeError(f"the coordinator could not start: {self._error}") from self._error
+        if self._http_port is not None:
+            self._http = StatusHTTPServer(self.state, self.metrics, self._host, self._http_port)
+            self.http_address = self._http.address
+        return self
+
+    def _run(self) -> None:
+        self._loop = _new_event_loop()
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        except BaseException as e:  # reported to start(); the thread just ends
+            self._error = e
+            self._ready.set()
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        service = _Service(self.state, self.metrics, asyncio.get_running_loop())
+        server = grpc.aio.server(
+            interceptors=[_TokenCheck(self._token, lambda: self.metrics.rejected("UNAUTHENTICATED"))],
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.max_concurrent_streams", 1 << 20),
+                     # Calls not yet picked up by the loop: the defaults (1000 soft, 3000 hard)
+                     # cancel calls when a thousand replicas (re)connect at once.
+                     ("grpc.server.max_pending_requests", 50_000),
+                     ("grpc.server.max_pending_requests_hard_limit", 100_000),
+                     ("grpc.so_reuseport", 0)],  # a second coordinator on the same port must fail
+        )
+        identity = None  # quorum answers are pre-serialized bytes
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Heartbeat": grpc.stream_unary_rpc_method_handler(
+                service.heartbeat, request_deserializer=pb.HeartbeatRequest.FromString,
+                response_serializer=pb.HeartbeatSummary.SerializeToString),
+            "Quorum": grpc.stream_stream_rpc_method_handler(
+                service.quorum, request_deserializer=pb.QuorumRequest.FromString, response_serializer=identity),
+            "ReportFailure": grpc.unary_unary_rpc_method_handler(
+                service.report_failure, request_deserializer=pb.FailureReport.FromString,
+                response_serializer=pb.FailureVerdict.SerializeToString),
+        }),))
+        port = server.add_insecure_port(f"{self._host}:{self._port}")
+        await server.start()
+        self.address = f"{self._host}:{port}"
+        self._ready.set()
+        await self._stop.wait()
+        await server.stop(grace=None)
+
+    def stop(self) -> None:
+        """Stop serving (pending calls end with CANCELLED/UNAVAILABLE)."""
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+        if self._loop is not None and self._stop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(10)
+
+    def __enter__(self) -> "CoordinatorServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+GC_BACKSTOP_S = 600.0
+
+
+def _quiet_garbage_collector() -> None:
+    """Keep collector pauses out of quorum fan-outs (this process only; an embedding process keeps
+    its own settings). The serving path creates no reference cycles (measured: 0 cyclic objects
+    per 2 s at 1000 replicas, while a full collection of the ~120k tracked objects pauses the loop
+    for 50-200 ms), so reference counting frees everything: automatic collection is switched off,
+    startup objects are frozen, and a full collection runs every GC_BACKSTOP_S as a backstop."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+
+    def backstop() -> None:
+        while True:
+            time.sleep(GC_BACKSTOP_S)
+            gc.collect()
+
+    threading.Thread(target=backstop, name="coordinator-gc", daemon=True).start()
+
+
+def read_token(token_file: str | None) -> str:
+    """The job token: the contents of `token_file`, else $FTJAX_TOKEN."""
+    if token_file:
+        with open(token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+        if not token:
+            raise ValueError(f"token file {token_file} is empty")
+        return token
+    token = os.environ.get("FTJAX_TOKEN", "").strip()
+    if not token:
+        raise ValueError("no job token: pass --token-file FILE or set FTJAX_TOKEN")
+    return token
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ftjax coordinator",
+                                description="The job's coordinator: gRPC quorum service plus HTTP status.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 on a cluster)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: the OS picks)")
+    p.add_argument("--http-port", type=int, default=0, help="HTTP status port (0: the OS picks, -1: none)")
+    p.add_argument("--min-replicas", type=int, default=1)
+    p.add_argument("--join-timeout-ms", type=int, default=10_000,
+                   help="how long a quorum waits for alive replicas that have not asked yet")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=5_000,
+                   help="silence after which a replica is dead")
+    p.add_argument("--suspect-ms", type=int, default=300,
+                   help="silence after which an accused (or disconnected) replica is dead")
+    p.add_argument("--startup-grace-ms", type=int, default=None,
+                   help="listen this long before forming the first quorum (default: the heartbeat timeout)")
+    p.add_argument("--expected-replicas", type=int, default=0,
+                   help="at job start, wait for this many replicas (up to --startup-timeout-ms) before the first quorum")
+    p.add_argument("--startup-timeout-ms", type=int, default=60_000)
+    p.add_argument("--token-file", default=None, help="file holding the job token (default: $FTJAX_TOKEN)")
+    p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        token = read_token(args.token_file)
+        settings = Settings(min_replicas=args.min_replicas, join_timeout=args.join_timeout_ms / 1000,
+                            heartbeat_timeout=args.heartbeat_timeout_ms / 1000, suspect_window=args.suspect_ms / 1000,
+                            expected_replicas=args.expected_replicas, startup_timeout=args.startup_timeout_ms / 1000)
+    except (OSError, ValueError) as e:
+        print(f"ftjax coordinator: {e}", file=sys.stderr)
+        return 2
+    grace = None if args.startup_grace_ms is None else args.startup_grace_ms / 1000
+    server = CoordinatorServer(settings, token, host=args.host, port=args.port,
+                               http_port=None if args.http_port < 0 else args.http_port, startup_grace=grace)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server.start()
+    except (RuntimeError, OSError) as e:
+        print(f"ftjax coordinator: {e}", file=sys.stderr)
+        return 1
+    _quiet_garbage_collector()
+    line = f"coordinator listening grpc={server.address} http={server.http_address or '-'}"
+    print(line, flush=True)
+    if args.ready_file:
+        tmp = f"{args.ready_file}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"grpc": server.address, "http": server.http_address, "pid": os.getpid()}, f)
+        os.replace(tmp, args.ready_file)  # readers never see a half-written file
+    stop.wait()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,491 @@
+"""The coordinator's soft state: membership, pending requests, quorum history, data positions.
+
+Everything here can be lost: a restarted coordinator rebuilds it from what the members send (see
+`PositionLedger` for the one thing that a restart cannot fully rebuild). One lock guards it: the
+gRPC event loop mutates it, the HTTP thread reads snapshots. Methods take `now` (the coordinator's
+monotonic clock) explicitly, so tests can drive time.
+
+Members that are known to be dead are moved out of `members` into `departed` by a sweep. Between
+two sweeps nobody in `members` can have died (the next sweep is due no later than the earliest
+possible death), so `len(members)` is the number of alive members and two counters (pending
+requests, pending requests from members of the previous quorum) tell in O(1) whether a quorum
+could form: the full, pure `compute_quorum` runs only when it could, or when a deadline passes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from coordinator.quorum import (
+    Decision,
+    MemberReport,
+    MemberState,
+    Quorum,
+    Settings,
+    compute_quorum,
+    death_time,
+    is_alive,
+)
+
+MAX_MEMBERS = 10_000  # alive members; beyond that registration gets RESOURCE_EXHAUSTED
+MAX_DEPARTED = 10_000  # dead members remembered for the status page and for late failure reports
+HISTORY = 50  # quorums and failures kept for the status page
+
+
+class Rejected(Exception):
+    """A request the coordinator refuses without changing anything; `code` names a gRPC status."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PositionLedger:
+    """Job-level data positions.
+
+    Every quorum's contributors (participants not healing) are recorded with the data position of
+    the batch each trains at that step. When a member reports a step above s, somebody committed
+    step s, so every contributor of step s has its position advanced past that batch, whether or
+    not it committed the step itself (it will heal, or it died). The position handed out for a
+    replica is max(what it reports, this record), so a restarted replica learns where its stream
+    resumes.
+
+    What a coordinator restart loses: this record. Members that are alive report their own
+    positions, so for them nothing is lost except the step in flight at the restart (a contributor
+    that discarded that step while a peer committed it retrains its batch once). A replica that is
+    dead at the restart and whose last contributions were committed resumes from the position it
+    reports (its durable checkpoint's) and may retrain the batches it contributed after that.
+    A quorum where nobody has state is a whole-job restart from a durable checkpoint, which carries
+    its own positions: the ledger forgets everything then.
+    """
+
+    def __init__(self) -> None:
+        self.positions: dict[str, int] = {}
+        self._contributions: dict[int, Quorum] = {}  # step -> the latest quorum of that step
+
+    def position(self, replica_id: str) -> int:
+        return self.positions.get(replica_id, 0)
+
+    def observe(self, replica_id: str, step: int, position: int) -> None:
+        """A member reported `step` steps committed and `position` as its next batch."""
+        if position > self.positions.get(replica_id, 0):
+            self.positions[replica_id] = position
+        if self._contributions:
+            for committed in sorted(s for s in self._contributions if s < step):
+                for p in self._contributions.pop(committed).participants:
+                    if not p.healing and p.data_position + 1 > self.positions.get(p.replica_id, 0):
+                        self.positions[p.replica_id] = p.data_position + 1
+
+    def record(self, quorum: Quorum) -> None:
+        """Remember who contributes which batch to the step of `quorum`."""
+        if quorum.no_state:
+            self.positions.clear()
+            self._contributions.clear()
+            return
+        # A retried step (after a failed commit) replaces the record of the attempt before it.
+        self._contributions[quorum.step] = quorum
+
+    def pending_steps(self) -> list[int]:
+        return sorted(self._contributions)
+
+
+@dataclass(frozen=True, slots=True)
+class Accusation:
+    """The answer to a failure report: a final verdict, or the time to look again."""
+
+    verdict: str  # DROPPED | ALREADY_GONE | ALIVE | STALE_INCARNATION | UNKNOWN_REPLICA | SUSPECT | PENDING
+    detail: str
+    confirm_at: float | None = None  # PENDING, SUSPECT: when the accused, if still silent, counts as dead
+
+    @property
+    def dropped(self) -> bool:
+        return self.verdict in ("DROPPED", "ALREADY_GONE")
+
+
+class CoordinatorState:
+    """Thread-safe membership table and quorum bookkeeping (see the module docstring)."""
+
+    def __init__(self, settings: Settings, now: float, *, startup_grace: float | None = None) -> None:
+        self.settings = settings
+        self.started_at = now
+        grace = settings.heartbeat_timeout if startup_grace is None else startup_grace
+        self.not_before = now + grace
+        self.members: dict[str, MemberState] = {}
+        self.departed: dict[str, tuple[MemberState, float, str]] = {}  # rid -> (state, when, why)
+        self.fingerprint: str | None = None
+        self.prev: Quorum | None = None
+        self.failure_epoch = 0
+        self.ledger = PositionLedger()
+        self.history: deque[dict] = deque(maxlen=HISTORY)
+        self.failures: deque[dict] = deque(maxlen=HISTORY)
+        self.counters: dict[str, int] = {
+            "heartbeats": 0, "quorum_requests": 0, "quorums": 0, "quorum_id_changes": 0, "rejected": 0,
+        }
+        self.failure_counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._prev_keys: frozenset[tuple[str, str]] = frozenset()
+        self._pending = 0  # members with a pending request
+        self._pending_prev = 0  # ... of which members of the previous quorum
+        self._first_request: float | None = None  # lower bound of the earliest pending request
+        self._next_sweep = float("inf")  # no member of `members` can be dead before this
+
+    # -- bookkeeping of `members` -------------------------------------------------------------
+
+    def _count(self, m: MemberState, sign: int) -> None:
+        if m.requested_at is not None:
+            self._pending += sign
+            if m.report.key in self._prev_keys:
+                self._pending_prev += sign
+
+    def _put(self, m: MemberState) -> None:
+        rid = m.report.replica_id
+        old = self.members.get(rid)
+        if old is not None:
+            self._count(old, -1)
+        self.members[rid] = m
+        self._count(m, +1)
+        t = death_time(m, self.settings)
+        if t < self._next_sweep:
+            self._next_sweep = t
+        if m.requested_at is not None and (self._first_request is None or m.requested_at < self._first_request):
+            self._first_request = m.requested_at
+
+    def _depart(self, rid: str, now: float, why: str) -> None:
+        m = self.members.pop(rid)
+        self._count(m, -1)
+        self.departed[rid] = (m, now, why)
+        key = f"departed:{why}"
+        self.failure_counts[key] = self.failure_counts.get(key, 0) + 1
+        if len(self.departed) > MAX_DEPARTED:
+            oldest = min(self.departed, key=lambda r: self.departed[r][1])
+            del self.departed[oldest]
+
+    def _sweep(self, now: float) -> None:
+        """Move the dead out of `members`; find when the next one could die (one pass)."""
+        dead = []
+        next_sweep, first = float("inf"), None
+        for rid, m in self.members.items():
+            t = death_time(m, self.settings)
+            if t <= now:  # the same test as `not is_alive(m, now)`
+                dead.append(rid)
+                continue
+            if t < next_sweep:
+                next_sweep = t
+            if m.requested_at is not None and (first is None or m.requested_at < first):
+                first = m.requested_at
+        for rid in dead:
+            why = "suspect_silent" if self.members[rid].suspected_at is not None else "heartbeat_timeout"
+            self._depart(rid, now, why)
+        self._next_sweep, self._first_request = next_sweep, first
+
+    def _maybe_sweep(self, now: float) -> None:
+        if now >= self._next_sweep:
+            self._sweep(now)
+
+    def _current(self, rid: str, incarnation: str) -> MemberState | None:
+        """The member's state if `incarnation` is its latest, reviving it from `departed`."""
+        m = self.members.get(rid)
+        if m is not None:
+            return m if m.report.incarnation == incarnation else None
+        gone = self.departed.get(rid)
+        if gone is not None and gone[0].report.incarnation == incarnation:
+            return gone[0]
+        return None
+
+    def _admit(self, report: MemberReport, now: float) -> MemberState | None:
+        """Checks that refuse a report before anything changes; returns the member's current state."""
+        if self.fingerprint is not None and report.topology_fingerprint != self.fingerprint and self.members:
+            raise Rejected(
+                "FAILED_PRECONDITION",
+                f"replica {report.replica_id!r} has topology fingerprint {report.topology_fingerprint!r} but "
+                f"the job's is {self.fingerprint!r}: its mesh or shard layout differs from the job's",
+            )
+        m = self.members.get(report.replica_id)
+        if m is None:
+            gone = self.departed.get(report.replica_id)
+            m = gone[0] if gone is not None else None
+            if len(self.members) >= MAX_MEMBERS:
+                raise Rejected("RESOURCE_EXHAUSTED", f"the coordinator already tracks {MAX_MEMBERS} members")
+        if m is not None and m.report.incarnation == report.incarnation and m.report.static_fields() != report.static_fields():
+            raise Rejected(
+                "FAILED_PRECONDITION",
+                f"replica {report.replica_id!r} incarnation {report.incarnation!r} changed its addresses or "
+                "topology fingerprint; these are fixed for an incarnation (restart with a new incarnation)",
+            )
+        return m
+
+    def _upsert(self, report: MemberReport, now: float, requesting: bool | None) -> tuple[MemberState, bool]:
+        """Record a report (heartbeat or request). `requesting`: True sets the pending request,
+        None keeps it. Returns (new state, whether an older incarnation was replaced)."""
+        m = self._admit(report, now)
+        replaced = m is not None and m.report.incarnation != report.incarnation
+        if m is None or replaced:
+            requested_at = None
+        else:
+            requested_at = m.requested_at
+        if requesting:
+            requested_at = now if requested_at is None else requested_at
+        self.departed.pop(report.replica_id, None)
+        new = MemberState(report, now, requested_at, None)
+        self._put(new)
+        if self.fingerprint is None or len(self.members) == 1:
+            self.fingerprint = report.topology_fingerprint  # the first alive member fixes it
+        return new, replaced
+
+    # -- events -----------------------------------------------------------------------------
+
+    def register(self, report: MemberReport, now: float) -> bool:
+        """A heartbeat stream's first message. Returns True if an older incarnation was replaced."""
+        with self._lock:
+            self._maybe_sweep(now)
+            m = self.members.get(report.replica_id)
+            keep = m is not None and m.report.incarnation == report.incarnation
+            # A heartbeat does not carry progress: keep the progress of the member's last request.
+            if keep:
+                old = m.report
+                report = report._replace(step=old.step, data_position=old.data_position, has_state=old.has_state,
+                                         commit_failures=old.commit_failures, known_quorum_id=old.known_quorum_id)
+            _, replaced = self._upsert(report, now, requesting=None)
+            self.counters["heartbeats"] += 1
+            return replaced
+
+    def heartbeat(self, replica_id: str, incarnation: str, now: float) -> tuple[bool, bool]:
+        """A heartbeat on an established stream. Returns (current, revived): current is False if
+        that incarnation was replaced; revived is True if the member had been counted dead."""
+        with self._lock:
+            m = self._current(replica_id, incarnation)
+            if m is None:
+                return False, False
+            self.counters["heartbeats"] += 1
+            revived = self.departed.pop(replica_id, None) is not None
+            self._put(MemberState(m.report, now, m.requested_at, None))
+            return True, revived
+
+    def request(self, report: MemberReport, now: float) -> bool:
+        """A quorum request (it counts as a heartbeat). Returns True if it replaced an older
+        incarnation (whose pending request, if any, must be answered ABORTED)."""
+        with self._lock:
+            self._maybe_sweep(now)
+            _, replaced = self._upsert(report, now, requesting=True)
+            self.ledger.observe(report.replica_id, report.step, report.data_position)
+            self.counters["quorum_requests"] += 1
+            return replaced
+
+    def withdraw(self, replica_id: str, incarnation: str) -> None:
+        """The member's pending request went away (its stream ended or it timed out)."""
+        with self._lock:
+            m = self.members.get(replica_id)
+            if m is not None and m.report.incarnation == incarnation and m.requested_at is not None:
+                self._put(m._replace(requested_at=None))
+                return
+            gone = self.departed.get(replica_id)
+            if gone is not None and gone[0].report.incarnation == incarnation:
+                g = gone[0]
+                self.departed[replica_id] = (g._replace(requested_at=None), gone[1], gone[2])
+
+    def disconnected(self, replica_id: str, incarnation: str, now: float) -> None:
+        """The member's heartbeat stream ended: evidence that it died. It becomes a suspect (dead
+        unless heard from within the suspect window), and a peer's report drops it at once."""
+        with self._lock:
+            m = self.members.get(replica_id)
+            if m is not None and m.report.incarnation == incarnation and not m.stream_lost:
+                suspected_at = now if m.suspected_at is None else m.suspected_at
+                self._put(m._replace(suspected_at=suspected_at, stream_lost=True))
+                self._record_failure(now, "disconnect", replica_id, incarnation, "", "", "heartbeat stream ended")
+
+    def accuse(self, replica_id: str, incarnation: str, now: float, *, quorum_id: int = 0,
+               reporter: str = "", reason: str = "") -> Accusation:
+        """A peer reports that the member failed."""
+        with self._lock:
+            self._maybe_sweep(now)
+            m = self.members.get(replica_id)
+            gone = self.departed.get(replica_id)
+            known = m or (gone[0] if gone else None)
+            if known is None:
+                result = Accusation("UNKNOWN_REPLICA", f"no member {replica_id!r}")
+            elif known.report.incarnation != incarnation:
+                result = Accusation(
+                    "STALE_INCARNATION",
+                    f"{replica_id!r} is now incarnation {known.report.incarnation!r}, not {incarnation!r}",
+                )
+            elif m is None:
+                result = Accusation("ALREADY_GONE", f"{replica_id!r} was already out ({gone[2]})")
+            else:
+                suspect = m if m.suspected_at is not None else m._replace(suspected_at=now)
+                self._put(suspect)
+                silent = now - m.last_seen
+                if m.stream_lost or not is_alive(suspect, now, self.settings):
+                    # Silent for the suspect window, or its connection is gone as well: two
+                    # independent signs of death.
+                    self._depart(replica_id, now, "report")
+                    self.failure_epoch += 1
+                    gone = ", its heartbeat stream broken" if m.stream_lost else ""
+                    result = Accusation("DROPPED", f"{replica_id!r} was silent for {silent * 1000:.0f} ms{gone}")
+                else:
+                    result = Accusation("PENDING", f"{replica_id!r} heard from {silent * 1000:.0f} ms ago",
+                                        death_time(suspect, self.settings))
+            self._record_failure(now, "report", replica_id, incarnation, reporter, reason, result.verdict,
+                                 quorum_id=quorum_id)
+            return result
+
+    def confirm(self, replica_id: str, incarnation: str, accused_at: float, now: float) -> Accusation:
+        """The verdict on an accusation whose suspect window has passed."""
+        with self._lock:
+            self._maybe_sweep(now)
+            m = self.members.get(replica_id)
+            gone = self.departed.get(replica_id)
+            if m is not None and m.report.incarnation == incarnation:
+                if m.last_seen > accused_at or m.suspected_at is None:
+                    result = Accusation("ALIVE", f"{replica_id!r} heartbeat after the report: not removed")
+                else:  # asked before the suspect window passed (the caller's deadline came first)
+                    result = Accusation("SUSPECT", f"{replica_id!r} silent for {(now - m.last_seen) * 1000:.0f} ms "
+                                        "so far: dropped if it stays silent", death_time(m, self.settings))
+            elif gone is not None and gone[0].report.incarnation == incarnation:
+                self.failure_epoch += 1
+                result = Accusation("DROPPED", f"{replica_id!r} stayed silent ({gone[2]})")
+            else:
+                result = Accusation("STALE_INCARNATION", f"{replica_id!r} was replaced by a newer incarnation")
+            self._record_failure(now, "verdict", replica_id, incarnation, "", "", result.verdict)
+            return result
+
+    def _record_failure(self, now: float, kind: str, replica_id: str, incarnation: str, reporter: str,
+                        reason: str, outcome: str, *, quorum_id: int = 0) -> None:
+        key = f"{kind}:{outcome}" if kind != "disconnect" else kind
+        self.failure_counts[key] = self.failure_counts.get(key, 0) + 1
+        self.failures.append({
+            "time": time.time(), "t": now, "kind": kind, "replica_id": replica_id,
+            "incarnation": incarnation, "reporter": reporter, "reason": reason, "outcome": outcome,
+            "quorum_id": quorum_id,
+        })
+
+    def reject(self) -> None:
+        with self._lock:
+            self.counters["rejected"] += 1
+
+    # -- quorum ------------------------------------------------------------------------------
+
+    def may_form(self, now: float) -> bool:
+        """O(1): False only if `evaluate` would certainly not form a quorum now."""
+        with self._lock:
+            self._maybe_sweep(now)
+            n, alive = self._pending, len(self.members)
+            if now < self.not_before or n < self.settings.min_replicas or 2 * n <= alive:
+                return False
+            fast = self.prev is not None and self._pending_prev == len(self.prev.participants)
+            timed_out = self._first_request is not None and now >= self._first_request + self.settings.join_timeout
+            return fast or n == alive or timed_out
+
+    def next_wake(self, now: float) -> float | None:
+        """The next time after `now` when time alone may change what `evaluate` answers (what is
+        already due is `may_form`'s business)."""
+        with self._lock:
+            times = [self._next_sweep]
+            if self._pending:
+                times.append(self.not_before)
+                if self._first_request is not None:
+                    times.append(self._first_request + self.settings.join_timeout)
+            future = [t for t in times if now < t < float("inf")]
+            return min(future) if future else None
+
+    def explain(self, now: float) -> str:
+        """Why no quorum forms now (the pure function's reason; nothing changes)."""
+        with self._lock:
+            return compute_quorum(self.prev, self.members, now, self.settings, failure_epoch=self.failure_epoch,
+                                  positions=self.ledger.positions, not_before=self.not_before).reason
+
+    def evaluate(self, now: float, *, sweep: bool = True) -> Decision:
+        """Run the pure quorum function; if a quorum forms, clear its members' requests and record it.
+        `sweep=False` right after `may_form` (which swept if anything could have died since)."""
+        with self._lock:
+            if sweep:
+                self._sweep(now)
+            else:
+                self._maybe_sweep(now)
+            decision = compute_quorum(
+                self.prev, self.members, now, self.settings, failure_epoch=self.failure_epoch,
+                positions=self.ledger.positions, not_before=self.not_before,
+            )
+            q = decision.quorum
+            if q is None:
+                return decision
+            first = now
+            for p in q.participants:
+                m = self.members[p.replica_id]
+                first = min(first, m.requested_at)
+                self.members[p.replica_id] = MemberState(m.report, m.last_seen, None, m.suspected_at, m.stream_lost)
+            if self.prev is None or q.quorum_id != self.prev.quorum_id:
+                self.counters["quorum_id_changes"] += 1
+            self.prev = q
+            self._prev_keys = frozenset(q.members)
+            # After the sweep every member is alive, so every pending request was a participant's.
+            self._pending = self._pending_prev = 0
+            self._first_request = None
+            self.ledger.record(q)
+            self.counters["quorums"] += 1
+            self.history.append({
+                "quorum_id": q.quorum_id, "step": q.step, "reason": q.reason, "time": time.time(),
+                "wait_s": now - first, "no_state": q.no_state, "participants": [p.replica_id for p in q.participants],
+                "healing": {p.replica_id: p.heal_source for p in q.participants if p.healing},
+            })
+            return decision
+
+    # -- status ------------------------------------------------------------------------------
+
+    def summary(self, now: float) -> dict:
+        """Counters and gauges, in O(1) (for /metrics, which may be scraped often)."""
+        with self._lock:
+            self._maybe_sweep(now)
+            q = self.prev
+            return {
+                "counters": dict(self.counters), "failure_counts": dict(self.failure_counts),
+                "alive": len(self.members), "quorum_id": q.quorum_id if q else 0,
+                "quorum_size": len(q.participants) if q else 0, "step": q.step if q else 0,
+            }
+
+    def snapshot(self, now: float) -> dict:
+        """A JSON-able picture for the status page and /status."""
+        with self._lock:
+            def row(m: MemberState, alive: bool, why: str = "") -> dict:
+                r = m.report
+                return {
+                    "replica_id": r.replica_id, "incarnation": r.incarnation, "step": r.step,
+                    "data_position": max(r.data_position, self.ledger.position(r.replica_id)),
+                    "has_state": r.has_state, "num_hosts": len(r.ftar_addresses),
+                    "heartbeat_age_s": round(now - m.last_seen, 3), "alive": alive,
+                    "requesting": m.requested_at is not None, "suspected": m.suspected_at is not None,
+                    "departed_because": why,
+                }
+
+            replicas = [row(m, is_alive(m, now, self.settings)) for m in self.members.values()]
+            replicas += [row(m, False, why) for m, _, why in self.departed.values()]
+            replicas.sort(key=lambda r: r["replica_id"])
+            q = self.prev
+            quorum = None if q is None else {
+                "quorum_id": q.quorum_id, "step": q.step, "reason": q.reason, "no_state": q.no_state,
+                "num_contributors": q.num_contributors,
+                "participants": [{"replica_id": p.replica_id, "incarnation": p.incarnation, "step": p.step,
+                                  "healing": p.healing, "heal_source": p.heal_source} for p in q.participants],
+            }
+            failures = [{k: v for k, v in f.items() if k != "t"} | {"age_s": round(now - f["t"], 3)}
+                        for f in self.failures]
+            s = self.settings
+            return {
+                "settings": {"min_replicas": s.min_replicas, "join_timeout_s": s.join_timeout,
+                             "heartbeat_timeout_s": s.heartbeat_timeout, "suspect_window_s": s.suspect_window},
+                "uptime_s": round(now - self.started_at, 3),
+                "topology_fingerprint": self.fingerprint,
+                "alive": sum(r["alive"] for r in replicas),
+                "replicas": replicas,
+                "quorum": quorum,
+                "waiting_because": compute_quorum(
+                    self.prev, self.members, now, self.settings, failure_epoch=self.failure_epoch,
+                    not_before=self.not_before).reason if self._pending else "no pending request",
+                "history": list(self.history)[::-1],
+                "failures": failures[::-1],
+                "counters": dict(self.counters),
+                "failure_counts": dict(self.failure_counts),
+                "failure_epoch": self.failure_epoch,
+            }

@@ -1,0 +1,32 @@
+"""The committed gRPC stubs match coordinator/coordinator.proto (regenerate: python scripts/gen_proto.py)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = ["scripts/gen_proto.py", "coordinator/coordinator.proto", "coordinator/coordinator_pb2.py",
+         "coordinator/coordinator_pb2_grpc.py"]
+
+
+def _check(root: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(root, "scripts/gen_proto.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_committed_stubs_are_current():
+    result = _check(REPO)
+    assert result.returncode == 0, result.stderr
+
+
+def test_check_notices_an_edited_proto(tmp_path):
+    for rel in FILES:
+        os.makedirs(tmp_path / os.path.dirname(rel), exist_ok=True)
+        shutil.copy(os.path.join(REPO, rel), tmp_path / rel)
+    assert _check(str(tmp_path)).returncode == 0
+    proto = tmp_path / "coordinator/coordinator.proto"
+    proto.write_text(proto.read_text().replace("int64 heartbeats = 1;", "int64 heartbeats = 1;\n  int64 added = 2;"))
+    result = _check(str(tmp_path))
+    assert result.returncode == 1
+    assert "coordinator_pb2.py was not generated from the current" in result.stderr
