@@ -43,7 +43,7 @@ def _assert_in_step(job, survivor, newcomer, start_after):
 
 @pytest.mark.slow
 def test_restarted_replica_catches_up_without_stalling_the_other(tmp_path, procs):
-    steps = 160
+    steps = 120
     job = LocalJob(TINY, [*BASE, f"steps={steps}"], tmp_path, replicas=2, procs=procs)
     job.start_coordinator()
     job.start_replica(0)
@@ -70,7 +70,7 @@ def test_restarted_replica_catches_up_without_stalling_the_other(tmp_path, procs
 @pytest.mark.slow
 def test_slow_transfer_replays_buffered_updates(tmp_path, procs):
     # 1.6 MB of state at 0.4 MB/s: the transfer spans several seconds, i.e. dozens of steps
-    job = LocalJob(TINY, [*BASE, "steps=160", "ft.catchup_rate_limit_mbps=0.4"], tmp_path, replicas=2, procs=procs)
+    job = LocalJob(TINY, [*BASE, "steps=120", "ft.catchup_rate_limit_mbps=0.4"], tmp_path, replicas=2, procs=procs)
     job.start_coordinator()
     job.start_replica(0)
     job.start_replica(1, die_at="5:forward")
@@ -83,7 +83,7 @@ def test_slow_transfer_replays_buffered_updates(tmp_path, procs):
 
 @pytest.mark.slow
 def test_source_killed_mid_transfer_newcomer_uses_another(tmp_path, procs):
-    job = LocalJob(TINY, [*BASE, "steps=200", "ft.catchup_rate_limit_mbps=0.3"], tmp_path, replicas=3,
+    job = LocalJob(TINY, [*BASE, "steps=150", "ft.catchup_rate_limit_mbps=0.3"], tmp_path, replicas=3,
                    procs=procs)
     job.start_coordinator()
     for r in (0, 1):
