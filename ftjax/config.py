@@ -86,6 +86,8 @@ class FTConfig(_Strict):
     digest_every: int = Field(1, ge=0, description="log the state digest every N steps (0: never)")
     catchup_buffer_steps: int = Field(64, gt=0, description="averaged updates a healing replica keeps")
     catchup_rate_limit_mbps: float | None = Field(None, gt=0, description="test knob: slow snapshot transfers")
+    drain_timeout_s: float = Field(60.0, ge=0, description="a finished replica serves its state this long "
+                                   "at most, until every replica of the job has caught up")
     catchup_dir: str | None = Field(None, description="where snapshots are written and fetched "
                                     "(default: RAM-backed /dev/shm when present, else RUN_DIR)")
 

@@ -217,12 +217,11 @@ class Manager:
         zeros = np.zeros(self.flat.size, np.float32)
         fut = self._ask()
         while self.step < cfg.steps:
-            n = self.step + 1
             t0 = time.perf_counter()
-            self.faults.point(n, "forward")
             grads = loss = None
             used_position = self.position
             if self.has_state:
+                self.faults.point(self.step + 1, "forward")
                 batch = device_batch(self.program, self.stream.batch(self.position))
                 loss, grads = self.program.grads(self.state["params"], batch)
                 jax.block_until_ready(grads)
@@ -260,6 +259,12 @@ class Manager:
                 if position > self.position:
                     self.log.event("batches_committed_by_peers", batch_ids=peers)
                 self.position = position
+            if q.step >= cfg.steps:
+                # the job has trained every step: nothing to reduce; this replica only catches up
+                time.sleep(0.05)
+                fut = self._ask()
+                continue
+
             contributes = not q.healing and self.has_state
             if contributes and used_position != self.position:  # (rare) our batch changed under us
                 batch = device_batch(self.program, self.stream.batch(self.position))
@@ -315,7 +320,27 @@ class Manager:
             if self.has_state and cfg.ft.digest_every and self.step % cfg.ft.digest_every == 0:
                 record["param_digest"] = state_digest(self.state)
             self.log.log(record)
+        self._drain(fut)
         return self._finish()
+
+    def _drain(self, fut) -> None:
+        """Training is over for this replica, maybe not for a peer that is restarting or catching
+        up: keep answering quorums at the final step and serving snapshots until every replica of
+        the job holds the final state, or `ft.drain_timeout_s` passes. Without this a replica
+        killed near the end would find nobody to catch up from."""
+        deadline = time.monotonic() + self.cfg.ft.drain_timeout_s
+        while True:
+            q = self.comm.broadcast(_quorum_to_json(fut.result()) if self.leader else None)
+            q = _quorum_from_json(q)
+            self._serve(q)
+            everyone = len(q.participants) >= self.cfg.ft.replicas and not any(p.healing for p in q.participants)
+            if everyone or time.monotonic() > deadline:
+                if not everyone:
+                    self.log.event("drain_timeout", participants=len(q.participants),
+                                   healing=[p.replica_id for p in q.participants if p.healing])
+                return
+            time.sleep(0.05)
+            fut = self._ask()
 
     def _discard(self, q: QuorumResult, failed: list[dict]) -> None:
         self.commit_failures += 1

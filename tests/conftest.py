@@ -11,6 +11,8 @@ configure_process(device_count=int(os.environ.get("FTJAX_TEST_DEVICES", "4")))
 
 from ftjax.procs import ProcessGroup  # noqa: E402
 
+pytest_plugins = ["launchrun"]  # the `launch` fixture: real `ftjax launch` runs
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FTJAX = [sys.executable, "-m", "ftjax"]
 

@@ -83,7 +83,8 @@ def test_slow_transfer_replays_buffered_updates(tmp_path, procs):
 
 @pytest.mark.slow
 def test_source_killed_mid_transfer_newcomer_uses_another(tmp_path, procs):
-    job = LocalJob(TINY, [*BASE, "steps=150", "ft.catchup_rate_limit_mbps=0.3"], tmp_path, replicas=3,
+    job = LocalJob(TINY, [*BASE, "steps=150", "ft.catchup_rate_limit_mbps=0.3",
+                               "ft.drain_timeout_s=2"], tmp_path, replicas=3,
                    procs=procs)
     job.start_coordinator()
     for r in (0, 1):

@@ -1,0 +1,217 @@
+"""`ftjax launch CONFIG [key=value ...]`: a fault-tolerant job on this machine.
+
+Starts the coordinator and R replicas of H hosts (processes) with D simulated CPU devices each,
+restarts a replica whose process dies (as a whole, after --restart-delay-s), injects the faults
+asked for, shows the job live, and writes RUN/summary.json, RUN/loss.png and RUN/timeline.png.
+With --emit slurm|k8s DIR it writes the cluster job files of the same job instead of running it.
+No process outlives the launcher: not on a normal end, not on Ctrl-C or SIGTERM, not on an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+
+from ftjax.config import Config, ConfigError, load_config
+from ftjax.launch.supervisor import FaultPlan, LaunchError, parse_hang, parse_kill, parse_kill_host, parse_seconds
+
+
+class UsageError(ValueError):
+    """A bad option; the message names it. Exit code 2, nothing started or written."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="ftjax launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config (see configs/)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. steps=400 coordinator.heartbeat_timeout_ms=2000")
+    p.add_argument("--replicas", type=int, default=None, help="replicas R (default: the config's ft.replicas)")
+    p.add_argument("--hosts-per-replica", type=int, default=None, help="processes per replica H (default: mesh.hosts)")
+    p.add_argument("--devices-per-host", type=int, default=None,
+                   help="simulated CPU devices per process D (default: mesh.devices_per_host)")
+    p.add_argument("--out", default=None, help="run directory (default: runs/launch-<config name>); must be new or empty")
+    p.add_argument("--overwrite", action="store_true", help="delete --out first if it holds an earlier run")
+    f = p.add_argument_group("faults (times count from warm-up: every replica has trained a step)")
+    f.add_argument("--kill", action="append", default=[], metavar="R@STEP[:PHASE]",
+                   help="replica R SIGKILLs itself at STEP in PHASE: forward (default) | ftar | commit | catchup "
+                        "(catchup: killed at STEP, then killed again while its new incarnation catches up)")
+    f.add_argument("--kill-host", action="append", default=[], metavar="R@STEP:HOST",
+                   help="only host HOST of replica R dies at STEP; the whole replica restarts")
+    f.add_argument("--mtbf-s", type=float, default=None, metavar="S",
+                   help="random whole-replica kills, exponential intervals of mean S seconds")
+    f.add_argument("--seed", type=int, default=0, help="seed of the random kills (default 0)")
+    f.add_argument("--hang", action="append", default=[], metavar="R@T", help="SIGSTOP replica R at T seconds")
+    f.add_argument("--kill-coordinator-at", action="append", default=[], metavar="T",
+                   help="SIGKILL the coordinator at T seconds (it is restarted after --restart-delay-s)")
+    s = p.add_argument_group("supervision")
+    s.add_argument("--restart-delay-s", type=float, default=1.0, help="delay before a dead replica restarts (1.0)")
+    s.add_argument("--max-restarts", type=int, default=10, help="per replica; one more failure ends the job (10)")
+    s.add_argument("--hang-timeout-s", type=float, default=None,
+                   help="silence that makes a replica hung while peers train (default: 2 x ft.ftar_timeout_s)")
+    s.add_argument("--startup-timeout-s", type=float, default=300.0, help="first step of an incarnation due within (300)")
+    s.add_argument("--timeout-s", type=float, default=3600.0, help="the whole job (3600)")
+    s.add_argument("--compile-cache", default=None, metavar="DIR|none",
+                   help="JAX persistent compilation cache shared by the job's processes, so that a restarted "
+                        "replica does not compile again (default: the machine-wide ~/.cache/ftjax/xla; none: off)")
+    e = p.add_argument_group("cluster job files")
+    e.add_argument("--emit", nargs=2, metavar=("slurm|k8s", "DIR"), default=None,
+                   help="write job files for this job to DIR instead of running it")
+    e.add_argument("--image", default="ftjax:latest", help="container image (k8s)")
+    return p
+
+
+def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan, Path]:
+    """Validate everything before anything starts: (config, overrides, replicas, faults, run dir)."""
+    overrides = list(args.overrides)
+    if args.hosts_per_replica is not None:
+        overrides.append(f"mesh.hosts={args.hosts_per_replica}")
+    if args.devices_per_host is not None:
+        overrides.append(f"mesh.devices_per_host={args.devices_per_host}")
+    cfg = load_config(args.config, overrides)
+    replicas = cfg.ft.replicas if args.replicas is None else args.replicas
+    if replicas < 1:
+        raise UsageError(f"--replicas: must be >= 1 (got {replicas})")
+    cfg = load_config(args.config, [*overrides, f"ft.replicas={replicas}"])
+    if cfg.coordinator.min_replicas > replicas:
+        raise UsageError(f"coordinator.min_replicas ({cfg.coordinator.min_replicas}) exceeds --replicas {replicas}: "
+                         "no quorum could ever form")
+    for flag, value, low in (("--restart-delay-s", args.restart_delay_s, 0.0), ("--max-restarts", args.max_restarts, 0)):
+        if value < low:
+            raise UsageError(f"{flag}: must be >= {low} (got {value})")
+    for flag, value in (("--mtbf-s", args.mtbf_s), ("--hang-timeout-s", args.hang_timeout_s),
+                        ("--startup-timeout-s", args.startup_timeout_s), ("--timeout-s", args.timeout_s)):
+        if value is not None and not value > 0:
+            raise UsageError(f"{flag}: must be > 0 (got {value})")
+    try:
+        plan = FaultPlan(
+            injections=tuple([*map(parse_kill, args.kill), *map(parse_kill_host, args.kill_host)]),
+            hangs=tuple(map(parse_hang, args.hang)),
+            coordinator_kills=tuple(parse_seconds("--kill-coordinator-at", t) for t in args.kill_coordinator_at),
+            mtbf_s=args.mtbf_s, seed=args.seed)
+        plan.validate(replicas, cfg.mesh.hosts, cfg.steps)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    out = Path(args.out or Path("runs") / f"launch-{Path(args.config).stem}")
+    if args.emit is None and out.exists() and any(out.iterdir()):
+        if not args.overwrite:
+            raise UsageError(f"--out {out}: not empty (choose a new directory, or --overwrite an earlier run)")
+        if not (out / "launcher.jsonl").exists():
+            raise UsageError(f"--out {out}: holds no earlier run (no launcher.jsonl); refusing to delete it")
+    return cfg, overrides, replicas, plan, out
+
+
+def compile_cache_env(cache: str | None, out: Path) -> dict[str, str]:
+    """Environment for the children's persistent JAX compilation cache.
+
+    By default every ftjax process already shares one machine-wide cache (`ftjax.env`): a
+    restarted incarnation reads back the programs its first incarnation compiled instead of
+    compiling them again (a restart on a small machine is mostly compilation). `DIR` points this
+    job at its own cache; `none` turns caching off."""
+    if cache is None:
+        return {}
+    if cache == "none":
+        return {"JAX_COMPILATION_CACHE_DIR": ""}
+    return {"JAX_COMPILATION_CACHE_DIR": str(Path(cache).resolve())}
+
+
+def _raise_on_signal(signum, frame):
+    # SIGINT and SIGTERM become exceptions, so that every `finally` (which kills the children) runs.
+    raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+
+
+def main(argv: list[str]) -> int:
+    console = Console()
+    try:
+        args = build_parser().parse_intermixed_args(argv)
+        cfg, overrides, replicas, plan, out = prepare(args)
+    except (UsageError, ConfigError) as e:
+        print(f"ftjax launch: error: {e}", file=sys.stderr)
+        return 2
+    if args.emit is not None:
+        from ftjax.launch.emit import EmitError, emit
+
+        kind, where = args.emit
+        try:
+            written = emit(kind, where, args.config, [*overrides, f"ft.replicas={replicas}"], image=args.image,
+                           max_restarts=args.max_restarts, restart_delay_s=args.restart_delay_s)
+        except EmitError as e:
+            print(f"ftjax launch: error: {e}", file=sys.stderr)
+            return 2
+        for path in written:
+            console.print(str(path), highlight=False)
+        return 0
+    previous = {s: signal.signal(s, _raise_on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return run(args, cfg, overrides, replicas, plan, out, console)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run(args: argparse.Namespace, cfg: Config, overrides: list[str], replicas: int, plan: FaultPlan, out: Path,
+        console: Console) -> int:
+    from ftjax.launch.job import LocalJob
+    from ftjax.launch.supervisor import RunLog, Supervisor
+    from ftjax.launch.view import make_view
+    from ftjax.procs import ProcessGroup
+
+    if args.overwrite and out.exists():
+        shutil.rmtree(out)
+    view = make_view(console)
+    code, log = 1, None
+    with ProcessGroup() as procs:  # leaving the block (any way) SIGKILLs every child
+        try:
+            job = LocalJob(args.config, overrides, out, replicas=replicas, procs=procs,
+                           extra_env=compile_cache_env(args.compile_cache, out))
+            log = RunLog(out / "launcher.jsonl", listener=view.event)
+            log.event("launch", config=args.config, overrides=overrides, out=str(out), replicas=replicas,
+                      hosts=cfg.mesh.hosts, devices=cfg.mesh.devices_per_host, steps=cfg.steps,
+                      restart_delay_s=args.restart_delay_s, faults=asdict(plan))
+            supervisor = Supervisor(job, plan, log, restart_delay_s=args.restart_delay_s,
+                                    hang_timeout_s=args.hang_timeout_s, startup_timeout_s=args.startup_timeout_s,
+                                    max_restarts=args.max_restarts, timeout_s=args.timeout_s, on_poll=view.poll)
+            view.start()
+            code = 0 if supervisor.run() else 1
+        except LaunchError as e:
+            log.event("end", ok=False, error=str(e))
+            code = 1
+            view.stop()
+            console.print(f"[red]ftjax launch: {e}[/]")
+        except (KeyboardInterrupt, SystemExit) as e:  # Ctrl-C, SIGTERM: the children die with the group
+            code = 130 if isinstance(e, KeyboardInterrupt) else int(e.code or 1)
+            if log is not None:
+                log.event("end", ok=False, error=f"interrupted ({type(e).__name__})")
+            view.stop()
+            console.print("[yellow]ftjax launch: interrupted; every process of the job is stopped[/]")
+        finally:  # also on any other exception: nothing outlives the launcher
+            view.stop()
+            procs.close()
+            if log is not None:
+                log.close()
+    if log is None:
+        return code
+    return _report(out, console, code)
+
+
+def _report(out: Path, console: Console, code: int) -> int:
+    """Write summary.json and the plots, print the summary table."""
+    from ftjax.launch.plots import write_loss, write_timeline
+    from ftjax.launch.summary import load_run, write_summary
+    from ftjax.launch.view import print_summary
+
+    summary = write_summary(out)
+    run = load_run(out)
+    write_loss(run, out / "loss.png")
+    write_timeline(run, out / "timeline.png", summary["median_step_s"] or 0.0)
+    print_summary(console, summary, str(out))
+    return code

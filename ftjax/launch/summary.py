@@ -1,0 +1,338 @@
+"""`RUN/summary.json`: what a launched job achieved, computed from its run directory alone.
+
+Inputs: `RUN/launcher.jsonl` (the supervisor's decisions: starts, deaths, faults, the end),
+`RUN/replica-R/metrics.jsonl` (each replica's step and event records, all incarnations appended)
+and `RUN/replica-R/summary.json` (written by a replica's leader when it finishes).
+
+Definitions (times are the replicas' own `time` stamps, all on one machine):
+
+- **warm-up end** `t_warm`: the first moment every replica has committed a step with its own
+  batch. Before it, replicas start and compile at different speeds; no failure is measured there.
+- **gaps**: the times between consecutive committed step records of one incarnation of a replica,
+  both at or after `t_warm`. A replica *failed* if any of its processes died (or hung) during the
+  run. `median_step_s` is the median of the gaps of the replicas that never failed (of all
+  replicas when every one failed); `max_healthy_stall_s` the largest gap of a replica that never
+  failed (null when every one failed): how long a failure elsewhere made a healthy replica wait.
+- **timeline**: each replica's time is `starting` (process started, no own step yet), `training`,
+  `stalled` (a gap between its own committed steps longer than 2 x median_step_s), `catching up`
+  (from `catchup_started`, and every step in which it only relays zeros, until its first own
+  step after the state is installed), `down` (from its death to its restart) or `done`.
+- **ettr** (effective training time, as FT-HSDP measures it: the fraction of GPU-time spent in
+  productive training): over the window W = [t_warm, last committed step of the job],
+  ettr = sum over replicas of productive time / (R x |W|). Productive time is the replica's
+  `training` time, plus one median step for each `stalled` gap (the step itself was productive,
+  the wait was not). Down, starting, catching-up time is not productive; neither is a replica that
+  finished early (its share of the window after its end counts as idle).
+- **exactly_once**: for every replica r of R, the batches trained for its stream are exactly
+  {k*R + r : k < its final data position}, none twice. A batch counts as trained when r committed
+  a step with it (`batch_id`), or when peers committed the step r contributed it to while r did not
+  (`batches_committed_by_peers`; a restarted incarnation lists there every batch before its resume
+  point, including those an earlier incarnation committed itself, which are no repeat). A batch
+  that r commits after it was trained either way is a repeat.
+- **failure_events**: every replica death and coordinator loss, with `recovery_s` (from a
+  replica's death to its rejoin, when it rejoined: restart delay + start + catch-up).
+- **final_loss**: the mean training loss of every contribution in the last 5% of the steps (at
+  least the last step), over all replicas: a single batch's loss is too noisy to compare runs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DOWN_EVENTS = ("replica_down", "not_restarted", "abandoned")
+STATES = ("starting", "training", "stalled", "catching up", "down", "done")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every complete JSON line of a file (a line torn by a SIGKILL is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+@dataclass
+class Incarnation:
+    start: float
+    end: float
+    ended_by: str  # replica_down | replica_done | not_restarted | abandoned | end
+    records: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """A run directory, read."""
+
+    path: Path
+    launch: dict
+    events: list[dict]
+    replicas: int
+    steps: int
+    metrics: dict[int, list[dict]]
+    finals: dict[int, dict | None]
+    start: float
+    end: float
+
+    def incarnations(self, r: int) -> list[Incarnation]:
+        """Replica r's incarnations, each with the metrics records written during it."""
+        out: list[Incarnation] = []
+        for e in self.events:
+            if e.get("replica") != r:
+                continue
+            if e["event"] == "replica_started":
+                out.append(Incarnation(e["time"], self.end, "end"))
+            elif e["event"] in (*DOWN_EVENTS, "replica_done") and out and out[-1].ended_by == "end":
+                out[-1].end, out[-1].ended_by = e["time"], e["event"]
+        for rec in self.metrics.get(r, []):
+            for inc in out:  # records belong to the incarnation whose lifetime holds them
+                if inc.start <= rec.get("time", 0) <= inc.end:
+                    inc.records.append(rec)
+                    break
+        return out
+
+
+def load_run(run_dir: str | Path) -> Run:
+    path = Path(run_dir)
+    events = read_jsonl(path / "launcher.jsonl")
+    launch = next((e for e in events if e.get("event") == "launch"), None)
+    if launch is None:
+        raise ValueError(f"{path}: no launcher.jsonl with a 'launch' record: not a run directory of `ftjax launch`")
+    replicas = int(launch["replicas"])
+    metrics = {r: read_jsonl(path / f"replica-{r}" / "metrics.jsonl") for r in range(replicas)}
+    finals = {}
+    for r in range(replicas):
+        f = path / f"replica-{r}" / "summary.json"
+        finals[r] = json.loads(f.read_text()) if f.exists() else None
+    times = [e["time"] for e in events] + [m["time"] for recs in metrics.values() for m in recs if "time" in m]
+    return Run(path, launch, events, replicas, int(launch["steps"]), metrics, finals, launch["time"], max(times))
+
+
+# --- pieces ---------------------------------------------------------------------------------------
+def _steps(records: list[dict]) -> list[dict]:
+    return [r for r in records if "step" in r and "event" not in r]
+
+
+def _own(rec: dict) -> bool:
+    """A step this replica committed with its own batch."""
+    return bool(rec.get("committed")) and not rec.get("healing")
+
+
+def warm_time(run: Run) -> float | None:
+    """The first moment every replica has committed a step with its own batch (None: never)."""
+    firsts = []
+    for r in range(run.replicas):
+        t = next((s["time"] for s in _steps(run.metrics[r]) if _own(s)), None)
+        if t is None:
+            return None
+        firsts.append(t)
+    return max(firsts)
+
+
+def failed_replicas(run: Run) -> set[int]:
+    return {e["replica"] for e in run.events if e["event"] in ("replica_down", "hang_detected")}
+
+
+def step_gaps(run: Run, r: int, t_warm: float) -> list[float]:
+    """Gaps between consecutive committed steps of one incarnation of replica r, after warm-up."""
+    gaps = []
+    for inc in run.incarnations(r):
+        times = [s["time"] for s in _steps(inc.records) if s.get("committed") and s["time"] >= t_warm]
+        gaps += [b - a for a, b in zip(times, times[1:])]
+    return gaps
+
+
+def exactly_once(run: Run, r: int) -> tuple[bool, str]:
+    """(ok, why not) for replica r's data stream (see the module docstring)."""
+    trained: set[int] = set()
+    for rec in run.metrics[r]:
+        if rec.get("event") == "batches_committed_by_peers":
+            trained.update(rec.get("batch_ids") or [])
+        elif "step" in rec and "event" not in rec and rec.get("committed") and rec.get("batch_id") is not None:
+            b = int(rec["batch_id"])
+            if b in trained:
+                return False, f"batch {b} trained twice (again at step {rec['step']})"
+            trained.add(b)
+    position = final_position(run, r)
+    expected = {k * run.replicas + r for k in range(position)}
+    if trained != expected:
+        missing, extra = sorted(expected - trained), sorted(trained - expected)
+        return False, f"data position {position}: missing batches {missing[:5]}, unexpected {extra[:5]}"
+    return True, ""
+
+
+def final_position(run: Run, r: int) -> int:
+    final = run.finals.get(r)
+    if final and "data_position" in final:
+        return int(final["data_position"])
+    steps = _steps(run.metrics[r])
+    return int(steps[-1]["data_position"]) if steps else 0
+
+
+def timeline(run: Run, median_s: float) -> dict[int, list[tuple[float, float, str]]]:
+    """Each replica's (start, end, state) segments over the run (see the module docstring)."""
+    out = {}
+    for r in range(run.replicas):
+        segs: list[tuple[float, float, str]] = []
+
+        def close(a: float, b: float, state: str) -> None:
+            if b > a:
+                if segs and segs[-1][2] == state and abs(segs[-1][1] - a) < 1e-9:
+                    segs[-1] = (segs[-1][0], b, state)
+                else:
+                    segs.append((a, b, state))
+
+        incs = run.incarnations(r)
+        for i, inc in enumerate(incs):
+            cursor, state = inc.start, "starting"
+            for rec in inc.records:
+                t, kind = rec["time"], rec.get("event")
+                if kind == "catchup_started":
+                    close(cursor, t, state)
+                    cursor, state = t, "catching up"
+                elif kind is None and "step" in rec:
+                    if not _own(rec):  # a healing step: it relayed zeros
+                        close(cursor, t, state if state == "starting" else "catching up")
+                        cursor, state = t, "catching up"
+                    elif state == "training":
+                        close(cursor, t, "stalled" if t - cursor > 2 * median_s else "training")
+                        cursor = t
+                    else:  # the first own step after starting or catching up ends that phase
+                        close(cursor, t, state)
+                        cursor, state = t, "training"
+            if inc.ended_by == "replica_done":
+                close(cursor, inc.end, state)
+                close(inc.end, run.end, "done")
+            else:
+                stalled = state == "training" and inc.end - cursor > 2 * median_s
+                close(cursor, inc.end, "stalled" if stalled else state)
+                nxt = incs[i + 1].start if i + 1 < len(incs) else run.end
+                close(inc.end, nxt, "down")
+        out[r] = segs
+    return out
+
+
+def ettr(run: Run, segments: dict[int, list[tuple[float, float, str]]], t_warm: float, t_end: float,
+         median_s: float) -> float | None:
+    """Effective training time over [t_warm, t_end] (see the module docstring)."""
+    if t_end <= t_warm:
+        return None
+    productive = 0.0
+    for segs in segments.values():
+        for a, b, state in segs:
+            a, b = max(a, t_warm), min(b, t_end)
+            if b <= a:
+                continue
+            if state == "training":
+                productive += b - a
+            elif state == "stalled":
+                productive += min(median_s, b - a)
+    return productive / (run.replicas * (t_end - t_warm))
+
+
+def _recovery(run: Run, down: dict) -> float | None:
+    """Seconds from a replica's death to its next rejoin (None: it never rejoined, or not a replica)."""
+    if down["event"] != "replica_down":
+        return None
+    back = next((e for e in run.events if e["event"] == "rejoined" and e["replica"] == down["replica"]
+                 and e["time"] > down["time"]), None)
+    return round(back["time"] - down["time"], 3) if back else None
+
+
+def final_loss(run: Run) -> float | None:
+    k = max(1, run.steps // 20)
+    losses = [s["loss"] for r in range(run.replicas) for s in _steps(run.metrics[r])
+              if _own(s) and s.get("loss") is not None and s["step"] > run.steps - k]
+    return statistics.fmean(losses) if losses else None
+
+
+# --- the summary ----------------------------------------------------------------------------------
+def build_summary(run_dir: str | Path) -> dict[str, Any]:
+    """The summary of a run directory (see the module docstring for every definition)."""
+    run = load_run(run_dir)
+    t_warm = warm_time(run)
+    failed = failed_replicas(run)
+    healthy = [r for r in range(run.replicas) if r not in failed]
+    gaps = {r: step_gaps(run, r, t_warm) if t_warm is not None else [] for r in range(run.replicas)}
+    pool = [g for r in (healthy or range(run.replicas)) for g in gaps[r]]
+    median_s = statistics.median(pool) if pool else None
+    healthy_gaps = [g for r in healthy for g in gaps[r]]
+    committed_times = [s["time"] for r in range(run.replicas) for s in _steps(run.metrics[r]) if s.get("committed")]
+    t_end = max(committed_times) if committed_times else run.end
+    segments = timeline(run, median_s or 0.0)
+
+    replicas: dict[str, Any] = {}
+    for r in range(run.replicas):
+        steps = _steps(run.metrics[r])
+        committed = [s for s in steps if s.get("committed")]
+        final = run.finals.get(r) or {}
+        digests = [s["param_digest"] for s in committed if "param_digest" in s]
+        catchups = [e for e in run.metrics[r] if e.get("event") == "catchup_done"]
+        once, why = exactly_once(run, r)
+        in_state = {st: 0.0 for st in STATES}
+        for a, b, st in segments[r]:
+            in_state[st] += b - a
+        replicas[str(r)] = {
+            "steps_committed": len(committed),
+            "steps_contributed": sum(_own(s) for s in steps),
+            "final_step": committed[-1]["step"] if committed else 0,
+            "restarts": sum(1 for e in run.events if e["event"] == "replica_started" and e["replica"] == r) - 1,
+            "failures": sum(1 for e in run.events if e["event"] == "replica_down" and e["replica"] == r),
+            "catchup_s": round(sum(e.get("catchup_s") or 0.0 for e in catchups), 3),
+            "catchups": len(catchups),
+            "param_digest": final.get("param_digest") or (digests[-1] if digests else None),
+            "final_loss": final.get("final_loss"),
+            "data_position": final_position(run, r),
+            "finished": bool(final),
+            "exactly_once": once,
+            **({"exactly_once_error": why} if why else {}),
+            "seconds_in_state": {k: round(v, 3) for k, v in in_state.items()},
+        }
+
+    failure_events = [
+        {"time_s": round(e["time"] - run.start, 3), "replica": e.get("replica"), "cause": e.get("cause"),
+         "step": e.get("step"), **({"at": e["at"]} if e.get("at") else {}), "recovery_s": _recovery(run, e)}
+        for e in run.events if e["event"] in ("replica_down", "coordinator_down")
+    ]
+    digests = [rec["param_digest"] for rec in replicas.values()]
+    ettr_value = ettr(run, segments, t_warm, t_end, median_s or 0.0) if t_warm is not None else None
+    loss = final_loss(run)
+    end_event = next((e for e in reversed(run.events) if e["event"] == "end"), None)
+    return {
+        "config": run.launch.get("config"),
+        "overrides": run.launch.get("overrides"),
+        "replicas_count": run.replicas,
+        "hosts_per_replica": run.launch.get("hosts"),
+        "devices_per_host": run.launch.get("devices"),
+        "steps": run.steps,
+        "replicas": replicas,
+        "ok": bool(end_event and end_event.get("ok")),
+        "wall_s": round((end_event or {"time": run.end})["time"] - run.start, 3),
+        "warmup_s": round(t_warm - run.start, 3) if t_warm is not None else None,
+        "committed_steps": max((rec["final_step"] for rec in replicas.values()), default=0),
+        "failures": len(failure_events),
+        "failure_events": failure_events,
+        "rejoins": [{"time_s": round(e["time"] - run.start, 3), "replica": e["replica"], "at_step": e.get("at_step"),
+                     "catchup_s": e.get("catchup_s")} for e in run.events if e["event"] == "rejoined"],
+        "ettr": round(ettr_value, 4) if ettr_value is not None else None,
+        "median_step_s": round(median_s, 4) if median_s is not None else None,
+        "max_healthy_stall_s": round(max(healthy_gaps), 4) if healthy_gaps else None,
+        "final_loss": round(loss, 5) if loss is not None else None,
+        "digests_equal": len(set(digests)) == 1 and None not in digests,
+        "exactly_once": all(rec["exactly_once"] for rec in replicas.values()),
+    }
+
+
+def write_summary(run_dir: str | Path) -> dict[str, Any]:
+    """Build the summary and write it to RUN/summary.json."""
+    summary = build_summary(run_dir)
+    (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,496 @@
+"""The launcher's supervisor: restart policy and fault schedule of a local job.
+
+The supervisor owns no process itself: `LocalJob` starts and kills them. It polls (every
+`POLL_S`) the processes' exit codes and the replicas' `metrics.jsonl` files (tailed, complete
+lines only), and decides:
+
+- **Restarts.** A replica whose process (any of its H hosts) dies is killed as a whole and started
+  again, as a new incarnation, after `restart_delay_s`. A replica whose peers have all finished is
+  not restarted (nobody could give it the state: it would start from scratch), and one that is still
+  without state when they finish is stopped ("abandoned"). A dead coordinator is restarted on the
+  same ports after the same delay (its state is soft).
+- **Faults.** `--kill R@STEP[:PHASE]` and `--kill-host R@STEP:HOST` are self-SIGKILLs at exactly
+  that point (`ftjax train --die-at`), given to the replica's next incarnation until one fires.
+  `R@STEP:catchup` kills replica R at STEP (forward), then kills its next incarnation as soon as it
+  reports `catchup_started` (the fetch of its state is under way). `--mtbf-s S --seed K` kills a
+  whole replica at exponentially distributed intervals (mean S, seeded), one replica at a time: a
+  kill that falls due while any replica is not training waits for all to train again. None is fired
+  once the steps left would not let a restarted replica catch up before the end: 1.5 x the measured
+  restart time (start to first own step), or before any restart was measured, half of the steps. `--hang R@T`
+  SIGSTOPs replica R; `--kill-coordinator-at T` SIGKILLs the coordinator. Times T count from the
+  end of warm-up (every replica has committed a step with its own batch).
+- **Hangs.** A replica whose newest record is older than `hang_timeout_s` while a peer logged a step
+  within the last half of it is declared hung, SIGKILLed and restarted; so is one that logs no step
+  within `startup_timeout_s` of its start.
+
+Every decision is appended to `RUN/launcher.jsonl` (`RunLog`), the input of `ftjax.launch.summary`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ftjax.faults import PHASES
+from ftjax.launch.job import LocalJob
+
+POLL_S = 0.1
+
+
+class LaunchError(RuntimeError):
+    """The job cannot go on (a replica failed more often than allowed, or it ran out of time)."""
+
+
+# --- the fault schedule ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Injection:
+    """A self-SIGKILL at step `step`, phase `phase`, of host `host` of replica `replica`."""
+
+    replica: int
+    step: int
+    phase: str = "forward"
+    host: int = 0
+    kind: str = "kill"  # kill | kill_host
+
+    @property
+    def die_at(self) -> str:
+        # A catch-up kill first takes the replica down at that step; its next incarnation is killed
+        # while it catches up (see the module docstring).
+        return f"{self.step}:{'forward' if self.phase == 'catchup' else self.phase}"
+
+
+@dataclass(frozen=True)
+class Hang:
+    replica: int
+    after_s: float
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    injections: tuple[Injection, ...] = ()
+    hangs: tuple[Hang, ...] = ()
+    coordinator_kills: tuple[float, ...] = ()
+    mtbf_s: float | None = None
+    seed: int = 0
+
+    def validate(self, replicas: int, hosts: int, steps: int) -> None:
+        """Raise ValueError naming the flag whose value does not fit this job."""
+        for i in self.injections:
+            flag = f"--{i.kind.replace('_', '-')}"
+            if not 0 <= i.replica < replicas:
+                raise ValueError(f"{flag}: replica {i.replica} is not in [0, {replicas})")
+            if not 1 <= i.step <= steps:
+                raise ValueError(f"{flag}: step {i.step} is not in [1, steps={steps}]")
+            if not 0 <= i.host < hosts:
+                raise ValueError(f"{flag}: host {i.host} is not in [0, {hosts}) (--hosts-per-replica {hosts})")
+        for h in self.hangs:
+            if not 0 <= h.replica < replicas:
+                raise ValueError(f"--hang: replica {h.replica} is not in [0, {replicas})")
+        if self.mtbf_s is not None and replicas < 2:
+            raise ValueError("--mtbf-s: random kills need at least 2 replicas (a peer must hold the state)")
+
+    def for_replica(self, r: int) -> list[Injection]:
+        return sorted((i for i in self.injections if i.replica == r), key=lambda i: i.step)
+
+
+def _replica_and_rest(flag: str, text: str, form: str) -> tuple[int, str]:
+    rid, sep, rest = text.partition("@")
+    if not sep or not rid.isdigit() or not rest:
+        raise ValueError(f"{flag}: expected {form}, got {text!r}")
+    return int(rid), rest
+
+
+def parse_kill(text: str) -> Injection:
+    """`R@STEP[:PHASE]` (PHASE: forward|ftar|commit|catchup; default forward)."""
+    form = f"REPLICA@STEP[:PHASE] with PHASE in {'|'.join(PHASES)}"
+    r, rest = _replica_and_rest("--kill", text, form)
+    step, _, phase = rest.partition(":")
+    phase = phase or "forward"
+    if not step.isdigit() or int(step) < 1 or phase not in PHASES:
+        raise ValueError(f"--kill: expected {form} and STEP >= 1, got {text!r}")
+    return Injection(r, int(step), phase)
+
+
+def parse_kill_host(text: str) -> Injection:
+    """`R@STEP:HOST`: host HOST of replica R kills itself at STEP (forward); the replica restarts whole."""
+    form = "REPLICA@STEP:HOST"
+    r, rest = _replica_and_rest("--kill-host", text, form)
+    step, sep, host = rest.partition(":")
+    if not sep or not step.isdigit() or int(step) < 1 or not host.isdigit():
+        raise ValueError(f"--kill-host: expected {form} with STEP >= 1, got {text!r}")
+    return Injection(r, int(step), "forward", int(host), kind="kill_host")
+
+
+def parse_seconds(flag: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{flag}: expected seconds (a number), got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{flag}: expected seconds >= 0, got {text!r}")
+    return value
+
+
+def parse_hang(text: str) -> Hang:
+    """`R@T`: SIGSTOP replica R T seconds after warm-up."""
+    r, rest = _replica_and_rest("--hang", text, "REPLICA@SECONDS")
+    return Hang(r, parse_seconds("--hang", rest))
+
+
+# --- the run log ----------------------------------------------------------------------------------
+class RunLog:
+    """`RUN/launcher.jsonl`: one JSON object per supervisor decision, each with `time` and `event`."""
+
+    def __init__(self, path: str | Path, listener: Callable[[dict], None] | None = None):
+        self.path = Path(path)
+        self._file = open(self.path, "a", buffering=1)
+        self.listener = listener
+
+    def event(self, name: str, /, **fields: Any) -> dict:
+        record = {"time": round(time.time(), 6), "event": name, **fields}
+        self._file.write(json.dumps(record) + "\n")
+        if self.listener is not None:
+            self.listener(record)
+        return record
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class MetricsTail:
+    """New complete lines of a file that another process appends to."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()  # the last element is an incomplete line (or b"")
+        out = []
+        for line in lines:
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # a line torn by a SIGKILL mid-write: that incarnation is gone anyway
+        return out
+
+
+# --- per-replica status ---------------------------------------------------------------------------
+@dataclass
+class ReplicaStatus:
+    """What the supervisor knows of one replica (shown by the view)."""
+
+    replica: int
+    state: str = "starting"  # starting | catching up | training | stalled | down | done | gone
+    step: int = 0
+    loss: float | None = None
+    participants: int = 0
+    incarnation: int = 0
+    restarts: int = 0
+    started_at: float = 0.0  # time.time() of the current incarnation's start
+    last_record: float | None = None  # time.time() when its newest record was read
+    last_step: float | None = None  # ... its newest step record
+    trained: bool = False  # committed a step with its own batch in this incarnation
+    restart_at: float | None = None
+    killed_as: str | None = None  # set when the supervisor itself kills or stops it
+    injection: Injection | None = None  # the self-kill given to the current incarnation
+    kill_on_catchup: bool = False
+    gaps: deque = field(default_factory=lambda: deque(maxlen=50))
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("starting", "catching up", "training", "stalled")
+
+
+def is_hung(now: float, last: float | None, peers_last: list[float | None], timeout_s: float) -> bool:
+    """A replica is hung when its newest record is older than `timeout_s` while some peer logged a
+    step in the last `timeout_s / 2`: everyone stalls together when the coordinator is away, and
+    that is no hang."""
+    if last is None or now - last <= timeout_s:
+        return False
+    return any(p is not None and now - p < timeout_s / 2 for p in peers_last)
+
+
+class Supervisor:
+    """Runs a `LocalJob` to the end under a `FaultPlan` (see the module docstring)."""
+
+    def __init__(self, job: LocalJob, plan: FaultPlan, log: RunLog, *, restart_delay_s: float = 1.0,
+                 hang_timeout_s: float | None = None, startup_timeout_s: float = 300.0, max_restarts: int = 10,
+                 timeout_s: float = 3600.0, on_poll: Callable[[list[ReplicaStatus], dict], None] | None = None):
+        self.job, self.plan, self.log = job, plan, log
+        self.restart_delay_s = restart_delay_s
+        # A hung peer blocks the others for up to one FTAR timeout; after that they move on.
+        self.hang_timeout_s = hang_timeout_s if hang_timeout_s is not None else 2 * job.cfg.ft.ftar_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.max_restarts = max_restarts
+        self.timeout_s = timeout_s
+        self.on_poll = on_poll
+        self.steps = job.cfg.steps
+        self.status = [ReplicaStatus(r) for r in range(job.replicas)]
+        self.tails = [MetricsTail(job.replica_dir(r) / "metrics.jsonl") for r in range(job.replicas)]
+        self.pending = {r: plan.for_replica(r) for r in range(job.replicas)}
+        self.hangs = sorted(plan.hangs, key=lambda h: h.after_s)
+        self.coordinator_kills = sorted(plan.coordinator_kills)
+        self.coordinator_down_since: float | None = None
+        self.coordinator_killed = False
+        self.rng = random.Random(plan.seed)
+        self.next_random_kill: float | None = None
+        self.warm_at: float | None = None  # every replica has trained: the origin of fault times
+        # restarted incarnations: start -> first own step (the room a random kill must leave)
+        self.restart_s: list[float] = []
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def run(self) -> bool:
+        """Start everything and supervise until every replica ended; True when all finished."""
+        deadline = time.monotonic() + self.timeout_s
+        self.job.start_coordinator()
+        self.log.event("coordinator_started", pid=self.job.coordinator.pid, grpc=self.job.coordinator_address,
+                       http=self.job.coordinator_http)
+        for r in range(self.job.replicas):
+            self._start(r)
+        while not all(s.state in ("done", "gone") for s in self.status):
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the job did not finish within --timeout-s {self.timeout_s:g}")
+            now = time.time()
+            self._read_metrics(now)
+            self._check_coordinator(now)
+            self._check_replicas(now)
+            self._fire_faults(now)
+            self._restart_due(now)
+            if self.on_poll is not None:
+                self.on_poll(self.status, self.job_view())
+            time.sleep(POLL_S)
+        ok = all(s.state == "done" for s in self.status)
+        self.log.event("end", ok=ok)
+        if self.on_poll is not None:
+            self.on_poll(self.status, self.job_view())
+        return ok
+
+    def job_view(self) -> dict:
+        return {"step": max((s.step for s in self.status), default=0), "steps": self.steps,
+                "coordinator": "down" if self.coordinator_down_since is not None else "up",
+                "warm": self.warm_at is not None}
+
+    # --- starting and stopping --------------------------------------------------------------------
+    def _start(self, r: int) -> None:
+        s = self.status[r]
+        inj = self.pending[r][0] if self.pending[r] else None
+        procs = self.job.start_replica(r, die_at=inj.die_at if inj else None, die_host=inj.host if inj else 0)
+        s.incarnation += 1
+        s.state, s.started_at, s.restart_at = "starting", time.time(), None
+        s.last_record = s.last_step = None
+        s.trained, s.killed_as, s.injection = False, None, inj
+        s.gaps.clear()
+        self.log.event("replica_started", replica=r, incarnation=s.incarnation, pids=[p.pid for p in procs],
+                       die_at=inj.die_at if inj else None, die_host=inj.host if inj else None)
+
+    def _kill(self, r: int, kind: str) -> None:
+        self.status[r].killed_as = kind
+        self.job.kill_replica(r)
+
+    def _down(self, r: int, now: float) -> None:
+        s = self.status[r]
+        self.job.kill_replica(r)  # the other hosts of a multi-host replica go with it
+        for p in self.job.hosts.get(r, []):
+            p.wait(10)
+        self._consume(r, self.tails[r].read(), now)  # what the incarnation wrote before it died
+        codes = [p.returncode for p in self.job.hosts.get(r, [])]
+        inj, cause = s.injection, s.killed_as
+        if cause is None:
+            dead = [h for h, c in enumerate(codes) if c not in (0, -signal.SIGKILL)]
+            if inj is not None and codes[inj.host] == -signal.SIGKILL:
+                cause = inj.kind
+                self.pending[r].pop(0)
+                s.kill_on_catchup = inj.phase == "catchup"
+            elif dead:
+                cause = f"crash (host {dead[0]} exit {codes[dead[0]]})"
+            else:
+                cause = "killed (SIGKILL from outside)"
+        s.restarts += 1
+        s.state = "down"
+        self.log.event("replica_down", replica=r, incarnation=s.incarnation, cause=cause, codes=codes,
+                       step=s.step, at=inj.die_at if cause in ("kill", "kill_host") and inj else None,
+                       host=inj.host if cause == "kill_host" and inj else None)
+        if s.restarts > self.max_restarts:
+            raise LaunchError(f"replica {r} failed {s.restarts} times (--max-restarts {self.max_restarts}); "
+                              f"see {self.job.replica_dir(r)}")
+        s.restart_at = now + self.restart_delay_s
+
+    def _restart_due(self, now: float) -> None:
+        for s in self.status:
+            if s.state == "down" and self._job_over_for(s):
+                s.state = "gone"
+                self.log.event("not_restarted", replica=s.replica,
+                               reason="the job has finished: no live peer holds the state to catch up from")
+            elif s.state == "down" and s.restart_at is not None and now >= s.restart_at:
+                self._start(s.replica)
+        if self.coordinator_down_since is not None and now >= self.coordinator_down_since + self.restart_delay_s:
+            self.job.restart_coordinator()
+            self.coordinator_down_since = None
+            self.log.event("coordinator_started", pid=self.job.coordinator.pid, grpc=self.job.coordinator_address,
+                           http=self.job.coordinator_http)
+
+    # --- watching ---------------------------------------------------------------------------------
+    def _read_metrics(self, now: float) -> None:
+        for r, tail in enumerate(self.tails):
+            self._consume(r, tail.read(), now)
+
+    def _consume(self, r: int, records: list[dict], now: float) -> None:
+        s = self.status[r]
+        for rec in records:
+            t = float(rec.get("time", now))  # the replica's own clock: the same machine
+            s.last_record = t
+            kind = rec.get("event")
+            if kind == "catchup_started":
+                s.state = "catching up"
+                if s.kill_on_catchup and s.alive:
+                    s.kill_on_catchup = False
+                    self.log.event("fault", kind="kill_catchup", replica=r, step=rec.get("at_step"))
+                    self._kill(r, "kill_catchup")
+            elif kind == "init" and self.warm_at is not None and s.alive:
+                # A fresh state after the job has trained means no live peer held the job's state
+                # (they have all finished): training on would start the job over, alone.
+                self._abandon(s, "it initialized from scratch after the job had trained: no live peer "
+                                 "held the state to catch up from")
+                return
+            elif kind == "catchup_done":  # a restarted replica rejoins; a first one caught up at the start
+                self.log.event("rejoined" if s.incarnation > 1 else "caught_up", replica=r, at_step=rec.get("at_step"),
+                               catchup_s=rec.get("catchup_s"), source=rec.get("source"))
+            elif kind == "commit_failure":
+                self.log.event("commit_failure", replica=r, step=rec.get("step"),
+                               errors=len(rec.get("errors") or []))
+            elif kind is None and "step" in rec:
+                self._on_step(s, rec, t)
+
+    def _on_step(self, s: ReplicaStatus, rec: dict, now: float) -> None:
+        if s.last_step is not None and rec.get("committed"):
+            s.gaps.append(now - s.last_step)
+        s.last_step = now
+        s.step = int(rec["step"])
+        s.participants = int(rec.get("participants") or 0)
+        if rec.get("healing"):
+            s.state = "catching up" if s.state not in ("down", "done", "gone") else s.state
+            return
+        s.loss = rec.get("loss")
+        if s.state in ("starting", "catching up", "stalled"):
+            s.state = "training"
+        if not s.trained:
+            s.trained = True
+            if s.incarnation > 1:
+                self.restart_s.append(now - s.started_at)
+            if self.warm_at is None and all(o.trained for o in self.status):
+                self.warm_at = now
+                self.log.event("warm", step=s.step)
+                if self.plan.mtbf_s:
+                    self.next_random_kill = now + self.rng.expovariate(1.0 / self.plan.mtbf_s)
+
+    def _check_replicas(self, now: float) -> None:
+        for s in self.status:
+            if not s.alive:
+                continue
+            codes = self.job.replica_exit_codes(s.replica)
+            if codes and all(c == 0 for c in codes):
+                self._consume(s.replica, self.tails[s.replica].read(), now)
+                s.state = "done"
+                self.log.event("replica_done", replica=s.replica, incarnation=s.incarnation, step=s.step)
+                if s.injection is not None and self.pending[s.replica]:
+                    self.log.event("kill_missed", replica=s.replica, at=s.injection.die_at,
+                                   reason="the incarnation finished without reaching that point")
+                    self.pending[s.replica].pop(0)
+                continue
+            if any(c not in (None, 0) for c in codes):
+                self._down(s.replica, now)
+                continue
+            peers = [o for o in self.status if o is not s]
+            if s.last_step is None and now - s.started_at > self.startup_timeout_s:
+                self._hung(s, now, f"no step within --startup-timeout-s {self.startup_timeout_s:g}")
+            elif is_hung(now, s.last_record, [o.last_step for o in peers if o.alive], self.hang_timeout_s):
+                self._hung(s, now, f"no record for {now - s.last_record:.1f} s while peers trained")
+            elif s.state == "training" and s.gaps and s.last_step is not None:
+                if now - s.last_step > 2 * statistics.median(s.gaps) + 0.5:
+                    s.state = "stalled"
+            if s.state in ("starting", "catching up") and self._job_over_for(s):
+                self._abandon(s, "still without state when the job finished")
+
+    def _job_over_for(self, s: ReplicaStatus) -> bool:
+        """A peer has finished and no live peer holds the state: `s` could only start the job over."""
+        peers = [o for o in self.status if o is not s]
+        return any(o.state == "done" for o in peers) and not any(o.alive and o.trained for o in peers)
+
+    def _abandon(self, s: ReplicaStatus, why: str) -> None:
+        self._kill(s.replica, "abandoned")
+        self.job.wait([s.replica], timeout=10)
+        s.state = "gone"
+        self.log.event("abandoned", replica=s.replica, incarnation=s.incarnation, reason=why)
+
+    def _hung(self, s: ReplicaStatus, now: float, why: str) -> None:
+        self.log.event("hang_detected", replica=s.replica, reason=why)
+        self._kill(s.replica, "hang")  # SIGKILL ends a stopped process too
+        self._down(s.replica, now)
+
+    def _check_coordinator(self, now: float) -> None:
+        c = self.job.coordinator
+        if self.coordinator_down_since is None and c is not None and c.poll() is not None:
+            self.coordinator_down_since = now
+            cause = "kill" if self.coordinator_killed else f"crash (exit {c.returncode})"
+            self.coordinator_killed = False
+            self.log.event("coordinator_down", cause=cause, code=c.returncode)
+
+    # --- faults -----------------------------------------------------------------------------------
+    def _fire_faults(self, now: float) -> None:
+        if self.warm_at is None:
+            return
+        t = now - self.warm_at
+        if self.coordinator_kills and t >= self.coordinator_kills[0] and self.coordinator_down_since is None:
+            self.coordinator_kills.pop(0)
+            self.log.event("fault", kind="kill_coordinator", step=self.job_view()["step"])
+            self.coordinator_killed = True
+            self.job.procs.kill(self.job.coordinator)
+        for h in list(self.hangs):
+            s = self.status[h.replica]
+            if t >= h.after_s and s.state == "training":
+                self.hangs.remove(h)
+                self.log.event("fault", kind="hang", replica=h.replica, step=s.step)
+                for p in self.job.hosts[h.replica]:
+                    self.job.procs.kill(p, signal.SIGSTOP)
+        if self.next_random_kill is not None and now >= self.next_random_kill:
+            self._random_kill(now)
+
+    def _random_kill(self, now: float) -> None:
+        if not all(s.state == "training" for s in self.status):
+            return  # one replica at a time: wait until everyone trains again
+        left = self.steps - self.job_view()["step"]
+        if self.restart_s:  # a restart has been measured: leave room for one more, with a margin
+            gaps = [g for s in self.status for g in s.gaps]
+            recovery_s = self.restart_delay_s + statistics.median(self.restart_s)
+            too_late = left * (statistics.median(gaps) if gaps else 0.0) < 1.5 * recovery_s
+        else:  # first incarnations start together and contend: their start says little of a restart
+            recovery_s, too_late = None, left < self.steps / 2
+        if too_late:  # a restarted replica could not catch up before the end
+            self.next_random_kill = None
+            self.log.event("random_kills_stopped", steps_left=left,
+                           recovery_s=round(recovery_s, 2) if recovery_s is not None else None)
+            return
+        r = self.rng.randrange(len(self.status))
+        self.log.event("fault", kind="random_kill", replica=r, step=self.status[r].step)
+        self._kill(r, "random_kill")
+        self.next_random_kill = now + self.rng.expovariate(1.0 / self.plan.mtbf_s)

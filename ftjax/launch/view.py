@@ -1,0 +1,155 @@
+"""What the launcher shows while a job runs, and the summary table at its end.
+
+On a terminal: a rich `Live` table (per replica: state, step, loss, participants, restarts) above
+the latest events (failures, restarts, rejoins). Otherwise (a pipe, a CI log): one plain line per
+event, and a progress line every 10% of the steps.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from ftjax.launch.supervisor import ReplicaStatus
+
+_STATE_STYLE = {"starting": "cyan", "training": "green", "stalled": "yellow", "catching up": "magenta",
+                "down": "bold red", "done": "blue", "gone": "red"}
+
+
+def describe(e: dict) -> str | None:
+    """One line for a launcher event (None: not worth showing)."""
+    k, r = e["event"], e.get("replica")
+    if k == "launch":
+        return (f"job: {e['replicas']} replicas x {e['hosts']} hosts x {e['devices']} devices, "
+                f"{e['steps']} steps of {e['config']} -> {e['out']}")
+    if k == "coordinator_started":
+        return f"coordinator up at {e['grpc']} (status: http://{e['http']}/)"
+    if k == "coordinator_down":
+        return f"coordinator down ({e['cause']}); restarting"
+    if k == "replica_started":
+        inject = f", will die at {e['die_at']} (host {e['die_host']})" if e.get("die_at") else ""
+        verb = "started" if e["incarnation"] == 1 else f"restarted (incarnation {e['incarnation']})"
+        return f"replica {r} {verb}{inject}"
+    if k == "replica_down":
+        at = f" at {e['at']}" if e.get("at") else ""
+        host = f" host {e['host']}" if e.get("host") is not None else ""
+        return f"replica {r} DOWN:{host} {e['cause']}{at} (last step {e['step']})"
+    if k in ("rejoined", "caught_up"):
+        verb = "rejoined" if k == "rejoined" else "caught up (it joined late)"
+        return f"replica {r} {verb} at step {e['at_step']}: state from replica {e['source']} in {e['catchup_s']:.2f} s"
+    if k == "fault":
+        target = f"replica {r}" if r is not None else "coordinator"
+        return f"fault: {e['kind']} {target} (step {e.get('step')})"
+    if k == "commit_failure":
+        return f"replica {r}: step {e['step']} discarded ({e['errors']} FTAR error(s)), retrying"
+    if k == "warm":
+        return f"every replica trains (step {e['step']}): fault clocks start"
+    if k in ("hang_detected", "not_restarted", "abandoned", "kill_missed"):
+        return f"replica {r} {k.replace('_', ' ')}: {e.get('reason')}"
+    if k == "random_kills_stopped":
+        took = f", a restart takes ~{e['recovery_s']} s" if e.get("recovery_s") is not None else ""
+        return f"random kills stopped: {e['steps_left']} steps left{took}"
+    if k == "replica_done":
+        return f"replica {r} finished at step {e['step']}"
+    if k == "end":
+        return "job finished" if e["ok"] else f"job ended: {e.get('error') or 'not every replica finished'}"
+    return None
+
+
+class PlainView:
+    """Event lines on a non-terminal stream."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.t0: float | None = None
+        self._next_tenth = 1
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def event(self, e: dict) -> None:
+        if self.t0 is None:
+            self.t0 = e["time"]
+        line = describe(e)
+        if line:
+            self.console.print(f"[{e['time'] - self.t0:7.1f}s] {line}", markup=False, highlight=False, soft_wrap=True)
+
+    def poll(self, replicas: list[ReplicaStatus], job: dict) -> None:
+        if job["steps"] and job["step"] * 10 >= self._next_tenth * job["steps"]:
+            self._next_tenth = job["step"] * 10 // job["steps"] + 1
+            cells = "  ".join(f"r{s.replica}:{s.state}@{s.step}" + (f" loss {s.loss:.3f}" if s.loss else "")
+                              for s in replicas)
+            self.console.print(f"  step {job['step']}/{job['steps']}  {cells}", markup=False, highlight=False,
+                               soft_wrap=True)
+
+
+class LiveView:
+    """A rich Live table on a terminal."""
+
+    def __init__(self, console: Console, keep: int = 8):
+        self.console = console
+        self.events: deque[str] = deque(maxlen=keep)
+        self.t0: float | None = None
+        self.live = Live(console=console, refresh_per_second=4, transient=False)
+
+    def start(self) -> None:
+        self.live.start()
+
+    def stop(self) -> None:
+        self.live.stop()
+
+    def event(self, e: dict) -> None:
+        if self.t0 is None:
+            self.t0 = e["time"]
+        line = describe(e)
+        if line:
+            self.events.append(f"[{e['time'] - self.t0:6.1f}s] {line}")
+
+    def poll(self, replicas: list[ReplicaStatus], job: dict) -> None:
+        table = Table(title=f"ftjax launch: step {job['step']}/{job['steps']}  coordinator {job['coordinator']}",
+                      title_justify="left")
+        for col in ("replica", "state", "step", "loss", "participants", "restarts"):
+            table.add_column(col, justify="left" if col == "state" else "right")
+        for s in replicas:
+            table.add_row(str(s.replica), Text(s.state, style=_STATE_STYLE.get(s.state, "")), str(s.step),
+                          f"{s.loss:.4f}" if s.loss is not None else "-", str(s.participants or "-"), str(s.restarts))
+        self.live.update(Group(table, Text("\n".join(self.events), style="dim")))
+
+
+def make_view(console: Console | None = None) -> PlainView | LiveView:
+    console = console or Console()
+    return LiveView(console) if sys.stdout.isatty() and console.is_terminal else PlainView(console)
+
+
+def print_summary(console: Console, summary: dict, run_dir: str) -> None:
+    """The end-of-run table: per replica steps, restarts, catch-up time, digest; then the job's figures."""
+    table = Table(title="ftjax launch: summary", title_justify="left")
+    for col in ("replica", "steps", "restarts", "catch-up s", "exactly once"):
+        table.add_column(col, justify="right")
+    table.add_column("param digest", no_wrap=True, min_width=16)
+    for rid, rec in summary["replicas"].items():
+        table.add_row(rid, str(rec["steps_committed"]), str(rec["restarts"]), f"{rec['catchup_s']:.2f}",
+                      "yes" if rec["exactly_once"] else "[red]NO[/]", str(rec["param_digest"]))
+    console.print(table)
+
+    def num(key: str, fmt: str) -> str:
+        v = summary.get(key)
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    console.print(
+        f"committed steps {summary['committed_steps']}/{summary['steps']}   failures {summary['failures']}   "
+        f"wall {num('wall_s', '.1f')} s   ETTR {num('ettr', '.3f')}   median step {num('median_step_s', '.3f')} s   "
+        f"max healthy stall {num('max_healthy_stall_s', '.3f')} s   final loss {num('final_loss', '.4f')}")
+    equal = "[green]equal[/]" if summary["digests_equal"] else "[red]DIFFER[/]"
+    once = "[green]yes[/]" if summary["exactly_once"] else "[red]NO[/]"
+    console.print(f"replica digests {equal}   every batch exactly once {once}")
+    for name in ("summary.json", "loss.png", "timeline.png"):
+        console.print(f"  {run_dir}/{name}", highlight=False)

@@ -1,0 +1,128 @@
+"""Helpers for tests that run `ftjax launch` as a real process (real signals, real children)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ftjax.procs import ProcessGroup
+
+from conftest import REPO
+
+TINY = f"{REPO}/configs/tiny.yaml"
+
+
+def job_pids(run_dir: Path) -> set[int]:
+    """Every process the launcher started (coordinator incarnations, every host of every replica)."""
+    pids = set()
+    path = run_dir / "launcher.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            e = json.loads(line)
+            if e.get("event") == "coordinator_started":
+                pids.add(e["pid"])
+            elif e.get("event") == "replica_started":
+                pids.update(e["pids"])
+    return pids
+
+
+def live_in_groups(groups: set[int]) -> list[int]:
+    """Processes (not zombies) whose process group is one of `groups`: each child of the launcher
+    leads its own group, so this also finds anything those children started."""
+    live = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp in groups and state != "Z":
+            live.append(int(entry))
+    return live
+
+
+def kill_groups(groups: set[int]) -> None:
+    for g in groups:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Launch:
+    """One `ftjax launch` process; `close()` makes sure neither it nor any of its children survives."""
+
+    def __init__(self, procs: ProcessGroup, args: list[str], run_dir: Path):
+        self.run_dir = run_dir
+        self.log = open(run_dir.parent / f"{run_dir.name}.out", "w")
+        self.proc = procs.start([sys.executable, "-m", "ftjax", "launch", *args, "--out", str(run_dir)],
+                                stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"ftjax launch still running after {timeout} s:\n{self.output()}") from None
+
+    def output(self) -> str:
+        self.log.flush()
+        return (self.run_dir.parent / f"{self.run_dir.name}.out").read_text()[-6000:]
+
+    def events(self) -> list[dict]:
+        path = self.run_dir / "launcher.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    def wait_for(self, predicate, timeout: float) -> dict:
+        """The first launcher event matching `predicate` (polled; the launcher writes line by line)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.events():
+                if predicate(e):
+                    return e
+            if self.proc.poll() is not None:
+                raise AssertionError(f"ftjax launch exited with {self.proc.returncode}:\n{self.output()}")
+            time.sleep(0.2)
+        raise AssertionError(f"no such launcher event after {timeout} s:\n{self.output()}")
+
+    def metrics(self, r: int) -> list[dict]:
+        path = self.run_dir / f"replica-{r}" / "metrics.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()]
+
+    def pids(self) -> set[int]:
+        return job_pids(self.run_dir)
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def leftovers(self) -> list[int]:
+        return live_in_groups(job_pids(self.run_dir))
+
+    def close(self) -> None:
+        kill_groups(job_pids(self.run_dir))  # only matters when a test failed half-way
+        self.log.close()
+
+
+@pytest.fixture
+def launch(procs, tmp_path):
+    """`launch(*args, name="run")` starts `ftjax launch configs/tiny.yaml *args --out tmp/name`."""
+    runs = []
+
+    def start(*args: str, name: str = "run") -> Launch:
+        run = Launch(procs, [TINY, "--restart-delay-s", "0.5", *args],
+                     tmp_path / name)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        run.close()

@@ -1,0 +1,88 @@
+"""`ftjax launch` end to end: real launcher process, real replicas, real faults, nothing left behind."""
+
+import signal
+import time
+
+import pytest
+
+from launchrun import live_in_groups
+
+
+def _events(run, name, **match):
+    return [e for e in run.events() if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
+
+
+@pytest.mark.slow
+def test_killed_replica_restarts_and_ends_equal(launch):
+    """Issue 7: `--replicas 2 --kill 1@10 steps=60`: equal digests, replica 1 restarted, the healthy
+    replica's longest stall within 1.5 x its median step + 0.5 s; no process left after the end."""
+    run = launch("--replicas", "2", "--kill", "1@10", "steps=60")
+    code = run.wait(timeout=400)
+    s = run.summary()
+    assert [(e["replica"], e["cause"], e["at"]) for e in s["failure_events"]] == [(1, "kill", "10:forward")]
+    assert s["replicas"]["1"]["restarts"] == 1 and s["replicas"]["0"]["restarts"] == 0
+    assert s["max_healthy_stall_s"] <= 1.5 * s["median_step_s"] + 0.5, s
+    assert run.leftovers() == []
+    assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
+
+
+@pytest.mark.slow
+def test_one_dead_host_restarts_its_replica_only_and_ctrl_c_stops_everything(launch):
+    """Host 1 of 2-host replica 1 dies: the launcher kills its host 0 and starts both hosts again,
+    while replica 0 trains on alone. Then Ctrl-C (SIGINT) to the launcher: every process is gone."""
+    run = launch("--replicas", "2", "--hosts-per-replica", "2", "--kill-host", "1@5:1", "ft.digest_every=0",
+                 "steps=100000")  # runs until interrupted
+    restarted = run.wait_for(lambda e: e["event"] == "replica_started" and e["incarnation"] == 2, timeout=400)
+    # replica 0 commits a few steps of its own after the restart: it was never stopped
+    deadline = time.monotonic() + 120
+    while len([m for m in run.metrics(0) if m.get("committed") and m["time"] > restarted["time"]]) < 3:
+        assert time.monotonic() < deadline, run.output()
+        time.sleep(0.2)
+    # both hosts of the new incarnation are up (and the old ones gone) when Ctrl-C comes
+    assert set(restarted["pids"]) <= set(live_in_groups(set(restarted["pids"]))), run.output()
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(timeout=60) == 130
+    assert run.leftovers() == []
+
+    (down,) = _events(run, "replica_down")
+    assert (down["replica"], down["cause"], down["host"], down["at"]) == (1, "kill_host", 1, "5:forward")
+    assert down["codes"] == [-signal.SIGKILL, -signal.SIGKILL]  # host 1 killed itself, the launcher killed host 0
+    assert restarted["replica"] == 1 and len(restarted["pids"]) == 2  # the whole replica, both hosts
+    assert len(_events(run, "replica_started", replica=0)) == 1
+    s = run.summary()  # written after the interrupt too
+    assert (s["replicas"]["0"]["restarts"], s["replicas"]["1"]["restarts"]) == (0, 1)
+    steps0 = [m for m in run.metrics(0) if "event" not in m and m["time"] > down["time"]]
+    assert steps0 and all(m["committed"] and not m["healing"] for m in steps0)
+
+
+@pytest.mark.slow
+def test_coordinator_killed_mid_run_loses_nothing(launch):
+    run = launch("--replicas", "2", "--kill-coordinator-at", "1", "steps=120")
+    code = run.wait(timeout=400)
+    s = run.summary()
+    (fault,) = _events(run, "fault", kind="kill_coordinator")
+    assert 0 < fault["step"] < 110  # mid-run
+    assert len(_events(run, "coordinator_down", cause="kill")) == 1
+    restarted = _events(run, "coordinator_started")[1]
+    for r in (0, 1):  # both replicas trained under the new coordinator, neither restarted
+        assert any(m["time"] > restarted["time"] for m in run.metrics(r) if "event" not in m)
+        assert s["replicas"][str(r)]["restarts"] == 0
+    assert s["failures"] == 1 and s["committed_steps"] == 120
+    assert run.leftovers() == []
+    assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["error", "SIGTERM"])
+def test_no_process_survives_an_error_or_sigterm(launch, how):
+    extra = ["--timeout-s", "8"] if how == "error" else []
+    run = launch("--replicas", "2", "--hosts-per-replica", "2", *extra, "steps=100000")
+    run.wait_for(lambda e: e["event"] == "replica_started" and e["replica"] == 1, timeout=60)
+    if how == "SIGTERM":
+        run.proc.send_signal(signal.SIGTERM)
+    code = run.wait(timeout=120)
+    assert code == (1 if how == "error" else 128 + signal.SIGTERM), run.output()
+    if how == "error":
+        assert "did not finish within --timeout-s 8" in run.output()
+    assert len(run.pids()) == 5  # the coordinator and 2 x 2 hosts were running
+    assert run.leftovers() == []

@@ -1,0 +1,137 @@
+"""RUN/summary.json from fixture run directories whose every figure is known by hand."""
+
+import json
+
+import pytest
+
+from ftjax.launch.plots import write_loss, write_timeline
+from ftjax.launch.summary import build_summary, load_run, timeline, write_summary
+
+T = 100.0  # launch time
+
+
+def _step(t, step, *, batch=None, position=0, loss=None, healing=False, committed=True):
+    return {"time": t, "step": step, "committed": committed, "healing": healing, "loss": loss,
+            "batch_id": batch, "data_position": position, "participants": 2, "contributors": 2}
+
+
+def _write(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def make_run(tmp_path, *, r1_own_batches=(9, 11, 13), peers=(1, 3, 5, 7), torn_line=False):
+    """Two replicas, 10 steps. Replica 0 never fails and stalls once (0.6 s between steps 5 and 6).
+    Replica 1 trains steps 1-3, is killed, restarts, heals through steps 6-7 and trains 8-10."""
+    _write(tmp_path / "launcher.jsonl", [
+        {"time": T, "event": "launch", "replicas": 2, "hosts": 1, "devices": 1, "steps": 10, "config": "c.yaml",
+         "overrides": [], "out": str(tmp_path)},
+        {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
+        {"time": T, "event": "replica_started", "replica": 1, "incarnation": 1},
+        {"time": 110.35, "event": "replica_down", "replica": 1, "incarnation": 1, "cause": "kill", "step": 3,
+         "at": "4:ftar"},
+        {"time": 110.45, "event": "replica_started", "replica": 1, "incarnation": 2},
+        {"time": 111.25, "event": "rejoined", "replica": 1, "at_step": 7, "catchup_s": 0.7, "source": "0"},
+        {"time": 111.6, "event": "replica_done", "replica": 0, "incarnation": 1, "step": 10},
+        {"time": 111.6, "event": "replica_done", "replica": 1, "incarnation": 2, "step": 10},
+        {"time": 111.7, "event": "end", "ok": True},
+    ])
+    r0_times = [110.1, 110.2, 110.3, 110.4, 110.5, 111.1, 111.2, 111.3, 111.4, 111.5]
+    _write(tmp_path / "replica-0" / "metrics.jsonl",
+           [{"time": 105.0, "event": "start"}]
+           + [_step(t, k + 1, batch=2 * k, position=k + 1, loss=3.0 - 0.1 * k) for k, t in enumerate(r0_times)])
+    r1 = [{"time": 105.0, "event": "start"}]
+    r1 += [_step(110.1 + 0.1 * k, k + 1, batch=2 * k + 1, position=k + 1, loss=3.05 - 0.1 * k) for k in range(3)]
+    r1 += [{"time": 110.5, "event": "start"},
+           {"time": 110.55, "event": "batches_committed_by_peers", "batch_ids": list(peers)},
+           {"time": 110.55, "event": "catchup_started", "source": "0", "at_step": 5},
+           _step(111.1, 6, position=4, healing=True, committed=False),
+           _step(111.2, 7, position=4, healing=True, committed=False),
+           {"time": 111.25, "event": "catchup_done", "source": "0", "catchup_s": 0.7, "at_step": 7}]
+    r1 += [_step(111.3 + 0.1 * i, 8 + i, batch=b, position=5 + i, loss=2.2 + 0.1 * i)
+           for i, b in enumerate(r1_own_batches)]
+    _write(tmp_path / "replica-1" / "metrics.jsonl", r1)
+    if torn_line:  # a SIGKILL in the middle of a write leaves half a line
+        with open(tmp_path / "replica-1" / "metrics.jsonl", "a") as f:
+            f.write('{"time": 111.55, "step": 1')
+    for r, position in ((0, 10), (1, 4 + len(r1_own_batches))):
+        (tmp_path / f"replica-{r}" / "summary.json").write_text(
+            json.dumps({"param_digest": "abc", "data_position": position, "final_loss": 2.0}))
+    return tmp_path
+
+
+def test_summary_figures_match_the_hand_computed_ones(tmp_path):
+    s = write_summary(make_run(tmp_path, torn_line=True))
+    assert json.loads((tmp_path / "summary.json").read_text()) == s
+    assert s["ok"] and s["committed_steps"] == 10 and s["steps"] == 10
+    assert s["wall_s"] == pytest.approx(11.7)
+    assert s["warmup_s"] == pytest.approx(10.1)  # both replicas' first own step at 110.1
+    # gaps of the never-failed replica 0 after warm-up: 0.1 x 4, 0.6, 0.1 x 4
+    assert s["median_step_s"] == pytest.approx(0.1)
+    assert s["max_healthy_stall_s"] == pytest.approx(0.6)
+    # window [110.1, 111.5] x 2 replicas = 2.8 replica-s. Replica 0: 0.4 training + one median step
+    # for its stalled gap + 0.4 training = 0.9. Replica 1: 0.25 training until its death at 110.35,
+    # then 0.2 after its first own step back (111.3 -> 111.5) = 0.45.
+    assert s["ettr"] == pytest.approx((0.9 + 0.45) / 2.8, abs=1e-4)
+    assert s["final_loss"] == pytest.approx((2.1 + 2.4) / 2)  # the last 5% of 10 steps: step 10 of each
+    assert s["failures"] == 1
+    assert s["failure_events"] == [{"time_s": pytest.approx(10.35), "replica": 1, "cause": "kill", "step": 3,
+                                    "at": "4:ftar", "recovery_s": pytest.approx(0.9)}]
+    assert s["exactly_once"] and s["digests_equal"]
+    r0, r1 = s["replicas"]["0"], s["replicas"]["1"]
+    assert (r0["restarts"], r0["failures"], r0["steps_committed"]) == (0, 0, 10)
+    assert (r1["restarts"], r1["failures"], r1["steps_committed"], r1["steps_contributed"]) == (1, 1, 6, 6)
+    assert r1["catchup_s"] == pytest.approx(0.7) and r1["data_position"] == 7
+    assert r1["seconds_in_state"]["down"] == pytest.approx(0.1)
+    assert r1["seconds_in_state"]["catching up"] == pytest.approx(0.75)  # 110.55 -> 111.3
+
+
+def test_timeline_states(tmp_path):
+    run = load_run(make_run(tmp_path))
+    segs = timeline(run, median_s=0.1)
+    states0 = [(round(a, 2), round(b, 2), st) for a, b, st in segs[0]]
+    assert states0 == [(100.0, 110.1, "starting"), (110.1, 110.5, "training"), (110.5, 111.1, "stalled"),
+                       (111.1, 111.6, "training"), (111.6, 111.7, "done")]
+    states1 = [(round(a, 2), round(b, 2), st) for a, b, st in segs[1]]
+    assert states1 == [(100.0, 110.1, "starting"), (110.1, 110.35, "training"), (110.35, 110.45, "down"),
+                       (110.45, 110.55, "starting"), (110.55, 111.3, "catching up"), (111.3, 111.6, "training"),
+                       (111.6, 111.7, "done")]
+
+
+def test_a_batch_trained_twice_breaks_exactly_once(tmp_path):
+    # the restarted incarnation commits batch 5, which its first incarnation had already committed
+    s = build_summary(make_run(tmp_path, r1_own_batches=(5, 11, 13)))
+    assert not s["exactly_once"] and s["replicas"]["0"]["exactly_once"]
+    assert "batch 5 trained twice" in s["replicas"]["1"]["exactly_once_error"]
+
+
+def test_a_batch_trained_by_peers_then_again_is_a_repeat(tmp_path):
+    # peers committed batch 9 for replica 1 (it died after contributing it), and it trains 9 again
+    s = build_summary(make_run(tmp_path, peers=(1, 3, 5, 7, 9), r1_own_batches=(9, 11, 13)))
+    assert "batch 9 trained twice" in s["replicas"]["1"]["exactly_once_error"]
+
+
+def test_a_skipped_batch_breaks_exactly_once(tmp_path):
+    # nobody trained batch 7, yet the stream resumed after it
+    s = build_summary(make_run(tmp_path, peers=(1, 3, 5)))
+    assert not s["exactly_once"]
+    assert "missing batches [7]" in s["replicas"]["1"]["exactly_once_error"]
+
+
+def test_different_digests_are_reported(tmp_path):
+    make_run(tmp_path)
+    (tmp_path / "replica-1" / "summary.json").write_text(json.dumps({"param_digest": "xyz", "data_position": 7}))
+    assert not build_summary(tmp_path)["digests_equal"]
+
+
+def test_not_a_run_directory(tmp_path):
+    with pytest.raises(ValueError, match="not a run directory"):
+        build_summary(tmp_path)
+
+
+def test_plots_are_written(tmp_path):
+    run = load_run(make_run(tmp_path))
+    write_loss(run, tmp_path / "loss.png")
+    write_timeline(run, tmp_path / "timeline.png", 0.1)
+    for name in ("loss.png", "timeline.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
