@@ -375,6 +375,10 @@ class Supervisor:
             elif kind == "catchup_done":  # a restarted replica rejoins; a first one caught up at the start
                 self.log.event("rejoined" if s.incarnation > 1 else "caught_up", replica=r, at_step=rec.get("at_step"),
                                catchup_s=rec.get("catchup_s"), source=rec.get("source"))
+                # it holds the job's state now (at the very end of a job it commits no step after this)
+                if s.state == "catching up":
+                    s.state = "training"
+                self._holds_state(s, t)
             elif kind == "commit_failure":
                 self.log.event("commit_failure", replica=r, step=rec.get("step"),
                                errors=len(rec.get("errors") or []))
@@ -393,6 +397,10 @@ class Supervisor:
         s.loss = rec.get("loss")
         if s.state in ("starting", "catching up", "stalled"):
             s.state = "training"
+        self._holds_state(s, now)
+
+    def _holds_state(self, s: ReplicaStatus, now: float) -> None:
+        """The first time an incarnation holds the job's state (a committed step, or a catch-up)."""
         if not s.trained:
             s.trained = True
             if s.incarnation > 1:
