@@ -178,9 +178,8 @@ class Manager:
             s -= 1
         return s
 
-    def _install(self, got: dict, q: QuorumResult) -> float:
+    def _install(self, got: dict, q: QuorumResult) -> None:
         """Every host: restore the fetched snapshot into our mesh and replay the buffered updates."""
-        t0 = time.perf_counter()
         state = restore_snapshot(got["path"], self.abstract)
         self.comm.allgather(None)  # every host has read the snapshot: it can go (it may be in RAM)
         if self.leader:
@@ -190,7 +189,7 @@ class Manager:
         while step < q.step:
             if step not in self.buffer:
                 self.log.event("catchup_gap", snapshot_step=got["step"], missing=step)
-                return time.perf_counter() - t0  # incomplete: the next quorum asks for a fresher one
+                return  # incomplete: the next quorum asks for a fresher snapshot
             g, scale = self.buffer[step]
             state = self.program.apply(state, self.flat.unflatten(g), np.float32(scale))
             step += 1
@@ -203,7 +202,6 @@ class Manager:
                        mb_per_s=got["nbytes"] / 1e6 / max(got["seconds"], 1e-9), replayed=replayed,
                        catchup_s=seconds)
         self.heal_started = None
-        return time.perf_counter() - t0
 
     # --- the loop -----------------------------------------------------------------------------
     def run(self) -> int:
