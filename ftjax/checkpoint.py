@@ -22,6 +22,12 @@ class DurableCheckpoints:
         )
         self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
 
+    @classmethod
+    def from_config(cls, cfg, run_dir: str | Path) -> "DurableCheckpoints":
+        """The checkpoints a run's config asks for (`checkpoint:` section; default dir RUN/checkpoints)."""
+        c = cfg.checkpoint
+        return cls(c.dir or Path(run_dir) / "checkpoints", every=c.every, keep=c.keep, async_save=c.async_save)
+
     def maybe_save(self, step: int, state: dict, meta: dict[str, Any], *, force: bool = False) -> bool:
         """Save at multiples of `every` (or when forced). Returns whether a save started."""
         if not force and (self.every <= 0 or step % self.every):

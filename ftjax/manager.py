@@ -81,8 +81,7 @@ class Manager:
         self.log = MetricsLog(out, enabled=self.leader, total_steps=cfg.steps, label=f"replica {self.replica_id}")
         self.ckpt = None
         if cfg.checkpoint.every > 0:
-            self.ckpt = DurableCheckpoints(cfg.checkpoint.dir or out / "checkpoints", every=cfg.checkpoint.every,
-                                           keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+            self.ckpt = DurableCheckpoints.from_config(cfg, out)
         self.endpoint = FTAREndpoint(token, timeout_s=cfg.ft.ftar_timeout_s)
         ftar_addresses = self.comm.allgather(self.endpoint.address)
         self.catchup_dir = snapshot_dir(cfg.ft.catchup_dir, out)
@@ -252,11 +251,10 @@ class Manager:
                 self._serve(q)
 
             position = q.data_position
-            if position != self.position:
-                peers = [self.stream.batch_id(p) for p in range(self.position, position)]
-                if position > self.position:
-                    self.log.event("batches_committed_by_peers", batch_ids=peers)
-                self.position = position
+            if position > self.position:
+                self.log.event("batches_committed_by_peers",
+                               batch_ids=[self.stream.batch_id(p) for p in range(self.position, position)])
+            self.position = position
             if q.step >= cfg.steps:
                 # the job has trained every step: nothing to reduce; this replica only catches up
                 time.sleep(0.05)

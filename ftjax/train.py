@@ -97,8 +97,7 @@ def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:
     log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}")
     ckpt = None
     if cfg.checkpoint.every > 0 or args.resume or args.stop_after:
-        ckpt = DurableCheckpoints(cfg.checkpoint.dir or out / "checkpoints", every=cfg.checkpoint.every,
-                                  keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+        ckpt = DurableCheckpoints.from_config(cfg, out)
     step, position = 0, 0
     if args.resume and ckpt is not None and ckpt.latest_step() is not None:
         state, meta = ckpt.restore(program.abstract_state())
