@@ -82,6 +82,8 @@ class FTConfig(_Strict):
     replicas: int = Field(1, gt=0, description="data-parallel replicas in the job (data streams)")
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     ftar_timeout_s: float = Field(10.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
+    ftar_shared_memory: bool = Field(True, description="FTAR links between replicas on one host carry payloads "
+                                                       "through /dev/shm (frame headers stay on TCP)")
     quorum_timeout_s: float = Field(120.0, gt=0)
     digest_every: int = Field(1, ge=0, description="log the state digest every N steps (0: never)")
     catchup_buffer_steps: int = Field(64, gt=0, description="averaged updates a healing replica keeps")

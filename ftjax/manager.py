@@ -82,7 +82,7 @@ class Manager:
         self.ckpt = None
         if cfg.checkpoint.every > 0:
             self.ckpt = DurableCheckpoints.from_config(cfg, out)
-        self.endpoint = FTAREndpoint(token, timeout_s=cfg.ft.ftar_timeout_s)
+        self.endpoint = FTAREndpoint(token, timeout_s=cfg.ft.ftar_timeout_s, shared_memory=cfg.ft.ftar_shared_memory)
         ftar_addresses = self.comm.allgather(self.endpoint.address)
         self.catchup_dir = snapshot_dir(cfg.ft.catchup_dir, out)
         if self.leader:  # what a killed incarnation of this replica left behind (it may be in RAM)

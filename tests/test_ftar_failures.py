@@ -15,6 +15,9 @@ from ftjax.ftar.member import start_members
 
 TOKEN = "failures-test-token"
 N_64MIB = 16 << 20  # float32 elements
+# back-to-back calls the victim is struck in: one 64 MiB call between three members takes only
+# ~60 ms over shared memory, so a single one could end before the strike lands
+STRUCK_CALLS = 4
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -35,9 +38,9 @@ def start_allreduce(members, *, quorum_id, n, iters=1, verify=False, step=0):
 
 
 def strike_mid_allreduce(victim, sig):
-    """Send ``sig`` to ``victim`` once it has spent 30 ms of CPU inside the all-reduce it has just
+    """Send ``sig`` to ``victim`` once it has spent 30 ms of CPU inside the all-reduces it has just
     started (data generation happens before its "started" line): data is then flowing, and far from
-    done (a 64 MiB all-reduce in three processes takes several times that)."""
+    done (STRUCK_CALLS all-reduces of 64 MiB in three processes take several times that)."""
     base = cpu_seconds(victim.pid)
     deadline = time.monotonic() + 30
     while cpu_seconds(victim.pid) < base + 0.03:
@@ -47,17 +50,23 @@ def strike_mid_allreduce(victim, sig):
     return time.time()
 
 
-def check_next_quorum(survivors, quorum_id):
-    """The survivors complete an exact, bitwise identical all-reduce between themselves."""
+def check_next_quorum(survivors, quorum_id, shared_memory):
+    """The survivors complete an exact, bitwise identical all-reduce between themselves (over the
+    kind of links the test asked for)."""
     start_allreduce(survivors, quorum_id=quorum_id, n=N_64MIB, verify=True)
     results = [m.result() for m in survivors]
     assert all(r["ok"] and r["exact"] for r in results), results
     assert len({r["digest"] for r in results}) == 1
+    assert all((r["stats"]["shm_dials"] > 0) == shared_memory for r in results)
 
 
-def test_sigkill_mid_allreduce_fails_survivors_within_a_second_then_next_quorum_works(procs):
-    members = start_members(procs, 3, TOKEN, timeout_s=30)
-    start_allreduce(members, quorum_id=1, n=N_64MIB)
+LINKS = pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "tcp"])
+
+
+@LINKS
+def test_sigkill_mid_allreduce_fails_survivors_within_a_second_then_next_quorum_works(procs, shared_memory):
+    members = start_members(procs, 3, TOKEN, timeout_s=30, shared_memory=shared_memory)
+    start_allreduce(members, quorum_id=1, n=N_64MIB, iters=STRUCK_CALLS)
     victim = members[1]
     killed_at = strike_mid_allreduce(victim, signal.SIGKILL)
     survivors = [members[0], members[2]]
@@ -67,13 +76,14 @@ def test_sigkill_mid_allreduce_fails_survivors_within_a_second_then_next_quorum_
         assert r["error"] == "PeerFailed" and r["peer"] == victim.address, r
         assert victim.address in r["message"]
         assert r["t"] - killed_at < 1.0, f"raised {r['t'] - killed_at:.3f} s after the kill"
-    check_next_quorum(survivors, quorum_id=2)
+    check_next_quorum(survivors, quorum_id=2, shared_memory=shared_memory)
 
 
-def test_sigstop_mid_allreduce_fails_survivors_after_the_timeout(procs):
+@LINKS
+def test_sigstop_mid_allreduce_fails_survivors_after_the_timeout(procs, shared_memory):
     timeout = 2.0
-    members = start_members(procs, 3, TOKEN, timeout_s=timeout)
-    start_allreduce(members, quorum_id=1, n=N_64MIB)
+    members = start_members(procs, 3, TOKEN, timeout_s=timeout, shared_memory=shared_memory)
+    start_allreduce(members, quorum_id=1, n=N_64MIB, iters=STRUCK_CALLS)
     victim = members[2]
     stopped_at = strike_mid_allreduce(victim, signal.SIGSTOP)
     survivors = members[:2]
@@ -84,7 +94,7 @@ def test_sigstop_mid_allreduce_fails_survivors_after_the_timeout(procs):
         # no progress for `timeout` after the stop (less the one chunk that may have been waited for
         # just before it), then at most the notice grace (0.5 s) and scheduling slack
         assert timeout - 0.2 <= waited <= timeout + 2.5, f"raised {waited:.3f} s after SIGSTOP"
-    check_next_quorum(survivors, quorum_id=2)
+    check_next_quorum(survivors, quorum_id=2, shared_memory=shared_memory)
 
 
 def knock(address: str, hello: bytes) -> int | None:

@@ -5,7 +5,9 @@ not belong to the call."""
 from __future__ import annotations
 
 import collections
+import glob
 import itertools
+import os
 import socket
 import threading
 import time
@@ -17,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ftjax.ftar import FTAREndpoint, FTARError, HandshakeRefused, PeerFailed, PeerTimeout, ProtocolError, wire
+from ftjax.ftar import shm
 from ftjax.ftar.ring import AG, RS, schedule
 
 TOKEN = "test-token"
@@ -48,14 +51,17 @@ def run_ring(endpoints, bufs, contributors=None, *, quorum_id=None, step=0, memb
     return results, errors
 
 
-@pytest.fixture(scope="module")
-def pool():
+@pytest.fixture(scope="module", params=[True, False], ids=["shm", "tcp"])
+def pool(request):
     """Five endpoints reused by every example: each example picks a subset in a random order under
-    a fresh quorum id, so membership changes, link reuse and re-dials are exercised as a side effect."""
-    eps = [FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=10) for _ in range(5)]
+    a fresh quorum id, so membership changes, link reuse and re-dials are exercised as a side effect.
+    Once with same-host links through shared memory (the default), once with TCP links only."""
+    eps = [FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=10, shared_memory=request.param) for _ in range(5)]
     yield eps
     for ep in eps:
         ep.close()
+    links = sum(ep.stats["dials"] for ep in eps)
+    assert sum(ep.stats["shm_dials"] for ep in eps) == (links if request.param else 0)
 
 
 # --- the schedule, without sockets -----------------------------------------------------------------
@@ -169,6 +175,68 @@ def test_same_and_changed_quorum_reuse_links():
             ep.close()
 
 
+# --- same-host links through shared memory -------------------------------------------------------
+def _segment_files() -> set[str]:
+    return set(glob.glob(os.path.join(shm.SHM_DIR, shm.NAME_PREFIX + "*")))
+
+
+def test_same_host_links_use_shared_memory_and_leave_no_file_behind():
+    before = _segment_files()
+    eps = [FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES) for _ in range(3)]
+    try:
+        bufs = [np.arange(1000, dtype=np.float32) * (r + 1) for r in range(3)]
+        for quorum_members in (eps, eps[::-1], eps[:2]):  # new links each time, some kept
+            results, errors = run_ring(quorum_members, bufs[:len(quorum_members)])
+            assert errors == [None] * len(quorum_members)
+            scale = sum(range(1, len(quorum_members) + 1)) / len(quorum_members)
+            np.testing.assert_array_equal(results[0], np.arange(1000, dtype=np.float32) * np.float32(scale))
+        assert all(ep.stats["shm_dials"] == ep.stats["dials"] > 0 for ep in eps)
+        assert sum(ep.stats["shm_accepted"] for ep in eps) == sum(ep.stats["dials"] for ep in eps)
+        assert _segment_files() == before  # every name unlinked once the peer had mapped it
+    finally:
+        for ep in eps:
+            ep.close()
+
+
+def test_link_to_an_endpoint_without_shared_memory_carries_payloads_over_tcp():
+    a = FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES)  # offers, but b declines
+    b = FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, shared_memory=False)  # offers nothing
+    before = _segment_files()
+    try:
+        results, errors = run_ring([a, b], [np.full(300, 1, np.float32), np.full(300, 4, np.float32)])
+        assert errors == [None, None]
+        np.testing.assert_array_equal(results[1], np.full(300, 2.5, np.float32))
+        assert [a.stats["shm_dials"], b.stats["shm_dials"], a.stats["shm_accepted"], b.stats["shm_accepted"]] == [0] * 4
+        assert _segment_files() == before
+    finally:
+        a.close()
+        b.close()
+
+
+def test_offers_of_a_segment_the_listener_cannot_verify_are_declined_and_bad_ones_refused():
+    ep = FTAREndpoint(TOKEN)
+    fake = FakePeer()
+    try:
+        # a well-formed name that does not exist here (another host's /dev/shm)
+        missing = shm.OFFER.pack(shm.OFFER_MAGIC, 43, 2, 64, bytes(16)) + (shm.NAME_PREFIX + "0" * 32).encode()
+        assert fake.dial(ep.address, 3, missing)[1] == wire.STATUS_OK and fake.mapped == 0
+        # a real segment, but the offer's nonce is not the one written in it
+        offer, segment, path = shm.create_offer(2, 64)
+        forged = offer[:shm.OFFER.size - 16] + bytes(16) + offer[shm.OFFER.size:]
+        assert fake.dial(ep.address, 3, forged)[1] == wire.STATUS_OK and fake.mapped == 0
+        assert fake.dial(ep.address, 3, offer)[1] == wire.STATUS_OK and fake.mapped == 1  # the true one
+        shm.discard_offer(path)
+        # a path outside /dev/shm's segments is never opened
+        escape = shm.OFFER.pack(shm.OFFER_MAGIC, 11, 2, 64, bytes(16)) + b"../../etc/x"
+        assert fake.dial(ep.address, 3, escape)[1] == wire.STATUS_OK and fake.mapped == 0
+        refused = ep.stats["refused"]
+        assert fake.dial(ep.address, 3, b"JUNK" + bytes(shm.OFFER.size - 4))[1] == wire.STATUS_BAD_MESSAGE
+        assert ep.stats["refused"] == refused + 1
+    finally:
+        ep.close()
+        fake.close()
+
+
 # --- bad input -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("change, field", [
     (dict(buf=np.zeros((2, 2), np.float32)), "buf"),
@@ -220,16 +288,21 @@ class FakePeer:
                 return
             try:
                 wire.read_hello(conn, self.token)
-                conn.sendall(bytes([wire.STATUS_OK]))
+                shm.read_offer(conn, wire.recv_exact, accept=False)  # payloads on TCP, where we read them
+                conn.sendall(bytes([wire.STATUS_OK, 0]))
                 while conn.recv(1 << 16):  # swallow the real member's frames
                     pass
             except (OSError, EOFError, wire.WireError):
                 pass
 
-    def dial(self, target: str, quorum_id: int) -> tuple[socket.socket, int]:
+    def dial(self, target: str, quorum_id: int, offer: bytes = shm.NO_OFFER) -> tuple[socket.socket, int]:
+        """Open a ring link; with an offer of shared memory, ``self.mapped`` says if it was taken."""
         sock = socket.create_connection(wire.parse_address(target), timeout=5)
-        sock.sendall(wire.encode_hello(self.token, wire.Hello(wire.KIND_RING, quorum_id, self.address)))
-        return sock, wire.recv_exact(sock, 1)[0]
+        sock.sendall(wire.encode_hello(self.token, wire.Hello(wire.KIND_RING, quorum_id, self.address)) + offer)
+        status = wire.recv_exact(sock, 1)[0]
+        if status == wire.STATUS_OK:
+            self.mapped = wire.recv_exact(sock, 1)[0]
+        return sock, status
 
     def close(self):
         self.listener.close()
@@ -242,8 +315,9 @@ def _first_frame_of_left(ep, fake, n):
     return members, meta, schedule(n, 2, 1, ep.chunk_elems)[0][0]
 
 
-@pytest.mark.parametrize("fault", ["step", "quorum_id", "meta", "length", "checksum"])
-def test_frame_that_does_not_belong_raises_and_endpoint_recovers(fault):
+@pytest.mark.parametrize("link", ["tcp", "shm"])
+@pytest.mark.parametrize("fault", ["step", "quorum_id", "meta", "length", "checksum", "place"])
+def test_frame_that_does_not_belong_raises_and_endpoint_recovers(fault, link):
     checksum = fault == "checksum"
     ep = FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=5, checksum=checksum)
     fake = FakePeer()
@@ -260,8 +334,10 @@ def test_frame_that_does_not_belong_raises_and_endpoint_recovers(fault):
 
         t = threading.Thread(target=call)
         t.start()
-        sock, status = fake.dial(ep.address, q)
-        assert status == wire.STATUS_OK
+        offer, segment, path = shm.create_offer(shm.DEFAULT_SLOTS, CHUNK_BYTES) if link == "shm" else (shm.NO_OFFER, None, None)
+        sock, status = fake.dial(ep.address, q, offer)
+        shm.discard_offer(path)
+        assert status == wire.STATUS_OK and fake.mapped == (link == "shm")
         payload = np.ones(first.stop - first.start, np.float32)
         fields = dict(quorum_id=q, step=step, phase=first.phase, seq=0, meta=meta)
         if fault in ("step", "quorum_id"):
@@ -270,17 +346,20 @@ def test_frame_that_does_not_belong_raises_and_endpoint_recovers(fault):
             fields["meta"] ^= 1
         elif fault == "length":
             payload = payload[:-1]
-        header = wire.pack_frame(payload=memoryview(payload.view(np.uint8)), checksum=checksum, **fields)
+        in_slot = (link == "shm") != (fault == "place")  # "place": the header says the other one
+        header = wire.pack_frame(payload=memoryview(payload.view(np.uint8)), checksum=checksum, shm=in_slot, **fields)
         body = bytearray(payload.view(np.uint8).tobytes())
         if fault == "checksum":
-            body[5] ^= 0x10  # one flipped bit in flight
-        sock.sendall(header + bytes(body) + bytes(64))
+            body[5] ^= 0x10  # one flipped bit in flight (or in the slot)
+        if segment is not None:
+            segment.slot(0, len(body), np.uint8)[:] = np.frombuffer(bytes(body), np.uint8)
+        sock.sendall(header + (b"" if in_slot else bytes(body)) + bytes(64))
         t.join(10)
         assert not t.is_alive()
         err = box["err"]
         assert isinstance(err, ProtocolError) and err.peer == fake.address
         assert {"step": "step", "quorum_id": "quorum_id", "meta": "fingerprint", "length": "length",
-                "checksum": "checksum"}[fault] in str(err)
+                "checksum": "checksum", "place": "shared memory"}[fault] in str(err)
         sock.close()
         # the endpoint serves the next quorum with real peers
         other = FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=5, checksum=checksum)

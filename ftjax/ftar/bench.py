@@ -1,21 +1,26 @@
 """`ftjax bench ftar --world N --mib M`: FTAR bus bandwidth against the raw TCP link, same run.
 
-Starts N member processes on 127.0.0.1, warms up, then runs ``--rounds`` rounds, each of: raw TCP
-yardsticks, then ``--iters`` back-to-back all-reduces of M MiB float32. Interleaving puts every
-figure under the same background load of this shared machine. Prints one JSON line (GB/s = 1e9
-bytes per second; times are medians over the rounds):
+Starts N member processes on 127.0.0.1 (and N more whose links are TCP only), warms up, then runs
+``--rounds`` rounds, each of: raw TCP yardsticks, then ``--iters`` back-to-back all-reduces of M MiB
+float32 on each set of members. Interleaving puts every figure under the same background load of
+this shared machine. Prints one JSON line (GB/s = 1e9 bytes per second; times are medians over the
+rounds):
 
     busbw_gbps      2 (N-1)/N * bytes / all-reduce time (the slowest member's; the first call of
-                    each round, which absorbs the members' start skew, is not timed)
+                    each round, which absorbs the members' start skew, is not timed), as FTAR runs
+                    by default: links between members on one host carry payloads through shared
+                    memory (``shm_links`` counts them; the frame headers stay on TCP)
     link_gbps       one-way TCP throughput between two members, M MiB walked through in chunk-size
                     sendall / recv_into(MSG_WAITALL) calls on both sides
     ratio           busbw_gbps / link_gbps
     link_hot_gbps   the same, resending one chunk and receiving into one chunk: cache-hot copies,
                     an upper bound no transfer of M MiB meets; ratio_hot = busbw_gbps / link_hot_gbps
+    busbw_tcp_gbps  the same all-reduces with shared memory switched off: every payload over
+                    loopback TCP; ratio_tcp = busbw_tcp_gbps / link_gbps
     pattern_gbps    the all-reduce's traffic without FTAR: every member sends 2 (N-1)/N * M MiB of
                     raw TCP to its right neighbour while receiving as much from its left one;
-                    ratio_pattern = busbw_gbps / pattern_gbps (how close FTAR gets to what this
-                    machine does for the same traffic)
+                    ratio_pattern = busbw_tcp_gbps / pattern_gbps (how close FTAR's TCP links get
+                    to what this machine does for the same traffic)
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=7, help="rounds of (yardsticks, all-reduces)")
     ap.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="FTAR chunk and raw TCP call size")
     ap.add_argument("--checksum", action="store_true", help="crc32 every frame")
+    ap.add_argument("--no-tcp", action="store_true", help="skip the TCP-only all-reduces (busbw_tcp_gbps)")
     ap.add_argument("--json", action="store_true", help="accepted for uniformity: the output is always one JSON line")
     args = ap.parse_args(argv)
     if args.world < 2:
@@ -64,14 +70,16 @@ class _Bench:
                 raise RuntimeError(f"a member failed: {r}")
         return replies
 
-    def allreduce(self, iters: int, verify: bool = False) -> list[float]:
+    def allreduce(self, iters: int, verify: bool = False, members: list[MemberClient] | None = None) -> list[float]:
         """Per-call times (the slowest member's) of ``iters`` back-to-back all-reduces."""
-        addresses = [m.address for m in self.members]
-        for rank, m in enumerate(self.members):
+        members = self.members if members is None else members
+        addresses = [m.address for m in members]
+        for rank, m in enumerate(members):
             m.send(op="allreduce", quorum_id=1, step=self.step, members=addresses, rank=rank, n=self.n,
-                   dtype="float32", seeds=list(range(len(self.members))), iters=iters, verify=verify)
-        replies = self._collect(self.members)
+                   dtype="float32", seeds=list(range(len(members))), iters=iters, verify=verify)
+        replies = self._collect(members)
         self.step += iters
+        self.last_stats = [r["stats"] for r in replies]
         if verify and not all(r["exact"] for r in replies):
             raise RuntimeError(f"the all-reduce result is wrong: {replies}")
         return [max(ts) for ts in zip(*(r["times"] for r in replies))]
@@ -97,29 +105,43 @@ class _Bench:
 def measure(args: argparse.Namespace) -> dict:
     """Run the benchmark described in the module docstring; returns its JSON record."""
     with ProcessGroup() as group:
-        bench = _Bench(start_members(group, args.world, secrets.token_hex(16), chunk_bytes=args.chunk_bytes,
+        token = secrets.token_hex(16)
+        bench = _Bench(start_members(group, args.world, token, chunk_bytes=args.chunk_bytes,
                                      checksum=args.checksum), args)
+        tcp = [] if args.no_tcp else start_members(group, args.world, token, chunk_bytes=args.chunk_bytes,
+                                                   checksum=args.checksum, shared_memory=False)
         bench.allreduce(1, verify=True)  # warm-up: dials the ring, touches the buffers, checks the result
+        shm_links = sum(s["shm_dials"] for s in bench.last_stats)
+        if tcp:
+            bench.allreduce(1, verify=True, members=tcp)
         bench.link(True), bench.link(False), bench.pattern()  # warm-up: touches the yardsticks' buffers
-        times: dict[str, list[float]] = {"allreduce": [], "link": [], "link_hot": [], "pattern": []}
+        times: dict[str, list[float]] = {"allreduce": [], "allreduce_tcp": [], "link": [], "link_hot": [],
+                                         "pattern": []}
         for _ in range(args.rounds):
             times["link"].append(bench.link(True))
             times["link_hot"].append(bench.link(False))
             times["pattern"].append(bench.pattern())
             times["allreduce"] += bench.allreduce(args.iters + 1)[1:]
-        for m in bench.members:
+            if tcp:
+                times["allreduce_tcp"] += bench.allreduce(args.iters + 1, members=tcp)[1:]
+        for m in bench.members + tcp:
             m.send(op="exit")
     nbytes, world = bench.nbytes, args.world
-    med = {k: statistics.median(v) for k, v in times.items()}
-    busbw = 2 * (world - 1) / world * nbytes / med["allreduce"] / 1e9
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    bus = 2 * (world - 1) / world * nbytes / 1e9  # GB each member sends per all-reduce
+    busbw = bus / med["allreduce"]
     link, hot = nbytes / med["link"] / 1e9, nbytes / med["link_hot"] / 1e9
-    pattern = 2 * (world - 1) / world * nbytes / med["pattern"] / 1e9
-    return {"bench": "ftar", "world": world, "mib": args.mib, "busbw_gbps": round(busbw, 3),
-            "link_gbps": round(link, 3), "ratio": round(busbw / link, 3), "median_s": round(med["allreduce"], 5),
-            "link_hot_gbps": round(hot, 3), "ratio_hot": round(busbw / hot, 3),
-            "pattern_gbps": round(pattern, 3), "ratio_pattern": round(busbw / pattern, 3),
-            "chunk_bytes": args.chunk_bytes, "checksum": args.checksum,
-            "times_s": {k: [round(t, 5) for t in v] for k, v in times.items()}}
+    pattern = bus / med["pattern"]
+    record = {"bench": "ftar", "world": world, "mib": args.mib, "busbw_gbps": round(busbw, 3),
+              "link_gbps": round(link, 3), "ratio": round(busbw / link, 3), "median_s": round(med["allreduce"], 5),
+              "shm_links": shm_links}
+    if tcp:
+        busbw_tcp = bus / med["allreduce_tcp"]
+        record |= {"busbw_tcp_gbps": round(busbw_tcp, 3), "ratio_tcp": round(busbw_tcp / link, 3),
+                   "pattern_gbps": round(pattern, 3), "ratio_pattern": round(busbw_tcp / pattern, 3)}
+    return record | {"link_hot_gbps": round(hot, 3), "ratio_hot": round(busbw / hot, 3),
+                     "chunk_bytes": args.chunk_bytes, "checksum": args.checksum,
+                     "times_s": {k: [round(t, 5) for t in v] for k, v in times.items()}}
 
 
 def main(argv: list[str]) -> int:

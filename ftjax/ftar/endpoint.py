@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
-from ftjax.ftar import wire
+from ftjax.ftar import shm, wire
 from ftjax.ftar.errors import FTARError, HandshakeRefused, PeerFailed, PeerTimeout
 from ftjax.ftar.ring import Aborted, CallState, Ring
 
@@ -50,7 +50,7 @@ class FTAREndpoint:
 
     def __init__(self, token: str, *, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, checksum: bool = False,
-                 probe_timeout_s: float = 0.5) -> None:
+                 probe_timeout_s: float = 0.5, shared_memory: bool = True) -> None:
         if not isinstance(token, str) or not token:
             raise ValueError("token: must be a non-empty string (the job's shared secret)")
         if not timeout_s > 0:
@@ -63,6 +63,7 @@ class FTAREndpoint:
         self.chunk_elems = chunk_bytes // 4  # in float32 elements: the unit of both phases
         self.checksum = checksum
         self.probe_timeout_s = probe_timeout_s
+        self.shared_memory = bool(shared_memory)  # offer and accept same-host shared-memory links
         self._token = token.encode()
         self._listener = socket.create_server((host, port), backlog=128)
         self._address = f"{host}:{self._listener.getsockname()[1]}"
@@ -77,8 +78,9 @@ class FTAREndpoint:
         self._call: CallState | None = None
         self._call_lock = threading.Lock()
         self._scratch: np.ndarray | None = None  # see _scratch_for
-        # counters, for metrics and tests: links dialled, links accepted, hellos refused
-        self.stats = {"dials": 0, "accepted": 0, "refused": 0}
+        # counters, for metrics and tests: links dialled, links accepted, hellos refused, and of
+        # those links, the ones whose payloads go through shared memory (dialled / accepted)
+        self.stats = {"dials": 0, "accepted": 0, "refused": 0, "shm_dials": 0, "shm_accepted": 0}
 
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name=f"ftar-accept-{self._address}")
         self._acceptor.start()
@@ -245,11 +247,21 @@ class FTAREndpoint:
             sock.close()
             raise
         hello = wire.Hello(wire.KIND_RING, state.quorum_id, self._address)
-        sock.sendall(wire.encode_hello(self._token, hello))
-        status = wire.recv_exact(sock, 1)[0]
-        if status != wire.STATUS_OK:
-            raise HandshakeRefused(f"refused our link: {wire.STATUS_TEXT.get(status, status)}",
-                                   peer=peer, quorum_id=state.quorum_id, step=state.step)
+        offer, segment, path = (shm.create_offer(shm.DEFAULT_SLOTS, self.chunk_elems * 4) if self.shared_memory
+                                else (shm.NO_OFFER, None, None))
+        try:
+            sock.sendall(wire.encode_hello(self._token, hello) + offer)
+            status = wire.recv_exact(sock, 1)[0]
+            if status != wire.STATUS_OK:
+                raise HandshakeRefused(f"refused our link: {wire.STATUS_TEXT.get(status, status)}",
+                                       peer=peer, quorum_id=state.quorum_id, step=state.step)
+            mapped = wire.recv_exact(sock, 1)[0] == 1
+        finally:
+            shm.discard_offer(path)  # both sides have it mapped (or never will): the name can go
+        if mapped and segment is not None:
+            shm.bind(sock, segment)
+            with self._cv:
+                self.stats["shm_dials"] += 1
         wire.tune(sock, self.timeout_s)
         return sock
 
@@ -313,25 +325,48 @@ class FTAREndpoint:
             _answer_and_close(conn, wire.STATUS_OK)  # the acknowledgement is the liveness probe
             self._on_notice(hello)
             return
-        with self._cv:
-            if self._closed or hello.quorum_id < self._floor:
+        if self._stale(hello, conn):
+            return
+        try:  # outside the lock: the dialer may be slow to send its offer
+            segment = shm.read_offer(conn, wire.recv_exact, accept=self.shared_memory)
+        except ValueError as exc:
+            with self._cv:
                 self.stats["refused"] += 1
-                log.warning("ftar %s: refused a link from %s for stale quorum %d (now at %d)",
-                            self._address, hello.address, hello.quorum_id, self._floor)
-                _answer_and_close(conn, wire.STATUS_STALE_QUORUM)
+            log.warning("ftar %s: refused a link from %s: %s", self._address, hello.address, exc)
+            _answer_and_close(conn, wire.STATUS_BAD_MESSAGE)
+            return
+        except (OSError, EOFError) as exc:
+            log.info("ftar %s: dropped a connection during its offer: %s", self._address, exc)
+            conn.close()
+            return
+        with self._cv:
+            if self._stale(hello, conn):  # the floor may have moved meanwhile
                 return
             try:
-                conn.sendall(bytes([wire.STATUS_OK]))
+                conn.sendall(bytes([wire.STATUS_OK, segment is not None]))
                 wire.tune(conn, self.timeout_s)
             except OSError:
                 conn.close()
                 return
+            shm.bind(conn, segment)
             old = self._parked.pop((hello.address, hello.quorum_id), None)
             if old is not None:  # the dialer redialled: the newer link wins
                 wire.close_hard(old)
             self._parked[(hello.address, hello.quorum_id)] = conn
             self.stats["accepted"] += 1
+            self.stats["shm_accepted"] += segment is not None
             self._cv.notify_all()
+
+    def _stale(self, hello: wire.Hello, conn: socket.socket) -> bool:
+        """Refuse (and close) a link for a quorum older than the newest begun here, or after close()."""
+        with self._cv:
+            if not (self._closed or hello.quorum_id < self._floor):
+                return False
+            self.stats["refused"] += 1
+        log.warning("ftar %s: refused a link from %s for stale quorum %d (now at %d)",
+                    self._address, hello.address, hello.quorum_id, self._floor)
+        _answer_and_close(conn, wire.STATUS_STALE_QUORUM)
+        return True
 
     # --- abort notices -------------------------------------------------------------------------
     def _on_notice(self, notice: wire.Hello) -> None:

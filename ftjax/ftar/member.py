@@ -90,7 +90,8 @@ def _allreduce(ep: FTAREndpoint, cmd: dict[str, Any], chan: _Channel) -> dict[st
                     "step": exc.step, "message": str(exc), "t": time.time(),
                     "elapsed": time.perf_counter() - t0}
         times.append(time.perf_counter() - t0)
-    reply = {"ok": True, "times": times, "t_end": time.time(), "digest": hashlib.sha256(out.view(np.uint8)).hexdigest()}
+    reply = {"ok": True, "times": times, "t_end": time.time(), "digest": hashlib.sha256(out.view(np.uint8)).hexdigest(),
+             "stats": dict(ep.stats)}
     if cmd.get("verify"):
         want = expected_average(cmd["seeds"], contributors, n, dtype)
         reply["exact"] = bool(np.array_equal(out.view(np.uint8), want.view(np.uint8)))
@@ -165,11 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     ap.add_argument("--checksum", action="store_true")
+    ap.add_argument("--no-shared-memory", action="store_true", help="ring payloads over TCP even on one host")
     ap.add_argument("--control", required=True, help="host:port of the parent's control listener")
     args = ap.parse_args(argv)
     chan = _Channel(args.control)
     ep = FTAREndpoint(args.token, host=args.host, timeout_s=args.timeout, chunk_bytes=args.chunk_bytes,
-                      checksum=args.checksum)
+                      checksum=args.checksum, shared_memory=not args.no_shared_memory)
     raw = _RawTCP(args.host, args.timeout)
     chan.emit({"address": ep.address, "raw_address": raw.address, "pid": os.getpid()})
     for line in chan.lines:
@@ -229,7 +231,7 @@ def _read_lines(conn: socket.socket, lines: "queue.Queue[dict[str, Any] | None]"
 
 
 def start_members(group, count: int, token: str, *, timeout_s: float = 30.0,
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, checksum: bool = False,
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, checksum: bool = False, shared_memory: bool = True,
                   start_timeout_s: float = 60.0) -> list[MemberClient]:
     """Start ``count`` member processes in ``group`` (a :class:`ftjax.procs.ProcessGroup`, which
     kills them on close). Each dials back a control channel to this process; returned in start order."""
@@ -239,6 +241,8 @@ def start_members(group, count: int, token: str, *, timeout_s: float = 30.0,
             str(chunk_bytes), "--control", f"127.0.0.1:{control.getsockname()[1]}"]
     if checksum:
         args.append("--checksum")
+    if not shared_memory:
+        args.append("--no-shared-memory")
     procs = [group.python(*args) for _ in range(count)]
     by_pid: dict[int, MemberClient] = {}
     with control:

@@ -11,6 +11,11 @@ and adding chunk k-1 overlap; numpy and socket calls release the GIL.
 After ``world - 1`` reduce-scatter steps member ``r`` owns segment ``r + 1``: it divides it by the
 number of contributors (and, for bfloat16, rounds the float32 sum once) and the all-gather carries
 those exact bits to everyone, so all members end bitwise identical.
+
+A link to a member on the same host usually has a shared-memory segment (see shm.py): the sender
+then writes each chunk into a slot of it and sends only the frame header; the receiver adds (or
+copies) straight from the slot, then hands the slot back with an acknowledgement on the link. The
+schedule, the frame checks and every failure path are the same on both kinds of link.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ftjax.ftar import wire
+from ftjax.ftar import shm, wire
 from ftjax.ftar.errors import FTARError, PeerFailed, PeerTimeout, ProtocolError
 
 RS, AG = wire.PHASE_REDUCE_SCATTER, wire.PHASE_ALL_GATHER
@@ -165,36 +170,61 @@ class Ring:
     def _sender(self, connect: Callable[[], object]) -> None:
         try:
             sock = connect()
+            segment = shm.segment_of(sock)
             state = self.state
+            acked = 0  # shared memory: slots the receiver has handed back
             for seq, chunk in enumerate(self.sends):
                 if chunk.need >= 0 and state.done <= chunk.need:
                     with state.cond:
                         while state.done <= chunk.need and state.error is None:
                             state.cond.wait()
                 state.check()
-                payload = self._send_view(chunk)
-                header = wire.pack_frame(quorum_id=state.quorum_id, step=state.step, phase=chunk.phase,
-                                         seq=seq, meta=self.meta, payload=payload, checksum=self.checksum)
-                wire.send_all(sock, [memoryview(header), payload])
+                if segment is None:
+                    payload = self._send_view(chunk)
+                    header = wire.pack_frame(quorum_id=state.quorum_id, step=state.step, phase=chunk.phase,
+                                             seq=seq, meta=self.meta, payload=payload, checksum=self.checksum)
+                    wire.send_all(sock, [memoryview(header), payload])
+                    continue
+                if seq - acked >= segment.slots:  # the slot is still the receiver's: wait for it
+                    acked = _await_acks(sock, acked, seq - segment.slots + 1)
+                slot = self._fill_slot(chunk, segment, seq)
+                header = wire.pack_frame(quorum_id=state.quorum_id, step=state.step, phase=chunk.phase, seq=seq,
+                                         meta=self.meta, payload=_bytes(slot), checksum=self.checksum, shm=True)
+                wire.send_all(sock, [memoryview(header)])
+            if segment is not None:  # leave the link quiet: the next call starts again at slot 0
+                _await_acks(sock, acked, len(self.sends))
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller's thread
             self._fail(exc, self.right)
 
     def _receiver(self, connect: Callable[[], object]) -> None:
         try:
             sock = connect()
+            segment = shm.segment_of(sock)
             state = self.state
             header = memoryview(bytearray(wire.FRAME.size))
             for seq, chunk in enumerate(self.recvs):
                 dest = self.acc[chunk.start:chunk.stop] if chunk.phase == RS else self.res[chunk.start:chunk.stop]
-                payload = _bytes(dest)
-                wire.recv_into_all(sock, [header, payload])
-                wire.check_frame(header, payload, quorum_id=state.quorum_id, step=state.step,
-                                 phase=chunk.phase, seq=seq, meta=self.meta, require_checksum=self.checksum)
-                if chunk.phase == RS:
-                    if self.contributes:
+                if segment is None:
+                    payload = _bytes(dest)
+                    wire.recv_into_all(sock, [header, payload])
+                    wire.check_frame(header, payload, quorum_id=state.quorum_id, step=state.step,
+                                     phase=chunk.phase, seq=seq, meta=self.meta, require_checksum=self.checksum)
+                    if chunk.phase == RS and self.contributes:
                         np.add(dest, self.buf[chunk.start:chunk.stop], out=dest)
-                    if chunk.owned:
-                        self._finalise(chunk, dest)
+                else:
+                    # the frame names a slot the sender has filled; read it once, straight into place
+                    wire.recv_into_all(sock, [header])
+                    slot = segment.slot(seq, dest.nbytes, dest.dtype)
+                    wire.check_frame(header, _bytes(slot), quorum_id=state.quorum_id, step=state.step,
+                                     phase=chunk.phase, seq=seq, meta=self.meta, require_checksum=self.checksum,
+                                     shm=True)
+                    if chunk.phase == RS and self.contributes:
+                        np.add(slot, self.buf[chunk.start:chunk.stop], out=dest)
+                    else:
+                        np.copyto(dest, slot)
+                    wire.send_all(sock, [memoryview(shm.ACK.pack(seq))])  # the slot is the sender's again
+                if chunk.owned:
+                    self._finalise(chunk, dest)
                 with state.cond:
                     state.done = seq + 1
                     state.cond.notify_all()
@@ -214,6 +244,25 @@ class Ring:
             np.copyto(self.own[:b - a], self.buf[a:b])
         return _bytes(self.own[:b - a])
 
+    def _fill_slot(self, chunk: Chunk, segment: shm.Segment, seq: int) -> np.ndarray:
+        """Write what frame ``seq`` carries into its slot (one copy; bfloat16 widened on the way)."""
+        a, b = chunk.start, chunk.stop
+        if chunk.phase == AG:
+            src = self.res[a:b]
+        elif not chunk.first:
+            src = self.acc[a:b]
+        elif self.contributes:
+            src = self.buf[a:b]
+        else:
+            src = None
+        slot = segment.slot(seq, (b - a) * (self.res.itemsize if chunk.phase == AG else 4),
+                            self.res.dtype if chunk.phase == AG else np.float32)
+        if src is None:
+            slot.fill(0)
+        else:
+            np.copyto(slot, src)
+        return slot
+
     def _finalise(self, chunk: Chunk, acc: np.ndarray) -> None:
         if self.count != 1:
             np.divide(acc, self.count, out=acc)
@@ -224,6 +273,18 @@ class Ring:
         if isinstance(exc, Aborted):
             return
         self.state.fail(_translate(exc, peer, self.state, self.timeout_s))
+
+
+def _await_acks(sock, acked: int, upto: int) -> int:
+    """Read the receiver's acknowledgements until ``upto`` slots are handed back; returns ``upto``."""
+    ack = bytearray(shm.ACK.size)
+    while acked < upto:
+        wire.recv_into_all(sock, [memoryview(ack)])
+        (seq,) = shm.ACK.unpack(ack)
+        if seq != acked:
+            raise wire.WireError(f"acknowledgement for frame {seq}, expected frame {acked}")
+        acked += 1
+    return acked
 
 
 def _translate(exc: BaseException, peer: str, state: CallState, timeout_s: float) -> BaseException:

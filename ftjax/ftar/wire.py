@@ -21,13 +21,14 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-VERSION = 1
+VERSION = 2  # 2: a ring hello is followed by a shared-memory offer (see shm.py)
 
 # --- data frames -------------------------------------------------------------------------------
 FRAME_MAGIC = b"FTRF"
 # magic, version, phase, flags, (pad), quorum_id, step, seq, meta, payload length, crc32
 FRAME = struct.Struct("<4sBBBxqqIIQI")
 FLAG_CRC = 1
+FLAG_SHM = 2  # the payload is in the link's shared-memory slot, not on the socket
 PHASE_REDUCE_SCATTER = 0
 PHASE_ALL_GATHER = 1
 
@@ -42,15 +43,15 @@ def call_fingerprint(n: int, dtype, chunk_elems: int, members: list[str], contri
 
 
 def pack_frame(*, quorum_id: int, step: int, phase: int, seq: int, meta: int, payload: memoryview,
-               checksum: bool) -> bytes:
-    """The header for ``payload`` (a byte-format memoryview)."""
+               checksum: bool, shm: bool = False) -> bytes:
+    """The header for ``payload`` (a byte-format memoryview; with ``shm``, the slot it was written to)."""
     crc = zlib.crc32(payload) if checksum else 0
-    return FRAME.pack(FRAME_MAGIC, VERSION, phase, FLAG_CRC if checksum else 0, quorum_id, step, seq,
-                      meta, payload.nbytes, crc)
+    flags = (FLAG_CRC if checksum else 0) | (FLAG_SHM if shm else 0)
+    return FRAME.pack(FRAME_MAGIC, VERSION, phase, flags, quorum_id, step, seq, meta, payload.nbytes, crc)
 
 
 def check_frame(header: memoryview, payload: memoryview, *, quorum_id: int, step: int, phase: int,
-                seq: int, meta: int, require_checksum: bool) -> None:
+                seq: int, meta: int, require_checksum: bool, shm: bool = False) -> None:
     """Raise WireError naming the first field of ``header`` that differs from what this call expects.
 
     ``payload`` has already been received (into its destination) when this runs; a mismatch makes
@@ -66,6 +67,7 @@ def check_frame(header: memoryview, payload: memoryview, *, quorum_id: int, step
         ("sequence", f_seq, seq),
         ("call fingerprint (members, contributors, length, dtype, chunk size)", f_meta, meta),
         ("payload length", length, payload.nbytes),
+        ("payload place (shared memory)", bool(flags & FLAG_SHM), shm),
     )
     for field, got, want in expected:
         if got != want:
