@@ -3,7 +3,8 @@
     ep = FTAREndpoint(token, timeout_s=30)
     avg = ep.allreduce(grads, quorum_id=q, step=n, members=addresses, rank=i, contributors=flags)
 
-See endpoint.py (membership, links, failures), ring.py (the algorithm), wire.py (frames, handshake).
+See endpoint.py (membership, links, failures), ring.py (the algorithm), wire.py (frames, handshake),
+shm.py (same-host links: payloads through shared memory).
 """
 
 from ftjax.ftar.endpoint import FTAREndpoint

@@ -7,6 +7,8 @@ refuses wrong tokens and quorums older than the newest one this endpoint has beg
 the others until a call asks for them (a neighbour may dial for quorum q+1 while this member is
 still finishing quorum q). After a successful call both links stay cached; the next call, of the
 same or a new quorum, reuses a link whose neighbour is unchanged and dials only changed links.
+A dialer offers a shared-memory segment after its hello; a listener on the same host maps it,
+and the link's payloads then go through it (shm.py), its headers still over TCP.
 
 Failures. Any error in a call interrupts and resets both of its links, which makes the neighbours
 fail at once, and so on around the ring. A failing member also sends a short *abort notice* ("I
