@@ -314,10 +314,7 @@ class FTAREndpoint:
             conn.settimeout(min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
             hello = wire.read_hello(conn, self._token)
         except wire.HelloRefused as exc:
-            with self._cv:
-                self.stats["refused"] += 1
-            log.warning("ftar %s: refused a connection from %s: %s", self._address, _peername(conn), exc)
-            _answer_and_close(conn, exc.status)
+            self._refuse(conn, exc.status, f"a connection from {_peername(conn)}: {exc}")
             return
         except (OSError, EOFError) as exc:
             log.info("ftar %s: dropped a connection during its hello: %s", self._address, exc)
@@ -332,10 +329,7 @@ class FTAREndpoint:
         try:  # outside the lock: the dialer may be slow to send its offer
             segment = shm.read_offer(conn, wire.recv_exact, accept=self.shared_memory)
         except ValueError as exc:
-            with self._cv:
-                self.stats["refused"] += 1
-            log.warning("ftar %s: refused a link from %s: %s", self._address, hello.address, exc)
-            _answer_and_close(conn, wire.STATUS_BAD_MESSAGE)
+            self._refuse(conn, wire.STATUS_BAD_MESSAGE, f"a link from {hello.address}: {exc}")
             return
         except (OSError, EOFError) as exc:
             log.info("ftar %s: dropped a connection during its offer: %s", self._address, exc)
@@ -364,11 +358,15 @@ class FTAREndpoint:
         with self._cv:
             if not (self._closed or hello.quorum_id < self._floor):
                 return False
-            self.stats["refused"] += 1
-        log.warning("ftar %s: refused a link from %s for stale quorum %d (now at %d)",
-                    self._address, hello.address, hello.quorum_id, self._floor)
-        _answer_and_close(conn, wire.STATUS_STALE_QUORUM)
+        self._refuse(conn, wire.STATUS_STALE_QUORUM,
+                     f"a link from {hello.address} for stale quorum {hello.quorum_id} (now at {self._floor})")
         return True
+
+    def _refuse(self, conn: socket.socket, status: int, what: str) -> None:
+        with self._cv:
+            self.stats["refused"] += 1
+        log.warning("ftar %s: refused %s", self._address, what)
+        _answer_and_close(conn, status)
 
     # --- abort notices -------------------------------------------------------------------------
     def _on_notice(self, notice: wire.Hello) -> None:
