@@ -83,7 +83,9 @@ def test_slow_transfer_replays_buffered_updates(tmp_path, procs):
 
 @pytest.mark.slow
 def test_source_killed_mid_transfer_newcomer_uses_another(tmp_path, procs):
-    job = LocalJob(TINY, [*BASE, "steps=150", "ft.catchup_rate_limit_mbps=0.3",
+    # steps: the survivor trains alone while both transfers run; it has reached anywhere from
+    # step ~90 to ~150 when the newcomer joins, and the newcomer must still commit steps after that
+    job = LocalJob(TINY, [*BASE, "steps=300", "ft.catchup_rate_limit_mbps=0.3",
                                "ft.drain_timeout_s=2"], tmp_path, replicas=3,
                    procs=procs)
     job.start_coordinator()
