@@ -288,7 +288,7 @@ class FakePeer:
                 return
             try:
                 wire.read_hello(conn, self.token)
-                shm.read_offer(conn, wire.recv_exact, accept=False)  # payloads on TCP, where we read them
+                shm.read_offer(conn, accept=False)  # payloads on TCP, where we read them
                 conn.sendall(bytes([wire.STATUS_OK, 0]))
                 while conn.recv(1 << 16):  # swallow the real member's frames
                     pass

@@ -327,7 +327,7 @@ class FTAREndpoint:
         if self._stale(hello, conn):
             return
         try:  # outside the lock: the dialer may be slow to send its offer
-            segment = shm.read_offer(conn, wire.recv_exact, accept=self.shared_memory)
+            segment = shm.read_offer(conn, accept=self.shared_memory)
         except ValueError as exc:
             self._refuse(conn, wire.STATUS_BAD_MESSAGE, f"a link from {hello.address}: {exc}")
             return

@@ -232,31 +232,31 @@ class Ring:
             self._fail(exc, self.left)
 
     # --- helpers ----------------------------------------------------------------------------
-    def _send_view(self, chunk: Chunk) -> memoryview:
+    def _source(self, chunk: Chunk) -> np.ndarray | None:
+        """What a send carries, before any widening: the result (all-gather), the running sum (later
+        reduce-scatter steps), this member's own data (the first), or None for a non-contributor's zeros."""
         a, b = chunk.start, chunk.stop
         if chunk.phase == AG:
-            return _bytes(self.res[a:b])
+            return self.res[a:b]
         if not chunk.first:
-            return _bytes(self.acc[a:b])
-        if self.own is None:  # float32 contributor: its own buffer, no copy
-            return _bytes(self.buf[a:b])
-        if self.contributes:  # bfloat16 contributor: widen to float32
-            np.copyto(self.own[:b - a], self.buf[a:b])
-        return _bytes(self.own[:b - a])
+            return self.acc[a:b]
+        return self.buf[a:b] if self.contributes else None
+
+    def _send_view(self, chunk: Chunk) -> memoryview:
+        """A TCP send's payload: float32 for reduce-scatter (bfloat16 own data widened into ``own``)."""
+        src = self._source(chunk)
+        if src is None:  # non-contributor: zeros
+            return _bytes(self.own[:chunk.stop - chunk.start])
+        if chunk.phase == AG or src.dtype == np.float32:  # no copy
+            return _bytes(src)
+        np.copyto(self.own[:src.size], src)
+        return _bytes(self.own[:src.size])
 
     def _fill_slot(self, chunk: Chunk, segment: shm.Segment, seq: int) -> np.ndarray:
         """Write what frame ``seq`` carries into its slot (one copy; bfloat16 widened on the way)."""
-        a, b = chunk.start, chunk.stop
-        if chunk.phase == AG:
-            src = self.res[a:b]
-        elif not chunk.first:
-            src = self.acc[a:b]
-        elif self.contributes:
-            src = self.buf[a:b]
-        else:
-            src = None
-        slot = segment.slot(seq, (b - a) * (self.res.itemsize if chunk.phase == AG else 4),
-                            self.res.dtype if chunk.phase == AG else np.float32)
+        dtype = self.res.dtype if chunk.phase == AG else np.dtype(np.float32)
+        slot = segment.slot(seq, (chunk.stop - chunk.start) * dtype.itemsize, dtype)
+        src = self._source(chunk)
         if src is None:
             slot.fill(0)
         else:

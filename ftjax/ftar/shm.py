@@ -28,6 +28,8 @@ import weakref
 
 import numpy as np
 
+from ftjax.ftar.wire import recv_exact
+
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "ftjax-ftar-"
 _NAME = re.compile(r"ftjax-ftar-[0-9a-f]{32}\Z")
@@ -111,7 +113,7 @@ def discard_offer(path: str | None) -> None:
             pass
 
 
-def read_offer(sock: socket.socket, recv_exact, *, accept: bool) -> Segment | None:
+def read_offer(sock: socket.socket, *, accept: bool) -> Segment | None:
     """The listener's side: read the offer that follows a ring hello and map its segment if
     ``accept`` and it is really this host's (same nonce). Returns None to keep payloads on TCP.
     Raises ValueError for an offer that does not parse (the link is then refused)."""
