@@ -276,6 +276,7 @@ class FakePeer:
 
     def __init__(self, token: str = TOKEN) -> None:
         self.token = token.encode()
+        self.accepted = threading.Event()  # the real member's link is up
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -290,6 +291,7 @@ class FakePeer:
                 wire.read_hello(conn, self.token)
                 shm.read_offer(conn, accept=False)  # payloads on TCP, where we read them
                 conn.sendall(bytes([wire.STATUS_OK, 0]))
+                self.accepted.set()
                 while conn.recv(1 << 16):  # swallow the real member's frames
                     pass
             except (OSError, EOFError, wire.WireError):
@@ -421,6 +423,39 @@ def test_missing_left_neighbour_times_out_naming_it():
     finally:
         ep.close()
         fake.close()
+
+
+def test_left_neighbour_dying_before_it_dials_is_named_at_once():
+    """Rank 0 of [ep, fake]: the fake takes our link, then its process "dies" (its listener closes)
+    before it dials us. Nothing fails on our link to it, and no notice can come from a dead member:
+    only probing its listener tells. We must raise PeerFailed naming it within about a probe
+    interval, not after the 10 s link timeout."""
+    ep = FTAREndpoint(TOKEN, timeout_s=10)
+    fake = FakePeer()
+    errors = []
+    t0 = time.monotonic()
+
+    def call():
+        try:
+            ep.allreduce(np.ones(64, np.float32), quorum_id=1, step=0, members=[ep.address, fake.address], rank=0)
+        except FTARError as exc:
+            errors.append((exc, time.monotonic() - t0))
+
+    caller = threading.Thread(target=call)
+    try:
+        caller.start()
+        assert fake.accepted.wait(5), "the member never dialed its right neighbour"
+        fake.close()
+        caller.join(15)
+        assert not caller.is_alive()
+        (exc, took), = errors
+        assert isinstance(exc, PeerFailed) and exc.peer == fake.address, exc
+        assert "refuses connections" in str(exc)
+        assert took < 2.0, f"raised after {took:.2f} s"
+    finally:
+        ep.close()
+        fake.close()
+        caller.join(15)
 
 
 def _dead_address() -> str:

@@ -17,7 +17,9 @@ carries the failure (a member still waiting for a link from a dead neighbour), a
 listener acknowledges at once. The acknowledgements say whom to blame: a closed link or a timeout
 cannot tell "my neighbour died (or hangs)" from "my neighbour gave up because another member did",
 but a member whose listener refuses the notice is dead, and one that does not acknowledge it
-within ``probe_timeout_s`` hangs. The error names that member.
+within ``probe_timeout_s`` hangs. The error names that member. A member waiting for a link from
+its left neighbour probes that neighbour's listener every LIVENESS_PROBE_S: when the neighbour died
+before dialing and nobody else noticed (a world of two), the refusal names it at once.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ log = logging.getLogger("ftjax.ftar")
 DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 DEFAULT_CHUNK_BYTES = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not finish its hello in time is dropped
+LIVENESS_PROBE_S = 0.5  # how often a member waiting for its left neighbour's link checks it is alive
 
 
 class FTAREndpoint:
@@ -268,26 +271,42 @@ class FTAREndpoint:
         return sock
 
     def _link_in(self, left: str, state: CallState, links: dict) -> socket.socket:
-        deadline = time.monotonic() + self.timeout_s
-        with self._cv:
-            while True:
-                state.check()
-                sock = self._parked.pop((left, state.quorum_id), None)
-                if sock is not None:  # a fresh link supersedes a cached one: the dialer dropped it
-                    old = self._links_in.pop(left, None)
-                    if old is not None:
-                        wire.close_hard(old)
-                    break
-                sock = self._links_in.pop(left, None)
-                if sock is not None:
-                    if wire.is_open(sock):
+        """The link from ``left``: a parked fresh one, else the cached one if still open, else wait
+        for its dial. While waiting, probe its listener now and then: a neighbour that died before
+        dialing us (or whose cached link we find closed) is named at once, not after the timeout.
+        Nothing else would tell us in a world of two, where our sender may still have sent its
+        first chunk over a link the dying process had not closed yet, and then waits for us."""
+        start = time.monotonic()
+        deadline, probe_at = start + self.timeout_s, start + LIVENESS_PROBE_S
+        while True:
+            with self._cv:
+                while True:
+                    state.check()
+                    sock = self._parked.pop((left, state.quorum_id), None)
+                    if sock is not None:  # a fresh link supersedes a cached one: the dialer dropped it
+                        old = self._links_in.pop(left, None)
+                        if old is not None:
+                            wire.close_hard(old)
                         break
-                    wire.close_hard(sock)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PeerTimeout(f"no link from it within {self.timeout_s:g} s", peer=left,
-                                      quorum_id=state.quorum_id, step=state.step)
-                self._cv.wait(remaining)
+                    sock = self._links_in.pop(left, None)
+                    if sock is not None:
+                        if wire.is_open(sock):
+                            break
+                        wire.close_hard(sock)
+                        sock, probe_at = None, time.monotonic()  # closed under us: is it alive?
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise PeerTimeout(f"no link from it within {self.timeout_s:g} s", peer=left,
+                                          quorum_id=state.quorum_id, step=state.step)
+                    if now >= probe_at:
+                        break
+                    self._cv.wait(min(deadline, probe_at) - now)
+            if sock is not None:
+                break
+            if not _listening(left, self.probe_timeout_s):  # outside the lock: it may take a while
+                raise PeerFailed("no link from it, and its listener refuses connections: its process is gone",
+                                 peer=left, quorum_id=state.quorum_id, step=state.step)
+            probe_at = time.monotonic() + LIVENESS_PROBE_S
         state.attach(sock)
         links.update(left=left, in_sock=sock)
         return sock
@@ -312,6 +331,9 @@ class FTAREndpoint:
     def _handshake(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
+            if not conn.recv(1, socket.MSG_PEEK):  # a liveness probe (see _link_in): no word, closed
+                conn.close()
+                return
             hello = wire.read_hello(conn, self._token)
         except wire.HelloRefused as exc:
             self._refuse(conn, exc.status, f"a connection from {_peername(conn)}: {exc}")
@@ -466,3 +488,16 @@ def _answer_and_close(conn: socket.socket, status: int) -> None:
     except OSError:
         pass
     conn.close()
+
+
+def _listening(address: str, timeout_s: float) -> bool:
+    """Whether a member's listener still takes connections. Only a refusal says no: a listener is
+    open for the whole life of its endpoint, so a refused connection means the process is gone. A
+    probe that times out (a hung or unreachable host) says yes: the link timeout decides then."""
+    try:
+        with socket.create_connection(wire.parse_address(address), timeout=timeout_s):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True
