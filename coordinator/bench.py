@@ -16,6 +16,12 @@ replicas' answers one after another). The coordinator's own share comes from its
 histogram (/metrics): server_p50_ms_at_most and server_p99_ms_at_most, per answer, from receiving
 the request that completed the quorum to handing the answer to gRPC (bucket upper bounds).
 
+The same run then repeats the steps against a *floor*: a bare grpcio server with the same service,
+the same streams and answers of the same size, that forms no quorum (it answers a step's requests
+the moment the last one arrives: no validation, no membership, no state). `floor_p99_ms` is what
+grpcio itself costs on this machine with these clients; `p99_vs_floor` is the coordinator's p99
+over it. (--no-floor skips it.)
+
 Prints one JSON line: p50_ms, p99_ms, max_ms of the end-to-end latency, the server bounds,
 heartbeats_per_s handled by the coordinator while the steps ran, the 1-minute load average (the
 machine is shared: read the figures with it), and the settings. With --step-ms 0 every replica
@@ -64,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--grpc-experiments", default=FAST_GRPC_EXPERIMENTS,
                    help="GRPC_EXPERIMENTS for the coordinator and the workers ('' for grpc's defaults)")
+    p.add_argument("--no-floor", action="store_true", help="skip the run against a bare grpcio server")
     return p
 
 
@@ -145,6 +152,74 @@ def _worker(argv: list[str]) -> int:
     return 0
 
 
+# --- the floor: a bare grpcio server ------------------------------------------------------------
+def _floor_server(argv: list[str]) -> int:
+    """Serve the Coordinator service with no logic: heartbeats are counted, and each step's quorum
+    requests are all answered the moment the last of `--replicas` arrives, with answers of the
+    coordinator's shape and size (the common part serialized once, plus each caller's own fields).
+    The same event loop, collector settings and server options as the coordinator's."""
+    from coordinator.server import SERVER_OPTIONS, SERVICE, new_event_loop, quiet_garbage_collector
+
+    p = argparse.ArgumentParser(prog="python -m coordinator.bench floor")
+    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--ready-file", required=True)
+    args = p.parse_args(argv)
+    n = args.replicas
+    waiting: list[tuple[asyncio.Future, pb.QuorumRequest]] = []
+
+    def arrived(future: asyncio.Future, request: pb.QuorumRequest) -> None:
+        waiting.append((future, request))
+        if len(waiting) < n:
+            return
+        common = pb.QuorumResponse(quorum_id=1, step=max(r.member.step for _, r in waiting), num_contributors=n,
+                                   num_participants=n, data_positions=[r.member.data_position for _, r in waiting])
+        members = pb.QuorumResponse(members=[
+            pb.MemberAddress(replica_id=r.member.replica_id, incarnation=r.member.incarnation,
+                             ftar_addresses=r.member.ftar_addresses, catchup_address=r.member.catchup_address)
+            for _, r in waiting])
+        shared = (common.SerializeToString(), common.SerializeToString() + members.SerializeToString())
+        for rank, (f, r) in enumerate(waiting):
+            f.set_result((shared, rank))
+        waiting.clear()
+
+    async def heartbeat(request_iterator, context) -> pb.HeartbeatSummary:
+        count = 0
+        async for _ in request_iterator:
+            count += 1
+        return pb.HeartbeatSummary(heartbeats=count)
+
+    async def quorum(request_iterator, context):
+        loop = asyncio.get_running_loop()
+        async for request in request_iterator:
+            future = loop.create_future()
+            arrived(future, request)
+            (known, unknown), rank = await future
+            own = pb.QuorumResponse(rank=rank, data_position=request.member.data_position).SerializeToString()
+            yield (known if request.known_quorum_id == 1 else unknown) + own
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Heartbeat": grpc.stream_unary_rpc_method_handler(
+                heartbeat, request_deserializer=pb.HeartbeatRequest.FromString,
+                response_serializer=pb.HeartbeatSummary.SerializeToString),
+            "Quorum": grpc.stream_stream_rpc_method_handler(
+                quorum, request_deserializer=pb.QuorumRequest.FromString, response_serializer=None),
+        }),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        with open(f"{args.ready_file}.tmp", "w", encoding="utf-8") as f:
+            json.dump({"grpc": f"127.0.0.1:{port}", "pid": os.getpid()}, f)
+        os.replace(f"{args.ready_file}.tmp", args.ready_file)
+        await server.wait_for_termination()
+
+    quiet_garbage_collector()
+    loop = new_event_loop()
+    asyncio.set_event_loop(loop)
+    loop.run_until_complete(serve())
+    return 0
+
+
 def _percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile."""
     k = max(0, min(len(sorted_values) - 1, int(round(q / 100 * len(sorted_values) + 0.5)) - 1))
@@ -195,9 +270,11 @@ def _bucket_percentile(before: dict[float, float], after: dict[float, float], q:
     return next(le for le, cumulative in delta if cumulative >= q / 100 * total)
 
 
-def _run(args: argparse.Namespace, procs: int) -> tuple[list[tuple], _Scrape, _Scrape]:
-    """Start the coordinator and the workers; return the workers' rows, and the coordinator's
-    metrics once the warm-up quorums were all answered and at the end."""
+def _run(args: argparse.Namespace, procs: int, *, floor: bool = False
+         ) -> tuple[list[tuple], _Scrape | None, _Scrape | None]:
+    """Start the server (the coordinator, or with `floor` the bare grpcio server) and the workers;
+    return the workers' rows, and the coordinator's metrics once the warm-up quorums were all
+    answered and at the end (None for the floor, which keeps none)."""
     from ftjax.procs import ProcessGroup
 
     with tempfile.TemporaryDirectory(prefix="ftjax-bench-coord-") as tmp, ProcessGroup() as group:
@@ -206,12 +283,16 @@ def _run(args: argparse.Namespace, procs: int) -> tuple[list[tuple], _Scrape, _S
             f.write(os.urandom(16).hex())
         ready = os.path.join(tmp, "ready.json")
         env = {"GRPC_EXPERIMENTS": args.grpc_experiments}
-        coordinator = group.python(
-            "-m", "ftjax", "coordinator", "--port", "0", "--http-port", "0", "--min-replicas", str(args.replicas),
-            "--join-timeout-ms", "60000", "--heartbeat-timeout-ms", str(args.heartbeat_timeout_ms),
-            "--startup-grace-ms", "0",  # safe here: min_replicas is the whole job
-            "--token-file", token_file, "--ready-file", ready, stdout=subprocess.DEVNULL, env=env)
-        addresses = _wait_ready(ready, coordinator, 30)
+        if floor:
+            server = group.python("-m", "coordinator.bench", "floor", "--replicas", str(args.replicas),
+                                  "--ready-file", ready, env=env)
+        else:
+            server = group.python(
+                "-m", "ftjax", "coordinator", "--port", "0", "--http-port", "0", "--min-replicas", str(args.replicas),
+                "--join-timeout-ms", "60000", "--heartbeat-timeout-ms", str(args.heartbeat_timeout_ms),
+                "--startup-grace-ms", "0",  # safe here: min_replicas is the whole job
+                "--token-file", token_file, "--ready-file", ready, stdout=subprocess.DEVNULL, env=env)
+        addresses = _wait_ready(ready, server, 30)
         workers, outs = [], []
         share, extra = divmod(args.replicas, procs)
         first = 0
@@ -232,25 +313,48 @@ def _run(args: argparse.Namespace, procs: int) -> tuple[list[tuple], _Scrape, _S
                     raise TimeoutError(f"no result within {args.timeout_s} s")
                 if any(w.poll() not in (None, 0) for w in workers):
                     raise RuntimeError("a worker failed")
+                if server.poll() is not None:
+                    raise RuntimeError(f"the server exited with {server.returncode}")
                 time.sleep(0.02)
 
         # The baseline: every warm-up answer handed out. The next quorum cannot have formed yet
         # (its last request comes a step's compute after the last warm-up answer), and nothing
         # scrapes the coordinator while the measured steps run.
-        baseline = [None]
+        baseline: list[_Scrape | None] = [None]
 
         def warmed_up() -> bool:
             baseline[0] = _scrape(addresses["http"])
             return baseline[0].answers >= _WARMUP_STEPS * args.replicas
 
-        wait(warmed_up)
+        if not floor:
+            wait(warmed_up)
         wait(lambda: all(w.poll() is not None for w in workers))
-        final = _scrape(addresses["http"])
+        final = None if floor else _scrape(addresses["http"])
         rows = []
         for out in outs:
             with open(out, encoding="utf-8") as f:
                 rows += json.load(f)
         return rows, baseline[0], final
+
+
+def _latencies(rows: list[tuple], replicas: int, steps: int) -> tuple[list[float], set[int], float]:
+    """Sorted end-to-end latencies (ms) of the measured steps, their quorum ids, and when the last
+    answer arrived. ValueError if a step was not one quorum of every replica."""
+    by_step: dict[int, list[tuple]] = {}
+    for row in rows:
+        by_step.setdefault(row[0], []).append(row)
+    latencies: list[float] = []
+    ids = set()
+    for step, answers in sorted(by_step.items()):
+        if len(answers) != replicas or any(a[4] != replicas for a in answers) or len({a[3] for a in answers}) != 1:
+            raise ValueError(f"step {step} was not one quorum of all {replicas} replicas")
+        if step < _WARMUP_STEPS:
+            continue
+        ids.add(answers[0][3])
+        last_send = max(a[1] for a in answers)
+        latencies += [(a[2] - last_send) * 1000 for a in answers]
+    latencies.sort()
+    return latencies, ids, max(a[2] for a in by_step[steps - 1])
 
 
 def main(argv: list[str]) -> int:
@@ -261,39 +365,30 @@ def main(argv: list[str]) -> int:
     procs = min(args.procs, args.replicas)
     try:
         rows, base, final = _run(args, procs)
-    except (RuntimeError, TimeoutError) as e:
+        latencies, ids, t_end = _latencies(rows, args.replicas, args.steps)
+        floor = None if args.no_floor else _latencies(_run(args, procs, floor=True)[0], args.replicas, args.steps)[0]
+    except (RuntimeError, TimeoutError, ValueError) as e:
         print(f"ftjax bench coordinator: {e}", file=sys.stderr)
         return 1
-
-    by_step: dict[int, list[tuple]] = {}
-    for row in rows:
-        by_step.setdefault(row[0], []).append(row)
-    latencies: list[float] = []
-    ids = set()
-    for step, answers in sorted(by_step.items()):
-        if len(answers) != args.replicas or any(a[4] != args.replicas for a in answers) or len({a[3] for a in answers}) != 1:
-            print(f"ftjax bench coordinator: step {step} was not one quorum of all {args.replicas} replicas",
-                  file=sys.stderr)
-            return 1
-        if step < _WARMUP_STEPS:
-            continue
-        ids.add(answers[0][3])
-        last_send = max(a[1] for a in answers)
-        latencies += [(a[2] - last_send) * 1000 for a in answers]
-    latencies.sort()
-    t_end = max(a[2] for a in by_step[args.steps - 1])
+    assert base is not None and final is not None
+    p99 = _percentile(latencies, 99)
     result = {
         "bench": "coordinator",
         "replicas": args.replicas,
         "steps": args.steps - _WARMUP_STEPS,
         "p50_ms": round(_percentile(latencies, 50), 2),
-        "p99_ms": round(_percentile(latencies, 99), 2),
+        "p99_ms": round(p99, 2),
         "max_ms": round(latencies[-1], 2),
         "server_p50_ms_at_most": _bucket_percentile(base.answer_buckets, final.answer_buckets, 50) * 1000,
         "server_p99_ms_at_most": _bucket_percentile(base.answer_buckets, final.answer_buckets, 99) * 1000,
         # heartbeats stop as each replica gets its last answer
         "heartbeats_per_s": round((final.heartbeats - base.heartbeats) / (t_end - base.t), 1),
         "quorum_ids": len(ids),
+    }
+    if floor is not None:
+        result.update(floor_p50_ms=round(_percentile(floor, 50), 2), floor_p99_ms=round(_percentile(floor, 99), 2),
+                      p99_vs_floor=round(p99 / _percentile(floor, 99), 3))
+    result.update({
         "step_ms": args.step_ms,
         "heartbeat_interval_ms": args.heartbeat_interval_ms,
         "worker_procs": procs,
@@ -301,11 +396,12 @@ def main(argv: list[str]) -> int:
         "load_avg_1min": round(os.getloadavg()[0], 2),
         "latency": "per replica and step: from the last replica's request send to this replica's answer "
                    "received; server_*: from the coordinator receiving that last request to handing this "
-                   "answer to gRPC (histogram bucket bound)",
-    }
+                   "answer to gRPC (histogram bucket bound); floor_*: the same clients against a bare "
+                   "grpcio server that answers each step at once (no quorum logic), in the same run",
+    })
     print(json.dumps(result))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1:]))
+    sys.exit(_floor_server(sys.argv[2:]) if sys.argv[1:2] == ["floor"] else _worker(sys.argv[1:]))

@@ -47,6 +47,15 @@ from coordinator.state import MAX_MEMBERS, Accusation, CoordinatorState, Rejecte
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 MAX_MESSAGE_BYTES = 1 << 20  # a Member is at most ~270 KB (1024 addresses of 256 bytes)
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_concurrent_streams", 1 << 20),
+    # Calls not yet picked up by the loop: the defaults (1000 soft, 3000 hard) cancel calls when a
+    # thousand replicas (re)connect at once.
+    ("grpc.server.max_pending_requests", 50_000),
+    ("grpc.server.max_pending_requests_hard_limit", 100_000),
+    ("grpc.so_reuseport", 0),  # a second coordinator on the same port must fail
+]
 _VERDICTS = pb.FailureVerdict.Verdict
 
 
@@ -364,7 +373,7 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
                     response_serializer=handler.response_serializer)
 
 
-def _new_event_loop() -> asyncio.AbstractEventLoop:
+def new_event_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop  # a faster event loop: about a third less CPU per stream message
     except ImportError:
@@ -413,7 +422,7 @@ class CoordinatorServer:
         return self
 
     def _run(self) -> None:
-        self._loop = _new_event_loop()
+        self._loop = new_event_loop()
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._serve())
@@ -428,14 +437,7 @@ class CoordinatorServer:
         service = _Service(self.state, self.metrics, asyncio.get_running_loop())
         server = grpc.aio.server(
             interceptors=[_TokenCheck(self._token, lambda: self.metrics.rejected("UNAUTHENTICATED"))],
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.max_concurrent_streams", 1 << 20),
-                     # Calls not yet picked up by the loop: the defaults (1000 soft, 3000 hard)
-                     # cancel calls when a thousand replicas (re)connect at once.
-                     ("grpc.server.max_pending_requests", 50_000),
-                     ("grpc.server.max_pending_requests_hard_limit", 100_000),
-                     ("grpc.so_reuseport", 0)],  # a second coordinator on the same port must fail
-        )
+            options=SERVER_OPTIONS)
         identity = None  # quorum answers are pre-serialized bytes
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             "Heartbeat": grpc.stream_unary_rpc_method_handler(
@@ -473,7 +475,7 @@ class CoordinatorServer:
 GC_BACKSTOP_S = 600.0
 
 
-def _quiet_garbage_collector() -> None:
+def quiet_garbage_collector() -> None:
     """Keep collector pauses out of quorum fan-outs (this process only; an embedding process keeps
     its own settings). The serving path creates no reference cycles (measured: 0 cyclic objects
     per 2 s at 1000 replicas, while a full collection of the ~120k tracked objects pauses the loop
@@ -549,7 +551,7 @@ def main(argv: list[str]) -> int:
     except (RuntimeError, OSError) as e:
         print(f"ftjax coordinator: {e}", file=sys.stderr)
         return 1
-    _quiet_garbage_collector()
+    quiet_garbage_collector()
     line = f"coordinator listening grpc={server.address} http={server.http_address or '-'}"
     print(line, flush=True)
     if args.ready_file:

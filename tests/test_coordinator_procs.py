@@ -171,3 +171,6 @@ def test_the_benchmark_runs_and_reports_one_json_line():
     assert line["bench"] == "coordinator" and line["replicas"] == 20 and line["steps"] == 3
     assert 0 < line["p50_ms"] <= line["p99_ms"] <= line["max_ms"] < 5000
     assert line["quorum_ids"] == 1  # the same members step after step keep one quorum id
+    # the same clients against the bare grpcio server, in the same run
+    assert 0 < line["floor_p50_ms"] <= line["floor_p99_ms"] < 5000
+    assert line["p99_vs_floor"] == pytest.approx(line["p99_ms"] / line["floor_p99_ms"], rel=0.01)
