@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 # Bounds on what a member may send; the server rejects anything beyond them, naming the field.
@@ -191,10 +191,11 @@ class Quorum:
     no_state: bool = False  # no participant has state: nobody heals, all restore a checkpoint
     failure_epoch: int = 0  # accepted failure reports counted when it formed
     reason: str = ""  # fast_path | all_joined | join_timeout
+    # (replica_id, incarnation) of each participant: computed once, compared on every formation
+    members: tuple[tuple[str, str], ...] = field(init=False, repr=False, compare=False)
 
-    @property
-    def members(self) -> tuple[tuple[str, str], ...]:
-        return tuple((p.replica_id, p.incarnation) for p in self.participants)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "members", tuple([(p.replica_id, p.incarnation) for p in self.participants]))
 
     @property
     def num_contributors(self) -> int:
@@ -310,12 +311,16 @@ def _form(
     if not no_state:
         healers = [r.replica_id for r in reports if not r.has_state or r.step < step]
         heal_source = {rid: sources[i % len(sources)] for i, rid in enumerate(healers)}
+    # One pass, no per-member lookup when nobody heals (the steady state): this runs for every
+    # member on every step, on the path between the last request and the first answer.
+    source_of = heal_source.get if heal_source else (lambda rid, default: default)
+    position_of = positions.get
     participants = tuple([
-        Participant(r.replica_id, r.incarnation, r.step, max(r.data_position, positions.get(r.replica_id, 0)),
-                    r.ftar_addresses, r.catchup_address, r.replica_id in heal_source, heal_source.get(r.replica_id, ""))
+        Participant(r.replica_id, r.incarnation, r.step, max(r.data_position, position_of(r.replica_id, 0)),
+                    r.ftar_addresses, r.catchup_address, bool(source := source_of(r.replica_id, "")), source)
         for r in reports
     ])
-    members = tuple(r.key for r in reports)
+    members = tuple([r.key for r in reports])
     unchanged = (
         prev is not None
         and prev.members == members
