@@ -280,27 +280,18 @@ class FTAREndpoint:
         deadline, probe_at = start + self.timeout_s, start + LIVENESS_PROBE_S
         while True:
             with self._cv:
-                while True:
-                    state.check()
-                    sock = self._parked.pop((left, state.quorum_id), None)
-                    if sock is not None:  # a fresh link supersedes a cached one: the dialer dropped it
-                        old = self._links_in.pop(left, None)
-                        if old is not None:
-                            wire.close_hard(old)
-                        break
-                    sock = self._links_in.pop(left, None)
-                    if sock is not None:
-                        if wire.is_open(sock):
-                            break
-                        wire.close_hard(sock)
-                        sock, probe_at = None, time.monotonic()  # closed under us: is it alive?
+                state.check()
+                sock, closed = self._ready_link_in(left, state.quorum_id)
+                if sock is None:
                     now = time.monotonic()
+                    if closed:  # closed under us: is it alive?
+                        probe_at = now
                     if now >= deadline:
                         raise PeerTimeout(f"no link from it within {self.timeout_s:g} s", peer=left,
                                           quorum_id=state.quorum_id, step=state.step)
-                    if now >= probe_at:
-                        break
-                    self._cv.wait(min(deadline, probe_at) - now)
+                    if now < probe_at:
+                        self._cv.wait(min(deadline, probe_at) - now)
+                        continue
             if sock is not None:
                 break
             if not _listening(left, self.probe_timeout_s):  # outside the lock: it may take a while
@@ -310,6 +301,24 @@ class FTAREndpoint:
         state.attach(sock)
         links.update(left=left, in_sock=sock)
         return sock
+
+    def _ready_link_in(self, left: str, quorum_id: int) -> tuple[socket.socket | None, bool]:
+        """(link, False) if one from ``left`` is usable now: a parked fresh one, else the cached one
+        if still open. (None, True) if the cached one turned out closed, (None, False) if there is
+        none. Call with ``self._cv`` held."""
+        sock = self._parked.pop((left, quorum_id), None)
+        if sock is not None:  # a fresh link supersedes a cached one: the dialer dropped it
+            old = self._links_in.pop(left, None)
+            if old is not None:
+                wire.close_hard(old)
+            return sock, False
+        sock = self._links_in.pop(left, None)
+        if sock is None:
+            return None, False
+        if wire.is_open(sock):
+            return sock, False
+        wire.close_hard(sock)
+        return None, True
 
     def _wake(self) -> None:
         with self._cv:
@@ -339,8 +348,7 @@ class FTAREndpoint:
             self._refuse(conn, exc.status, f"a connection from {_peername(conn)}: {exc}")
             return
         except (OSError, EOFError) as exc:
-            log.info("ftar %s: dropped a connection during its hello: %s", self._address, exc)
-            conn.close()
+            self._drop(conn, "hello", exc)
             return
         if hello.kind == wire.KIND_NOTICE:
             _answer_and_close(conn, wire.STATUS_OK)  # the acknowledgement is the liveness probe
@@ -354,8 +362,7 @@ class FTAREndpoint:
             self._refuse(conn, wire.STATUS_BAD_MESSAGE, f"a link from {hello.address}: {exc}")
             return
         except (OSError, EOFError) as exc:
-            log.info("ftar %s: dropped a connection during its offer: %s", self._address, exc)
-            conn.close()
+            self._drop(conn, "offer", exc)
             return
         with self._cv:
             if self._stale(hello, conn):  # the floor may have moved meanwhile
@@ -383,6 +390,11 @@ class FTAREndpoint:
         self._refuse(conn, wire.STATUS_STALE_QUORUM,
                      f"a link from {hello.address} for stale quorum {hello.quorum_id} (now at {self._floor})")
         return True
+
+    def _drop(self, conn: socket.socket, during: str, exc: BaseException) -> None:
+        """Close a connection that went away (or stalled) in the middle of its handshake."""
+        log.info("ftar %s: dropped a connection during its %s: %s", self._address, during, exc)
+        conn.close()
 
     def _refuse(self, conn: socket.socket, status: int, what: str) -> None:
         with self._cv:
