@@ -158,7 +158,7 @@ def _floor_server(argv: list[str]) -> int:
     requests are all answered the moment the last of `--replicas` arrives, with answers of the
     coordinator's shape and size (the common part serialized once, plus each caller's own fields).
     The same event loop, collector settings and server options as the coordinator's."""
-    from coordinator.server import SERVER_OPTIONS, SERVICE, new_event_loop, quiet_garbage_collector
+    from coordinator.server import SERVER_OPTIONS, SERVICE, new_event_loop, quiet_garbage_collector, write_ready_file
 
     p = argparse.ArgumentParser(prog="python -m coordinator.bench floor")
     p.add_argument("--replicas", type=int, required=True)
@@ -177,7 +177,8 @@ def _floor_server(argv: list[str]) -> int:
             pb.MemberAddress(replica_id=r.member.replica_id, incarnation=r.member.incarnation,
                              ftar_addresses=r.member.ftar_addresses, catchup_address=r.member.catchup_address)
             for _, r in waiting])
-        shared = (common.SerializeToString(), common.SerializeToString() + members.SerializeToString())
+        known = common.SerializeToString()
+        shared = (known, known + members.SerializeToString())
         for rank, (f, r) in enumerate(waiting):
             f.set_result((shared, rank))
         waiting.clear()
@@ -208,9 +209,7 @@ def _floor_server(argv: list[str]) -> int:
         }),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        with open(f"{args.ready_file}.tmp", "w", encoding="utf-8") as f:
-            json.dump({"grpc": f"127.0.0.1:{port}", "pid": os.getpid()}, f)
-        os.replace(f"{args.ready_file}.tmp", args.ready_file)
+        write_ready_file(args.ready_file, {"grpc": f"127.0.0.1:{port}"})
         await server.wait_for_termination()
 
     quiet_garbage_collector()

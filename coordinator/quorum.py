@@ -311,13 +311,11 @@ def _form(
     if not no_state:
         healers = [r.replica_id for r in reports if not r.has_state or r.step < step]
         heal_source = {rid: sources[i % len(sources)] for i, rid in enumerate(healers)}
-    # One pass, no per-member lookup when nobody heals (the steady state): this runs for every
-    # member on every step, on the path between the last request and the first answer.
-    source_of = heal_source.get if heal_source else (lambda rid, default: default)
-    position_of = positions.get
+    # One lookup of the heal source per member (healing is having one): this runs for every member
+    # on every step, on the path between the last request and the first answer.
     participants = tuple([
-        Participant(r.replica_id, r.incarnation, r.step, max(r.data_position, position_of(r.replica_id, 0)),
-                    r.ftar_addresses, r.catchup_address, bool(source := source_of(r.replica_id, "")), source)
+        Participant(r.replica_id, r.incarnation, r.step, max(r.data_position, positions.get(r.replica_id, 0)),
+                    r.ftar_addresses, r.catchup_address, bool(source := heal_source.get(r.replica_id, "")), source)
         for r in reports
     ])
     members = tuple([r.key for r in reports])

@@ -213,6 +213,10 @@ class _Service:
         self.metrics.rejected(code)
         await context.abort(getattr(grpc.StatusCode, code), message)
 
+    async def _reject_request(self, context: grpc.aio.ServicerContext, error: InvalidField | Rejected) -> None:
+        """A malformed request gets INVALID_ARGUMENT naming the field; a refused one, its own code."""
+        await self._reject(context, error.code if isinstance(error, Rejected) else "INVALID_ARGUMENT", str(error))
+
     # -- RPCs -----------------------------------------------------------------------------------
 
     async def heartbeat(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.HeartbeatSummary:
@@ -235,10 +239,8 @@ class _Service:
                 try:
                     report = self._decode(request.member)
                     replaced = self.state.register(report, now)
-                except InvalidField as e:
-                    await self._reject(context, "INVALID_ARGUMENT", str(e))
-                except Rejected as e:
-                    await self._reject(context, e.code, str(e))
+                except (InvalidField, Rejected) as e:
+                    await self._reject_request(context, e)
                 key = report.key
                 if replaced:
                     self._fail_waiter(report.replica_id, grpc.StatusCode.ABORTED,
@@ -264,10 +266,8 @@ class _Service:
                         raise InvalidField("member", "missing")
                     report = self._decode(request.member, request.known_quorum_id)
                     replaced = self.state.request(report, now)
-                except InvalidField as e:
-                    await self._reject(context, "INVALID_ARGUMENT", str(e))
-                except Rejected as e:
-                    await self._reject(context, e.code, str(e))
+                except (InvalidField, Rejected) as e:
+                    await self._reject_request(context, e)
                 rid = report.replica_id
                 self._fail_waiter(rid, grpc.StatusCode.ABORTED,
                                   f"replica {rid!r} restarted as incarnation {report.incarnation!r}" if replaced
@@ -320,7 +320,7 @@ class _Service:
             if request.reporter_id:
                 check_id("reporter_id", request.reporter_id)
         except InvalidField as e:
-            await self._reject(context, "INVALID_ARGUMENT", str(e))
+            await self._reject_request(context, e)
         now = time.monotonic()
         verdict = self.state.accuse(request.replica_id, request.incarnation, now, quorum_id=request.quorum_id,
                                     reporter=request.reporter_id, reason=request.reason)
@@ -493,6 +493,14 @@ def quiet_garbage_collector() -> None:
     threading.Thread(target=backstop, name="coordinator-gc", daemon=True).start()
 
 
+def write_ready_file(path: str, addresses: dict[str, str]) -> None:
+    """Tell whoever started this server where it listens: `addresses` plus this pid, as JSON."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({**addresses, "pid": os.getpid()}, f)
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
 def read_token(token_file: str | None) -> str:
     """The job token: the contents of `token_file`, else $FTJAX_TOKEN."""
     if token_file:
@@ -555,10 +563,7 @@ def main(argv: list[str]) -> int:
     line = f"coordinator listening grpc={server.address} http={server.http_address or '-'}"
     print(line, flush=True)
     if args.ready_file:
-        tmp = f"{args.ready_file}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"grpc": server.address, "http": server.http_address, "pid": os.getpid()}, f)
-        os.replace(tmp, args.ready_file)  # readers never see a half-written file
+        write_ready_file(args.ready_file, {"grpc": server.address, "http": server.http_address})
     stop.wait()
     server.stop()
     return 0
