@@ -86,7 +86,8 @@ class FTConfig(_Strict):
                                                        "through /dev/shm (frame headers stay on TCP)")
     quorum_timeout_s: float = Field(120.0, gt=0)
     digest_every: int = Field(1, ge=0, description="log the state digest every N steps (0: never)")
-    catchup_buffer_steps: int = Field(64, gt=0, description="averaged updates a healing replica keeps")
+    catchup_buffer_mib: float = Field(256.0, ge=0, description="RAM for the averaged updates a healing replica "
+                                      "keeps for its replay; older ones spill to local disk (never dropped)")
     catchup_rate_limit_mbps: float | None = Field(None, gt=0, description="test knob: slow snapshot transfers")
     drain_timeout_s: float = Field(60.0, ge=0, description="a finished replica serves its state this long "
                                    "at most, until every replica of the job has caught up")

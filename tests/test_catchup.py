@@ -82,6 +82,31 @@ def test_slow_transfer_replays_buffered_updates(tmp_path, procs):
 
 
 @pytest.mark.slow
+def test_catchup_longer_than_the_ram_buffer_spills_to_disk_and_completes(tmp_path, procs):
+    # 1 MiB of RAM holds one averaged update of this model (0.5 MB); the transfer (1.6 MB at
+    # 0.3 MB/s) spans dozens of steps. An older design evicted the oldest updates past a fixed count,
+    # so every snapshot arrived already too old to be replayed and the newcomer never caught up.
+    ram_mib = 1
+    job = LocalJob(TINY, [*BASE, "steps=150", "ft.catchup_rate_limit_mbps=0.3", f"ft.catchup_buffer_mib={ram_mib}"],
+                   tmp_path, replicas=2, procs=procs)
+    job.start_coordinator()
+    job.start_replica(0)
+    job.start_replica(1, die_at="5:forward")
+    _restart_when_dead(job, 1)
+    t0 = time.time()  # the new incarnation's records are the ones after this
+    assert job.wait(timeout=400) == {0: [0], 1: [0]}, job.log_tail(1)
+    events = [e for e in records(job.replica_dir(1))[1] if e["time"] > t0]
+    done = [e for e in events if e["event"] == "catchup_done"]
+    assert len(done) == 1, [e["event"] for e in events]
+    held_in_ram = max(1, (ram_mib << 20) // done[0]["update_bytes"])
+    assert done[0]["replayed"] >= 5 * held_in_ram, done[0]
+    assert done[0]["replay_spilled_bytes"] >= (done[0]["replayed"] - held_in_ram) * done[0]["update_bytes"]
+    assert not [e for e in events if e["event"] in ("init", "catchup_gap")], events
+    _assert_in_step(job, 0, 1, start_after=5)
+    assert not list(job.replica_dir(1).glob("replay-host*/*")), "spilled updates are removed after the replay"
+
+
+@pytest.mark.slow
 def test_source_killed_mid_transfer_newcomer_uses_another(tmp_path, procs):
     # steps: the survivor trains alone while both transfers run; it has reached anywhere from
     # step ~90 to ~150 when the newcomer joins, and the newcomer must still commit steps after that
