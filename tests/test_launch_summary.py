@@ -1,11 +1,13 @@
 """RUN/summary.json from fixture run directories whose every figure is known by hand."""
 
 import json
+from dataclasses import asdict
 
 import pytest
 
 from ftjax.launch.plots import write_loss, write_timeline
 from ftjax.launch.summary import build_summary, load_run, timeline, write_summary
+from ftjax.launch.supervisor import FaultPlan, Hang
 
 T = 100.0  # launch time
 
@@ -135,3 +137,43 @@ def test_plots_are_written(tmp_path):
     write_timeline(run, tmp_path / "timeline.png", 0.1)
     for name in ("loss.png", "timeline.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def make_frozen_run(tmp_path):
+    """Two replicas. `--hang 1@0.4` SIGSTOPs replica 1 after its step 5 (110.5), and something sends it
+    SIGCONT 15.1 s later, before the hang timeout: it is never declared hung, never killed. Replica 0
+    waits 1.9 s for it (step 6 at 112.4), trains on alone every 0.1 s, and replica 1 rejoins with a
+    healing step at 125.6 and an own step at 125.7: a 15.2 s gap between its committed steps."""
+    r0_times = [round(110.1 + 0.1 * k, 3) for k in range(5)] + [round(112.4 + 0.1 * k, 3) for k in range(140)]
+    steps = len(r0_times)
+    r1_own_from = next(k for k, t in enumerate(r0_times) if t >= 125.7)  # replica 0's step at 125.7
+    _write(tmp_path / "launcher.jsonl", [
+        {"time": T, "event": "launch", "replicas": 2, "hosts": 1, "devices": 1, "steps": steps, "config": "c.yaml",
+         "overrides": [], "out": str(tmp_path), "restart_delay_s": 1.0,
+         "faults": asdict(FaultPlan(hangs=(Hang(1, 0.4),)))},
+        {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
+        {"time": T, "event": "replica_started", "replica": 1, "incarnation": 1},
+        {"time": 110.1, "event": "warm", "step": 1},
+        {"time": 110.55, "event": "fault", "kind": "hang", "replica": 1, "step": 5},
+        {"time": r0_times[-1] + 0.05, "event": "replica_done", "replica": 0, "incarnation": 1, "step": steps},
+        {"time": r0_times[-1] + 0.05, "event": "replica_done", "replica": 1, "incarnation": 1, "step": steps},
+        {"time": r0_times[-1] + 0.1, "event": "end", "ok": True},
+    ])
+    _write(tmp_path / "replica-0" / "metrics.jsonl",
+           [{"time": 105.0, "event": "start"}]
+           + [_step(t, k + 1, batch=2 * k, position=k + 1, loss=2.0) for k, t in enumerate(r0_times)])
+    _write(tmp_path / "replica-1" / "metrics.jsonl",
+           [{"time": 105.0, "event": "start"}]
+           + [_step(r0_times[k], k + 1, batch=2 * k + 1, position=k + 1, loss=2.0) for k in range(5)]
+           + [_step(125.6, r1_own_from, position=5, healing=True, committed=False)]
+           + [_step(r0_times[k], k + 1, batch=2 * (k - r1_own_from + 5) + 1, position=k - r1_own_from + 6, loss=2.0)
+              for k in range(r1_own_from, steps)])
+    return tmp_path
+
+
+def test_a_frozen_replica_is_not_healthy(tmp_path):
+    # replica 1 was never killed, yet its 15.2 s gap is its own freeze, not a stall a failure caused
+    s = build_summary(make_frozen_run(tmp_path))
+    assert s["failures"] == 0 and s["replicas"]["1"]["restarts"] == 0
+    assert s["max_healthy_stall_s"] == 1.9  # replica 0's wait for the frozen one
+    assert s["median_step_s"] == 0.1

@@ -19,7 +19,8 @@ from pathlib import Path
 from rich.console import Console
 
 from ftjax.config import Config, ConfigError, load_config
-from ftjax.launch.supervisor import FaultPlan, LaunchError, parse_hang, parse_kill, parse_kill_host, parse_seconds
+from ftjax.launch.supervisor import (FaultPlan, LaunchError, check_seconds, parse_hang, parse_kill, parse_kill_host,
+                                     parse_seconds)
 
 
 class UsageError(ValueError):
@@ -70,8 +71,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """Range-check every option (argparse checks only their types): UsageError naming the option."""
+    for flag, value, low in (("--replicas", args.replicas, 1), ("--hosts-per-replica", args.hosts_per_replica, 1),
+                             ("--devices-per-host", args.devices_per_host, 1),
+                             ("--max-restarts", args.max_restarts, 0)):  # 0: the first failure ends the job
+        if value is not None and value < low:
+            raise UsageError(f"{flag}: must be >= {low} (got {value})")
+    try:
+        check_seconds("--restart-delay-s", args.restart_delay_s)
+        for flag, value in (("--mtbf-s", args.mtbf_s), ("--hang-timeout-s", args.hang_timeout_s),
+                            ("--startup-timeout-s", args.startup_timeout_s), ("--timeout-s", args.timeout_s)):
+            if value is not None:  # None: the default, derived from the config
+                check_seconds(flag, value, positive=True)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    for flag, path in (("--out", args.out), ("--emit", args.emit[1] if args.emit else None),
+                       ("--compile-cache", None if args.compile_cache == "none" else args.compile_cache)):
+        if path is not None:
+            check_directory(flag, path)
+    if not args.image:
+        raise UsageError("--image: empty name")
+
+
+def check_directory(flag: str, path: str) -> None:
+    """`path` must be a directory, or one that can be made there: an empty name would mean the
+    current directory, and a file in the way fails only once the job has started."""
+    if not path:
+        raise UsageError(f"{flag}: empty path")
+    where = Path(path)
+    existing = next(p for p in (where, *where.parents) if p.exists())  # "." or "/" at the latest
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {path}: {existing} is not a directory")
+
+
 def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan, Path]:
     """Validate everything before anything starts: (config, overrides, replicas, faults, run dir)."""
+    check_options(args)
     overrides = list(args.overrides)
     if args.hosts_per_replica is not None:
         overrides.append(f"mesh.hosts={args.hosts_per_replica}")
@@ -79,19 +115,10 @@ def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan
         overrides.append(f"mesh.devices_per_host={args.devices_per_host}")
     cfg = load_config(args.config, overrides)
     replicas = cfg.ft.replicas if args.replicas is None else args.replicas
-    if replicas < 1:
-        raise UsageError(f"--replicas: must be >= 1 (got {replicas})")
     cfg = load_config(args.config, [*overrides, f"ft.replicas={replicas}"])
     if cfg.coordinator.min_replicas > replicas:
         raise UsageError(f"coordinator.min_replicas ({cfg.coordinator.min_replicas}) exceeds --replicas {replicas}: "
                          "no quorum could ever form")
-    for flag, value, low in (("--restart-delay-s", args.restart_delay_s, 0.0), ("--max-restarts", args.max_restarts, 0)):
-        if value < low:
-            raise UsageError(f"{flag}: must be >= {low} (got {value})")
-    for flag, value in (("--mtbf-s", args.mtbf_s), ("--hang-timeout-s", args.hang_timeout_s),
-                        ("--startup-timeout-s", args.startup_timeout_s), ("--timeout-s", args.timeout_s)):
-        if value is not None and not value > 0:
-            raise UsageError(f"{flag}: must be > 0 (got {value})")
     try:
         plan = FaultPlan(
             injections=tuple([*map(parse_kill, args.kill), *map(parse_kill_host, args.kill_host)]),
@@ -102,6 +129,8 @@ def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan
     except ValueError as e:
         raise UsageError(str(e)) from None
     out = Path(args.out or Path("runs") / f"launch-{Path(args.config).stem}")
+    if args.emit is None and args.out is None:
+        check_directory("--out", str(out))  # the default: a file of that name may be in the way too
     if args.emit is None and out.exists() and any(out.iterdir()):
         if not args.overwrite:
             raise UsageError(f"--out {out}: not empty (choose a new directory, or --overwrite an earlier run)")

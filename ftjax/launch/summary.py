@@ -10,9 +10,11 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   batch. Before it, replicas start and compile at different speeds; no failure is measured there.
 - **gaps**: the times between consecutive committed step records of one incarnation of a replica,
   both at or after `t_warm`. A replica *failed* if any of its processes died (or hung) during the
-  run. `median_step_s` is the median of the gaps of the replicas that never failed (of all
-  replicas when every one failed); `max_healthy_stall_s` the largest gap of a replica that never
-  failed (null when every one failed): how long a failure elsewhere made a healthy replica wait.
+  run, or a fault was aimed at it: a `--hang` stop shorter than the hang timeout is never detected
+  nor killed, yet the gap it leaves is the replica's own freeze, not a wait for a peer.
+  `median_step_s` is the median of the gaps of the replicas that never failed (of all replicas
+  when every one failed); `max_healthy_stall_s` the largest gap of a replica that never failed
+  (null when every one failed): how long a failure elsewhere made a healthy replica wait.
 - **timeline**: each replica's time is `starting` (process started, no own step yet), `training`,
   `stalled` (a gap between its own committed steps longer than 2 x median_step_s), `catching up`
   (from `catchup_started`, and every step in which it only relays zeros, until its first own
@@ -138,7 +140,10 @@ def warm_time(run: Run) -> float | None:
 
 
 def failed_replicas(run: Run) -> set[int]:
-    return {e["replica"] for e in run.events if e["event"] in ("replica_down", "hang_detected")}
+    """Replicas that died, hung, or that a fault was aimed at (a `--hang` stop leaves no other trace
+    when it ends before the hang timeout)."""
+    return {e["replica"] for e in run.events
+            if e["event"] in ("replica_down", "hang_detected") or (e["event"] == "fault" and "replica" in e)}
 
 
 def step_gaps(run: Run, r: int, t_warm: float) -> list[float]:

@@ -19,9 +19,16 @@ lines only), and decides:
   restart time (start to first own step), or before any restart was measured, half of the steps. `--hang R@T`
   SIGSTOPs replica R; `--kill-coordinator-at T` SIGKILLs the coordinator. Times T count from the
   end of warm-up (every replica has committed a step with its own batch).
-- **Hangs.** A replica whose newest record is older than `hang_timeout_s` while a peer logged a step
-  within the last half of it is declared hung, SIGKILLed and restarted; so is one that logs no step
-  within `startup_timeout_s` of its start.
+- **Hangs.** A replica is declared hung, SIGKILLed and restarted when its newest record is older
+  than `hang_timeout_s` while a peer kept training through the last half of that silence: the peer
+  logged a step at or before its start and then never went `hang_timeout_s / 2` without one, up to
+  now. A peer's newest step alone proves nothing: after a job-wide stall (a quorum, the coordinator
+  away) longer than the timeout, the first replica to resume would make every other one look hung
+  until they log their own first step a moment later. The peers of a truly hung replica wait one
+  FTAR timeout for it (half the default timeout) and then train on, so it is caught about
+  `hang_timeout_s` after it stopped; one silent past a job-wide stall, `hang_timeout_s / 2` after
+  its peers resumed. The rule needs steps shorter than `hang_timeout_s / 2`. A replica that logs
+  no step within `startup_timeout_s` of its start is hung too.
 
 Every decision is appended to `RUN/launcher.jsonl` (`RunLog`), the input of `ftjax.launch.summary`.
 """
@@ -35,7 +42,7 @@ import signal
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,8 +142,14 @@ def parse_seconds(flag: str, text: str) -> float:
         value = float(text)
     except ValueError:
         raise ValueError(f"{flag}: expected seconds (a number), got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{flag}: expected seconds >= 0, got {text!r}")
+    return check_seconds(flag, value)
+
+
+def check_seconds(flag: str, value: float, *, positive: bool = False) -> float:
+    """`value`, when it is a finite number of seconds >= 0 (> 0 if `positive`); else ValueError naming
+    `flag`. NaN compares false with everything, so a plain `value < 0` test would let it through."""
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{flag}: expected a finite number of seconds {'>' if positive else '>='} 0, got {value:g}")
     return value
 
 
@@ -215,19 +228,31 @@ class ReplicaStatus:
     injection: Injection | None = None  # the self-kill given to the current incarnation
     kill_on_catchup: bool = False
     gaps: deque = field(default_factory=lambda: deque(maxlen=50))
+    recent_steps: deque = field(default_factory=deque)  # its step times of the last hang_timeout_s
 
     @property
     def alive(self) -> bool:
         return self.state in ("starting", "catching up", "training", "stalled")
 
 
-def is_hung(now: float, last: float | None, peers_last: list[float | None], timeout_s: float) -> bool:
-    """A replica is hung when its newest record is older than `timeout_s` while some peer logged a
-    step in the last `timeout_s / 2`: everyone stalls together when the coordinator is away, and
-    that is no hang."""
+def is_hung(now: float, last: float | None, peers_steps: list[Sequence[float]], timeout_s: float) -> bool:
+    """A replica whose newest record is at `last` is hung when it has been silent for more than
+    `timeout_s` while some peer, whose recent step times are `peers_steps[i]`, trained through the
+    last `timeout_s / 2` of it (see the module docstring: everyone stalls together when the
+    coordinator is away, and that is no hang, even once the first of them resumes)."""
     if last is None or now - last <= timeout_s:
         return False
-    return any(p is not None and now - p < timeout_s / 2 for p in peers_last)
+    return any(trained_through(steps, now - timeout_s / 2, now, timeout_s / 2) for steps in peers_steps)
+
+
+def trained_through(steps: Sequence[float], since: float, now: float, max_gap: float) -> bool:
+    """Whether `steps` (ascending times) hold one at or before `since` and, from it to `now`, no
+    silence of `max_gap` or more: the peer trained all along [since, now], not just at its end."""
+    before = [t for t in steps if t <= since]
+    if not before:
+        return False
+    times = [before[-1], *(t for t in steps if since < t <= now), now]
+    return all(b - a < max_gap for a, b in zip(times, times[1:]))
 
 
 class Supervisor:
@@ -300,6 +325,7 @@ class Supervisor:
         s.last_record = s.last_step = None
         s.trained, s.killed_as, s.injection = False, None, inj
         s.gaps.clear()
+        s.recent_steps.clear()
         self.log.event("replica_started", replica=r, incarnation=s.incarnation, pids=[p.pid for p in procs],
                        die_at=inj.die_at if inj else None, die_host=inj.host if inj else None)
 
@@ -389,6 +415,10 @@ class Supervisor:
         if s.last_step is not None and rec.get("committed"):
             s.gaps.append(now - s.last_step)
         s.last_step = now
+        # The hang rule looks back at most hang_timeout_s (see `trained_through`): older steps are dropped.
+        s.recent_steps.append(now)
+        while s.recent_steps[0] < now - self.hang_timeout_s:
+            s.recent_steps.popleft()
         s.step = int(rec["step"])
         s.participants = int(rec.get("participants") or 0)
         if rec.get("healing"):
@@ -431,7 +461,7 @@ class Supervisor:
             peers = [o for o in self.status if o is not s]
             if s.last_step is None and now - s.started_at > self.startup_timeout_s:
                 self._hung(s, now, f"no step within --startup-timeout-s {self.startup_timeout_s:g}")
-            elif is_hung(now, s.last_record, [o.last_step for o in peers if o.alive], self.hang_timeout_s):
+            elif is_hung(now, s.last_record, [o.recent_steps for o in peers if o.alive], self.hang_timeout_s):
                 self._hung(s, now, f"no record for {now - s.last_record:.1f} s while peers trained")
             elif s.state == "training" and s.gaps and s.last_step is not None:
                 if now - s.last_step > 2 * statistics.median(s.gaps) + 0.5:

@@ -1,0 +1,105 @@
+"""The supervisor's hang rule, without processes: a pure function, and the supervisor applying it to
+metrics files written the way replicas write them."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from ftjax.launch.supervisor import FaultPlan, RunLog, Supervisor, is_hung
+
+T = 20.0  # --hang-timeout-s of every case
+
+
+def _steps(first, last, every=1.0):
+    """Step times first, first + every, ... up to last (inclusive)."""
+    n = round((last - first) / every)
+    return [round(first + i * every, 6) for i in range(n + 1)]
+
+
+# is_hung(now, last, peers' step times, T): the rule alone. Replica silent since `last`.
+RULE = {
+    "job-wide stall, one peer resumes a poll earlier": (130.1, 100.0, [_steps(90, 100) + [130.0], _steps(90, 100)],
+                                                        False),
+    "frozen while its peers train on": (130.6, 100.0, [_steps(90, 100) + _steps(110.5, 130.5)], True),
+    "any one peer training is enough": (130.6, 100.0, [_steps(90, 100), _steps(90, 100) + _steps(110.5, 130.5)],
+                                        True),
+    "no record yet (the startup timeout's business)": (130.5, None, [_steps(90, 130)], False),
+    "silent, but not for the hang timeout yet": (119.5, 100.0, [_steps(90, 119)], False),
+    "everyone stalled (the coordinator is away)": (125.0, 100.0, [_steps(90, 100), _steps(90, 100)], False),
+    "the peer trained on, then stalled too": (125.5, 100.0, [_steps(90, 115)], False),
+    "a peer's single step after a stall": (134.0, 100.0, [_steps(90, 100) + [125.0]], False),
+    "a peer's gap of exactly T / 2 breaks its training": (130.5, 100.0, [[120.5, 130.5]], False),
+    "no live peer": (130.0, 100.0, [], False),
+}
+
+
+@pytest.mark.parametrize("now,last,peers_steps,hung", RULE.values(), ids=RULE.keys())
+def test_hang_rule(now, last, peers_steps, hung):
+    assert is_hung(now, last, peers_steps, T) is hung
+
+
+class _Job:
+    """What the supervisor's checks use of a LocalJob, with no process behind it: every replica
+    runs (no exit code yet) and a kill does nothing (the log says what the supervisor decided)."""
+
+    def __init__(self, root, replicas):
+        self.root, self.replicas = root, replicas
+        self.cfg = SimpleNamespace(steps=10_000, ft=SimpleNamespace(ftar_timeout_s=T / 2))
+        self.hosts = {}
+
+    def replica_dir(self, r):
+        return self.root / f"replica-{r}"
+
+    def replica_exit_codes(self, r):
+        return [None]
+
+    def kill_replica(self, r, host=None):
+        pass
+
+
+def _hung_by_supervisor(tmp_path, steps, now, started_s_ago=200.0):
+    """The replicas a supervisor declares hung at `now`, given each replica's step times (written to
+    its metrics.jsonl) and when its incarnation started."""
+    job = _Job(tmp_path, len(steps))
+    for r, times in enumerate(steps):
+        job.replica_dir(r).mkdir(parents=True)
+        (job.replica_dir(r) / "metrics.jsonl").write_text("".join(
+            json.dumps({"time": t, "step": k + 1, "committed": True, "healing": False, "loss": 1.0,
+                        "participants": len(steps)}) + "\n" for k, t in enumerate(times)))
+    events = []
+    supervisor = Supervisor(job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl", listener=events.append),
+                            hang_timeout_s=T)
+    for s in supervisor.status:
+        s.started_at = now - started_s_ago
+    supervisor._read_metrics(now)
+    supervisor._check_replicas(now)
+    return {e["replica"] for e in events if e["event"] == "hang_detected"}
+
+
+# Every case: the step times of replicas 0, 1 (and 2), the poll time, the replicas declared hung.
+CASES = {
+    # the whole job stalled 30 s (longer than T) for a quorum; replica 1 logged its first step after
+    # it one poll before the others: they are not hung, they resume a moment later
+    "job-wide stall, one peer resumes a poll earlier": ([_steps(90, 100), _steps(90, 100) + [130.0],
+                                                         _steps(90, 100)], 130.1, set()),
+    # replica 0 froze at 100; replica 1 waited one FTAR timeout (T / 2) for it, then trained on alone
+    "frozen while its peer trains on": ([_steps(90, 100), _steps(90, 100) + _steps(110.5, 130.5)], 130.6, {0}),
+    # after a job-wide stall the peer has trained for more than T / 2 and replica 0 is still silent
+    "still silent long after the job resumed": ([_steps(90, 100), _steps(90, 100) + _steps(130, 141)], 141.5, {0}),
+    "everyone stalled (the coordinator is away)": ([_steps(90, 100), _steps(90, 100)], 125.0, set()),
+    "silent, but not for the hang timeout yet": ([_steps(90, 100), _steps(90, 119)], 119.5, set()),
+    # a peer that logged one step after a stall and nothing since is not training: one step is not enough
+    "a peer's single step after a stall": ([_steps(90, 100), _steps(90, 100) + [125.0]], 134.0, set()),
+}
+
+
+@pytest.mark.parametrize("steps,now,hung", CASES.values(), ids=CASES.keys())
+def test_supervisor_declares_hung_only_a_replica_silent_while_peers_train(tmp_path, steps, now, hung):
+    assert _hung_by_supervisor(tmp_path, steps, now) == hung
+
+
+def test_a_replica_without_a_record_is_left_to_the_startup_timeout(tmp_path):
+    peers_train = _steps(90, 130)
+    assert _hung_by_supervisor(tmp_path, [[], peers_train], 130.5, started_s_ago=10.0) == set()
+    assert _hung_by_supervisor(tmp_path / "late", [[], peers_train], 130.5, started_s_ago=301.0) == {0}
