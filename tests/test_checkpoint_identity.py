@@ -1,0 +1,107 @@
+"""A durable checkpoint is restored only by the job that wrote it (same seed, data, model, optimizer)."""
+
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from ftjax import checkpoint
+from ftjax.data import make_stream
+from ftjax.digest import state_digest
+from ftjax.step import build_program
+from ftjax.train import build_parser, parse_config, run_standalone
+
+from conftest import FTJAX, REPO
+
+TINY = f"{REPO}/configs/tiny.yaml"
+BASE = ["steps=3", "checkpoint.every=3"]
+
+
+def train(out, *argv):
+    """`ftjax train configs/tiny.yaml --out OUT ARGV...` in this process."""
+    args = build_parser().parse_intermixed_args([TINY, "--out", str(out), *argv])
+    assert run_standalone(parse_config(args), args, out) == 0
+
+
+def open_checkpoints(run_dir, *overrides):
+    """(config, program, RUN/checkpoints as the tiny config with `overrides` opens them)."""
+    cfg = parse_config(build_parser().parse_intermixed_args([TINY, *overrides]))
+    ck = checkpoint.DurableCheckpoints.from_config(cfg, run_dir, data_fingerprint=make_stream(cfg).fingerprint)
+    return cfg, build_program(cfg), ck
+
+
+@pytest.fixture(scope="module")
+def old_run(tmp_path_factory):
+    """An earlier run: 3 steps of the tiny config, its step-3 checkpoint in RUN/checkpoints."""
+    out = tmp_path_factory.mktemp("old_run")
+    train(out, *BASE)
+    return out
+
+
+@pytest.mark.parametrize("override, field, ours", [
+    ("seed=1", "seed", "1"),
+    ("data.source=synthetic", "data.source", "synthetic"),
+    ("optim.lr=1e-3", "optim.lr", "0.001"),
+    ("model.d_model=32", "model.d_model", "32"),  # refused by its identity, not by a shape error
+])
+def test_another_job_is_refused(tmp_path, old_run, override, field, ours):
+    ckpt_dir = old_run / "checkpoints"
+    with pytest.raises(ValueError) as exc:
+        train(tmp_path, *BASE, f"checkpoint.dir={ckpt_dir}", override, "--resume")
+    assert isinstance(exc.value, checkpoint.CheckpointMismatch), repr(exc.value)
+    msg = str(exc.value)
+    assert str(ckpt_dir) in msg and "step 3" in msg, msg
+    line = next((ln for ln in msg.splitlines() if ln.strip().startswith(f"{field}:")), None)
+    assert line is not None and ours in line, msg
+    assert "checkpoint.dir" in msg and "remove" in msg, msg  # says what to do
+    assert not (tmp_path / "summary.json").exists()  # nothing trained
+
+
+def test_data_source_names_fingerprint_too(tmp_path, old_run):
+    with pytest.raises(checkpoint.CheckpointMismatch) as exc:
+        train(tmp_path, *BASE, f"checkpoint.dir={old_run / 'checkpoints'}", "data.source=synthetic", "--resume")
+    assert "data.fingerprint: checkpoint " in str(exc.value) and "synthetic-0" in str(exc.value)
+
+
+def test_same_job_restores_bitwise(old_run):
+    summary = json.loads((old_run / "summary.json").read_text())
+    cfg, program, ck = open_checkpoints(old_run, *BASE)
+    state, meta = ck.restore(program.abstract_state())
+    ck.close()
+    assert meta["step"] == 3 and meta["data_position"] == 3
+    assert state_digest(state) == summary["param_digest"]
+    again = program.init(np.int32(cfg.seed))  # a fresh init differs: the digest does see the state
+    assert state_digest(again) != summary["param_digest"]
+
+
+def test_extending_steps_on_another_mesh_is_the_same_job(tmp_path, old_run):
+    """`steps`, the mesh and the checkpoint cadence are not the job's identity: a run may be extended."""
+    shutil.copytree(old_run / "checkpoints", tmp_path / "checkpoints")
+    train(tmp_path, "steps=5", "checkpoint.every=5", "mesh.devices_per_host=2", "--resume")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["data_position"] == 5
+
+
+def test_checkpoint_without_identity_is_refused(tmp_path):
+    """A checkpoint written before the identity was recorded: nothing proves it is ours."""
+    _, program, ck = open_checkpoints(tmp_path, *BASE)
+    legacy = checkpoint.DurableCheckpoints(tmp_path / "checkpoints", every=1, keep=1, async_save=False)
+    legacy.maybe_save(3, program.init(np.int32(0)), {"step": 3, "data_position": 3}, force=True)
+    legacy.close()
+    ck.manager.reload()  # opened before the legacy checkpoint was written
+    with pytest.raises(checkpoint.CheckpointMismatch, match="no job identity") as exc:
+        ck.restore(program.abstract_state())
+    ck.close()
+    assert str(tmp_path / "checkpoints") in str(exc.value)
+
+
+def test_cli_resume_with_another_seed_exits_2(tmp_path, old_run):
+    out = tmp_path / "run"
+    shutil.copytree(old_run, out)
+    r = subprocess.run([*FTJAX, "train", "configs/tiny.yaml", "--out", str(out), *BASE, "seed=7", "--resume"],
+                       cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert "seed: checkpoint 0, this job 7" in r.stderr, r.stderr[-3000:]
+    assert str(out / "checkpoints") in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
