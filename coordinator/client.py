@@ -30,7 +30,7 @@ import grpc
 
 from coordinator import coordinator_pb2 as pb
 from coordinator import coordinator_pb2_grpc as pb_grpc
-from coordinator.quorum import MemberReport, Participant
+from coordinator.quorum import MAX_REASON_BYTES, MemberReport, Participant
 from coordinator import TOKEN_METADATA_KEY
 
 log = logging.getLogger(__name__)
@@ -204,6 +204,9 @@ class CoordinatorClient:
         self._stream: _QuorumStream | None = None
         self._report_channel: grpc.Channel | None = None
         self.heartbeat_error: CoordinatorError | None = None  # the coordinator refused our heartbeats
+        # What this member knows of every replica's data position (the caller keeps it current);
+        # sent on each new heartbeat stream, so that a restarted coordinator can rebuild its record.
+        self.known_positions: dict[str, int] = {}
 
     def _channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
@@ -220,7 +223,8 @@ class CoordinatorClient:
 
     def _heartbeats(self, done: threading.Event):
         step, position, has_state = self._progress
-        yield pb.HeartbeatRequest(member=self.member.to_proto(step, position, has_state))
+        known = [pb.ReplicaPosition(replica_id=r, data_position=p) for r, p in dict(self.known_positions).items()]
+        yield pb.HeartbeatRequest(member=self.member.to_proto(step, position, has_state), known_positions=known)
         while not done.wait(self.heartbeat_interval_s):
             yield pb.HeartbeatRequest()
 
@@ -366,6 +370,19 @@ class CoordinatorClient:
                         self._report_channel = None
                 channel.close()
                 time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
+
+    def leave(self, reason: str) -> None:
+        """This process leaves the job now (its training loop is stuck): stop heartbeating, then
+        accuse itself. With its heartbeat stream gone the coordinator drops it on that report at
+        once, instead of keeping peers waiting for a member that heartbeats but never asks."""
+        self._closed.set()
+        call = self._heartbeat_call
+        if call is not None:
+            call.cancel()
+        try:
+            self.report_failure(0, self.member.replica_id, self.member.incarnation, reason[:MAX_REASON_BYTES])
+        except CoordinatorError as e:  # best effort: the heartbeat timeout decides otherwise
+            log.warning("leaving the job: the coordinator did not take the report: %s", e)
 
     # -- shutdown -----------------------------------------------------------------------------
 

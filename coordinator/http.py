@@ -2,12 +2,16 @@
 
 Served by the standard library's threading HTTP server in a daemon thread; every request reads a
 snapshot of the state under its lock, so the gRPC loop is never blocked for more than a copy.
+`BoundedHTTPServer`, that server with bounds on idle and surplus connections, also serves a
+replica's catch-up snapshots (ftjax/catchup.py).
 """
 
 from __future__ import annotations
 
 import html
 import json
+import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +24,78 @@ from coordinator.state import CoordinatorState
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# BoundedHTTPServer's defaults: a client is idle for 10 s at most, and a few peers or scrapers
+# at a time are the normal load, so 64 connections leave room without letting a flood in.
+IDLE_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64
+_BUSY_BODY = b"too many connections: retry later\n"
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+         b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server (a daemon thread per connection) that idle or surplus connections
+    cannot exhaust:
+
+    - every socket operation of a connection waits at most `idle_timeout_s`: one that sends nothing,
+      or half a request, is dropped then, and so is a client that stops reading its response. That
+      bounds idleness, not duration: a long response that keeps moving (a rate-limited snapshot)
+      is never cut, nor is a handler's wait that does not touch the socket (one `sendall` must
+      finish within the timeout, though: a long response is written in chunks);
+    - at most `max_connections` are served at once. One more is answered 503 and closed at once by
+      the accepting thread itself, without a thread of its own: queueing it instead would let idle
+      connections pile up in the queue, and its client learns at once that it should retry.
+    """
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: a burst of connections is accepted, then judged
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
+        if idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be positive, not {idle_timeout_s}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, not {max_connections}")
+        self.idle_timeout_s = idle_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            _refuse(request)
+            self.shutdown_request(request)
+            return
+        request.settimeout(self.idle_timeout_s)
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        # A client that hung up or went idle mid-response is its own business, not a server error:
+        # no traceback on stderr for it (a flood of them would drown the process's output).
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
+
+
+def _refuse(request: socket.socket) -> None:
+    """Best effort, never blocking: a 503 fits the empty send buffer of a new connection, and what
+    the client sent already is read (closing on unread bytes resets the connection, and the client
+    may then lose the 503)."""
+    try:
+        request.setblocking(False)
+        request.send(_BUSY)
+        request.recv(1 << 16)
+    except OSError:
+        pass
 
 
 class _StateCollector:
@@ -122,7 +198,8 @@ waiting because: {html.escape(s['waiting_because'])}</p>
 class StatusHTTPServer:
     """Serves `/`, `/status` and `/metrics` from a daemon thread."""
 
-    def __init__(self, state: CoordinatorState, metrics: Metrics, host: str, port: int) -> None:
+    def __init__(self, state: CoordinatorState, metrics: Metrics, host: str, port: int, *,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
                 path = self.path.split("?", 1)[0]
@@ -146,8 +223,8 @@ class StatusHTTPServer:
             def log_message(self, *args) -> None:  # quiet: the coordinator's stdout is for its address line
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
+        self._server = BoundedHTTPServer((host, port), Handler, idle_timeout_s=idle_timeout_s,
+                                         max_connections=max_connections)
         self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="coordinator-http", daemon=True)

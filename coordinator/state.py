@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from coordinator.quorum import (
@@ -53,11 +54,11 @@ class PositionLedger:
     replica is max(what it reports, this record), so a restarted replica learns where its stream
     resumes.
 
-    What a coordinator restart loses: this record. Members that are alive report their own
-    positions, so for them nothing is lost except the step in flight at the restart (a contributor
-    that discarded that step while a peer committed it retrains its batch once). A replica that is
-    dead at the restart and whose last contributions were committed resumes from the position it
-    reports (its durable checkpoint's) and may retrain the batches it contributed after that.
+    A coordinator restart loses this record, so the members keep one too (every replica's leader
+    records the positions of the quorums it takes part in) and send it when their heartbeat stream
+    registers (`merge`). A restarted coordinator listens for one heartbeat timeout before its first
+    quorum, so the record is whole again before anyone is handed a position: a replica that is
+    down across the restart resumes where it left off instead of at 0.
     A quorum where nobody has state is a whole-job restart from a durable checkpoint, which carries
     its own positions: the ledger forgets everything then.
     """
@@ -78,6 +79,12 @@ class PositionLedger:
                 for p in self._contributions.pop(committed).participants:
                     if not p.healing and p.data_position + 1 > self.positions.get(p.replica_id, 0):
                         self.positions[p.replica_id] = p.data_position + 1
+
+    def merge(self, known: Mapping[str, int]) -> None:
+        """Positions a member knows of: the record only moves forward."""
+        for replica_id, position in known.items():
+            if position > self.positions.get(replica_id, 0):
+                self.positions[replica_id] = position
 
     def record(self, quorum: Quorum) -> None:
         """Remember who contributes which batch to the step of `quorum`."""
@@ -119,6 +126,7 @@ class CoordinatorState:
         self.prev: Quorum | None = None
         self.failure_epoch = 0
         self.ledger = PositionLedger()
+        self.job_step: int | None = None  # the highest step of a quorum formed (None: none yet)
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self.failures: deque[dict] = deque(maxlen=HISTORY)
         self.counters: dict[str, int] = {
@@ -217,6 +225,24 @@ class CoordinatorState:
             )
         return m
 
+    def _check_plausible(self, report: MemberReport, now: float, known: Mapping[str, int] | None = None) -> None:
+        """Refuse progress that no member of this job can have made: every committed step trains at
+        most one batch of each replica's stream, and no member is more than one step past the
+        highest quorum. Without this one authenticated request with an absurd step (2^62, say)
+        would put every other replica behind the job and make it drop its state."""
+        if self.job_step is None:
+            return  # a restarted coordinator knows the job's step only from its first quorum on
+        limit = self.job_step + 1
+        claims = [("member.step", report.step), ("member.data_position", report.data_position)]
+        claims += [(f"known_positions[{rid!r}]", p) for rid, p in (known or {}).items()]
+        for name, value in claims:
+            if value > limit:
+                message = (f"{name}: {value} is beyond what the job can have reached (its highest quorum "
+                           f"is at step {self.job_step}); replica {report.replica_id!r} refused")
+                self._record_failure(now, "implausible", report.replica_id, report.incarnation, "", message,
+                                     "REFUSED")
+                raise Rejected("FAILED_PRECONDITION", message)
+
     def _upsert(self, report: MemberReport, now: float, requesting: bool | None) -> tuple[MemberState, bool]:
         """Record a report (heartbeat or request). `requesting`: True sets the pending request,
         None keeps it. Returns (new state, whether an older incarnation was replaced)."""
@@ -237,10 +263,12 @@ class CoordinatorState:
 
     # -- events -----------------------------------------------------------------------------
 
-    def register(self, report: MemberReport, now: float) -> bool:
-        """A heartbeat stream's first message. Returns True if an older incarnation was replaced."""
+    def register(self, report: MemberReport, now: float, known_positions: Mapping[str, int] | None = None) -> bool:
+        """A heartbeat stream's first message, with what the member knows of every replica's data
+        position. Returns True if an older incarnation was replaced."""
         with self._lock:
             self._maybe_sweep(now)
+            self._check_plausible(report, now, known_positions)
             m = self.members.get(report.replica_id)
             keep = m is not None and m.report.incarnation == report.incarnation
             # A heartbeat does not carry progress: keep the progress of the member's last request.
@@ -249,6 +277,8 @@ class CoordinatorState:
                 report = report._replace(step=old.step, data_position=old.data_position, has_state=old.has_state,
                                          commit_failures=old.commit_failures, known_quorum_id=old.known_quorum_id)
             _, replaced = self._upsert(report, now, requesting=None)
+            if known_positions:  # after every check: a refused registration changes nothing
+                self.ledger.merge(known_positions)
             self.counters["heartbeats"] += 1
             return replaced
 
@@ -269,6 +299,7 @@ class CoordinatorState:
         incarnation (whose pending request, if any, must be answered ABORTED)."""
         with self._lock:
             self._maybe_sweep(now)
+            self._check_plausible(report, now)
             _, replaced = self._upsert(report, now, requesting=True)
             self.ledger.observe(report.replica_id, report.step, report.data_position)
             self.counters["quorum_requests"] += 1
@@ -419,6 +450,7 @@ class CoordinatorState:
             if self.prev is None or q.quorum_id != self.prev.quorum_id:
                 self.counters["quorum_id_changes"] += 1
             self.prev = q
+            self.job_step = q.step if self.job_step is None else max(self.job_step, q.step)
             self._prev_keys = frozenset(q.members)
             # After the sweep every member is alive, so every pending request was a participant's.
             self._pending = self._pending_prev = 0

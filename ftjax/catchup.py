@@ -27,10 +27,12 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, urlparse
+
+from coordinator.http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPServer
 
 TOKEN_HEADER = "X-Ftjax-Token"
 _CHUNK = 4 << 20
@@ -58,7 +60,8 @@ class SnapshotServer:
     """Serves orbax snapshots of this replica's state to healing peers (one server per replica)."""
 
     def __init__(self, token: str, workdir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
-                 serve: bool = True, rate_limit_mbps: float | None = None, wait_offer_s: float = 30.0):
+                 serve: bool = True, rate_limit_mbps: float | None = None, wait_offer_s: float = 30.0,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
         self.token = token
         self.workdir = Path(workdir).absolute()
         self.rate_limit_mbps = rate_limit_mbps
@@ -69,8 +72,11 @@ class SnapshotServer:
         self.served_bytes = 0
         self._httpd = None
         if serve:  # only a replica's leader serves; every host takes part in the orbax save
-            self._httpd = ThreadingHTTPServer((host, port), self._handler())
-            self._httpd.daemon_threads = True
+            # Idle connections time out and surplus ones are refused (a peer stalled or flooding
+            # the port cannot pin threads in the training process); a slow transfer that keeps
+            # moving, and the wait for an offer, are not cut.
+            self._httpd = BoundedHTTPServer((host, port), self._handler(), idle_timeout_s=idle_timeout_s,
+                                            max_connections=max_connections)
             threading.Thread(target=self._httpd.serve_forever, name="snapshot-server", daemon=True).start()
 
     @property

@@ -85,6 +85,9 @@ class FTConfig(_Strict):
     ftar_shared_memory: bool = Field(True, description="FTAR links between replicas on one host carry payloads "
                                                        "through /dev/shm (frame headers stay on TCP)")
     quorum_timeout_s: float = Field(120.0, gt=0)
+    progress_timeout_s: float = Field(30.0, gt=0, description="a replica process whose training loop makes no "
+                                      "progress this long (waits for the quorum aside) leaves the job and exits; "
+                                      "must exceed ftar_timeout_s")
     digest_every: int = Field(1, ge=0, description="log the state digest every N steps (0: never)")
     catchup_buffer_mib: float = Field(256.0, ge=0, description="RAM for the averaged updates a healing replica "
                                       "keeps for its replay; older ones spill to local disk (never dropped)")
@@ -93,6 +96,15 @@ class FTConfig(_Strict):
                                    "at most, until every replica of the job has caught up")
     catchup_dir: str | None = Field(None, description="where snapshots are written and fetched "
                                     "(default: RAM-backed /dev/shm when present, else RUN_DIR)")
+
+    @model_validator(mode="after")
+    def _progress_after_ftar(self) -> "FTConfig":
+        # A healthy replica waits up to ftar_timeout_s for a hung peer before it reports it: a
+        # shorter progress deadline would make it leave the job for its peer's fault.
+        if self.progress_timeout_s <= self.ftar_timeout_s:
+            raise ValueError(f"progress_timeout_s ({self.progress_timeout_s}) must exceed ftar_timeout_s "
+                             f"({self.ftar_timeout_s})")
+        return self
 
 
 class Config(_Strict):

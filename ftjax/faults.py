@@ -1,5 +1,7 @@
 """Fault injection inside a replica process: `--die-at STEP:PHASE` SIGKILLs this process at that
-point of that step (the launcher passes it to a replica's first incarnation only).
+point of that step (the launcher passes it to a replica's first incarnation only); `--hang-at
+STEP:PHASE` blocks the training thread there forever while the rest of the process (its
+heartbeats) lives on: a hung driver call, as the progress watchdog must catch.
 
 If the replica never runs that phase of exactly that step (it joined the job late and healed
 past it, say), it dies the first time it reaches that phase at a later step: a requested fault
@@ -10,26 +12,31 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 PHASES = ("forward", "ftar", "commit", "catchup")
 
 
-def parse_die_at(text: str | None) -> tuple[int, str] | None:
+def parse_die_at(text: str | None, flag: str = "--die-at") -> tuple[int, str] | None:
     if not text:
         return None
     step, _, phase = text.partition(":")
     phase = phase or "forward"
     if not step.isdigit() or int(step) < 1 or phase not in PHASES:
-        raise ValueError(f"--die-at: expected STEP[:PHASE] with STEP >= 1 and PHASE in {'|'.join(PHASES)}, got {text!r}")
+        raise ValueError(f"{flag}: expected STEP[:PHASE] with STEP >= 1 and PHASE in {'|'.join(PHASES)}, got {text!r}")
     return int(step), phase
 
 
 class FaultPlan:
-    def __init__(self, die_at: tuple[int, str] | None):
+    def __init__(self, die_at: tuple[int, str] | None, hang_at: tuple[int, str] | None = None):
         self.die_at = die_at
+        self.hang_at = hang_at
 
     def point(self, step: int, phase: str) -> None:
         """Called at each phase of step `step` (1-based: the step being computed)."""
         if self.die_at is not None and phase == self.die_at[1] and step >= self.die_at[0]:
             print(f"fault injection: SIGKILL at step {step} phase {phase}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.hang_at is not None and phase == self.hang_at[1] and step >= self.hang_at[0]:
+            print(f"fault injection: training thread hangs at step {step} phase {phase}", file=sys.stderr, flush=True)
+            threading.Event().wait()  # forever: only the process's end ends it

@@ -1,4 +1,4 @@
-"""The step protocol of a fault-tolerant replica (ARCHITECTURE.md, "One step").
+"""The step protocol of a fault-tolerant replica (docs/design.md, "One step").
 
 One `Manager` per process of a replica owns the protocol; its leader (process 0) also talks to the
 coordinator and serves catch-up snapshots. Each step:
@@ -42,6 +42,8 @@ from ftjax.flat import HostFlattener
 from ftjax.ftar import FTAREndpoint, FTARError
 from ftjax.metrics import MetricsLog
 from ftjax.replica_comm import ReplicaComm
+from ftjax.replay import ReplayBuffer
+from ftjax.watchdog import ProgressWatchdog
 from ftjax.step import build_program, device_batch, param_count
 
 
@@ -65,6 +67,13 @@ def _quorum_from_json(d: dict) -> QuorumResult:
     return QuorumResult(**d)
 
 
+EXIT_NO_PROGRESS = 75  # the progress watchdog ended the process (a restart may help: EX_TEMPFAIL)
+
+
+class JobStateLost(RuntimeError):
+    """The job has committed steps but no live peer and no durable checkpoint holds its state."""
+
+
 class Manager:
     def __init__(self, cfg: Config, args: argparse.Namespace, out: Path, token: str):
         self.cfg, self.out, self.token = cfg, out, token
@@ -77,11 +86,13 @@ class Manager:
         self.abstract = self.program.abstract_state()
         self.flat = HostFlattener(self.abstract["params"], self.program.grad_shardings)
         self.stream = make_stream(cfg, replica=args.replica_id)
-        self.faults = FaultPlan(parse_die_at(getattr(args, "die_at", None)))
+        self.faults = FaultPlan(parse_die_at(getattr(args, "die_at", None)),
+                                parse_die_at(getattr(args, "hang_at", None), "--hang-at"))
+        self.watchdog: ProgressWatchdog | None = None
         self.log = MetricsLog(out, enabled=self.leader, total_steps=cfg.steps, label=f"replica {self.replica_id}")
         self.ckpt = None
         if cfg.checkpoint.every > 0:
-            self.ckpt = DurableCheckpoints.from_config(cfg, out)
+            self.ckpt = DurableCheckpoints.from_config(cfg, out, data_fingerprint=self.stream.fingerprint)
         self.endpoint = FTAREndpoint(token, timeout_s=cfg.ft.ftar_timeout_s, shared_memory=cfg.ft.ftar_shared_memory)
         ftar_addresses = self.comm.allgather(self.endpoint.address)
         self.catchup_dir = snapshot_dir(cfg.ft.catchup_dir, out)
@@ -106,7 +117,11 @@ class Manager:
         self.total_commit_failures = 0
         self.fetch: SnapshotFetch | None = None
         self.fetch_source: str = ""
-        self.buffer: dict[int, tuple[np.ndarray, float]] = {}  # step -> (averaged grads, lr scale)
+        # averaged updates received while healing, replayed on install (RAM-bounded, spills to local disk)
+        self.buffer = ReplayBuffer(out / f"replay-host{self.host}", int(cfg.ft.catchup_buffer_mib * 2**20))
+        self.job_step = 0          # the highest step of a quorum with state this process has seen
+        self.known_positions: dict[str, int] = {}  # leader: every replica's data position, as far as we know
+        self.state_lost_since: float | None = None
         self.heal_started: float | None = None
         self.fetch_count = 0
 
@@ -125,15 +140,75 @@ class Manager:
         return {"step": self.step, "data_position": self.position, "data_fingerprint": self.stream.fingerprint}
 
     def _init_state(self) -> None:
-        """Nobody in the job has state: the latest durable checkpoint, else a fresh init from the seed."""
+        """Nobody in the quorum has state: the latest durable checkpoint, else a fresh init from the
+        seed, but only at job start. Once this process has seen the job past step 0, seed weights
+        would silently restart training: it keeps asking for a peer to heal from instead, and gives
+        up with an error after `ft.quorum_timeout_s`."""
         if self.ckpt is not None and self.ckpt.latest_step() is not None:
             self.state, meta = self.ckpt.restore(self.abstract)
             self.step, self.position = int(meta["step"]), int(meta["data_position"])
             self.log.event("restore", restored_step=self.step, data_position=self.position, source="durable")
-        else:
+        elif self.job_step == 0:
             self.state = self.program.init(np.int32(self.cfg.seed))
             self.step = 0
             self.log.event("init", seed=self.cfg.seed)
+        else:
+            self._wait_for_a_source()
+
+    def _wait_for_a_source(self) -> None:
+        now = time.monotonic()
+        if self.state_lost_since is None:
+            self.state_lost_since = now
+            self.log.event("state_unavailable", job_step=self.job_step,
+                           reason="no participant has state and there is no durable checkpoint")
+        if now - self.state_lost_since > self.cfg.ft.quorum_timeout_s:
+            raise JobStateLost(
+                f"replica {self.replica_id}: the job was at step {self.job_step}, but for "
+                f"{self.cfg.ft.quorum_timeout_s:.0f} s no live peer held its state and there is no durable "
+                "checkpoint (checkpoint.every); not restarting the job from the seed")
+        time.sleep(0.05)
+
+    def _adopt_position(self, q: QuorumResult) -> None:
+        """Where our stream resumes: the job's record, but never below a batch that we trained in a
+        committed step (a coordinator that lost its record may say less: the batch would repeat)."""
+        position = q.data_position
+        if position > self.position:
+            self.log.event("batches_committed_by_peers",
+                           batch_ids=[self.stream.batch_id(p) for p in range(self.position, position)])
+            self.position = position
+        elif position < self.position:
+            self.log.event("position_kept", position=self.position, coordinator_said=position)
+
+    def _record_positions(self, q: QuorumResult, committed: bool) -> None:
+        """The leader's own record of every replica's data position (see PositionLedger): what the
+        quorum hands out, and past each contributor's batch once a step is committed. It travels to
+        the coordinator with each new heartbeat stream, so a restarted coordinator loses nothing."""
+        if not self.leader:
+            return
+        known = {} if q.no_state else self.known_positions
+        for p in q.participants:
+            done = p.data_position + (1 if committed and not p.healing else 0)
+            if done > known.get(p.replica_id, 0):
+                known[p.replica_id] = done
+        self.known_positions = known
+        self.client.known_positions = dict(known)
+
+    def _healing(self, q: QuorumResult) -> None:
+        """We are behind the job or have no state. A stale state is kept (not dropped) until a
+        snapshot replaces it: if the quorum that put us behind was wrong (a member that reported an
+        absurd step, say), the next one finds us up to date again and nothing was lost."""
+        if self.has_state and self.heal_started is None:
+            self.log.event("stale_state", step=self.step, job_step=q.step)
+        if self.heal_started is None:
+            self.heal_started = time.monotonic()
+        self.faults.point(q.step + 1, "catchup")
+
+    def _up_to_date(self, q: QuorumResult) -> None:
+        if self.heal_started is not None:  # a catch-up no longer needed: we hold the job's step
+            self.log.event("catchup_cancelled", step=self.step, buffered=len(self.buffer))
+            self.buffer.clear()
+            self.heal_started = None
+        self._serve(q)
 
     def _serve(self, q: QuorumResult) -> None:
         """Source role: snapshot our state for each peer that heals from us, once per peer incarnation."""
@@ -149,6 +224,11 @@ class Manager:
     def _heal_bookkeeping(self, q: QuorumResult) -> dict | None:
         """Newcomer role (leader): start or restart the fetch; report a finished one to all hosts."""
         me = q.participants[q.rank]
+        if not me.healing:
+            if self.fetch is not None:
+                self.log.event("catchup_abandoned", source=self.fetch_source, reason="no longer behind")
+            self.fetch = None
+            return None
         source_alive = any(p.replica_id == self.fetch_source for p in q.participants)
         if self.fetch is not None and self.fetch.done.is_set():
             fetch, self.fetch = self.fetch, None
@@ -161,7 +241,7 @@ class Manager:
             self.log.event("catchup_abandoned", source=self.fetch_source, reason="source left the quorum")
             self.fetch = None
         if self.fetch is None and q.heal_source:
-            missing = self._first_missing_step(q.step)
+            missing = self.buffer.first_missing(q.step)
             self.fetch_count += 1
             self.fetch_source = q.heal_source
             self.fetch = SnapshotFetch(q.heal_source_address, f"{me.replica_id}/{me.incarnation}", self.token,
@@ -170,16 +250,10 @@ class Manager:
             self.log.event("catchup_started", source=q.heal_source, at_step=q.step, min_step=missing)
         return None
 
-    def _first_missing_step(self, current: int) -> int:
-        """A snapshot older than this cannot be brought up to date from the buffer."""
-        s = current
-        while s - 1 in self.buffer:
-            s -= 1
-        return s
-
     def _install(self, got: dict, q: QuorumResult) -> None:
         """Every host: restore the fetched snapshot into our mesh and replay the buffered updates."""
-        state = restore_snapshot(got["path"], self.abstract)
+        with self.watchdog.exempt("snapshot restore"):
+            state = restore_snapshot(got["path"], self.abstract)
         self.comm.allgather(None)  # every host has read the snapshot: it can go (it may be in RAM)
         if self.leader:
             shutil.rmtree(got["path"], ignore_errors=True)
@@ -189,17 +263,19 @@ class Manager:
             if step not in self.buffer:
                 self.log.event("catchup_gap", snapshot_step=got["step"], missing=step)
                 return  # incomplete: the next quorum asks for a fresher snapshot
-            g, scale = self.buffer[step]
+            g, scale = self.buffer.get(step)
             state = self.program.apply(state, self.flat.unflatten(g), np.float32(scale))
             step += 1
             replayed += 1
+            self.watchdog.beat(f"replay of step {step}")
         self.state, self.step = state, step
+        spilled = self.buffer.spilled_bytes
         self.buffer.clear()
         seconds = time.monotonic() - self.heal_started if self.heal_started else 0.0
         self.log.event("catchup_done", source=got["source"], snapshot_step=got["step"], at_step=step,
                        bytes=got["nbytes"], transfer_s=got["seconds"],
                        mb_per_s=got["nbytes"] / 1e6 / max(got["seconds"], 1e-9), replayed=replayed,
-                       catchup_s=seconds)
+                       update_bytes=self.flat.size * 4, replay_spilled_bytes=spilled, catchup_s=seconds)
         self.heal_started = None
 
     # --- the loop -----------------------------------------------------------------------------
@@ -207,6 +283,7 @@ class Manager:
         cfg = self.cfg
         if self.leader:
             self.client.start()
+        self.watchdog = ProgressWatchdog(cfg.ft.progress_timeout_s, self._no_progress)
         self.log.event("start", replica=self.replica_id, incarnation=self.incarnation, topology=self.topology,
                        data_fingerprint=self.stream.fingerprint, hosts=self.comm.hosts,
                        devices=int(self.program.mesh.devices.size), pid=os.getpid())
@@ -214,10 +291,11 @@ class Manager:
         zeros = np.zeros(self.flat.size, np.float32)
         fut = self._ask()
         while self.step < cfg.steps:
+            self.watchdog.beat("forward")
             t0 = time.perf_counter()
             grads = loss = None
             used_position = self.position
-            if self.has_state:
+            if self.has_state and self.heal_started is None:  # (a healing replica contributes nothing)
                 self.faults.point(self.step + 1, "forward")
                 batch = device_batch(self.program, self.stream.batch(self.position))
                 loss, grads = self.program.grads(self.state["params"], batch)
@@ -225,36 +303,34 @@ class Manager:
             t1 = time.perf_counter()
             msg = None
             if self.leader:
-                q = fut.result()
+                with self.watchdog.exempt("quorum"):
+                    q = fut.result()
                 msg = {"q": _quorum_to_json(q),
                        "install": self._heal_bookkeeping(q) if (q.healing or self.fetch) else None}
-            msg = self.comm.broadcast(msg)
+                self.watchdog.beat("quorum broadcast")
+                msg = self.comm.broadcast(msg)
+            else:  # (the leader's message waits for the quorum)
+                with self.watchdog.exempt("quorum"):
+                    msg = self.comm.broadcast(msg)
             q, install = _quorum_from_json(msg["q"]), msg.get("install")
             t2 = time.perf_counter()
 
             if q.no_state:
                 # nobody has state: everyone restores its latest durable checkpoint (or inits), then asks again
-                self._init_state()
+                with self.watchdog.exempt("init"):
+                    self._init_state()
                 fut = self._ask()
                 continue
-            if install is not None and not self.has_state:
-                self._install(install, q)
-            if q.healing and self.has_state and self.step != q.step:
-                # behind the job (a step we discarded was committed by others): our state is stale
-                self.log.event("stale_state", step=self.step, job_step=q.step)
-                self.state = None
-            if q.healing and not self.has_state:
-                if self.heal_started is None:
-                    self.heal_started = time.monotonic()
-                self.faults.point(q.step + 1, "catchup")
-            elif self.has_state:
-                self._serve(q)
+            self.job_step, self.state_lost_since = max(self.job_step, q.step), None
+            self._record_positions(q, committed=False)
+            if install is not None:
+                self._install(install, q)  # replaces a stale state, if we kept one
+            if q.healing:
+                self._healing(q)
+            else:
+                self._up_to_date(q)
 
-            position = q.data_position
-            if position > self.position:
-                self.log.event("batches_committed_by_peers",
-                               batch_ids=[self.stream.batch_id(p) for p in range(self.position, position)])
-            self.position = position
+            self._adopt_position(q)
             if q.step >= cfg.steps:
                 # the job has trained every step: nothing to reduce; this replica only catches up
                 time.sleep(0.05)
@@ -262,13 +338,14 @@ class Manager:
                 continue
 
             contributes = not q.healing and self.has_state
-            if contributes and used_position != self.position:  # (rare) our batch changed under us
+            if contributes and (grads is None or used_position != self.position):  # (rare) our batch changed
                 batch = device_batch(self.program, self.stream.batch(self.position))
                 loss, grads = self.program.grads(self.state["params"], batch)
 
             # FTAR of this host's flat gradient buffer over host rank `self.host` of every participant
             self.faults.point(q.step + 1, "ftar")
             buf = self.flat.flatten(grads) if contributes else zeros
+            self.watchdog.beat("ftar")
             t3 = time.perf_counter()
             members = [p.ftar_addresses[self.host] for p in q.participants]
             contributors = [not p.healing for p in q.participants]
@@ -281,7 +358,9 @@ class Manager:
             t4 = time.perf_counter()
 
             # two-phase commit inside the replica: apply only if every host's FTAR succeeded
+            self.watchdog.beat("commit vote")
             votes = self.comm.allgather(error)
+            self.watchdog.beat("commit")
             failed = [v for v in votes if v is not None]
             if failed:
                 self._discard(q, failed)
@@ -290,33 +369,36 @@ class Manager:
             self.faults.point(q.step + 1, "commit")
             scale = lr_scale(cfg.ft.lr_scaling, q.num_contributors, cfg.ft.replicas)
             batch_id = None
-            if self.has_state and self.step == q.step:
+            applied = self.has_state and self.step == q.step
+            # a step we apply is committed for the job: every contributor's batch of it is trained
+            self._record_positions(q, committed=applied)
+            if applied:
                 self.state = self.program.apply(self.state, self.flat.unflatten(avg), np.float32(scale))
                 self.step += 1
                 if contributes:
                     batch_id = self.stream.batch_id(self.position)
                     self.position += 1
             else:  # healing: keep the update for the replay
-                self.buffer[q.step] = (avg, scale)
-                if len(self.buffer) > cfg.ft.catchup_buffer_steps:
-                    self.buffer.pop(min(self.buffer))
+                self.buffer.put(q.step, avg, scale)
             self.commit_failures = 0
             fut = self._ask()  # the next quorum is requested while this step finishes
-            if self.ckpt is not None and self.has_state:
+            if self.ckpt is not None and applied:
                 self.ckpt.maybe_save(self.step, self.state, self._meta())
             t5 = time.perf_counter()
             record = {
-                "step": q.step + 1, "committed": self.has_state, "healing": not contributes,
+                "step": q.step + 1, "committed": applied, "healing": not contributes,
                 "loss": float(loss) if contributes else None, "tokens": tokens if contributes else 0,
                 "batch_id": batch_id, "data_position": self.position, "quorum_id": q.quorum_id,
                 "participants": len(q.participants), "contributors": q.num_contributors, "lr_scale": scale,
                 "step_time_s": t5 - t0, "compute_s": t1 - t0, "quorum_wait_s": t2 - t1, "d2h_s": t3 - t2,
                 "ftar_s": t4 - t3, "commit_s": t5 - t4, "commit_failures": self.total_commit_failures,
             }
-            if self.has_state and cfg.ft.digest_every and self.step % cfg.ft.digest_every == 0:
+            if applied and cfg.ft.digest_every and self.step % cfg.ft.digest_every == 0:
                 record["param_digest"] = state_digest(self.state)
             self.log.log(record)
-        self._drain(fut)
+            self.watchdog.arm()  # a step is done: from now on this process must make progress
+        with self.watchdog.exempt("drain"):
+            self._drain(fut)
         return self._finish()
 
     def _drain(self, fut) -> None:
@@ -360,7 +442,21 @@ class Manager:
         self.close()
         return 0
 
+    def _no_progress(self, phase: str, silent_s: float) -> None:
+        """The watchdog's verdict (see ftjax/watchdog.py): leave the job and end this process, so
+        that the peers go on without this replica and it is restarted."""
+        why = (f"replica {self.replica_id} host {self.host}: no progress for {silent_s:.1f} s in phase "
+               f"'{phase}' (ft.progress_timeout_s={self.cfg.ft.progress_timeout_s}); a host of this replica "
+               "hung, or this process did: leaving the job so that it goes on, to be restarted")
+        self.log.event("progress_timeout", phase=phase, silent_s=round(silent_s, 3), host=self.host)
+        print(f"ftjax train: {why}", file=sys.stderr, flush=True)
+        if self.client is not None:
+            self.client.leave(why)
+        os._exit(EXIT_NO_PROGRESS)
+
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.client is not None:
             self.client.close()
         self.endpoint.close()

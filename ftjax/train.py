@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--die-at", default=None, metavar="STEP:PHASE",
                    help="fault injection: SIGKILL this process at that step and phase "
                         "(forward|ftar|commit|catchup)")
+    p.add_argument("--hang-at", default=None, metavar="STEP:PHASE",
+                   help="fault injection: block the training thread forever at that step and phase")
     return p
 
 
@@ -74,11 +76,17 @@ def main(argv: list[str]) -> int:
     configure_process(device_count=cfg.mesh.devices_per_host)
     out = Path(args.out or Path("runs") / Path(args.config).stem)
     init_distributed(cfg, args)
-    if args.coordinator:
-        from ftjax.manager import run_member
+    from ftjax.checkpoint import CheckpointMismatch
 
-        return run_member(cfg, args, out)
-    return run_standalone(cfg, args, out)
+    try:
+        if args.coordinator:
+            from ftjax.manager import run_member
+
+            return run_member(cfg, args, out)
+        return run_standalone(cfg, args, out)
+    except CheckpointMismatch as e:  # another job's checkpoint: refuse it, without a traceback
+        print(f"ftjax train: error: {e}", file=sys.stderr)
+        return 2
 
 
 def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:
@@ -97,14 +105,11 @@ def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:
     log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}")
     ckpt = None
     if cfg.checkpoint.every > 0 or args.resume or args.stop_after:
-        ckpt = DurableCheckpoints.from_config(cfg, out)
+        ckpt = DurableCheckpoints.from_config(cfg, out, data_fingerprint=stream.fingerprint)
     step, position = 0, 0
     if args.resume and ckpt is not None and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(program.abstract_state())
+        state, meta = ckpt.restore(program.abstract_state())  # CheckpointMismatch if another job's
         step, position = int(meta["step"]), int(meta["data_position"])
-        if meta.get("data_fingerprint") != stream.fingerprint:
-            print(f"ftjax train: warning: checkpoint data fingerprint {meta.get('data_fingerprint')} != "
-                  f"{stream.fingerprint}: the corpus changed", file=sys.stderr)
         log.event("restore", restored_step=step, data_position=position)
     else:
         state = program.init(np.int32(cfg.seed))

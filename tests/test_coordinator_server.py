@@ -196,16 +196,16 @@ def test_commit_failures_force_a_new_quorum_id(make_server, make_client):
 def test_restarted_replica_heals_from_a_peer_and_learns_its_data_position(make_server, make_client):
     server = make_server(THREE)
     a, b, c = (make_client(server, rid) for rid in "abc")
-    # step 10: everybody contributes its batch (positions 100, 200, 300)
-    settle([a.quorum_async(10, 100, True), b.quorum_async(10, 200, True), c.quorum_async(10, 300, True)])
+    # step 10: everybody contributes its batch (positions 8, 9, 10: a stream advances at most once a step)
+    settle([a.quorum_async(10, 8, True), b.quorum_async(10, 9, True), c.quorum_async(10, 10, True)])
     c.close()  # c dies before committing; a and b commit step 10
     c2 = make_client(server, "c")  # c restarts: new incarnation, no state
-    results = settle([a.quorum_async(11, 101, True), b.quorum_async(11, 201, True), c2.quorum_async(0, 0, False)])
+    results = settle([a.quorum_async(11, 9, True), b.quorum_async(11, 10, True), c2.quorum_async(0, 0, False)])
     ra, rb, rc = results
     assert ra.quorum_id == rc.quorum_id and ra.replica_ids == ("a", "b", "c")
     assert rc.healing and rc.heal_source == "a" and rc.heal_source_address == a.member.catchup_address
     assert rc.step == 11 and ra.num_contributors == 2
-    assert rc.data_position == 301  # its batch of step 10 was trained: a and b committed step 10
+    assert rc.data_position == 11  # its batch of step 10 was trained: a and b committed step 10
     assert [t.replica_id for t in ra.heal_targets] == ["c"] and rb.heal_targets == ()
     assert rc.participants[2].incarnation == c2.member.incarnation
 
@@ -443,3 +443,58 @@ def test_cli_refuses_to_start_without_a_token(monkeypatch, capsys):
     monkeypatch.delenv("FTJAX_TOKEN", raising=False)
     assert main(["--port", "0"]) == 2
     assert "FTJAX_TOKEN" in capsys.readouterr().err
+
+
+# -- plausibility and the position ledger across a restart -----------------------------------------
+
+
+def test_an_absurd_step_from_an_authenticated_member_is_refused_reported_and_changes_nothing(
+        make_server, make_client, raw):
+    server = make_server()
+    a, b = make_client(server, "a"), make_client(server, "b")
+    settle([a.quorum_async(5, 5, True), b.quorum_async(5, 5, True)])
+    pending = a.quorum_async(6, 6, True)
+    wait_pending(server, "a")
+    before = membership(server)
+    for member in (member_proto("evil", step=2**62), member_proto("b", incarnation=b.member.incarnation,
+                                                                  step=6, data_position=10**6)):
+        with pytest.raises(grpc.RpcError) as e:
+            raw(server).quorum_once(pb.QuorumRequest(member=member, timeout_ms=1000))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "beyond what the job can have reached" in e.value.details() and "step 5" in e.value.details()
+    after = membership(server)
+    assert after[:5] == before[:5] and after[5] == before[5] + 2  # only the two refusals were recorded
+    refused = [f for f in server.state.snapshot(time.monotonic())["failures"] if f["kind"] == "implausible"]
+    assert {f["replica_id"] for f in refused} == {"evil", "b"}
+    ra, rb = settle([pending, b.quorum_async(6, 6, True)])
+    assert ra.step == 6 and not ra.healing and not rb.healing  # nobody was put behind
+
+
+def test_a_restarted_coordinator_rebuilds_positions_from_the_members_heartbeat_streams(make_server, raw):
+    server = make_server()
+    known = [pb.ReplicaPosition(replica_id="a", data_position=7), pb.ReplicaPosition(replica_id="c", data_position=41)]
+    _, call = raw(server).heartbeat_stream(pb.HeartbeatRequest(member=member_proto("a", step=7, data_position=7),
+                                                               known_positions=known))
+    wait_registered(server, "a")
+    assert server.state.ledger.positions == {"a": 7, "c": 41}
+    # replica c, down across the restart, comes back with no state and no memory of its stream
+    r = raw(server)
+    requests, answers = r.quorum_stream()
+    requests.put(pb.QuorumRequest(member=member_proto("c", has_state=False), timeout_ms=5000))
+    requests2, answers2 = raw(server).quorum_stream()
+    requests2.put(pb.QuorumRequest(member=member_proto("a", step=7, data_position=7), timeout_ms=5000))
+    got = next(answers)
+    next(answers2)
+    assert got.healing and got.data_position == 41
+
+
+@pytest.mark.parametrize("entry,field", [
+    (pb.ReplicaPosition(replica_id="no spaces", data_position=1), "known_positions[0].replica_id"),
+    (pb.ReplicaPosition(replica_id="c", data_position=-1), "known_positions[0].data_position"),
+])
+def test_bad_known_positions_are_refused_naming_the_entry(make_server, raw, entry, field):
+    server = make_server()
+    _, call = raw(server).heartbeat_stream(pb.HeartbeatRequest(member=member_proto("a"), known_positions=[entry]))
+    error = call.exception(5)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith(field)
+    assert server.state.members == {} and server.state.ledger.positions == {}

@@ -1,0 +1,61 @@
+"""The progress watchdog: beats keep it quiet, waits on others are exempt, silence names the phase."""
+
+import threading
+import time
+
+import pytest
+
+from ftjax.watchdog import ProgressWatchdog
+
+
+class Verdicts:
+    def __init__(self):
+        self.got: list[tuple[str, float]] = []
+        self.fired = threading.Event()
+
+    def __call__(self, phase: str, silent_s: float) -> None:
+        self.got.append((phase, silent_s))
+        self.fired.set()
+
+
+def test_silence_past_the_deadline_names_the_phase_it_stopped_in():
+    verdicts = Verdicts()
+    dog = ProgressWatchdog(0.2, verdicts)
+    try:
+        time.sleep(0.5)  # not armed yet: a process that has not completed a step is starting
+        assert not verdicts.got
+        dog.arm()
+        dog.beat("commit vote")
+        assert verdicts.fired.wait(10)
+        (phase, silent), = verdicts.got
+        assert phase == "commit vote" and silent >= 0.2
+    finally:
+        dog.close()
+
+
+def test_beats_and_waits_on_the_quorum_keep_it_quiet():
+    verdicts = Verdicts()
+    dog = ProgressWatchdog(0.3, verdicts)
+    dog.arm()
+    try:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:  # a loop that moves on
+            dog.beat("forward")
+            time.sleep(0.02)
+        with dog.exempt("quorum"):  # far longer than the deadline, but a wait on others
+            time.sleep(1.0)
+        dog.beat("ftar")
+        assert not verdicts.got
+        assert verdicts.fired.wait(10) and verdicts.got[0][0] == "ftar"  # and then silence again
+    finally:
+        dog.close()
+
+
+def test_close_stops_it_and_a_bad_deadline_is_refused():
+    verdicts = Verdicts()
+    dog = ProgressWatchdog(0.2, verdicts)
+    dog.arm()
+    dog.close()
+    assert not verdicts.fired.wait(0.5)
+    with pytest.raises(ValueError, match="deadline_s"):
+        ProgressWatchdog(0, verdicts)
