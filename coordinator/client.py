@@ -140,6 +140,27 @@ def result_from_proto(r: pb.QuorumResponse, members: tuple[pb.MemberAddress, ...
     )
 
 
+def encode_quorum(q: QuorumResult) -> bytes:
+    """A quorum as this replica sees it, as the coordinator's own message (membership included):
+    what a replica's leader hands its other hosts. `decode_quorum` is its inverse."""
+    index = {p.replica_id: i for i, p in enumerate(q.participants)}
+    return pb.QuorumResponse(
+        quorum_id=q.quorum_id, step=q.step, no_state=q.no_state, num_contributors=q.num_contributors,
+        num_participants=len(q.participants),
+        members=[pb.MemberAddress(replica_id=p.replica_id, incarnation=p.incarnation, ftar_addresses=p.ftar_addresses,
+                                  catchup_address=p.catchup_address) for p in q.participants],
+        steps=[p.step for p in q.participants], data_positions=[p.data_position for p in q.participants],
+        heal_sources=[index[p.heal_source] + 1 if p.healing else 0 for p in q.participants],
+        rank=q.rank, healing=q.healing, heal_source=q.heal_source, heal_source_address=q.heal_source_address,
+        data_position=q.data_position,
+    ).SerializeToString()
+
+
+def decode_quorum(data: bytes) -> QuorumResult:
+    r = pb.QuorumResponse.FromString(data)
+    return result_from_proto(r, tuple(r.members))
+
+
 class _Backoff:
     """Capped exponential backoff with jitter: 50 ms, 100 ms, ... 1 s."""
 

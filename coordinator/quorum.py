@@ -17,7 +17,7 @@ The rules (torchft's lighthouse rules, plus fast failure exclusion):
 - except a live member of the previous quorum: it may be committing that quorum's step, so no
   quorum forms without it until it asks or is dead (else two groups could commit the same step
   number with different updates);
-- at job start (no requester has state) the quorum waits, up to `startup_timeout`, for
+- at job start (no requester has state) the quorum waits, up to `startup_timeout_s`, for
   `expected_replicas` to ask, so that a job's replicas start together;
 - nothing forms until the coordinator has listened for one heartbeat timeout since it started
   (`not_before`): before that it cannot know who is alive, so neither "everybody asked" nor the
@@ -35,6 +35,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from ftjax.config import CoordinatorConfig, validated
+
+_DEFAULTS = CoordinatorConfig()
 
 # Bounds on what a member may send; the server rejects anything beyond them, naming the field.
 MAX_HOSTS = 1024
@@ -71,12 +75,25 @@ def check_text(field: str, value: str, max_bytes: int = MAX_STRING_BYTES) -> Non
         raise InvalidField(field, f"{size} bytes, at most {max_bytes}")
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """"host:port" -> (host, port), the port in 1-65535; an IPv6 host may be in brackets ("[::1]:80"),
+    which are removed (socket calls take the bare host). ValueError naming the address otherwise."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    digits = port.isascii() and port.isdigit() and len(port) <= 5
+    if not sep or not host or not digits or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{address!r} is not host:port")
+    return host, int(port)
+
+
 def check_address(field: str, value: str) -> None:
-    """A "host:port" address (an IPv6 host in brackets)."""
+    """A "host:port" address (see split_address)."""
     check_text(field, value)
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise InvalidField(field, f"{value!r} is not host:port")
+    try:
+        split_address(value)
+    except ValueError as e:
+        raise InvalidField(field, str(e)) from None
 
 
 # The records below are NamedTuples rather than dataclasses: the coordinator creates one per
@@ -136,35 +153,38 @@ class MemberState(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    min_replicas: int = 1
-    join_timeout: float = 10.0  # seconds to wait for alive members that have not asked yet
-    heartbeat_timeout: float = 5.0  # seconds of silence after which a member is dead
+    """The rules' settings, durations in seconds: ftjax.config.CoordinatorConfig's fields (their
+    defaults, meanings and checks are the config's) plus the job's size."""
+
+    min_replicas: int = _DEFAULTS.min_replicas
+    join_timeout_s: float = _DEFAULTS.join_timeout_s  # wait for alive members that have not asked yet
+    heartbeat_timeout_s: float = _DEFAULTS.heartbeat_timeout_s  # silence after which a member is dead
     # A suspect (accused, or its stream broke) is dead once silent this long. Three default
     # heartbeat intervals: long enough that a live member's heartbeat always lands in it on a busy
     # machine, short enough that a dead one is out well within half a second of the report.
-    suspect_window: float = 0.3
-    # Job start (every requester without state): wait up to `startup_timeout` for this many
+    suspect_window_s: float = _DEFAULTS.suspect_window_s
+    # Job start (every requester without state): wait up to `startup_timeout_s` for this many
     # replicas, so that a job's replicas all start together instead of the first ones to finish
     # importing JAX training while the others heal from them. 0: off.
     expected_replicas: int = 0
-    startup_timeout: float = 60.0
+    startup_timeout_s: float = _DEFAULTS.startup_timeout_s
+
+    @classmethod
+    def from_config(cls, config: CoordinatorConfig, expected_replicas: int = 0) -> "Settings":
+        return cls(**config.model_dump(), expected_replicas=expected_replicas)
 
     def __post_init__(self) -> None:
-        if self.min_replicas < 1:
-            raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
-        for name in ("join_timeout", "heartbeat_timeout", "suspect_window"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.suspect_window >= self.heartbeat_timeout:
-            raise ValueError("suspect_window must be shorter than heartbeat_timeout")
+        # the config's checks: ConfigError (a ValueError) naming the field, e.g. coordinator.min_replicas
+        validated(CoordinatorConfig, {name: getattr(self, name) for name in CoordinatorConfig.model_fields},
+                  "coordinator")
 
 
 def death_time(member: MemberState, settings: Settings) -> float:
     """When the member counts as dead if nothing more is heard from it: one heartbeat timeout
     after it was last heard from, or one suspect window if it is a suspect."""
     if member.suspected_at is not None:
-        return member.last_seen + min(settings.heartbeat_timeout, settings.suspect_window)
-    return member.last_seen + settings.heartbeat_timeout
+        return member.last_seen + min(settings.heartbeat_timeout_s, settings.suspect_window_s)
+    return member.last_seen + settings.heartbeat_timeout_s
 
 
 def is_alive(member: MemberState, now: float, settings: Settings) -> bool:
@@ -260,7 +280,7 @@ def compute_quorum(
     if 2 * n <= alive:
         return Decision(None, next_death, f"{n} requesters of {alive} alive members: need more than half")
     if n < settings.expected_replicas and not any(m.report.has_state for m in requesters.values()):
-        deadline = first_request + settings.startup_timeout
+        deadline = first_request + settings.startup_timeout_s
         if now < deadline:
             return Decision(None, _earliest(deadline, next_death),
                             f"job start: {n} of {settings.expected_replicas} expected replicas have asked")
@@ -284,10 +304,10 @@ def compute_quorum(
         reason = "fast_path"
     elif n == alive:
         reason = "all_joined"
-    elif now >= first_request + settings.join_timeout:
+    elif now >= first_request + settings.join_timeout_s:
         reason = "join_timeout"
     else:
-        deadline = first_request + settings.join_timeout
+        deadline = first_request + settings.join_timeout_s
         return Decision(None, _earliest(deadline, next_death),
                         f"{n} of {alive} alive members asked; waiting for the rest until the join timeout")
     quorum = _form(prev, requesters, settings, failure_epoch, positions or {}, reason)

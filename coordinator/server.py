@@ -45,6 +45,8 @@ from coordinator.quorum import (
     check_text,
 )
 from coordinator.state import MAX_MEMBERS, Accusation, CoordinatorState, Rejected
+from ftjax.config import CoordinatorConfig, flag_name
+from ftjax.env import TOKEN_ENV, read_token
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 MAX_MESSAGE_BYTES = 1 << 20  # a Member is at most ~270 KB (1024 addresses of 256 bytes)
@@ -534,39 +536,21 @@ def write_ready_file(path: str, addresses: dict[str, str]) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-def read_token(token_file: str | None) -> str:
-    """The job token: the contents of `token_file`, else $FTJAX_TOKEN."""
-    if token_file:
-        with open(token_file, encoding="utf-8") as f:
-            token = f.read().strip()
-        if not token:
-            raise ValueError(f"token file {token_file} is empty")
-        return token
-    token = os.environ.get("FTJAX_TOKEN", "").strip()
-    if not token:
-        raise ValueError("no job token: pass --token-file FILE or set FTJAX_TOKEN")
-    return token
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ftjax coordinator",
                                 description="The job's coordinator: gRPC quorum service plus HTTP status.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 on a cluster)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: the OS picks)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP status port (0: the OS picks, -1: none)")
-    p.add_argument("--min-replicas", type=int, default=1)
-    p.add_argument("--join-timeout-ms", type=int, default=10_000,
-                   help="how long a quorum waits for alive replicas that have not asked yet")
-    p.add_argument("--heartbeat-timeout-ms", type=int, default=5_000,
-                   help="silence after which a replica is dead")
-    p.add_argument("--suspect-ms", type=int, default=300,
-                   help="silence after which an accused (or disconnected) replica is dead")
-    p.add_argument("--startup-grace-ms", type=int, default=None,
-                   help="listen this long before forming the first quorum (default: the heartbeat timeout)")
+    # the settings: one flag per field of the config's `coordinator:` section, with its default
+    for name, field in CoordinatorConfig.model_fields.items():
+        p.add_argument(flag_name(name), type=field.annotation, default=field.default,
+                       help=f"{field.description} (default: %(default)s)")
     p.add_argument("--expected-replicas", type=int, default=0,
-                   help="at job start, wait for this many replicas (up to --startup-timeout-ms) before the first quorum")
-    p.add_argument("--startup-timeout-ms", type=int, default=60_000)
-    p.add_argument("--token-file", default=None, help="file holding the job token (default: $FTJAX_TOKEN)")
+                   help="at job start, wait for this many replicas (up to --startup-timeout-s) before the first quorum")
+    p.add_argument("--startup-grace-s", type=float, default=None,
+                   help="listen this long before forming the first quorum (default: the heartbeat timeout)")
+    p.add_argument("--token-file", default=None, help=f"file holding the job token (default: ${TOKEN_ENV})")
     p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving")
     return p
 
@@ -575,15 +559,14 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         token = read_token(args.token_file)
-        settings = Settings(min_replicas=args.min_replicas, join_timeout=args.join_timeout_ms / 1000,
-                            heartbeat_timeout=args.heartbeat_timeout_ms / 1000, suspect_window=args.suspect_ms / 1000,
-                            expected_replicas=args.expected_replicas, startup_timeout=args.startup_timeout_ms / 1000)
-    except (OSError, ValueError) as e:
+        settings = Settings(**{name: getattr(args, name) for name in CoordinatorConfig.model_fields},
+                            expected_replicas=args.expected_replicas)
+    except (OSError, ValueError) as e:  # the config's checks raise ConfigError, a ValueError
         print(f"ftjax coordinator: {e}", file=sys.stderr)
         return 2
-    grace = None if args.startup_grace_ms is None else args.startup_grace_ms / 1000
     server = CoordinatorServer(settings, token, host=args.host, port=args.port,
-                               http_port=None if args.http_port < 0 else args.http_port, startup_grace=grace)
+                               http_port=None if args.http_port < 0 else args.http_port,
+                               startup_grace=args.startup_grace_s)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

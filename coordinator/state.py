@@ -118,7 +118,7 @@ class CoordinatorState:
     def __init__(self, settings: Settings, now: float, *, startup_grace: float | None = None) -> None:
         self.settings = settings
         self.started_at = now
-        grace = settings.heartbeat_timeout if startup_grace is None else startup_grace
+        grace = settings.heartbeat_timeout_s if startup_grace is None else startup_grace
         self.not_before = now + grace
         self.members: dict[str, MemberState] = {}
         self.departed: dict[str, tuple[MemberState, float, str]] = {}  # rid -> (state, when, why)
@@ -406,7 +406,7 @@ class CoordinatorState:
             if now < self.not_before or n < self.settings.min_replicas or 2 * n <= alive:
                 return False
             fast = self.prev is not None and self._pending_prev == len(self.prev.participants)
-            timed_out = self._first_request is not None and now >= self._first_request + self.settings.join_timeout
+            timed_out = self._first_request is not None and now >= self._first_request + self.settings.join_timeout_s
             return fast or n == alive or timed_out
 
     def next_wake(self, now: float) -> float | None:
@@ -417,7 +417,7 @@ class CoordinatorState:
             if self._pending:
                 times.append(self.not_before)
                 if self._first_request is not None:
-                    times.append(self._first_request + self.settings.join_timeout)
+                    times.append(self._first_request + self.settings.join_timeout_s)
             future = [t for t in times if now < t < float("inf")]
             return min(future) if future else None
 
@@ -505,8 +505,8 @@ class CoordinatorState:
                         for f in self.failures]
             s = self.settings
             return {
-                "settings": {"min_replicas": s.min_replicas, "join_timeout_s": s.join_timeout,
-                             "heartbeat_timeout_s": s.heartbeat_timeout, "suspect_window_s": s.suspect_window},
+                "settings": {"min_replicas": s.min_replicas, "join_timeout_s": s.join_timeout_s,
+                             "heartbeat_timeout_s": s.heartbeat_timeout_s, "suspect_window_s": s.suspect_window_s},
                 "uptime_s": round(now - self.started_at, 3),
                 "topology_fingerprint": self.fingerprint,
                 "alive": sum(r["alive"] for r in replicas),

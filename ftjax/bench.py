@@ -8,10 +8,10 @@ import sys
 from ftjax.cli import resolve
 
 BENCHES: dict[str, tuple[str, str]] = {
-    "coordinator": ("coordinator.bench:main", "quorum latency of N simulated replicas"),
-    "ftar": ("ftjax.ftar.bench:main", "FTAR bus bandwidth against the raw TCP loopback link"),
-    "step": ("ftjax.bench_step:main", "FT-HSDP step time against a synchronous HSDP step"),
-    "catchup": ("ftjax.catchup_bench:main", "catch-up transfer rate against the raw link"),
+    "coordinator": ("ftjax_bench.coordinator:main", "quorum latency of N simulated replicas"),
+    "ftar": ("ftjax_bench.ftar:main", "FTAR bus bandwidth against the raw TCP loopback link"),
+    "step": ("ftjax_bench.step:main", "FT-HSDP step time against synchronous HSDP and a standalone replica"),
+    "catchup": ("ftjax_bench.catchup:main", "catch-up transfer rate against the raw link"),
 }
 
 

@@ -10,7 +10,7 @@ lists that peer as healing (`keep_only` drops the others and deletes their files
 Newcomer side (`SnapshotFetch`): a background thread downloads the snapshot into a local
 directory; `restore_snapshot` reads it with orbax into the newcomer's own mesh and shardings
 (orbax reshards, so the newcomer's device count may differ). Meanwhile the newcomer keeps taking
-part in FTAR with zero gradients; the manager buffers what it receives and replays it on install.
+part in FTAR with zero gradients; the step protocol keeps what it receives and replays it on install.
 
 Why orbax + HTTP: orbax owns the serialization and resharding of sharded arrays; what no library
 does is the peer-to-peer transport and its lifetime rules, which are here.
@@ -29,10 +29,11 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, quote, urlparse
 
 from coordinator.http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPServer
+from coordinator.quorum import split_address
 
 TOKEN_HEADER = "X-Ftjax-Token"
 _CHUNK = 4 << 20
@@ -69,7 +70,6 @@ class SnapshotServer:
         self._snapshots: dict[str, _Snapshot] = {}
         self._refresh: dict[str, int] = {}  # key -> min step a fetcher asked for
         self._cv = threading.Condition()
-        self.served_bytes = 0
         self._httpd = None
         if serve:  # only a replica's leader serves; every host takes part in the orbax save
             # Idle connections time out and surplus ones are refused (a peer stalled or flooding
@@ -160,7 +160,7 @@ class SnapshotServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # quiet: the manager logs transfers
+            def log_message(self, *args):  # quiet: the step protocol logs transfers
                 pass
 
             def do_GET(self):
@@ -187,7 +187,7 @@ class SnapshotServer:
                 self.send_header("X-Ftjax-Step", str(snap.step))
                 self.send_header("X-Ftjax-Meta", json.dumps(snap.meta))
                 self.end_headers()
-                server.served_bytes += _send_tree(self.connection, snap.path, server.rate_limit_mbps)
+                _send_tree(self.connection, snap.path, server.rate_limit_mbps)
 
         return Handler
 
@@ -251,7 +251,7 @@ def _recv_tree(resp, dest: Path) -> int:
         total += size
 
 
-@dataclass
+@dataclass(frozen=True)
 class FetchResult:
     path: Path
     step: int
@@ -259,7 +259,6 @@ class FetchResult:
     nbytes: int
     seconds: float       # the transfer itself (first byte of the body to the last)
     source: str
-    wait_s: float = 0.0  # before it: the request, and the source's snapshot being written
 
 
 class SnapshotFetch:
@@ -271,7 +270,6 @@ class SnapshotFetch:
         self.result: FetchResult | None = None
         self.error: str | None = None
         self.done = threading.Event()
-        self.started = time.monotonic()
         self._args = (token, Path(dest).absolute(), min_step, timeout_s)
         threading.Thread(target=self._run, name="snapshot-fetch", daemon=True).start()
 
@@ -281,8 +279,8 @@ class SnapshotFetch:
             if dest.exists():
                 shutil.rmtree(dest)
             dest.mkdir(parents=True)
-            host, port = self.address.rsplit(":", 1)
-            conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+            host, port = split_address(self.address)
+            conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
             conn.request("GET", f"/snapshot?key={quote(self.key)}&min_step={min_step}",
                          headers={TOKEN_HEADER: token})
             resp = conn.getresponse()
@@ -293,8 +291,8 @@ class SnapshotFetch:
             conn.close()
             self.result = FetchResult(dest, int(resp.getheader("X-Ftjax-Step")),
                                       json.loads(resp.getheader("X-Ftjax-Meta") or "{}"), nbytes,
-                                      time.monotonic() - t0, self.source, t0 - self.started)
-        except Exception as e:  # noqa: BLE001 - the manager asks the next quorum for another source
+                                      time.monotonic() - t0, self.source)
+        except Exception as e:  # noqa: BLE001 - the protocol asks the next quorum for another source
             self.error = f"{type(e).__name__}: {e}"
         finally:
             self.done.set()
@@ -327,3 +325,59 @@ def snapshot_dir(configured: str | None, replica_out: str | Path) -> Path:
 
 def _safe(key: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
+
+
+class CatchupTransport(Protocol):
+    """How a replica's state travels from a live source to a healing peer: what the step protocol
+    needs of catch-up, and nothing about how. `OrbaxHTTPTransport` is the one implementation today
+    (orbax snapshot, files sent over HTTP); a per-host network transfer can take its place."""
+
+    address: str  # where healing peers reach this replica's source side (empty on non-leaders)
+
+    def offer(self, key: str, state: Any, step: int, meta: dict) -> None: ...  # every host of the source
+    def offered(self, key: str) -> bool: ...
+    def keep_only(self, keys: set[str]) -> None: ...
+    def fetch(self, address: str, key: str, *, source: str, min_step: int) -> "SnapshotFetch": ...  # leader
+    def load(self, fetched: FetchResult, abstract_state: Any) -> Any: ...  # every host of the newcomer
+    def discard(self, fetched: FetchResult) -> None: ...  # leader, once every host has loaded it
+    def close(self) -> None: ...
+
+
+class OrbaxHTTPTransport:
+    """`SnapshotServer` + `SnapshotFetch` + `restore_snapshot`, in one snapshot directory per replica
+    (see `snapshot_dir`): what a killed incarnation left there is cleared at start, all of it at close."""
+
+    def __init__(self, token: str, directory: Path, *, leader: bool, rate_limit_mbps: float | None,
+                 timeout_s: float, host: str = "127.0.0.1"):
+        self.token, self.directory, self.leader, self.timeout_s = token, directory, leader, timeout_s
+        if leader:  # what a killed incarnation of this replica left behind (it may be in RAM)
+            shutil.rmtree(directory, ignore_errors=True)
+        self.server = SnapshotServer(token, directory / "served", serve=leader, host=host,
+                                     rate_limit_mbps=rate_limit_mbps)
+        self.address = self.server.address if leader else ""
+        self._fetches = 0
+
+    def offer(self, key: str, state: Any, step: int, meta: dict) -> None:
+        self.server.offer(key, state, step, meta)
+
+    def offered(self, key: str) -> bool:
+        return self.server.offered(key)
+
+    def keep_only(self, keys: set[str]) -> None:
+        self.server.keep_only(keys)
+
+    def fetch(self, address: str, key: str, *, source: str, min_step: int) -> SnapshotFetch:
+        self._fetches += 1
+        return SnapshotFetch(address, key, self.token, self.directory / f"fetch{self._fetches}", source=source,
+                             min_step=min_step, timeout_s=self.timeout_s)
+
+    def load(self, fetched: FetchResult, abstract_state: Any) -> Any:
+        return restore_snapshot(fetched.path, abstract_state)
+
+    def discard(self, fetched: FetchResult) -> None:
+        shutil.rmtree(fetched.path, ignore_errors=True)
+
+    def close(self) -> None:
+        self.server.close()
+        if self.leader:
+            shutil.rmtree(self.directory, ignore_errors=True)

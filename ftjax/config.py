@@ -9,10 +9,13 @@ impossible mesh is refused before JAX starts.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(ValueError):
@@ -73,9 +76,34 @@ class CheckpointConfig(_Strict):
 
 
 class CoordinatorConfig(_Strict):
-    min_replicas: int = Field(1, gt=0)
-    heartbeat_timeout_ms: int = Field(2000, gt=0)
-    join_timeout_ms: int = Field(1000, ge=0)
+    """The coordinator's settings: the one place their defaults live. `ftjax coordinator` has a flag
+    for each field (`heartbeat_timeout_s` -> `--heartbeat-timeout-s`) defaulting to it, and the
+    coordinator's rules take them as `coordinator.quorum.Settings.from_config`. Durations in seconds."""
+
+    min_replicas: int = Field(1, gt=0, description="a quorum needs at least this many replicas")
+    heartbeat_timeout_s: float = Field(2.0, gt=0, description="silence after which a replica is dead")
+    join_timeout_s: float = Field(1.0, gt=0, description="how long a quorum waits for alive replicas that "
+                                  "have not asked yet")
+    suspect_window_s: float = Field(0.3, gt=0, description="silence after which an accused (or disconnected) "
+                                    "replica is dead; shorter than heartbeat_timeout_s")
+    startup_timeout_s: float = Field(60.0, gt=0, description="at job start, how long the first quorum waits "
+                                     "for every expected replica")
+
+    @model_validator(mode="after")
+    def _suspect_before_dead(self) -> "CoordinatorConfig":
+        if self.suspect_window_s >= self.heartbeat_timeout_s:
+            raise ValueError(f"suspect_window_s ({self.suspect_window_s:g}) must be shorter than "
+                             f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g})")
+        return self
+
+    def flags(self) -> list[str]:
+        """These settings as `ftjax coordinator` flags."""
+        return [arg for name, value in self.model_dump().items() for arg in (flag_name(name), str(value))]
+
+
+def flag_name(field: str) -> str:
+    """The command-line flag of a config field: `heartbeat_timeout_s` -> `--heartbeat-timeout-s`."""
+    return "--" + field.replace("_", "-")
 
 
 class FTConfig(_Strict):
@@ -110,7 +138,6 @@ class FTConfig(_Strict):
 class Config(_Strict):
     seed: int = 0
     steps: int = Field(30, gt=0)
-    log_every: int = Field(1, gt=0)
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
@@ -135,17 +162,22 @@ class Config(_Strict):
             )
         return self
 
-    def with_overrides(self, overrides: list[str]) -> "Config":
-        return load_config_dict(apply_overrides(self.model_dump(), overrides))
+
+# Keys that configs once had: a config still using one is refused with this hint.
+_RETIRED = {
+    "log_every": "removed: it had no effect",
+    "coordinator.heartbeat_timeout_ms": "renamed coordinator.heartbeat_timeout_s, in seconds",
+    "coordinator.join_timeout_ms": "renamed coordinator.join_timeout_s, in seconds",
+}
 
 
-def _format_errors(err: ValidationError) -> str:
+def _format_errors(err: ValidationError, where: tuple[str, ...] = ()) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+        loc = ".".join(str(p) for p in (*where, *e["loc"]))
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = "unknown key" + (f" ({_RETIRED[loc]})" if loc in _RETIRED else "")
         got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
         lines.append(f"{loc}: {msg}{got}" if loc else msg)
     return "; ".join(lines)
@@ -183,13 +215,19 @@ def _deepcopy(d: Any) -> Any:
     return d
 
 
+def validated(model: type[M], data: dict[str, Any], *where: str) -> M:
+    """`model` (a config or one of its sections, at path `where`) validated from `data`; ConfigError
+    naming each field at fault."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, where)) from None
+
+
 def load_config_dict(data: Any) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a mapping of sections, got {type(data).__name__}")
-    try:
-        return Config.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format_errors(e)) from None
+    return validated(Config, data)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:

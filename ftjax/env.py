@@ -1,4 +1,4 @@
-"""Process environment that must be fixed before JAX is imported.
+"""Process environment: what must be fixed before JAX is imported, and the job token.
 
 Many JAX processes share two cores in tests and on the demo machine; each one is limited to a
 single XLA/BLAS thread so that timing-based checks (stall bounds, failure detection) do not flake
@@ -63,3 +63,22 @@ def configure_process(device_count: int | None = None) -> None:
 def _current_device_flag() -> int | None:
     m = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
     return int(m.group(1)) if m else None
+
+
+# --- the job token ---------------------------------------------------------------------------------
+TOKEN_ENV = "FTJAX_TOKEN"  # the job's shared secret, for every process of the job
+
+
+def read_token(token_file: str | None = None) -> str:
+    """The job token: the contents of `token_file` if given, else $FTJAX_TOKEN. ValueError (naming
+    where it looked) if that is empty."""
+    if token_file:
+        with open(token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+        if not token:
+            raise ValueError(f"token file {token_file} is empty")
+        return token
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ValueError(f"no job token: ${TOKEN_ENV} is not set (and no token file was given)")
+    return token

@@ -17,17 +17,24 @@ import threading
 PHASES = ("forward", "ftar", "commit", "catchup")
 
 
-def parse_die_at(text: str | None, flag: str = "--die-at") -> tuple[int, str] | None:
-    if not text:
-        return None
+def parse_step_phase(text: str, flag: str) -> tuple[int, str]:
+    """`STEP[:PHASE]` -> (step, phase): STEP >= 1, PHASE in PHASES (default forward). ValueError
+    naming `flag` otherwise."""
     step, _, phase = text.partition(":")
     phase = phase or "forward"
-    if not step.isdigit() or int(step) < 1 or phase not in PHASES:
+    if not (step.isascii() and step.isdigit()) or int(step) < 1 or phase not in PHASES:
         raise ValueError(f"{flag}: expected STEP[:PHASE] with STEP >= 1 and PHASE in {'|'.join(PHASES)}, got {text!r}")
     return int(step), phase
 
 
-class FaultPlan:
+def parse_die_at(text: str | None, flag: str = "--die-at") -> tuple[int, str] | None:
+    """`--die-at` / `--hang-at`: STEP[:PHASE], or None when not given."""
+    return parse_step_phase(text, flag) if text else None
+
+
+class InjectedFaults:
+    """The faults a replica process injects into itself (`--die-at`, `--hang-at`), at their points."""
+
     def __init__(self, die_at: tuple[int, str] | None, hang_at: tuple[int, str] | None = None):
         self.die_at = die_at
         self.hang_at = hang_at
@@ -40,3 +47,5 @@ class FaultPlan:
         if self.hang_at is not None and phase == self.hang_at[1] and step >= self.hang_at[0]:
             print(f"fault injection: training thread hangs at step {step} phase {phase}", file=sys.stderr, flush=True)
             threading.Event().wait()  # forever: only the process's end ends it
+
+

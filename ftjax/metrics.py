@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ftjax.jsonl import read_jsonl
+
 
 class MetricsLog:
     """Only one process of a replica writes (its leader); the others pass `enabled=False`."""
@@ -73,5 +75,4 @@ class MetricsLog:
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The step records of a metrics.jsonl file (events skipped)."""
-    with open(path) as f:
-        return [r for r in map(json.loads, f) if "event" not in r]
+    return [r for r in read_jsonl(path) if "event" not in r]

@@ -29,6 +29,7 @@ class ReplayBuffer:
         self._scale: dict[int, float] = {}
         self._ram_used = 0
         self.spilled_bytes = 0  # written to disk since the last clear (reported with the catch-up)
+        self.update_bytes = 0  # the size of one update (the last one kept)
 
     def __contains__(self, step: int) -> bool:
         return step in self._scale
@@ -45,6 +46,7 @@ class ReplayBuffer:
         already is replaced: the job retried it (nobody committed the first attempt), and only the
         update of the attempt that was committed may be replayed."""
         self._forget(step)
+        self.update_bytes = update.nbytes
         self._ram[step] = update
         self._scale[step] = float(scale)
         self._ram_used += update.nbytes

@@ -1,8 +1,9 @@
 """Control messages between the hosts of one replica, over the replica's own jax.distributed
 collectives: the leader's quorum broadcast, and the two-phase commit vote.
 
-A single-host replica skips the collectives. Messages are small JSON objects; the collectives
-need fixed shapes, so lengths travel first.
+A single-host replica skips the collectives. Messages are bytes (the quorum travels as the
+coordinator's protobuf message) or small JSON objects; the collectives need fixed shapes, so
+lengths travel first.
 """
 
 from __future__ import annotations
@@ -20,17 +21,23 @@ class ReplicaComm:
         self.rank = jax.process_index()
 
     def broadcast(self, obj: Any) -> Any:
-        """The leader's `obj`, on every host (others pass anything, e.g. None)."""
+        """The leader's `obj` (JSON), on every host (others pass anything, e.g. None)."""
         if self.hosts == 1:
             return obj
+        return json.loads(self.broadcast_bytes(json.dumps(obj).encode() if self.rank == 0 else b"").decode())
+
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        """The leader's `data`, on every host (others pass anything, e.g. b"")."""
+        if self.hosts == 1:
+            return data
         from jax.experimental import multihost_utils as mh
 
-        data = np.frombuffer(json.dumps(obj).encode(), np.uint8) if self.rank == 0 else np.zeros(0, np.uint8)
-        n = int(mh.broadcast_one_to_all(np.array([data.size], np.int64))[0])
+        mine = np.frombuffer(data, np.uint8) if self.rank == 0 else np.zeros(0, np.uint8)
+        n = int(mh.broadcast_one_to_all(np.array([mine.size], np.int64))[0])
         buf = np.zeros(n, np.uint8)
         if self.rank == 0:
-            buf[:] = data
-        return json.loads(bytes(np.asarray(mh.broadcast_one_to_all(buf))).decode())
+            buf[:] = mine
+        return bytes(np.asarray(mh.broadcast_one_to_all(buf)))
 
     def allgather(self, obj: Any) -> list[Any]:
         """Every host's `obj`, in host order."""

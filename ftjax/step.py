@@ -12,6 +12,8 @@ learning rate), and a scale of exactly 1.0 leaves every bit unchanged.
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,15 +82,14 @@ class ReplicaProgram:
         return f"devices={self.mesh.devices.size} hosts={self.cfg.mesh.hosts}\n" + shd.describe(self.state_shardings)
 
 
-def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, *, sync_replicas: int = 1) -> ReplicaProgram:
-    """Compile a replica's functions. `sync_replicas` > 1 builds the synchronous HSDP baseline
-    instead: one program over a (replica, fsdp) mesh whose gradient all-reduce across replicas
-    is an XLA collective (what FT-HSDP replaces with FTAR), used by `ftjax bench step`."""
+def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> ReplicaProgram:
+    """Compile a replica's functions over `mesh` (default: the replica's own FSDP mesh; the
+    synchronous baseline of `ftjax bench step` passes a (replica, fsdp) mesh instead)."""
     if mesh is None:
         # jax.devices() is global (every process's devices); a replica uses the first
         # hosts x devices_per_host of them, which lets tests build several meshes in one process.
         devices = jax.devices()[: cfg.mesh.num_devices]
-        mesh = shd.replica_mesh(devices) if sync_replicas == 1 else shd.hsdp_mesh(devices, sync_replicas)
+        mesh = shd.replica_mesh(devices)
     tx = make_optimizer(cfg.optim, cfg.steps)
 
     abstract_model = nnx.eval_shape(lambda: models.build(cfg.model, nnx.Rngs(0)))
@@ -140,6 +141,11 @@ def device_batch(program: ReplicaProgram, batch) -> jax.Array:
     rows = batch.shape[0] // n_proc
     local = np.asarray(batch)[jax.process_index() * rows:(jax.process_index() + 1) * rows]
     return jax.make_array_from_process_local_data(program.batch_sharding, local, batch.shape)
+
+
+def topology_fingerprint(program: ReplicaProgram) -> str:
+    """A short hash of the mesh shape and shard layout: replicas that average together must match."""
+    return hashlib.sha256(program.topology().encode()).hexdigest()[:16]
 
 
 def param_count(state: State) -> int:

@@ -1,16 +1,15 @@
 """`ftjax train CONFIG [key=value ...]`: one replica, one or several processes.
 
-Standalone (no `--coordinator`), the replica trains alone with the fused train step. With
-`--coordinator`, its leader joins a fault-tolerant job and the step protocol of `ftjax.manager`
-runs instead. Either way: config validated before JAX starts (exit 2 on a bad one), simulated CPU
-devices set from the config, metrics in RUN_DIR, durable checkpoints with orbax.
+Standalone (no `--coordinator`), the replica trains alone; with `--coordinator`, its leader joins
+a fault-tolerant job. Both run the same loop (`ftjax.trainer`) and step protocol (`ftjax.protocol`),
+assembled in `ftjax.replica`. Either way: config validated before JAX starts (exit 2 on a bad
+one), simulated CPU devices set from the config, metrics in RUN_DIR, durable checkpoints with orbax.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from ftjax.config import Config, ConfigError, load_config
@@ -31,7 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dist-address", default=None, help="HOST:PORT of the replica's jax.distributed service")
     p.add_argument("--replica-id", type=int, default=0, help="this replica's index in the job (0-based)")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of the job's coordinator (joins a job)")
-    p.add_argument("--sync-replicas", type=int, default=1, help=argparse.SUPPRESS)  # bench baseline
     p.add_argument("--die-at", default=None, metavar="STEP:PHASE",
                    help="fault injection: SIGKILL this process at that step and phase "
                         "(forward|ftar|commit|catchup)")
@@ -80,8 +78,6 @@ def main(argv: list[str]) -> int:
 
     try:
         if args.coordinator:
-            from ftjax.manager import run_member
-
             return run_member(cfg, args, out)
         return run_standalone(cfg, args, out)
     except CheckpointMismatch as e:  # another job's checkpoint: refuse it, without a traceback
@@ -90,59 +86,15 @@ def main(argv: list[str]) -> int:
 
 
 def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:
-    import jax
-    import numpy as np
+    from ftjax import replica  # (imports JAX: after configure_process)
 
-    from ftjax.checkpoint import DurableCheckpoints
-    from ftjax.data import make_stream
-    from ftjax.digest import state_digest
-    from ftjax.metrics import MetricsLog
-    from ftjax.step import build_program, device_batch, param_count
+    return replica.run_standalone(cfg, args, out)
 
-    leader = jax.process_index() == 0
-    program = build_program(cfg, sync_replicas=args.sync_replicas)
-    stream = make_stream(cfg, replica=args.replica_id)
-    log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}")
-    ckpt = None
-    if cfg.checkpoint.every > 0 or args.resume or args.stop_after:
-        ckpt = DurableCheckpoints.from_config(cfg, out, data_fingerprint=stream.fingerprint)
-    step, position = 0, 0
-    if args.resume and ckpt is not None and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(program.abstract_state())  # CheckpointMismatch if another job's
-        step, position = int(meta["step"]), int(meta["data_position"])
-        log.event("restore", restored_step=step, data_position=position)
-    else:
-        state = program.init(np.int32(cfg.seed))
-    devices = program.mesh.devices.size
-    log.event("start", data_fingerprint=stream.fingerprint, data_files=stream.num_files,
-              params=param_count(state), devices=devices, processes=jax.process_count())
-    one = np.float32(1.0)
-    stop = min(cfg.steps, args.stop_after) if args.stop_after else cfg.steps
-    tokens = cfg.data.batch_size * cfg.model.seq_len
-    while step < stop:
-        t0 = time.perf_counter()
-        batch_id = stream.batch_id(position)
-        batch = device_batch(program, stream.batch(position))
-        t1 = time.perf_counter()
-        state, loss = program.train_step(state, batch, one)
-        loss = float(loss)
-        t2 = time.perf_counter()
-        step, position = step + 1, position + 1
-        meta = {"step": step, "data_position": position, "data_fingerprint": stream.fingerprint}
-        if ckpt is not None:
-            ckpt.maybe_save(step, state, meta, force=step == stop)
-        t3 = time.perf_counter()
-        log.log({"step": step, "loss": loss, "tokens": tokens, "batch_id": batch_id, "step_time_s": t3 - t0,
-                 "data_s": t1 - t0, "compute_s": t2 - t1, "checkpoint_s": t3 - t2})
-    if ckpt is not None:
-        ckpt.close()
-    digest = state_digest(state)
-    log.summary(param_digest=digest, data_fingerprint=stream.fingerprint, params=param_count(state),
-                devices=devices, processes=jax.process_count(), data_position=position)
-    log.close()
-    if cfg.mesh.hosts > 1:
-        jax.distributed.shutdown()
-    return 0
+
+def run_member(cfg: Config, args: argparse.Namespace, out: Path) -> int:
+    from ftjax import replica
+
+    return replica.run_member(cfg, args, out)
 
 
 if __name__ == "__main__":

@@ -86,3 +86,20 @@ class ProgressWatchdog:
             else:
                 return
         self._on_timeout(phase, silent)
+
+
+class NoWatchdog:
+    """For a process with no peers to keep waiting (a standalone run), and for tests."""
+
+    def beat(self, phase: str) -> None:
+        pass
+
+    def arm(self) -> None:
+        pass
+
+    @contextmanager
+    def exempt(self, phase: str) -> Iterator[None]:
+        yield
+
+    def close(self) -> None:
+        pass

@@ -16,6 +16,7 @@ import threading
 import time
 
 from coordinator.client import CoordinatorClient, CoordinatorError, MemberInfo, new_incarnation
+from ftjax.env import read_token
 
 _print_lock = threading.Lock()
 
@@ -47,8 +48,7 @@ def main() -> int:
     p.add_argument("--step-s", type=float, default=0.05)
     p.add_argument("--commands", required=True, help="a file the test writes (atomically) to give a command")
     args = p.parse_args()
-    with open(args.token_file, encoding="utf-8") as f:
-        token = f.read().strip()
+    token = read_token(args.token_file)
     n = sum(map(ord, args.replica_id))
     member = MemberInfo(args.replica_id, new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), f"127.0.0.1:{30000 + n}",
                         "test-topology")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -10,15 +9,14 @@ import numpy as np
 
 from ftjax.checkpoint import DurableCheckpoints
 from ftjax.config import load_config
+from ftjax.jsonl import read_jsonl
 
 
 def records(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """(step records, event records) of a replica's metrics.jsonl."""
     steps, events = [], []
-    with open(run_dir / "metrics.jsonl") as f:
-        for line in f:
-            r = json.loads(line)
-            (events if "event" in r else steps).append(r)
+    for r in read_jsonl(run_dir / "metrics.jsonl"):
+        (events if "event" in r else steps).append(r)
     return steps, events
 
 

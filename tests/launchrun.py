@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ftjax.jsonl import read_jsonl
 from ftjax.procs import ProcessGroup
 
 from conftest import REPO
@@ -22,14 +23,11 @@ TINY = f"{REPO}/configs/tiny.yaml"
 def job_pids(run_dir: Path) -> set[int]:
     """Every process the launcher started (coordinator incarnations, every host of every replica)."""
     pids = set()
-    path = run_dir / "launcher.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            e = json.loads(line)
-            if e.get("event") == "coordinator_started":
-                pids.add(e["pid"])
-            elif e.get("event") == "replica_started":
-                pids.update(e["pids"])
+    for e in read_jsonl(run_dir / "launcher.jsonl"):
+        if e.get("event") == "coordinator_started":
+            pids.add(e["pid"])
+        elif e.get("event") == "replica_started":
+            pids.update(e["pids"])
     return pids
 
 
@@ -79,8 +77,7 @@ class Launch:
         return (self.run_dir.parent / f"{self.run_dir.name}.out").read_text()[-6000:]
 
     def events(self) -> list[dict]:
-        path = self.run_dir / "launcher.jsonl"
-        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        return read_jsonl(self.run_dir / "launcher.jsonl")
 
     def wait_for(self, predicate, timeout: float) -> dict:
         """The first launcher event matching `predicate` (polled; the launcher writes line by line)."""
@@ -95,8 +92,7 @@ class Launch:
         raise AssertionError(f"no such launcher event after {timeout} s:\n{self.output()}")
 
     def metrics(self, r: int) -> list[dict]:
-        path = self.run_dir / f"replica-{r}" / "metrics.jsonl"
-        return [json.loads(x) for x in path.read_text().splitlines()]
+        return read_jsonl(self.run_dir / f"replica-{r}" / "metrics.jsonl")
 
     def pids(self) -> set[int]:
         return job_pids(self.run_dir)

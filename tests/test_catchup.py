@@ -12,7 +12,7 @@ from ftjob import committed_digests, records
 TINY = f"{REPO}/configs/tiny.yaml"
 # bigger batches than tiny.yaml's: steps long enough (~0.1 s) that a restarted process (import,
 # compile from the cache) is back while the job still runs
-BASE = ["data.batch_size=32", "coordinator.min_replicas=1", "coordinator.heartbeat_timeout_ms=2000"]
+BASE = ["data.batch_size=32", "coordinator.min_replicas=1", "coordinator.heartbeat_timeout_s=2"]
 
 
 def _wait_for_event(job, r, kind, timeout=120.0, after=0.0):

@@ -2,7 +2,9 @@ import subprocess
 
 import pytest
 
-from ftjax.config import ConfigError, load_config, load_config_dict
+from coordinator.quorum import Settings
+from coordinator.server import _parser as coordinator_parser
+from ftjax.config import ConfigError, CoordinatorConfig, load_config, load_config_dict
 
 from conftest import FTJAX, REPO
 
@@ -22,6 +24,12 @@ def test_defaults_and_overrides():
     (["model.n_heads=3"], "n_heads"),
     (["model=3"], "model"),
     (["nonsense"], "expected KEY=VALUE"),
+    (["coordinator.heartbeat_timeout_ms=2000"],
+     "coordinator.heartbeat_timeout_ms: unknown key (renamed coordinator.heartbeat_timeout_s, in seconds)"),
+    (["coordinator.join_timeout_ms=1000"], "coordinator.join_timeout_ms: unknown key (renamed coordinator.join_timeout_s"),
+    (["log_every=5"], "log_every: unknown key (removed"),
+    (["coordinator.heartbeat_timeout_s=0"], "coordinator.heartbeat_timeout_s: Input should be greater than 0"),
+    (["coordinator.suspect_window_s=2"], "coordinator: suspect_window_s (2) must be shorter than heartbeat_timeout_s (2)"),
 ])
 def test_bad_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:
@@ -32,6 +40,22 @@ def test_bad_config_names_the_field(overrides, field):
 def test_unknown_top_level_section():
     with pytest.raises(ConfigError, match="optimiser: unknown key"):
         load_config_dict({"optimiser": {"lr": 1}})
+
+
+def test_coordinator_settings_have_one_schema():
+    """The config's `coordinator:` section is where the coordinator's settings and defaults live: the
+    rules' Settings and the `ftjax coordinator` flags both take theirs from it."""
+    c = CoordinatorConfig()
+    assert (c.heartbeat_timeout_s, c.join_timeout_s, c.suspect_window_s) == (2.0, 1.0, 0.3)
+    assert Settings() == Settings.from_config(c)
+    defaults = coordinator_parser().parse_args([])
+    assert {name: getattr(defaults, name) for name in CoordinatorConfig.model_fields} == c.model_dump()
+    custom = CoordinatorConfig(min_replicas=2, heartbeat_timeout_s=1.5, join_timeout_s=0.25)
+    args = coordinator_parser().parse_args(custom.flags())  # what the launcher passes
+    assert {name: getattr(args, name) for name in CoordinatorConfig.model_fields} == custom.model_dump()
+    assert Settings.from_config(custom, expected_replicas=3).expected_replicas == 3
+    with pytest.raises(ValueError, match="coordinator.min_replicas"):
+        Settings(min_replicas=0)
 
 
 def _train(*args, cwd=REPO):

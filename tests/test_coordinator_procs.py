@@ -15,6 +15,7 @@ import time
 import pytest
 
 from conftest import FTJAX
+from coordinator.quorum import split_address
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEARTBEAT_TIMEOUT_S = 1.0
@@ -69,8 +70,8 @@ def members(event: dict) -> set[str]:
 def start_coordinator(procs, tmp_path, token_file: str, port: int = 0):
     ready = tmp_path / f"ready-{time.monotonic_ns()}.json"
     proc = procs.start([*FTJAX, "coordinator", "--port", str(port), "--http-port", "0", "--min-replicas", "2",
-                        "--join-timeout-ms", "30000", "--heartbeat-timeout-ms", str(int(HEARTBEAT_TIMEOUT_S * 1000)),
-                        "--suspect-ms", str(int(SUSPECT_S * 1000)), "--token-file", token_file,
+                        "--join-timeout-s", "30", "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
+                        "--suspect-window-s", str(SUSPECT_S), "--token-file", token_file,
                         "--ready-file", str(ready)], stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while not ready.exists():
@@ -143,7 +144,7 @@ def test_coordinator_restart_mid_run_loses_nothing(job):
     replicas = job["replicas"]
     for r in replicas.values():  # a few steps of steady state
         r.next(lambda e: e["event"] == "quorum" and e["step"] >= 3)
-    port = int(job["addresses"]["grpc"].rsplit(":", 1)[1])
+    port = split_address(job["addresses"]["grpc"])[1]
     job["procs"].kill(job["coordinator"])
     job["coordinator"].wait(5)
     t_kill = time.monotonic()

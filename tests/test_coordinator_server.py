@@ -21,7 +21,7 @@ from coordinator.quorum import Settings
 from coordinator.server import CoordinatorServer, main
 
 TOKEN = "test-token"
-FAST = Settings(min_replicas=2, join_timeout=5.0, heartbeat_timeout=2.0, suspect_window=0.3)
+FAST = Settings(min_replicas=2, join_timeout_s=5.0, heartbeat_timeout_s=2.0, suspect_window_s=0.3)
 # The servers here skip the startup grace (to be quick), so a quorum may form of the replicas that
 # happen to have registered: tests of three-replica quorums require all three.
 THREE = dataclasses.replace(FAST, min_replicas=3)
@@ -255,7 +255,7 @@ def test_a_new_incarnation_aborts_the_old_ones_pending_request(make_server, raw)
 
 
 def test_accusing_a_silent_member_drops_it_and_a_live_one_stays(make_server, make_client, raw):
-    server = make_server(Settings(min_replicas=2, join_timeout=30.0, heartbeat_timeout=5.0, suspect_window=0.3))
+    server = make_server(Settings(min_replicas=2, join_timeout_s=30.0, heartbeat_timeout_s=5.0, suspect_window_s=0.3))
     a, b = make_client(server, "a"), make_client(server, "b")
     wait_registered(server, "a", "b")  # so that the first quorum waits for all three
     r = raw(server)

@@ -75,7 +75,7 @@ def test_two_multihost_replicas_equal_one_with_twice_the_batch(tmp_path, procs):
 @pytest.mark.slow
 def test_survivors_finish_when_a_replica_dies_in_ftar(tmp_path, procs):
     steps = 30
-    job = LocalJob(TINY, [f"steps={steps}", "coordinator.min_replicas=2", "coordinator.heartbeat_timeout_ms=2000",
+    job = LocalJob(TINY, [f"steps={steps}", "coordinator.min_replicas=2", "coordinator.heartbeat_timeout_s=2",
                           "ft.drain_timeout_s=0"],  # replica 2 is not coming back: no waiting for it at the end
                    tmp_path, replicas=3, procs=procs)
     job.start_coordinator()

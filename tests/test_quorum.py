@@ -17,11 +17,12 @@ from coordinator.quorum import (
     Settings,
     compute_quorum,
     is_alive,
+    split_address,
 )
 from coordinator.state import CoordinatorState, PositionLedger, Rejected
 
 NOW = 100.0
-S = Settings(min_replicas=2, join_timeout=1.0, heartbeat_timeout=2.0, suspect_window=0.3)
+S = Settings(min_replicas=2, join_timeout_s=1.0, heartbeat_timeout_s=2.0, suspect_window_s=0.3)
 
 
 def report(rid: str, *, inc: str = "1", step: int = 5, pos: int = 0, state: bool = True, failures: int = 0,
@@ -130,7 +131,7 @@ def test_nothing_forms_before_the_coordinator_has_listened_long_enough():
 
 
 def test_job_start_waits_for_the_expected_replicas_until_the_startup_timeout():
-    s = Settings(min_replicas=1, join_timeout=1.0, heartbeat_timeout=2.0, expected_replicas=3, startup_timeout=2.5)
+    s = Settings(min_replicas=1, join_timeout_s=1.0, heartbeat_timeout_s=2.0, expected_replicas=3, startup_timeout_s=2.5)
     fresh = table(member("a", state=False, asked=NOW - 2), member("b", state=False, asked=NOW - 1.5))
     d = compute_quorum(None, fresh, NOW, s)
     assert d.quorum is None and "2 of 3 expected" in d.reason and d.wake_at == NOW + 0.5
@@ -256,7 +257,7 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="min_replicas"):
         Settings(min_replicas=0)
     with pytest.raises(ValueError, match="suspect_window"):
-        Settings(heartbeat_timeout=0.2, suspect_window=0.3)
+        Settings(heartbeat_timeout_s=0.2, suspect_window_s=0.3)
 
 
 # -- the state around the rules (explicit clock) ------------------------------------------------------
@@ -390,3 +391,18 @@ def test_may_form_is_never_false_when_a_quorum_would_form(events, min_replicas):
             assert formed is not None and formed.members == would.quorum.members
         wake = state.next_wake(now)
         assert wake is None or wake > now
+
+
+@pytest.mark.parametrize("address, expected", [
+    ("127.0.0.1:80", ("127.0.0.1", 80)),
+    ("node-3.cluster:29400", ("node-3.cluster", 29400)),
+    ("[::1]:8080", ("::1", 8080)),  # brackets removed: socket calls take the bare host
+    ("::1:8080", ("::1", 8080)),  # the port is after the last colon
+    *[(bad, None) for bad in ("h", "h:", ":80", "[]:80", "h:0", "h:65536", "h:+80", "h:8 ", "h:\u0663")],
+])
+def test_split_address(address, expected):
+    if expected is None:
+        with pytest.raises(ValueError, match="is not host:port"):
+            split_address(address)
+    else:
+        assert split_address(address) == expected

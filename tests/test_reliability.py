@@ -1,5 +1,6 @@
 """What an adversarial chaos run broke, as real jobs: each test fails on the code before its fix."""
 
+import json
 import signal
 import time
 from collections import Counter
@@ -9,10 +10,10 @@ import pytest
 from ftjax.launch import LocalJob
 
 from conftest import REPO
-from ftjob import committed_digests, records
+from ftjob import records
 
 TINY = f"{REPO}/configs/tiny.yaml"
-BASE = ["data.batch_size=32", "coordinator.min_replicas=1", "coordinator.heartbeat_timeout_ms=1000"]
+BASE = ["data.batch_size=32", "coordinator.min_replicas=1", "coordinator.heartbeat_timeout_s=1"]
 
 
 def trained_batches(run_dir) -> tuple[Counter, set[int]]:
@@ -29,14 +30,9 @@ def trained_batches(run_dir) -> tuple[Counter, set[int]]:
     return own, by_peers
 
 
-def _wait_for_step_after(job, r, t, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (job.replica_dir(r) / "metrics.jsonl").exists():
-            if any(s["time"] > t and s.get("committed") for s in records(job.replica_dir(r))[0]):
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"replica {r} committed no step after the coordinator restart:\n{job.log_tail(r)}")
+def final_digest(job, r) -> str:
+    """The state digest a replica ended with (its summary: also when it caught up only at the end)."""
+    return json.loads((job.replica_dir(r) / "summary.json").read_text())["param_digest"]
 
 
 @pytest.mark.slow
@@ -44,15 +40,14 @@ def test_coordinator_restart_while_a_replica_is_down_keeps_its_stream_exactly_on
     # Scenario 1: the position ledger lived only in the coordinator. Replica 1 dies, the coordinator
     # restarts while it is down, replica 1 comes back: it must resume its stream where the job
     # left it (the new coordinator learns it from replica 0's record), not at batch 0.
-    replicas, steps = 2, 60
+    replicas, steps = 2, 150
     job = LocalJob(TINY, [*BASE, f"steps={steps}"], tmp_path, replicas=replicas, procs=procs)
     job.start_coordinator()
     job.start_replica(0)
     job.start_replica(1, die_at="12:forward")
     job.hosts[1][0].wait(300)
     assert job.replica_exit_codes(1) == [-9], job.log_tail(1)
-    job.restart_coordinator()
-    _wait_for_step_after(job, 0, time.time())  # the new coordinator serves replica 0 alone
+    job.restart_coordinator()  # (it listens one heartbeat timeout before its first quorum)
     job.start_replica(1)
     assert job.wait(timeout=400) == {0: [0], 1: [0]}, job.log_tail(1)
 
@@ -62,8 +57,7 @@ def test_coordinator_restart_while_a_replica_is_down_keeps_its_stream_exactly_on
         assert not twice, f"replica {r}: batches trained more than once: {twice[:10]}"
         final = records(job.replica_dir(r))[0][-1]["data_position"]
         assert set(own) | by_peers == {k * replicas + r for k in range(final)}, f"replica {r}: gaps in its stream"
-    d0, d1 = committed_digests(job.replica_dir(0)), committed_digests(job.replica_dir(1))
-    assert d0[steps] == d1[steps]
+    assert final_digest(job, 0) == final_digest(job, 1)
 
 
 @pytest.mark.slow
@@ -85,7 +79,7 @@ def test_a_replica_whose_training_thread_hangs_is_out_within_the_progress_deadli
     job.start_replica(1)
     assert job.wait(timeout=400) == {0: [0], 1: [0]}, job.log_tail(1)
 
-    _assert_stall_within_the_deadline_and_equal(job, deadline_s, steps)
+    _assert_stall_within_the_deadline_and_equal(job, deadline_s)
 
 
 @pytest.mark.slow
@@ -107,7 +101,7 @@ def test_a_stopped_host_takes_its_replica_out_within_the_progress_deadline(tmp_p
     job.start_replica(1)
     assert job.wait(timeout=400) == {0: [0, 0], 1: [0, 0]}, job.log_tail(1)
 
-    _assert_stall_within_the_deadline_and_equal(job, deadline_s, steps)
+    _assert_stall_within_the_deadline_and_equal(job, deadline_s)
 
 
 def _wait_for_step(job, r, step, timeout=300.0):
@@ -120,12 +114,11 @@ def _wait_for_step(job, r, step, timeout=300.0):
     raise TimeoutError(f"replica {r} did not reach step {step}:\n{job.log_tail(r)}")
 
 
-def _assert_stall_within_the_deadline_and_equal(job, deadline_s, steps):
+def _assert_stall_within_the_deadline_and_equal(job, deadline_s):
     """The healthy replica 0 waited at most the progress deadline + 2 x its own median step, and
     both replicas end bitwise equal."""
     times = [s["time"] for s in records(job.replica_dir(0))[0] if s["committed"]]
     gaps = [b - a for a, b in zip(times, times[1:])]
     median = sorted(gaps[5:])[len(gaps[5:]) // 2]
     assert max(gaps) <= deadline_s + 2 * median, (max(gaps), median)
-    d0, d1 = committed_digests(job.replica_dir(0)), committed_digests(job.replica_dir(1))
-    assert d0[steps] == d1[steps]
+    assert final_digest(job, 0) == final_digest(job, 1)

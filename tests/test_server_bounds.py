@@ -21,7 +21,7 @@ from coordinator import TOKEN_METADATA_KEY
 from coordinator import coordinator_pb2 as pb
 from coordinator import coordinator_pb2_grpc as pb_grpc
 from coordinator.http import Metrics, StatusHTTPServer
-from coordinator.quorum import Settings
+from coordinator.quorum import Settings, split_address
 from coordinator.server import _collect_old_generation
 from coordinator.state import CoordinatorState
 from ftjax.catchup import SnapshotFetch, SnapshotServer, _Snapshot
@@ -133,10 +133,9 @@ N_IDLE = 200
 
 def half_sent(address: str, n: int) -> list[socket.socket]:
     """`n` connections that each send a request line without its final CRLF, then nothing."""
-    host, port = address.rsplit(":", 1)
     conns = []
     for _ in range(n):
-        s = socket.create_connection((host, int(port)), timeout=10)
+        s = socket.create_connection(split_address(address), timeout=10)
         s.sendall(b"GET /snap HTTP/1.0")
         conns.append(s)
     return conns

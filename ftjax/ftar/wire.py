@@ -21,6 +21,8 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from coordinator.quorum import split_address
+
 VERSION = 2  # 2: a ring hello is followed by a shared-memory offer (see shm.py)
 
 # --- data frames -------------------------------------------------------------------------------
@@ -153,10 +155,10 @@ def read_hello(sock: socket.socket, token: bytes) -> Hello:
 # --- sockets -----------------------------------------------------------------------------------
 def parse_address(address: str) -> tuple[str, int]:
     """"host:port" -> (host, port); ValueError naming the address if it is not one."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"member address {address!r} is not 'host:port'")
-    return host, int(port)
+    try:
+        return split_address(address)
+    except ValueError:
+        raise ValueError(f"member address {address!r} is not 'host:port'") from None
 
 
 def tune(sock: socket.socket, timeout_s: float) -> None:

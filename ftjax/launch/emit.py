@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from ftjax.config import Config, load_config
+from ftjax.env import TOKEN_ENV
 
 COORDINATOR_PORT = 29400
 HTTP_PORT = 29401
@@ -61,10 +62,8 @@ def train_args(config: str, replica: int, coordinator: str, hosts: int, out: str
 
 def coordinator_args(cfg: Config, host: str, token_file: str | None = None) -> list[str]:
     """`ftjax coordinator` arguments with the config's `coordinator:` settings and fixed ports."""
-    c = cfg.coordinator
     args = ["ftjax", "coordinator", "--host", host, "--port", str(COORDINATOR_PORT), "--http-port", str(HTTP_PORT),
-            "--min-replicas", str(c.min_replicas), "--heartbeat-timeout-ms", str(c.heartbeat_timeout_ms),
-            "--join-timeout-ms", str(c.join_timeout_ms)]
+            *cfg.coordinator.flags()]
     return args + (["--token-file", token_file] if token_file else [])
 
 
@@ -178,7 +177,7 @@ def _slurm(cfg: Config, *, image: str, max_restarts: int, restart_delay_s: float
 # --- Kubernetes -------------------------------------------------------------------------------------
 def _k8s(cfg: Config, *, image: str, max_restarts: int, restart_delay_s: float) -> dict[str, tuple[str, int]]:
     del restart_delay_s  # the JobSet controller restarts at once
-    token_env = {"name": "FTJAX_TOKEN", "valueFrom": {"secretKeyRef": {"name": "ftjax-token", "key": "token"}}}
+    token_env = {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": "ftjax-token", "key": "token"}}}
     platform_env = {"name": "JAX_PLATFORMS", "value": "cpu"}
     config_volume = {"name": "config", "configMap": {"name": "ftjax-config"}}
     coordinator = [

@@ -20,8 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+from coordinator.quorum import split_address
 from ftjax.catchup import snapshot_dir
 from ftjax.config import Config, load_config
+from ftjax.env import TOKEN_ENV
 from ftjax.procs import ProcessGroup, free_port
 
 
@@ -36,7 +38,7 @@ class LocalJob:
         self.replicas = replicas
         self.procs = procs
         self.token = token or secrets.token_hex(16)
-        self.env = {"FTJAX_TOKEN": self.token, **(extra_env or {})}
+        self.env = {TOKEN_ENV: self.token, **(extra_env or {})}
         self.coordinator: subprocess.Popen | None = None
         self.coordinator_address: str | None = None
         self.coordinator_http: str | None = None
@@ -45,15 +47,12 @@ class LocalJob:
 
     # --- coordinator -----------------------------------------------------------------------------
     def start_coordinator(self, timeout: float = 30.0, port: int = 0, http_port: int = 0) -> str:
-        c = self.cfg.coordinator
         ready = self.out / "coordinator.json"
         ready.unlink(missing_ok=True)
         log = open(self.out / "coordinator.log", "a")
         self.coordinator = self.procs.start(
             [sys.executable, "-m", "ftjax", "coordinator", "--port", str(port), "--http-port", str(http_port),
-             "--min-replicas", str(c.min_replicas), "--heartbeat-timeout-ms", str(c.heartbeat_timeout_ms),
-             "--join-timeout-ms", str(c.join_timeout_ms), "--expected-replicas", str(self.replicas),
-             "--ready-file", str(ready)],
+             *self.cfg.coordinator.flags(), "--expected-replicas", str(self.replicas), "--ready-file", str(ready)],
             env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not ready.exists():
@@ -68,14 +67,14 @@ class LocalJob:
 
     def restart_coordinator(self, timeout: float = 30.0) -> str:
         """Kill the coordinator and start a new one on the same ports (its state is soft)."""
-        host, port = self.coordinator_address.rsplit(":", 1)
-        http_port = int(self.coordinator_http.rsplit(":", 1)[1]) if self.coordinator_http else 0
+        port = split_address(self.coordinator_address)[1]
+        http_port = split_address(self.coordinator_http)[1] if self.coordinator_http else 0
         self.procs.kill(self.coordinator)
         self.coordinator.wait(10)
         deadline = time.monotonic() + timeout
         while True:  # the port can linger for a moment after the kill
             try:
-                return self.start_coordinator(timeout=timeout, port=int(port), http_port=http_port)
+                return self.start_coordinator(timeout=timeout, port=port, http_port=http_port)
             except RuntimeError:
                 if time.monotonic() > deadline:
                     raise

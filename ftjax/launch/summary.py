@@ -15,10 +15,12 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   `median_step_s` is the median of the gaps of the replicas that never failed (of all replicas
   when every one failed); `max_healthy_stall_s` the largest gap of a replica that never failed
   (null when every one failed): how long a failure elsewhere made a healthy replica wait.
-- **timeline**: each replica's time is `starting` (process started, no own step yet), `training`,
-  `stalled` (a gap between its own committed steps longer than 2 x median_step_s), `catching up`
-  (from `catchup_started`, and every step in which it only relays zeros, until its first own
-  step after the state is installed), `down` (from its death to its restart) or `done`.
+- **timeline**: each replica's lifecycle segments (`ftjax.lifecycle`, the fold the launcher's live
+  view uses too) over its records and the launcher's events about it: `starting` (process started,
+  no own step yet), `training`, `stalled` (a gap between its own steps that breaks the stall rule:
+  longer than 2 x median_step_s), `catching up` (from `stale_state` or `catchup_started`, or a step
+  in which it only relays zeros, until its first own step), `down` (from its death to its restart),
+  `done`, or `gone` (not restarted or abandoned).
 - **ettr** (effective training time, as FT-HSDP measures it: the fraction of GPU-time spent in
   productive training): over the window W = [t_warm, last committed step of the job],
   ettr = sum over replicas of productive time / (R x |W|). Productive time is the replica's
@@ -45,21 +47,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DOWN_EVENTS = ("replica_down", "not_restarted", "abandoned")
-STATES = ("starting", "training", "stalled", "catching up", "down", "done")
+from ftjax.events import EVENT, REPLICA, TIME, LauncherEvent as L, ReplicaEvent as E, StepField as F
+from ftjax.events import is_own_step, is_step
+from ftjax.lifecycle import Phase, segments
+from ftjax.jsonl import read_jsonl
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Every complete JSON line of a file (a line torn by a SIGKILL is skipped)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+DOWN_EVENTS = (L.REPLICA_DOWN, L.NOT_RESTARTED, L.ABANDONED)
 
 
 @dataclass
@@ -88,24 +81,30 @@ class Run:
         """Replica r's incarnations, each with the metrics records written during it."""
         out: list[Incarnation] = []
         for e in self.events:
-            if e.get("replica") != r:
+            if e.get(REPLICA) != r:
                 continue
-            if e["event"] == "replica_started":
-                out.append(Incarnation(e["time"], self.end, "end"))
-            elif e["event"] in (*DOWN_EVENTS, "replica_done") and out and out[-1].ended_by == "end":
-                out[-1].end, out[-1].ended_by = e["time"], e["event"]
+            if e[EVENT] == L.REPLICA_STARTED:
+                out.append(Incarnation(e[TIME], self.end, "end"))
+            elif e[EVENT] in (*DOWN_EVENTS, L.REPLICA_DONE) and out and out[-1].ended_by == "end":
+                out[-1].end, out[-1].ended_by = e[TIME], e[EVENT]
         for rec in self.metrics.get(r, []):
             for inc in out:  # records belong to the incarnation whose lifetime holds them
-                if inc.start <= rec.get("time", 0) <= inc.end:
+                if inc.start <= rec.get(TIME, 0) <= inc.end:
                     inc.records.append(rec)
                     break
         return out
+
+    def records(self, r: int) -> list[dict]:
+        """Replica r's records and the launcher's events about it, in time order (at equal times the
+        replica's first: the launcher logs a replica's death or end after reading its last records)."""
+        about = [e for e in self.events if e.get(REPLICA) == r]
+        return sorted([*self.metrics.get(r, []), *about], key=lambda rec: rec[TIME])
 
 
 def load_run(run_dir: str | Path) -> Run:
     path = Path(run_dir)
     events = read_jsonl(path / "launcher.jsonl")
-    launch = next((e for e in events if e.get("event") == "launch"), None)
+    launch = next((e for e in events if e.get(EVENT) == L.LAUNCH), None)
     if launch is None:
         raise ValueError(f"{path}: no launcher.jsonl with a 'launch' record: not a run directory of `ftjax launch`")
     replicas = int(launch["replicas"])
@@ -114,25 +113,20 @@ def load_run(run_dir: str | Path) -> Run:
     for r in range(replicas):
         f = path / f"replica-{r}" / "summary.json"
         finals[r] = json.loads(f.read_text()) if f.exists() else None
-    times = [e["time"] for e in events] + [m["time"] for recs in metrics.values() for m in recs if "time" in m]
-    return Run(path, launch, events, replicas, int(launch["steps"]), metrics, finals, launch["time"], max(times))
+    times = [e[TIME] for e in events] + [m[TIME] for recs in metrics.values() for m in recs if TIME in m]
+    return Run(path, launch, events, replicas, int(launch["steps"]), metrics, finals, launch[TIME], max(times))
 
 
 # --- pieces ---------------------------------------------------------------------------------------
 def _steps(records: list[dict]) -> list[dict]:
-    return [r for r in records if "step" in r and "event" not in r]
-
-
-def _own(rec: dict) -> bool:
-    """A step this replica committed with its own batch."""
-    return bool(rec.get("committed")) and not rec.get("healing")
+    return [r for r in records if is_step(r)]
 
 
 def warm_time(run: Run) -> float | None:
     """The first moment every replica has committed a step with its own batch (None: never)."""
     firsts = []
     for r in range(run.replicas):
-        t = next((s["time"] for s in _steps(run.metrics[r]) if _own(s)), None)
+        t = next((s[TIME] for s in run.metrics[r] if is_own_step(s)), None)
         if t is None:
             return None
         firsts.append(t)
@@ -142,29 +136,38 @@ def warm_time(run: Run) -> float | None:
 def failed_replicas(run: Run) -> set[int]:
     """Replicas that died, hung, or that a fault was aimed at (a `--hang` stop leaves no other trace
     when it ends before the hang timeout)."""
-    return {e["replica"] for e in run.events
-            if e["event"] in ("replica_down", "hang_detected") or (e["event"] == "fault" and "replica" in e)}
+    return {e[REPLICA] for e in run.events
+            if e[EVENT] in (L.REPLICA_DOWN, L.HANG_DETECTED) or (e[EVENT] == L.FAULT and REPLICA in e)}
 
 
 def step_gaps(run: Run, r: int, t_warm: float) -> list[float]:
     """Gaps between consecutive committed steps of one incarnation of replica r, after warm-up."""
     gaps = []
     for inc in run.incarnations(r):
-        times = [s["time"] for s in _steps(inc.records) if s.get("committed") and s["time"] >= t_warm]
+        times = [s[TIME] for s in _steps(inc.records) if s.get(F.COMMITTED) and s[TIME] >= t_warm]
         gaps += [b - a for a, b in zip(times, times[1:])]
     return gaps
+
+
+def median_step(run: Run, t_warm: float | None) -> tuple[float | None, list[float]]:
+    """`median_step_s` (None: no gap) and the gaps of the replicas that never failed (see the module
+    docstring)."""
+    healthy = [r for r in range(run.replicas) if r not in failed_replicas(run)]
+    gaps = {r: step_gaps(run, r, t_warm) if t_warm is not None else [] for r in range(run.replicas)}
+    pool = [g for r in (healthy or range(run.replicas)) for g in gaps[r]]
+    return (statistics.median(pool) if pool else None), [g for r in healthy for g in gaps[r]]
 
 
 def exactly_once(run: Run, r: int) -> tuple[bool, str]:
     """(ok, why not) for replica r's data stream (see the module docstring)."""
     trained: set[int] = set()
     for rec in run.metrics[r]:
-        if rec.get("event") == "batches_committed_by_peers":
+        if rec.get(EVENT) == E.BATCHES_COMMITTED_BY_PEERS:
             trained.update(rec.get("batch_ids") or [])
-        elif "step" in rec and "event" not in rec and rec.get("committed") and rec.get("batch_id") is not None:
-            b = int(rec["batch_id"])
+        elif is_step(rec) and rec.get(F.COMMITTED) and rec.get(F.BATCH_ID) is not None:
+            b = int(rec[F.BATCH_ID])
             if b in trained:
-                return False, f"batch {b} trained twice (again at step {rec['step']})"
+                return False, f"batch {b} trained twice (again at step {rec[F.STEP]})"
             trained.add(b)
     position = final_position(run, r)
     expected = {k * run.replicas + r for k in range(position)}
@@ -179,50 +182,13 @@ def final_position(run: Run, r: int) -> int:
     if final and "data_position" in final:
         return int(final["data_position"])
     steps = _steps(run.metrics[r])
-    return int(steps[-1]["data_position"]) if steps else 0
+    return int(steps[-1][F.DATA_POSITION]) if steps else 0
 
 
-def timeline(run: Run, median_s: float) -> dict[int, list[tuple[float, float, str]]]:
-    """Each replica's (start, end, state) segments over the run (see the module docstring)."""
-    out = {}
-    for r in range(run.replicas):
-        segs: list[tuple[float, float, str]] = []
-
-        def close(a: float, b: float, state: str) -> None:
-            if b > a:
-                if segs and segs[-1][2] == state and abs(segs[-1][1] - a) < 1e-9:
-                    segs[-1] = (segs[-1][0], b, state)
-                else:
-                    segs.append((a, b, state))
-
-        incs = run.incarnations(r)
-        for i, inc in enumerate(incs):
-            cursor, state = inc.start, "starting"
-            for rec in inc.records:
-                t, kind = rec["time"], rec.get("event")
-                if kind == "catchup_started":
-                    close(cursor, t, state)
-                    cursor, state = t, "catching up"
-                elif kind is None and "step" in rec:
-                    if not _own(rec):  # a healing step: it relayed zeros
-                        close(cursor, t, state if state == "starting" else "catching up")
-                        cursor, state = t, "catching up"
-                    elif state == "training":
-                        close(cursor, t, "stalled" if t - cursor > 2 * median_s else "training")
-                        cursor = t
-                    else:  # the first own step after starting or catching up ends that phase
-                        close(cursor, t, state)
-                        cursor, state = t, "training"
-            if inc.ended_by == "replica_done":
-                close(cursor, inc.end, state)
-                close(inc.end, run.end, "done")
-            else:
-                stalled = state == "training" and inc.end - cursor > 2 * median_s
-                close(cursor, inc.end, "stalled" if stalled else state)
-                nxt = incs[i + 1].start if i + 1 < len(incs) else run.end
-                close(inc.end, nxt, "down")
-        out[r] = segs
-    return out
+def timeline(run: Run, median_s: float | None) -> dict[int, list[tuple[float, float, str]]]:
+    """Each replica's (start, end, phase name) segments over the run (see the module docstring)."""
+    return {r: [(g.start, g.end, g.phase.value) for g in segments(run.records(r), median_s, run.end, run.steps)]
+            for r in range(run.replicas)}
 
 
 def ettr(run: Run, segments: dict[int, list[tuple[float, float, str]]], t_warm: float, t_end: float,
@@ -236,26 +202,26 @@ def ettr(run: Run, segments: dict[int, list[tuple[float, float, str]]], t_warm: 
             a, b = max(a, t_warm), min(b, t_end)
             if b <= a:
                 continue
-            if state == "training":
+            if state == Phase.TRAINING.value:
                 productive += b - a
-            elif state == "stalled":
+            elif state == Phase.STALLED.value:
                 productive += min(median_s, b - a)
     return productive / (run.replicas * (t_end - t_warm))
 
 
 def _recovery(run: Run, down: dict) -> float | None:
     """Seconds from a replica's death to its next rejoin (None: it never rejoined, or not a replica)."""
-    if down["event"] != "replica_down":
+    if down[EVENT] != L.REPLICA_DOWN:
         return None
-    back = next((e for e in run.events if e["event"] == "rejoined" and e["replica"] == down["replica"]
-                 and e["time"] > down["time"]), None)
-    return round(back["time"] - down["time"], 3) if back else None
+    back = next((e for e in run.events if e[EVENT] == L.REJOINED and e[REPLICA] == down[REPLICA]
+                 and e[TIME] > down[TIME]), None)
+    return round(back[TIME] - down[TIME], 3) if back else None
 
 
 def final_loss(run: Run) -> float | None:
     k = max(1, run.steps // 20)
-    losses = [s["loss"] for r in range(run.replicas) for s in _steps(run.metrics[r])
-              if _own(s) and s.get("loss") is not None and s["step"] > run.steps - k]
+    losses = [s[F.LOSS] for r in range(run.replicas) for s in run.metrics[r]
+              if is_own_step(s) and s.get(F.LOSS) is not None and s[F.STEP] > run.steps - k]
     return statistics.fmean(losses) if losses else None
 
 
@@ -264,33 +230,28 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
     """The summary of a run directory (see the module docstring for every definition)."""
     run = load_run(run_dir)
     t_warm = warm_time(run)
-    failed = failed_replicas(run)
-    healthy = [r for r in range(run.replicas) if r not in failed]
-    gaps = {r: step_gaps(run, r, t_warm) if t_warm is not None else [] for r in range(run.replicas)}
-    pool = [g for r in (healthy or range(run.replicas)) for g in gaps[r]]
-    median_s = statistics.median(pool) if pool else None
-    healthy_gaps = [g for r in healthy for g in gaps[r]]
-    committed_times = [s["time"] for r in range(run.replicas) for s in _steps(run.metrics[r]) if s.get("committed")]
+    median_s, healthy_gaps = median_step(run, t_warm)
+    committed_times = [s[TIME] for r in range(run.replicas) for s in _steps(run.metrics[r]) if s.get(F.COMMITTED)]
     t_end = max(committed_times) if committed_times else run.end
-    segments = timeline(run, median_s or 0.0)
+    segments = timeline(run, median_s)
 
     replicas: dict[str, Any] = {}
     for r in range(run.replicas):
         steps = _steps(run.metrics[r])
-        committed = [s for s in steps if s.get("committed")]
+        committed = [s for s in steps if s.get(F.COMMITTED)]
         final = run.finals.get(r) or {}
-        digests = [s["param_digest"] for s in committed if "param_digest" in s]
-        catchups = [e for e in run.metrics[r] if e.get("event") == "catchup_done"]
+        digests = [s[F.PARAM_DIGEST] for s in committed if F.PARAM_DIGEST in s]
+        catchups = [e for e in run.metrics[r] if e.get(EVENT) == E.CATCHUP_DONE]
         once, why = exactly_once(run, r)
-        in_state = {st: 0.0 for st in STATES}
+        in_state = {phase.value: 0.0 for phase in Phase}
         for a, b, st in segments[r]:
             in_state[st] += b - a
         replicas[str(r)] = {
             "steps_committed": len(committed),
-            "steps_contributed": sum(_own(s) for s in steps),
-            "final_step": committed[-1]["step"] if committed else 0,
-            "restarts": sum(1 for e in run.events if e["event"] == "replica_started" and e["replica"] == r) - 1,
-            "failures": sum(1 for e in run.events if e["event"] == "replica_down" and e["replica"] == r),
+            "steps_contributed": sum(is_own_step(s) for s in steps),
+            "final_step": committed[-1][F.STEP] if committed else 0,
+            "restarts": sum(1 for e in run.events if e[EVENT] == L.REPLICA_STARTED and e[REPLICA] == r) - 1,
+            "failures": sum(1 for e in run.events if e[EVENT] == L.REPLICA_DOWN and e[REPLICA] == r),
             "catchup_s": round(sum(e.get("catchup_s") or 0.0 for e in catchups), 3),
             "catchups": len(catchups),
             "param_digest": final.get("param_digest") or (digests[-1] if digests else None),
@@ -303,14 +264,14 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         }
 
     failure_events = [
-        {"time_s": round(e["time"] - run.start, 3), "replica": e.get("replica"), "cause": e.get("cause"),
+        {"time_s": round(e[TIME] - run.start, 3), "replica": e.get(REPLICA), "cause": e.get("cause"),
          "step": e.get("step"), **({"at": e["at"]} if e.get("at") else {}), "recovery_s": _recovery(run, e)}
-        for e in run.events if e["event"] in ("replica_down", "coordinator_down")
+        for e in run.events if e[EVENT] in (L.REPLICA_DOWN, L.COORDINATOR_DOWN)
     ]
     digests = [rec["param_digest"] for rec in replicas.values()]
     ettr_value = ettr(run, segments, t_warm, t_end, median_s or 0.0) if t_warm is not None else None
     loss = final_loss(run)
-    end_event = next((e for e in reversed(run.events) if e["event"] == "end"), None)
+    end_event = next((e for e in reversed(run.events) if e[EVENT] == L.END), None)
     return {
         "config": run.launch.get("config"),
         "overrides": run.launch.get("overrides"),
@@ -320,13 +281,13 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "steps": run.steps,
         "replicas": replicas,
         "ok": bool(end_event and end_event.get("ok")),
-        "wall_s": round((end_event or {"time": run.end})["time"] - run.start, 3),
+        "wall_s": round((end_event or {TIME: run.end})[TIME] - run.start, 3),
         "warmup_s": round(t_warm - run.start, 3) if t_warm is not None else None,
         "committed_steps": max((rec["final_step"] for rec in replicas.values()), default=0),
         "failures": len(failure_events),
         "failure_events": failure_events,
-        "rejoins": [{"time_s": round(e["time"] - run.start, 3), "replica": e["replica"], "at_step": e.get("at_step"),
-                     "catchup_s": e.get("catchup_s")} for e in run.events if e["event"] == "rejoined"],
+        "rejoins": [{"time_s": round(e[TIME] - run.start, 3), "replica": e[REPLICA], "at_step": e.get("at_step"),
+                     "catchup_s": e.get("catchup_s")} for e in run.events if e[EVENT] == L.REJOINED],
         "ettr": round(ettr_value, 4) if ettr_value is not None else None,
         "median_step_s": round(median_s, 4) if median_s is not None else None,
         "max_healthy_stall_s": round(max(healthy_gaps), 4) if healthy_gaps else None,

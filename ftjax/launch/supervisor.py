@@ -30,6 +30,12 @@ lines only), and decides:
   its peers resumed. The rule needs steps shorter than `hang_timeout_s / 2`. A replica that logs
   no step within `startup_timeout_s` of its start is hung too.
 
+- **Phases.** What the view shows of a replica (starting, training, stalled, catching up, down,
+  done, gone) is its `ftjax.lifecycle.Lifecycle`, fed each of its records as they are tailed and
+  each event logged about it; a training replica is stalled while the gap since its last own step
+  breaks the stall rule, judged with the median of the replicas' recent gaps. The summary folds the
+  same records with the same rules afterwards.
+
 Every decision is appended to `RUN/launcher.jsonl` (`RunLog`), the input of `ftjax.launch.summary`.
 """
 
@@ -47,8 +53,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftjax.events import EVENT, REPLICA, TIME, LauncherEvent as L, ReplicaEvent as E, StepField as F
+from ftjax.events import is_own_step, is_step
 from ftjax.faults import PHASES
+from ftjax.jsonl import parse_jsonl
 from ftjax.launch.job import LocalJob
+from ftjax.lifecycle import Lifecycle, Phase
 
 POLL_S = 0.1
 
@@ -169,7 +179,7 @@ class RunLog:
         self.listener = listener
 
     def event(self, name: str, /, **fields: Any) -> dict:
-        record = {"time": round(time.time(), 6), "event": name, **fields}
+        record = {TIME: round(time.time(), 6), EVENT: name, **fields}
         self._file.write(json.dumps(record) + "\n")
         if self.listener is not None:
             self.listener(record)
@@ -197,14 +207,7 @@ class MetricsTail:
         self._offset += len(data)
         lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()  # the last element is an incomplete line (or b"")
-        out = []
-        for line in lines:
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # a line torn by a SIGKILL mid-write: that incarnation is gone anyway
-        return out
+        return parse_jsonl(lines)
 
 
 # --- per-replica status ---------------------------------------------------------------------------
@@ -213,7 +216,8 @@ class ReplicaStatus:
     """What the supervisor knows of one replica (shown by the view)."""
 
     replica: int
-    state: str = "starting"  # starting | catching up | training | stalled | down | done | gone
+    state: Phase = Phase.STARTING  # its lifecycle's phase now (the clock's stall included)
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)  # its records and the launcher's events about it
     step: int = 0
     loss: float | None = None
     participants: int = 0
@@ -232,7 +236,11 @@ class ReplicaStatus:
 
     @property
     def alive(self) -> bool:
-        return self.state in ("starting", "catching up", "training", "stalled")
+        return self.state.alive
+
+    def feed(self, record: dict) -> None:
+        """The next record of its lifecycle: one of its own, or a launcher event about it."""
+        self.state = self.lifecycle.feed(record)
 
 
 def is_hung(now: float, last: float | None, peers_steps: list[Sequence[float]], timeout_s: float) -> bool:
@@ -270,7 +278,7 @@ class Supervisor:
         self.timeout_s = timeout_s
         self.on_poll = on_poll
         self.steps = job.cfg.steps
-        self.status = [ReplicaStatus(r) for r in range(job.replicas)]
+        self.status = [ReplicaStatus(r, lifecycle=Lifecycle(self.steps)) for r in range(job.replicas)]
         self.tails = [MetricsTail(job.replica_dir(r) / "metrics.jsonl") for r in range(job.replicas)]
         self.pending = {r: plan.for_replica(r) for r in range(job.replicas)}
         self.hangs = sorted(plan.hangs, key=lambda h: h.after_s)
@@ -288,11 +296,11 @@ class Supervisor:
         """Start everything and supervise until every replica ended; True when all finished."""
         deadline = time.monotonic() + self.timeout_s
         self.job.start_coordinator()
-        self.log.event("coordinator_started", pid=self.job.coordinator.pid, grpc=self.job.coordinator_address,
-                       http=self.job.coordinator_http)
+        self._log(L.COORDINATOR_STARTED, pid=self.job.coordinator.pid, grpc=self.job.coordinator_address,
+                  http=self.job.coordinator_http)
         for r in range(self.job.replicas):
             self._start(r)
-        while not all(s.state in ("done", "gone") for s in self.status):
+        while not all(s.state in (Phase.DONE, Phase.GONE) for s in self.status):
             if time.monotonic() > deadline:
                 raise LaunchError(f"the job did not finish within --timeout-s {self.timeout_s:g}")
             now = time.time()
@@ -304,8 +312,8 @@ class Supervisor:
             if self.on_poll is not None:
                 self.on_poll(self.status, self.job_view())
             time.sleep(POLL_S)
-        ok = all(s.state == "done" for s in self.status)
-        self.log.event("end", ok=ok)
+        ok = all(s.state is Phase.DONE for s in self.status)
+        self._log(L.END, ok=ok)
         if self.on_poll is not None:
             self.on_poll(self.status, self.job_view())
         return ok
@@ -315,19 +323,37 @@ class Supervisor:
                 "coordinator": "down" if self.coordinator_down_since is not None else "up",
                 "warm": self.warm_at is not None}
 
+    def _log(self, name: str, /, **fields: Any) -> dict:
+        """Log a decision; one about a replica is a record of its lifecycle too (as in the summary)."""
+        record = self.log.event(name, **fields)
+        self.observe(record)
+        return record
+
+    def observe(self, event: dict) -> None:
+        """A launcher event about a replica goes into its lifecycle (every one the supervisor logs;
+        a test replays recorded ones here)."""
+        if event.get(REPLICA) is not None:
+            self.status[event[REPLICA]].feed(event)
+
+    def median_step_s(self) -> float | None:
+        """The median of the replicas' recent gaps between committed steps: the live stall rule's
+        median (the summary's is that of the whole run)."""
+        gaps = [g for s in self.status for g in s.gaps]
+        return statistics.median(gaps) if gaps else None
+
     # --- starting and stopping --------------------------------------------------------------------
     def _start(self, r: int) -> None:
         s = self.status[r]
         inj = self.pending[r][0] if self.pending[r] else None
         procs = self.job.start_replica(r, die_at=inj.die_at if inj else None, die_host=inj.host if inj else 0)
         s.incarnation += 1
-        s.state, s.started_at, s.restart_at = "starting", time.time(), None
+        s.started_at, s.restart_at = time.time(), None
         s.last_record = s.last_step = None
         s.trained, s.killed_as, s.injection = False, None, inj
         s.gaps.clear()
         s.recent_steps.clear()
-        self.log.event("replica_started", replica=r, incarnation=s.incarnation, pids=[p.pid for p in procs],
-                       die_at=inj.die_at if inj else None, die_host=inj.host if inj else None)
+        self._log(L.REPLICA_STARTED, replica=r, incarnation=s.incarnation, pids=[p.pid for p in procs],
+                  die_at=inj.die_at if inj else None, die_host=inj.host if inj else None)
 
     def _kill(self, r: int, kind: str) -> None:
         self.status[r].killed_as = kind
@@ -352,10 +378,9 @@ class Supervisor:
             else:
                 cause = "killed (SIGKILL from outside)"
         s.restarts += 1
-        s.state = "down"
-        self.log.event("replica_down", replica=r, incarnation=s.incarnation, cause=cause, codes=codes,
-                       step=s.step, at=inj.die_at if cause in ("kill", "kill_host") and inj else None,
-                       host=inj.host if cause == "kill_host" and inj else None)
+        self._log(L.REPLICA_DOWN, replica=r, incarnation=s.incarnation, cause=cause, codes=codes,
+                  step=s.step, at=inj.die_at if cause in ("kill", "kill_host") and inj else None,
+                  host=inj.host if cause == "kill_host" and inj else None)
         if s.restarts > self.max_restarts:
             raise LaunchError(f"replica {r} failed {s.restarts} times (--max-restarts {self.max_restarts}); "
                               f"see {self.job.replica_dir(r)}")
@@ -363,17 +388,16 @@ class Supervisor:
 
     def _restart_due(self, now: float) -> None:
         for s in self.status:
-            if s.state == "down" and self._job_over_for(s):
-                s.state = "gone"
-                self.log.event("not_restarted", replica=s.replica,
-                               reason="the job has finished: no live peer holds the state to catch up from")
-            elif s.state == "down" and s.restart_at is not None and now >= s.restart_at:
+            if s.state is Phase.DOWN and self._job_over_for(s):
+                self._log(L.NOT_RESTARTED, replica=s.replica,
+                          reason="the job has finished: no live peer holds the state to catch up from")
+            elif s.state is Phase.DOWN and s.restart_at is not None and now >= s.restart_at:
                 self._start(s.replica)
         if self.coordinator_down_since is not None and now >= self.coordinator_down_since + self.restart_delay_s:
             self.job.restart_coordinator()
             self.coordinator_down_since = None
-            self.log.event("coordinator_started", pid=self.job.coordinator.pid, grpc=self.job.coordinator_address,
-                           http=self.job.coordinator_http)
+            self._log(L.COORDINATOR_STARTED, pid=self.job.coordinator.pid, grpc=self.job.coordinator_address,
+                      http=self.job.coordinator_http)
 
     # --- watching ---------------------------------------------------------------------------------
     def _read_metrics(self, now: float) -> None:
@@ -382,52 +406,46 @@ class Supervisor:
 
     def _consume(self, r: int, records: list[dict], now: float) -> None:
         s = self.status[r]
+        abandon = None
         for rec in records:
-            t = float(rec.get("time", now))  # the replica's own clock: the same machine
+            t = float(rec.get(TIME, now))  # the replica's own clock: the same machine
             s.last_record = t
-            kind = rec.get("event")
-            if kind == "catchup_started":
-                s.state = "catching up"
+            s.feed(rec)
+            kind = rec.get(EVENT)
+            if kind == E.CATCHUP_STARTED:
                 if s.kill_on_catchup and s.alive:
                     s.kill_on_catchup = False
-                    self.log.event("fault", kind="kill_catchup", replica=r, step=rec.get("at_step"))
+                    self._log(L.FAULT, kind="kill_catchup", replica=r, step=rec.get("at_step"))
                     self._kill(r, "kill_catchup")
-            elif kind == "init" and self.warm_at is not None and s.alive:
+            elif kind == E.INIT and self.warm_at is not None and s.alive:
                 # A fresh state after the job has trained means no live peer held the job's state
                 # (they have all finished): training on would start the job over, alone.
-                self._abandon(s, "it initialized from scratch after the job had trained: no live peer "
-                                 "held the state to catch up from")
-                return
-            elif kind == "catchup_done":  # a restarted replica rejoins; a first one caught up at the start
-                self.log.event("rejoined" if s.incarnation > 1 else "caught_up", replica=r, at_step=rec.get("at_step"),
-                               catchup_s=rec.get("catchup_s"), source=rec.get("source"))
-                # it holds the job's state now (at the very end of a job it commits no step after this)
-                if s.state == "catching up":
-                    s.state = "training"
-                self._holds_state(s, t)
-            elif kind == "commit_failure":
-                self.log.event("commit_failure", replica=r, step=rec.get("step"),
-                               errors=len(rec.get("errors") or []))
-            elif kind is None and "step" in rec:
+                abandon = ("it initialized from scratch after the job had trained: no live peer "
+                           "held the state to catch up from")
+            elif kind == E.CATCHUP_DONE:  # a restarted replica rejoins; a first one caught up at the start
+                self._log(L.REJOINED if s.incarnation > 1 else L.CAUGHT_UP, replica=r, at_step=rec.get("at_step"),
+                          catchup_s=rec.get("catchup_s"), source=rec.get("source"))
+                self._holds_state(s, t)  # (at the very end of a job it commits no step after this)
+            elif kind == E.COMMIT_FAILURE:
+                self._log(L.COMMIT_FAILURE, replica=r, step=rec.get(F.STEP), errors=len(rec.get("errors") or []))
+            elif is_step(rec):
                 self._on_step(s, rec, t)
+        if abandon is not None and s.alive:
+            self._abandon(s, abandon)
 
     def _on_step(self, s: ReplicaStatus, rec: dict, now: float) -> None:
-        if s.last_step is not None and rec.get("committed"):
+        if s.last_step is not None and rec.get(F.COMMITTED):
             s.gaps.append(now - s.last_step)
         s.last_step = now
         # The hang rule looks back at most hang_timeout_s (see `trained_through`): older steps are dropped.
         s.recent_steps.append(now)
         while s.recent_steps[0] < now - self.hang_timeout_s:
             s.recent_steps.popleft()
-        s.step = int(rec["step"])
-        s.participants = int(rec.get("participants") or 0)
-        if rec.get("healing"):
-            s.state = "catching up" if s.state not in ("down", "done", "gone") else s.state
-            return
-        s.loss = rec.get("loss")
-        if s.state in ("starting", "catching up", "stalled"):
-            s.state = "training"
-        self._holds_state(s, now)
+        s.step = int(rec[F.STEP])
+        s.participants = int(rec.get(F.PARTICIPANTS) or 0)
+        if is_own_step(rec):
+            s.loss = rec.get(F.LOSS)
+            self._holds_state(s, now)
 
     def _holds_state(self, s: ReplicaStatus, now: float) -> None:
         """The first time an incarnation holds the job's state (a committed step, or a catch-up)."""
@@ -437,22 +455,22 @@ class Supervisor:
                 self.restart_s.append(now - s.started_at)
             if self.warm_at is None and all(o.trained for o in self.status):
                 self.warm_at = now
-                self.log.event("warm", step=s.step)
+                self._log(L.WARM, step=s.step)
                 if self.plan.mtbf_s:
                     self.next_random_kill = now + self.rng.expovariate(1.0 / self.plan.mtbf_s)
 
     def _check_replicas(self, now: float) -> None:
+        median_step_s = self.median_step_s()
         for s in self.status:
             if not s.alive:
                 continue
             codes = self.job.replica_exit_codes(s.replica)
             if codes and all(c == 0 for c in codes):
                 self._consume(s.replica, self.tails[s.replica].read(), now)
-                s.state = "done"
-                self.log.event("replica_done", replica=s.replica, incarnation=s.incarnation, step=s.step)
+                self._log(L.REPLICA_DONE, replica=s.replica, incarnation=s.incarnation, step=s.step)
                 if s.injection is not None and self.pending[s.replica]:
-                    self.log.event("kill_missed", replica=s.replica, at=s.injection.die_at,
-                                   reason="the incarnation finished without reaching that point")
+                    self._log(L.KILL_MISSED, replica=s.replica, at=s.injection.die_at,
+                              reason="the incarnation finished without reaching that point")
                     self.pending[s.replica].pop(0)
                 continue
             if any(c not in (None, 0) for c in codes):
@@ -463,25 +481,24 @@ class Supervisor:
                 self._hung(s, now, f"no step within --startup-timeout-s {self.startup_timeout_s:g}")
             elif is_hung(now, s.last_record, [o.recent_steps for o in peers if o.alive], self.hang_timeout_s):
                 self._hung(s, now, f"no record for {now - s.last_record:.1f} s while peers trained")
-            elif s.state == "training" and s.gaps and s.last_step is not None:
-                if now - s.last_step > 2 * statistics.median(s.gaps) + 0.5:
-                    s.state = "stalled"
-            if s.state in ("starting", "catching up") and self._job_over_for(s):
+            else:  # the clock's transition: training -> stalled (ftjax.lifecycle, the stall rule)
+                s.state = s.lifecycle.phase_at(now, median_step_s)
+            if s.lifecycle.waiting_for_state and self._job_over_for(s):
                 self._abandon(s, "still without state when the job finished")
 
     def _job_over_for(self, s: ReplicaStatus) -> bool:
         """A peer has finished and no live peer holds the state: `s` could only start the job over."""
         peers = [o for o in self.status if o is not s]
-        return any(o.state == "done" for o in peers) and not any(o.alive and o.trained for o in peers)
+        return any(o.state is Phase.DONE for o in peers) and not any(o.alive and o.trained for o in peers)
 
     def _abandon(self, s: ReplicaStatus, why: str) -> None:
         self._kill(s.replica, "abandoned")
         self.job.wait([s.replica], timeout=10)
-        s.state = "gone"
-        self.log.event("abandoned", replica=s.replica, incarnation=s.incarnation, reason=why)
+        self._consume(s.replica, self.tails[s.replica].read(), time.time())  # what it wrote before it died
+        self._log(L.ABANDONED, replica=s.replica, incarnation=s.incarnation, reason=why)
 
     def _hung(self, s: ReplicaStatus, now: float, why: str) -> None:
-        self.log.event("hang_detected", replica=s.replica, reason=why)
+        self._log(L.HANG_DETECTED, replica=s.replica, reason=why)
         self._kill(s.replica, "hang")  # SIGKILL ends a stopped process too
         self._down(s.replica, now)
 
@@ -491,7 +508,7 @@ class Supervisor:
             self.coordinator_down_since = now
             cause = "kill" if self.coordinator_killed else f"crash (exit {c.returncode})"
             self.coordinator_killed = False
-            self.log.event("coordinator_down", cause=cause, code=c.returncode)
+            self._log(L.COORDINATOR_DOWN, cause=cause, code=c.returncode)
 
     # --- faults -----------------------------------------------------------------------------------
     def _fire_faults(self, now: float) -> None:
@@ -500,35 +517,34 @@ class Supervisor:
         t = now - self.warm_at
         if self.coordinator_kills and t >= self.coordinator_kills[0] and self.coordinator_down_since is None:
             self.coordinator_kills.pop(0)
-            self.log.event("fault", kind="kill_coordinator", step=self.job_view()["step"])
+            self._log(L.FAULT, kind="kill_coordinator", step=self.job_view()["step"])
             self.coordinator_killed = True
             self.job.procs.kill(self.job.coordinator)
         for h in list(self.hangs):
             s = self.status[h.replica]
-            if t >= h.after_s and s.state == "training":
+            if t >= h.after_s and s.state is Phase.TRAINING:
                 self.hangs.remove(h)
-                self.log.event("fault", kind="hang", replica=h.replica, step=s.step)
+                self._log(L.FAULT, kind="hang", replica=h.replica, step=s.step)
                 for p in self.job.hosts[h.replica]:
                     self.job.procs.kill(p, signal.SIGSTOP)
         if self.next_random_kill is not None and now >= self.next_random_kill:
             self._random_kill(now)
 
     def _random_kill(self, now: float) -> None:
-        if not all(s.state == "training" for s in self.status):
+        if not all(s.state is Phase.TRAINING for s in self.status):
             return  # one replica at a time: wait until everyone trains again
         left = self.steps - self.job_view()["step"]
         if self.restart_s:  # a restart has been measured: leave room for one more, with a margin
-            gaps = [g for s in self.status for g in s.gaps]
             recovery_s = self.restart_delay_s + statistics.median(self.restart_s)
-            too_late = left * (statistics.median(gaps) if gaps else 0.0) < 1.5 * recovery_s
+            too_late = left * (self.median_step_s() or 0.0) < 1.5 * recovery_s
         else:  # first incarnations start together and contend: their start says little of a restart
             recovery_s, too_late = None, left < self.steps / 2
         if too_late:  # a restarted replica could not catch up before the end
             self.next_random_kill = None
-            self.log.event("random_kills_stopped", steps_left=left,
-                           recovery_s=round(recovery_s, 2) if recovery_s is not None else None)
+            self._log(L.RANDOM_KILLS_STOPPED, steps_left=left,
+                      recovery_s=round(recovery_s, 2) if recovery_s is not None else None)
             return
         r = self.rng.randrange(len(self.status))
-        self.log.event("fault", kind="random_kill", replica=r, step=self.status[r].step)
+        self._log(L.FAULT, kind="random_kill", replica=r, step=self.status[r].step)
         self._kill(r, "random_kill")
         self.next_random_kill = now + self.rng.expovariate(1.0 / self.plan.mtbf_s)

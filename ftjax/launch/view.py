@@ -15,48 +15,50 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from ftjax.events import EVENT, REPLICA, TIME, LauncherEvent as L
 from ftjax.launch.supervisor import ReplicaStatus
+from ftjax.lifecycle import Phase
 
-_STATE_STYLE = {"starting": "cyan", "training": "green", "stalled": "yellow", "catching up": "magenta",
-                "down": "bold red", "done": "blue", "gone": "red"}
+_PHASE_STYLE = {Phase.STARTING: "cyan", Phase.TRAINING: "green", Phase.STALLED: "yellow", Phase.CATCHING_UP: "magenta",
+                Phase.DOWN: "bold red", Phase.DONE: "blue", Phase.GONE: "red"}
 
 
 def describe(e: dict) -> str | None:
     """One line for a launcher event (None: not worth showing)."""
-    k, r = e["event"], e.get("replica")
-    if k == "launch":
+    k, r = e[EVENT], e.get(REPLICA)
+    if k == L.LAUNCH:
         return (f"job: {e['replicas']} replicas x {e['hosts']} hosts x {e['devices']} devices, "
                 f"{e['steps']} steps of {e['config']} -> {e['out']}")
-    if k == "coordinator_started":
+    if k == L.COORDINATOR_STARTED:
         return f"coordinator up at {e['grpc']} (status: http://{e['http']}/)"
-    if k == "coordinator_down":
+    if k == L.COORDINATOR_DOWN:
         return f"coordinator down ({e['cause']}); restarting"
-    if k == "replica_started":
+    if k == L.REPLICA_STARTED:
         inject = f", will die at {e['die_at']} (host {e['die_host']})" if e.get("die_at") else ""
         verb = "started" if e["incarnation"] == 1 else f"restarted (incarnation {e['incarnation']})"
         return f"replica {r} {verb}{inject}"
-    if k == "replica_down":
+    if k == L.REPLICA_DOWN:
         at = f" at {e['at']}" if e.get("at") else ""
         host = f" host {e['host']}" if e.get("host") is not None else ""
         return f"replica {r} DOWN:{host} {e['cause']}{at} (last step {e['step']})"
-    if k in ("rejoined", "caught_up"):
-        verb = "rejoined" if k == "rejoined" else "caught up (it joined late)"
+    if k in (L.REJOINED, L.CAUGHT_UP):
+        verb = "rejoined" if k == L.REJOINED else "caught up (it joined late)"
         return f"replica {r} {verb} at step {e['at_step']}: state from replica {e['source']} in {e['catchup_s']:.2f} s"
-    if k == "fault":
+    if k == L.FAULT:
         target = f"replica {r}" if r is not None else "coordinator"
         return f"fault: {e['kind']} {target} (step {e.get('step')})"
-    if k == "commit_failure":
+    if k == L.COMMIT_FAILURE:
         return f"replica {r}: step {e['step']} discarded ({e['errors']} FTAR error(s)), retrying"
-    if k == "warm":
+    if k == L.WARM:
         return f"every replica trains (step {e['step']}): fault clocks start"
-    if k in ("hang_detected", "not_restarted", "abandoned", "kill_missed"):
+    if k in (L.HANG_DETECTED, L.NOT_RESTARTED, L.ABANDONED, L.KILL_MISSED):
         return f"replica {r} {k.replace('_', ' ')}: {e.get('reason')}"
-    if k == "random_kills_stopped":
+    if k == L.RANDOM_KILLS_STOPPED:
         took = f", a restart takes ~{e['recovery_s']} s" if e.get("recovery_s") is not None else ""
         return f"random kills stopped: {e['steps_left']} steps left{took}"
-    if k == "replica_done":
+    if k == L.REPLICA_DONE:
         return f"replica {r} finished at step {e['step']}"
-    if k == "end":
+    if k == L.END:
         return "job finished" if e["ok"] else f"job ended: {e.get('error') or 'not every replica finished'}"
     return None
 
@@ -77,15 +79,15 @@ class PlainView:
 
     def event(self, e: dict) -> None:
         if self.t0 is None:
-            self.t0 = e["time"]
+            self.t0 = e[TIME]
         line = describe(e)
         if line:
-            self.console.print(f"[{e['time'] - self.t0:7.1f}s] {line}", markup=False, highlight=False, soft_wrap=True)
+            self.console.print(f"[{e[TIME] - self.t0:7.1f}s] {line}", markup=False, highlight=False, soft_wrap=True)
 
     def poll(self, replicas: list[ReplicaStatus], job: dict) -> None:
         if job["steps"] and job["step"] * 10 >= self._next_tenth * job["steps"]:
             self._next_tenth = job["step"] * 10 // job["steps"] + 1
-            cells = "  ".join(f"r{s.replica}:{s.state}@{s.step}" + (f" loss {s.loss:.3f}" if s.loss else "")
+            cells = "  ".join(f"r{s.replica}:{s.state.value}@{s.step}" + (f" loss {s.loss:.3f}" if s.loss else "")
                               for s in replicas)
             self.console.print(f"  step {job['step']}/{job['steps']}  {cells}", markup=False, highlight=False,
                                soft_wrap=True)
@@ -108,10 +110,10 @@ class LiveView:
 
     def event(self, e: dict) -> None:
         if self.t0 is None:
-            self.t0 = e["time"]
+            self.t0 = e[TIME]
         line = describe(e)
         if line:
-            self.events.append(f"[{e['time'] - self.t0:6.1f}s] {line}")
+            self.events.append(f"[{e[TIME] - self.t0:6.1f}s] {line}")
 
     def poll(self, replicas: list[ReplicaStatus], job: dict) -> None:
         table = Table(title=f"ftjax launch: step {job['step']}/{job['steps']}  coordinator {job['coordinator']}",
@@ -119,7 +121,7 @@ class LiveView:
         for col in ("replica", "state", "step", "loss", "participants", "restarts"):
             table.add_column(col, justify="left" if col == "state" else "right")
         for s in replicas:
-            table.add_row(str(s.replica), Text(s.state, style=_STATE_STYLE.get(s.state, "")), str(s.step),
+            table.add_row(str(s.replica), Text(s.state.value, style=_PHASE_STYLE[s.state]), str(s.step),
                           f"{s.loss:.4f}" if s.loss is not None else "-", str(s.participants or "-"), str(s.restarts))
         self.live.update(Group(table, Text("\n".join(self.events), style="dim")))
 

@@ -1,11 +1,16 @@
-"""`ftjax bench step CONFIG`: an FT-HSDP step against a synchronous HSDP step, same model, same devices.
+"""`ftjax bench step CONFIG`: an FT-HSDP step against a synchronous HSDP step, same model, same
+devices, and against one of its replicas training alone.
 
 (a) FT-HSDP: 2 replicas of 1 process x 2 devices each, a coordinator, FTAR between them;
-(b) synchronous HSDP: one jax.distributed cluster of 2 processes x 2 devices, mesh
-    replica=2 x fsdp=2, the cross-replica gradient reduction done by XLA collectives (gloo).
-Both train the same global batch (2 x data.batch_size) per step. The two run one after the other
-in this command, so they see the same machine; each step time is the median after warm-up.
-Prints one JSON line: ft_step_s, sync_step_s, ratio = ft / sync.
+(b) synchronous HSDP (`ftjax_bench.sync_baseline`): one jax.distributed cluster of 2 processes x
+    2 devices, mesh replica=2 x fsdp=2, the cross-replica gradient reduction done by XLA
+    collectives (gloo);
+(c) standalone: `ftjax train CONFIG` without a coordinator, 1 process x 2 devices, the per-replica
+    batch (data.batch_size): a replica of (a) without any cross-replica work.
+(a) and (b) train the same global batch (2 x data.batch_size) per step. The three run one after
+the other in this command, so they see the same machine; each step time is the median after
+warm-up. Prints one JSON line: ft_step_s, sync_step_s, ratio = ft / sync, standalone_step_s and
+ft_vs_standalone = ft / standalone (the fault tolerance's own overhead).
 """
 
 from __future__ import annotations
@@ -44,21 +49,29 @@ def run_ft(config: str, overrides: list[str], out: Path, timeout: float) -> Path
         return job.replica_dir(0) / "metrics.jsonl"
 
 
-def run_sync(config: str, overrides: list[str], batch: int, devices: int, out: Path, timeout: float) -> Path:
-    port = free_port()
+def _run_processes(name: str, commands: list[list[str]], devices: int, out: Path, timeout: float) -> Path:
+    """Run `commands` (one per process, writing OUT/NAME/metrics.jsonl) to completion."""
     with ProcessGroup() as procs:
         children = []
-        for i in range(2):
-            log = open(out / f"sync-{i}.log", "w")
-            children.append(procs.start(
-                [sys.executable, "-m", "ftjax", "train", config, *overrides, f"data.batch_size={2 * batch}",
-                 "--out", str(out / "sync"), "--num-processes", "2", "--process-id", str(i),
-                 "--dist-address", f"127.0.0.1:{port}", "--sync-replicas", "2"],
-                device_count=devices, stdout=log, stderr=subprocess.STDOUT))
+        for i, command in enumerate(commands):
+            log = open(out / f"{name}-{i}.log", "w")
+            children.append(procs.start([sys.executable, "-m", *command, "--out", str(out / name)],
+                                        device_count=devices, stdout=log, stderr=subprocess.STDOUT))
         for i, c in enumerate(children):
             if c.wait(timeout) != 0:
-                raise RuntimeError(f"synchronous run failed:\n{(out / f'sync-{i}.log').read_text()[-3000:]}")
-    return out / "sync" / "metrics.jsonl"
+                raise RuntimeError(f"{name} run failed:\n{(out / f'{name}-{i}.log').read_text()[-3000:]}")
+    return out / name / "metrics.jsonl"
+
+
+def run_sync(config: str, overrides: list[str], batch: int, devices: int, out: Path, timeout: float) -> Path:
+    port = free_port()
+    return _run_processes("sync", [
+        ["ftjax_bench.sync_baseline", config, *overrides, f"data.batch_size={2 * batch}", "--num-processes", "2",
+         "--process-id", str(i), "--dist-address", f"127.0.0.1:{port}"] for i in range(2)], devices, out, timeout)
+
+
+def run_standalone(config: str, overrides: list[str], devices: int, out: Path, timeout: float) -> Path:
+    return _run_processes("standalone", [["ftjax", "train", config, *overrides]], devices, out, timeout)
 
 
 def main(argv: list[str]) -> int:
@@ -86,9 +99,12 @@ def main(argv: list[str]) -> int:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)
         ft = _median_step(run_ft(args.config, overrides, out / "ft", args.timeout), args.warmup)
+        alone = _median_step(run_standalone(args.config, [*overrides, "ft.replicas=1"], devices, out, args.timeout),
+                             args.warmup)
         sync = _median_step(run_sync(args.config, [*overrides, "ft.replicas=1"], cfg.data.batch_size, devices,
                                      out, args.timeout), args.warmup)
     print(json.dumps({"bench": "step", "config": args.config, "replicas": 2, "devices_per_replica": devices,
                       "global_batch": 2 * cfg.data.batch_size, "steps": args.steps, "warmup": args.warmup,
-                      "ft_step_s": round(ft, 5), "sync_step_s": round(sync, 5), "ratio": round(ft / sync, 4)}))
+                      "ft_step_s": round(ft, 5), "sync_step_s": round(sync, 5), "ratio": round(ft / sync, 4),
+                      "standalone_step_s": round(alone, 5), "ft_vs_standalone": round(ft / alone, 4)}))
     return 0

@@ -49,6 +49,7 @@ import grpc
 from coordinator import TOKEN_METADATA_KEY
 from coordinator import coordinator_pb2 as pb
 from coordinator import coordinator_pb2_grpc as pb_grpc
+from ftjax.env import read_token
 
 _WARMUP_STEPS = 2  # the first quorum (everybody joining) and the one after it
 # grpc's epoll-based sockets instead of its EventEngine endpoints. Measured here: 58 instead of
@@ -75,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _worker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m coordinator.bench")
+    p = argparse.ArgumentParser(prog="python -m ftjax_bench.coordinator")
     p.add_argument("--address", required=True)
     p.add_argument("--token-file", required=True)
     p.add_argument("--first", type=int, required=True)
@@ -139,8 +140,7 @@ def _worker(argv: list[str]) -> int:
     args = _worker_parser().parse_args(argv)
     # A simulator of clients, short-lived: its collector pauses would only blur the measurement.
     gc.disable()
-    with open(args.token_file, encoding="utf-8") as f:
-        token = f.read().strip()
+    token = read_token(args.token_file)
     try:
         import uvloop  # the same event loop as the server's, when installed
         run = uvloop.run
@@ -160,7 +160,7 @@ def _floor_server(argv: list[str]) -> int:
     The same event loop, collector settings and server options as the coordinator's."""
     from coordinator.server import SERVER_OPTIONS, SERVICE, new_event_loop, quiet_garbage_collector, write_ready_file
 
-    p = argparse.ArgumentParser(prog="python -m coordinator.bench floor")
+    p = argparse.ArgumentParser(prog="python -m ftjax_bench.coordinator floor")
     p.add_argument("--replicas", type=int, required=True)
     p.add_argument("--ready-file", required=True)
     args = p.parse_args(argv)
@@ -283,13 +283,13 @@ def _run(args: argparse.Namespace, procs: int, *, floor: bool = False
         ready = os.path.join(tmp, "ready.json")
         env = {"GRPC_EXPERIMENTS": args.grpc_experiments}
         if floor:
-            server = group.python("-m", "coordinator.bench", "floor", "--replicas", str(args.replicas),
+            server = group.python("-m", "ftjax_bench.coordinator", "floor", "--replicas", str(args.replicas),
                                   "--ready-file", ready, env=env)
         else:
             server = group.python(
                 "-m", "ftjax", "coordinator", "--port", "0", "--http-port", "0", "--min-replicas", str(args.replicas),
-                "--join-timeout-ms", "60000", "--heartbeat-timeout-ms", str(args.heartbeat_timeout_ms),
-                "--startup-grace-ms", "0",  # safe here: min_replicas is the whole job
+                "--join-timeout-s", "60", "--heartbeat-timeout-s", str(args.heartbeat_timeout_ms / 1000),
+                "--startup-grace-s", "0",  # safe here: min_replicas is the whole job
                 "--token-file", token_file, "--ready-file", ready, stdout=subprocess.DEVNULL, env=env)
         addresses = _wait_ready(ready, server, 30)
         workers, outs = [], []
@@ -299,7 +299,7 @@ def _run(args: argparse.Namespace, procs: int, *, floor: bool = False
             count = share + (w < extra)
             outs.append(os.path.join(tmp, f"worker{w}.json"))
             workers.append(group.python(
-                "-m", "coordinator.bench", "--address", addresses["grpc"], "--token-file", token_file,
+                "-m", "ftjax_bench.coordinator", "--address", addresses["grpc"], "--token-file", token_file,
                 "--first", str(first), "--count", str(count), "--steps", str(args.steps),
                 "--step-ms", str(args.step_ms), "--heartbeat-interval-ms", str(args.heartbeat_interval_ms),
                 "--out", outs[-1], env=env))

@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from coordinator.quorum import split_address
+
 _CHUNK = 4 << 20
 
 
@@ -81,9 +83,8 @@ def _scratch() -> str | None:
 
 
 def _link_seconds(address: str, nbytes: int) -> float:
-    host, port = address.rsplit(":", 1)
     buf = memoryview(bytearray(_CHUNK))
-    with socket.create_connection((host, int(port))) as s:
+    with socket.create_connection(split_address(address)) as s:
         t0 = time.perf_counter()
         s.sendall(nbytes.to_bytes(8, "little"))
         left = nbytes

@@ -1,7 +1,7 @@
 """A stand-alone FTAR member process, driven by JSON lines over a control connection.
 
 The benchmark and the multi-process failure tests start N of these (``python -m
-ftjax.ftar.member --control HOST:PORT``); each dials the parent's control listener, sends its
+ftjax_bench.ftar_member --control HOST:PORT``); each dials the parent's control listener, sends its
 FTAR address and pid, and then runs the all-reduces (or raw TCP transfers) it is told to. Data
 are generated in place from a seed (integer-valued floats, so that the exact average is known
 bitwise whatever the summation order), so 64 MiB buffers never cross the channel: a member
@@ -160,7 +160,7 @@ class _RawTCP:
 
 def main(argv: list[str] | None = None) -> int:
     """The member process: serve commands from the control channel until "exit" or its end."""
-    ap = argparse.ArgumentParser(prog="python -m ftjax.ftar.member", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m ftjax_bench.ftar_member", description=__doc__.splitlines()[0])
     ap.add_argument("--token", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--timeout", type=float, default=30.0)
@@ -237,7 +237,7 @@ def start_members(group, count: int, token: str, *, timeout_s: float = 30.0,
     kills them on close). Each dials back a control channel to this process; returned in start order."""
     control = socket.create_server(("127.0.0.1", 0))
     control.settimeout(start_timeout_s)
-    args = ["-m", "ftjax.ftar.member", "--token", token, "--timeout", str(timeout_s), "--chunk-bytes",
+    args = ["-m", "ftjax_bench.ftar_member", "--token", token, "--timeout", str(timeout_s), "--chunk-bytes",
             str(chunk_bytes), "--control", f"127.0.0.1:{control.getsockname()[1]}"]
     if checksum:
         args.append("--checksum")

@@ -32,7 +32,7 @@ import statistics
 import sys
 
 from ftjax.ftar.endpoint import DEFAULT_CHUNK_BYTES
-from ftjax.ftar.member import MemberClient, start_members
+from ftjax_bench.ftar_member import MemberClient, start_members
 from ftjax.procs import ProcessGroup
 
 

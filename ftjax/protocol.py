@@ -1,0 +1,298 @@
+"""The fault-tolerant step of one replica host, and nothing else (docs/design.md, "One step").
+
+`StepProtocol` owns what happens between replicas: the quorum of each step (asked by the leader
+while the step computes, handed to the replica's other hosts as the coordinator's own protobuf
+message), the average of a gradient update over the quorum's contributors (or the peer that
+failed it), the replica's two-phase vote, failure reports, and the healing hooks (serve a snapshot
+to a peer, fetch one, keep the updates received meanwhile, install and replay). It is built from
+its collaborators, so a test can pass fakes:
+
+- `quorums`: where quorums come from: the leader's `CoordinatorClient`, `LocalQuorum` for a
+  standalone run (a quorum of one, at once), None on the replica's other hosts;
+- `reducer`: averages an update over the quorum (`ftjax.reduce`: FTAR, or the identity);
+- `transport`: how a state travels to a healing peer (`ftjax.catchup.CatchupTransport`);
+- `group`: the hosts of this replica (`ReplicaComm`): rank, broadcast, allgather;
+- `buffer`: the updates kept while healing (`ftjax.replay.ReplayBuffer`);
+- `log` and `watchdog`: where events go, and who is told that the loop moves on.
+
+What the training loop owns (`ftjax.trainer`): the state, the data stream, checkpoints, metrics and
+fault injection.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from coordinator.client import QuorumResult, decode_quorum, encode_quorum
+from coordinator.quorum import Participant
+from ftjax.catchup import CatchupTransport, FetchResult, SnapshotFetch
+from ftjax.events import ReplicaEvent as E
+from ftjax.ftar import FTARError
+from ftjax.replay import ReplayBuffer
+from ftjax.watchdog import NoWatchdog
+
+
+class QuorumSource(Protocol):
+    known_positions: dict[str, int]
+
+    def quorum_async(self, step: int, data_position: int, has_state: bool, commit_failures: int = 0) -> Future: ...
+    def report_failure(self, quorum_id: int, replica_id: str, incarnation: str, reason: str = "") -> bool: ...
+    def leave(self, reason: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class Reducer(Protocol):
+    def average(self, q: QuorumResult, grads: Any | None) -> Any: ...  # raises FTARError
+    def tree(self, update: Any) -> Any: ...
+    def close(self) -> None: ...
+
+
+class HostGroup(Protocol):
+    rank: int
+    hosts: int
+
+    def broadcast_bytes(self, data: bytes) -> bytes: ...
+    def allgather(self, obj: Any) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every host of the replica knows before the step: the quorum, and a snapshot that the
+    leader finished fetching (to install now)."""
+
+    quorum: QuorumResult
+    install: FetchResult | None = None
+
+
+class LocalQuorum:
+    """The quorum source of a standalone run: a quorum of this replica alone, at once. With it the
+    protocol needs no coordinator, and the standalone loop is the fault-tolerant one."""
+
+    def __init__(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self.known_positions: dict[str, int] = {}
+
+    def quorum_async(self, step: int, data_position: int, has_state: bool, commit_failures: int = 0) -> Future:
+        me = Participant(self.replica_id, "local", step, data_position, (), "", False, "")
+        future: Future = Future()
+        future.set_result(QuorumResult(quorum_id=1, step=step, participants=(me,), rank=0, healing=False,
+                                       heal_source="", heal_source_address="", num_contributors=1,
+                                       data_position=data_position, no_state=not has_state))
+        return future
+
+    def report_failure(self, quorum_id: int, replica_id: str, incarnation: str, reason: str = "") -> bool:
+        raise AssertionError("a standalone run has no peer to report")
+
+    def leave(self, reason: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class StepProtocol:
+    def __init__(self, *, replica_id: str, incarnation: str, group: HostGroup, reducer: Reducer,
+                 transport: CatchupTransport | None, quorums: QuorumSource | None, buffer: ReplayBuffer,
+                 log: Any, watchdog: Any = None) -> None:
+        self.replica_id, self.incarnation = replica_id, incarnation
+        self.group, self.reducer, self.transport, self.quorums = group, reducer, transport, quorums
+        self.buffer, self.log = buffer, log
+        self.watchdog = watchdog or NoWatchdog()
+        self.leader = group.rank == 0
+        self.commit_failures = 0        # since the last committed step (tells the coordinator)
+        self.total_commit_failures = 0
+        self.known_positions: dict[str, int] = {}  # leader: every replica's data position, as far as we know
+        self._pending: Future | None = None
+        self.fetch: SnapshotFetch | None = None
+        self.heal_started: float | None = None
+
+    # --- the quorum ---------------------------------------------------------------------------
+    def ask(self, step: int, position: int, has_state: bool) -> None:
+        """Start the leader's request for the quorum of the next step (answered in `agree`)."""
+        if self.leader:
+            self._pending = self.quorums.quorum_async(step, position, has_state, self.commit_failures)
+
+    def agree(self) -> Agreement:
+        """Wait for the quorum the leader asked for; every host gets it, and the leader's heal
+        bookkeeping (a finished fetch to install), in one broadcast."""
+        if not self.leader:
+            with self.watchdog.exempt("quorum"):  # (the leader's message waits for the quorum)
+                return _decode_agreement(self.group.broadcast_bytes(b""))
+        with self.watchdog.exempt("quorum"):
+            q = self._pending.result()
+        install = self._heal_bookkeeping(q) if (q.healing or self.fetch is not None) else None
+        if not q.no_state:
+            self.record_positions(q, committed=False)
+        self.watchdog.beat("quorum broadcast")
+        agreement = Agreement(q, install)
+        if self.group.hosts > 1:
+            self.group.broadcast_bytes(_encode_agreement(agreement))
+        return agreement
+
+    # --- averaging and the vote -----------------------------------------------------------------
+    def average(self, q: QuorumResult, grads: Any | None) -> tuple[Any, dict | None]:
+        """(the averaged update, None), or (None, the failure: the peer at fault and why). `grads`
+        is None when this replica contributes nothing (it heals): it relays zeros."""
+        self.watchdog.beat("ftar")
+        try:
+            return self.reducer.average(q, grads), None
+        except FTARError as e:
+            return None, {"peer": e.peer, "error": f"{type(e).__name__}: {e}"}
+
+    def vote(self, q: QuorumResult, error: dict | None) -> bool:
+        """The replica's two-phase commit: True only if every host's average succeeded. Otherwise
+        the step is discarded (and retried with the same batch), and the leader reports the
+        peers at fault."""
+        self.watchdog.beat("commit vote")
+        failed = [v for v in self.group.allgather(error) if v is not None]
+        self.watchdog.beat("commit")
+        if not failed:
+            return True
+        self.commit_failures += 1
+        self.total_commit_failures += 1
+        self.log.event(E.COMMIT_FAILURE, step=q.step + 1, quorum_id=q.quorum_id, errors=failed)
+        if self.leader:
+            by_address = {a: p for p in q.participants for a in p.ftar_addresses}
+            for f in failed:
+                p = by_address.get(f["peer"])
+                if p is not None and p.replica_id != self.replica_id:
+                    self.quorums.report_failure(q.quorum_id, p.replica_id, p.incarnation, f["error"][:200])
+        return False
+
+    def committed(self, q: QuorumResult, applied: bool) -> None:
+        """The step went through (the vote passed); `applied`: this replica applied it."""
+        self.commit_failures = 0
+        self.record_positions(q, committed=applied)  # a step we apply is committed for the job
+
+    def record_positions(self, q: QuorumResult, committed: bool) -> None:
+        """The leader's own record of every replica's data position (see PositionLedger): what the
+        quorum hands out, and past each contributor's batch once a step is committed. It travels to
+        the coordinator with each new heartbeat stream, so a restarted coordinator loses nothing."""
+        if not self.leader:
+            return
+        known = self.known_positions
+        for p in q.participants:
+            done = p.data_position + (1 if committed and not p.healing else 0)
+            if done > known.get(p.replica_id, 0):
+                known[p.replica_id] = done
+        self.quorums.known_positions = dict(known)
+
+    # --- healing hooks ------------------------------------------------------------------------
+    def serve(self, q: QuorumResult, state: Any, step: int, meta: dict) -> None:
+        """Source role: snapshot our state for each peer that heals from us, once per incarnation."""
+        keys = set()
+        for p in q.heal_targets:
+            key = f"{p.replica_id}/{p.incarnation}"
+            keys.add(key)
+            if state is not None and not self.transport.offered(key):
+                self.transport.offer(key, state, step, meta)
+                self.log.event(E.SNAPSHOT_OFFERED, to=p.replica_id, at_step=step)
+        self.transport.keep_only(keys)
+
+    def healing(self, q: QuorumResult, stale_step: int | None) -> None:
+        """We are behind the job or have no state (`stale_step`: the step of a state we hold). A
+        stale state is kept until a snapshot replaces it: if the quorum that put us behind was
+        wrong, the next one finds us up to date again and nothing was lost."""
+        if self.heal_started is None:
+            if stale_step is not None:
+                self.log.event(E.STALE_STATE, step=stale_step, job_step=q.step)
+            self.heal_started = time.monotonic()
+
+    def up_to_date(self, step: int) -> None:
+        if self.heal_started is not None:  # a catch-up no longer needed: we hold the job's step
+            self.log.event(E.CATCHUP_CANCELLED, step=step, buffered=len(self.buffer))
+            self.buffer.clear()
+            self.heal_started = None
+
+    def keep(self, q: QuorumResult, update: Any, scale: float) -> None:
+        """Healing: keep the averaged update of this step for the replay."""
+        self.buffer.put(q.step, update, scale)
+
+    def install(self, got: FetchResult, q: QuorumResult, abstract_state: Any,
+                apply: Callable[[Any, Any, float], Any]) -> tuple[Any, int] | None:
+        """Every host: restore the fetched snapshot and replay the kept updates through `apply`.
+        Returns (state, step), or None if the snapshot is older than the oldest update kept."""
+        with self.watchdog.exempt("snapshot restore"):
+            state = self.transport.load(got, abstract_state)
+        self.group.allgather(None)  # every host has read the snapshot: it can go (it may be in RAM)
+        if self.leader:
+            self.transport.discard(got)
+        step, replayed = got.step, 0
+        while step < q.step:
+            if step not in self.buffer:
+                self.log.event(E.CATCHUP_GAP, snapshot_step=got.step, missing=step)
+                return None  # incomplete: the next quorum asks for a fresher snapshot
+            update, scale = self.buffer.get(step)
+            state = apply(state, self.reducer.tree(update), scale)
+            step, replayed = step + 1, replayed + 1
+            self.watchdog.beat(f"replay of step {step}")
+        self._caught_up(got, step, replayed)
+        return state, step
+
+    def _caught_up(self, got: FetchResult, step: int, replayed: int) -> None:
+        spilled = self.buffer.spilled_bytes
+        self.buffer.clear()
+        seconds = time.monotonic() - self.heal_started if self.heal_started else 0.0
+        self.log.event(E.CATCHUP_DONE, source=got.source, snapshot_step=got.step, at_step=step,
+                       bytes=got.nbytes, transfer_s=got.seconds,
+                       mb_per_s=got.nbytes / 1e6 / max(got.seconds, 1e-9), replayed=replayed,
+                       update_bytes=self.buffer.update_bytes, replay_spilled_bytes=spilled, catchup_s=seconds)
+        self.heal_started = None
+
+    def _heal_bookkeeping(self, q: QuorumResult) -> FetchResult | None:
+        """Newcomer role (leader): start or restart the fetch; hand a finished one to all hosts."""
+        if not q.participants[q.rank].healing:
+            if self.fetch is not None:
+                self.log.event(E.CATCHUP_ABANDONED, source=self.fetch.source, reason="no longer behind")
+            self.fetch = None
+            return None
+        if self.fetch is not None and self.fetch.done.is_set():
+            fetch, self.fetch = self.fetch, None
+            if fetch.result is not None:
+                return fetch.result
+            self.log.event(E.CATCHUP_FAILED, source=fetch.source, error=fetch.error)
+        if self.fetch is not None and not any(p.replica_id == self.fetch.source for p in q.participants):
+            self.log.event(E.CATCHUP_ABANDONED, source=self.fetch.source, reason="source left the quorum")
+            self.fetch = None
+        if self.fetch is None and q.heal_source:
+            missing = self.buffer.first_missing(q.step)
+            me = q.participants[q.rank]
+            self.fetch = self.transport.fetch(q.heal_source_address, f"{me.replica_id}/{me.incarnation}",
+                                              source=q.heal_source, min_step=missing)
+            self.log.event(E.CATCHUP_STARTED, source=q.heal_source, at_step=q.step, min_step=missing)
+        return None
+
+    # --- leaving --------------------------------------------------------------------------------
+    def leave(self, reason: str) -> None:
+        """This process leaves the job now (the watchdog's verdict): the coordinator drops it at once."""
+        if self.quorums is not None:
+            self.quorums.leave(reason)
+
+    def close(self) -> None:
+        if self.quorums is not None:
+            self.quorums.close()
+        self.reducer.close()
+        if self.transport is not None:
+            self.transport.close()
+        self.buffer.clear()
+
+
+def _encode_agreement(a: Agreement) -> bytes:
+    """The quorum as the coordinator's protobuf message, then the install record (JSON)."""
+    q = encode_quorum(a.quorum)
+    install = json.dumps(None if a.install is None else {**asdict(a.install), "path": str(a.install.path)}).encode()
+    return len(q).to_bytes(8, "little") + q + install
+
+
+def _decode_agreement(data: bytes) -> Agreement:
+    n = int.from_bytes(data[:8], "little")
+    install = json.loads(data[8 + n:])
+    if install is not None:
+        install = FetchResult(**{**install, "path": Path(install["path"])})
+    return Agreement(decode_quorum(data[8:8 + n]), install)

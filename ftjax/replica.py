@@ -1,0 +1,114 @@
+"""A replica process, assembled from its config: the training loop (`ftjax.trainer`), the step
+protocol (`ftjax.protocol`) and the protocol's collaborators.
+
+`run_member` joins a fault-tolerant job: the leader talks to the coordinator and serves catch-up
+snapshots, every host runs FTAR with the same host rank of every peer. `run_standalone` is the same
+loop with a quorum of one and the identity reducer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+
+from coordinator.client import CoordinatorClient, MemberInfo, new_incarnation
+from ftjax.catchup import OrbaxHTTPTransport, snapshot_dir
+from ftjax.checkpoint import DurableCheckpoints
+from ftjax.config import Config
+from ftjax.data import make_stream
+from ftjax.env import read_token
+from ftjax.faults import InjectedFaults, parse_die_at
+from ftjax.flat import HostFlattener
+from ftjax.ftar import FTAREndpoint
+from ftjax.metrics import MetricsLog
+from ftjax.protocol import LocalQuorum, StepProtocol
+from ftjax.reduce import FTARReducer, LocalReducer
+from ftjax.replay import ReplayBuffer
+from ftjax.replica_comm import ReplicaComm
+from ftjax.step import build_program, topology_fingerprint
+from ftjax.trainer import Trainer
+from ftjax.watchdog import NoWatchdog, ProgressWatchdog
+
+
+def _checkpoints(cfg: Config, args: argparse.Namespace, out: Path, stream) -> DurableCheckpoints | None:
+    if cfg.checkpoint.every > 0 or getattr(args, "resume", False) or getattr(args, "stop_after", None):
+        return DurableCheckpoints.from_config(cfg, out, data_fingerprint=stream.fingerprint)
+    return None
+
+
+def _faults(args: argparse.Namespace) -> InjectedFaults:
+    return InjectedFaults(parse_die_at(getattr(args, "die_at", None)),
+                     parse_die_at(getattr(args, "hang_at", None), "--hang-at"))
+
+
+def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str) -> Trainer:
+    group = ReplicaComm()
+    leader = group.rank == 0
+    program = build_program(cfg)
+    program.precompile()  # before joining: a late compile would stall every peer's FTAR
+    stream = make_stream(cfg, replica=args.replica_id)
+    log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}")
+    endpoint = FTAREndpoint(token, timeout_s=cfg.ft.ftar_timeout_s, shared_memory=cfg.ft.ftar_shared_memory)
+    ftar_addresses = group.allgather(endpoint.address)
+    transport = OrbaxHTTPTransport(token, snapshot_dir(cfg.ft.catchup_dir, out), leader=leader,
+                                   rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps, timeout_s=cfg.ft.quorum_timeout_s)
+    incarnation = group.broadcast(new_incarnation() if leader else None)
+    client = None
+    if leader:
+        info = MemberInfo(replica_id=str(args.replica_id), incarnation=incarnation, num_hosts=group.hosts,
+                          ftar_addresses=tuple(ftar_addresses), catchup_address=transport.address,
+                          topology_fingerprint=topology_fingerprint(program))
+        client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s)
+        client.start()
+    buffer = ReplayBuffer(out / f"replay-host{group.rank}", int(cfg.ft.catchup_buffer_mib * 2**20))
+    protocol = StepProtocol(replica_id=str(args.replica_id), incarnation=incarnation, group=group,
+                            reducer=FTARReducer(endpoint, HostFlattener(program.abstract_state()["params"],
+                                                                        program.grad_shardings), group.rank),
+                            transport=transport, quorums=client, buffer=buffer, log=log)
+    trainer = Trainer(cfg, program, stream, protocol, log=log, ckpt=_checkpoints(cfg, args, out, stream),
+                      faults=_faults(args), watchdog=NoWatchdog(), replica_id=str(args.replica_id),
+                      restore_durable=True)
+    trainer.watchdog = protocol.watchdog = ProgressWatchdog(cfg.ft.progress_timeout_s, trainer.no_progress)
+    return trainer
+
+
+def _standalone(cfg: Config, args: argparse.Namespace, out: Path) -> Trainer:
+    group = ReplicaComm()
+    program = build_program(cfg)
+    stream = make_stream(cfg, replica=args.replica_id)
+    log = MetricsLog(out, enabled=group.rank == 0, total_steps=cfg.steps, label=f"replica {args.replica_id}")
+    rid = str(args.replica_id)
+    protocol = StepProtocol(replica_id=rid, incarnation=new_incarnation(), group=group, reducer=LocalReducer(),
+                            transport=None, quorums=LocalQuorum(rid) if group.rank == 0 else None,
+                            buffer=ReplayBuffer(out / "replay-unused", 0), log=log)
+    return Trainer(cfg, program, stream, protocol, log=log, ckpt=_checkpoints(cfg, args, out, stream),
+                   faults=_faults(args), watchdog=NoWatchdog(), replica_id=rid, restore_durable=args.resume,
+                   stop_after=args.stop_after)
+
+
+def _run(trainer: Trainer, cfg: Config) -> int:
+    try:
+        code = trainer.run()
+    finally:
+        trainer.watchdog.close()
+        trainer.protocol.close()
+        trainer.log.close()
+    if cfg.mesh.hosts > 1:
+        jax.distributed.shutdown()
+    return code
+
+
+def run_member(cfg: Config, args: argparse.Namespace, out: Path) -> int:
+    try:
+        token = read_token()
+    except ValueError as e:
+        print(f"ftjax train: --coordinator needs the job token: {e}", file=sys.stderr)
+        return 2
+    return _run(_member(cfg, args, out, token), cfg)
+
+
+def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:
+    return _run(_standalone(cfg, args, out), cfg)

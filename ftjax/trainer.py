@@ -1,0 +1,264 @@
+"""One replica process's training loop: the same loop for a standalone run and a fault-tolerant one.
+
+Each step: compute the gradients of this replica's next batch (the leader's quorum request for
+the step is already in flight), learn the quorum (`StepProtocol.agree`), average the update over
+its contributors, vote, and apply it, or keep it for the replay while this replica heals. The
+loop owns the training state, the data stream, durable checkpoints, metrics and fault injection;
+everything between replicas is the protocol's (ftjax/protocol.py). A standalone run is the same
+loop with a quorum of one and a reducer that returns its input (docs/design.md, "One step").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from coordinator.client import QuorumResult
+from ftjax.catchup import FetchResult
+from ftjax.events import ReplicaEvent as E
+from ftjax.config import Config
+from ftjax.digest import state_digest
+from ftjax.protocol import StepProtocol
+from ftjax.step import device_batch, param_count, topology_fingerprint
+
+EXIT_NO_PROGRESS = 75  # the progress watchdog ended the process (a restart may help: EX_TEMPFAIL)
+
+
+class JobStateLost(RuntimeError):
+    """The job has committed steps but no live peer and no durable checkpoint holds its state."""
+
+
+def lr_scale(policy: str, live: int, total: int) -> float:
+    """Learning-rate response to missing replicas (FT-HSDP paper: sqrt beat linear beat none)."""
+    frac = min(live, total) / total
+    return {"none": 1.0, "linear": frac, "sqrt": math.sqrt(frac)}[policy]
+
+
+@dataclass
+class _Timing:
+    t0: float
+    compute: float = 0.0
+    quorum: float = 0.0
+    ftar: float = 0.0
+
+
+class Trainer:
+    def __init__(self, cfg: Config, program: Any, stream: Any, protocol: StepProtocol, *, log: Any,
+                 ckpt: Any, faults: Any, watchdog: Any, replica_id: str, restore_durable: bool,
+                 stop_after: int | None = None) -> None:
+        self.cfg, self.program, self.stream, self.protocol = cfg, program, stream, protocol
+        self.log, self.ckpt, self.faults, self.watchdog = log, ckpt, faults, watchdog
+        self.replica_id = replica_id
+        self.restore_durable = restore_durable  # a fault-tolerant run, or a standalone --resume
+        self.stop = min(cfg.steps, stop_after) if stop_after else cfg.steps
+        self.abstract = program.abstract_state()
+        self.state = None
+        self.step = 0        # steps committed (the state's step when it has one)
+        self.position = 0    # next batch of this replica's own stream
+        self.job_step = 0    # the highest step of a quorum with state this process has seen
+        self.state_lost_since: float | None = None
+        self.tokens = cfg.data.batch_size * cfg.model.seq_len
+
+    @property
+    def has_state(self) -> bool:
+        return self.state is not None
+
+    def _meta(self) -> dict:
+        return {"step": self.step, "data_position": self.position, "data_fingerprint": self.stream.fingerprint}
+
+    def _ask(self) -> None:
+        self.protocol.ask(self.step, self.position, self.has_state)
+
+    # --- the loop -------------------------------------------------------------------------------
+    def run(self) -> int:
+        self.log.event(E.START, replica=self.replica_id, incarnation=self.protocol.incarnation,
+                       topology=topology_fingerprint(self.program), data_fingerprint=self.stream.fingerprint,
+                       hosts=jax.process_count(), devices=int(self.program.mesh.devices.size), pid=os.getpid())
+        self._ask()
+        while self.step < self.stop:
+            self._one_step()
+        if self.stop == self.cfg.steps:
+            with self.watchdog.exempt("drain"):
+                self._drain()
+        return self._finish()
+
+    def _one_step(self) -> None:
+        self.watchdog.beat("forward")
+        timing = _Timing(time.perf_counter())
+        computed = self._compute() if self.has_state and self.protocol.heal_started is None else None
+        timing.compute = time.perf_counter()
+        agreement = self.protocol.agree()
+        q = agreement.quorum
+        timing.quorum = time.perf_counter()
+        if q.no_state:  # nobody has state: the latest durable checkpoint (or an init), then ask again
+            with self.watchdog.exempt("init"):
+                self._init_state()
+            return self._ask()
+        self._follow(q, agreement.install)
+        if q.step >= self.cfg.steps:  # the job has trained every step: this replica only catches up
+            time.sleep(0.05)
+            return self._ask()
+        contributes = not q.healing and self.has_state
+        if contributes and (computed is None or computed[2] != self.position):  # (rare) our batch changed
+            computed = self._compute()
+        self.faults.point(q.step + 1, "ftar")
+        update, error = self.protocol.average(q, computed[1] if contributes else None)
+        timing.ftar = time.perf_counter()
+        if not self.protocol.vote(q, error):
+            return self._ask()  # discarded: the same batch again, unless the job committed the step
+        self.faults.point(q.step + 1, "commit")
+        self._commit(q, update, computed[0] if contributes else None, contributes, timing)
+
+    def _compute(self) -> tuple[Any, Any, int]:
+        """(loss, gradients, the data position they are for) of this replica's next batch."""
+        self.faults.point(self.step + 1, "forward")
+        batch = device_batch(self.program, self.stream.batch(self.position))
+        loss, grads = self.program.grads(self.state["params"], batch)
+        jax.block_until_ready(grads)
+        return loss, grads, self.position
+
+    def _follow(self, q: QuorumResult, install: FetchResult | None) -> None:
+        """Take in what the quorum says of this replica: a snapshot to install, whether it heals,
+        where its data stream resumes; a source serves its peers."""
+        self.job_step, self.state_lost_since = max(self.job_step, q.step), None
+        if install is not None:  # replaces a stale state, if we kept one
+            installed = self.protocol.install(install, q, self.abstract, self._apply)
+            if installed is not None:
+                self.state, self.step = installed
+        if q.healing and not (self.has_state and self.step == q.step):  # (not if just installed)
+            self.protocol.healing(q, self.step if self.has_state else None)
+            self.faults.point(q.step + 1, "catchup")
+        else:
+            self.protocol.up_to_date(self.step)
+            if self.protocol.transport is not None:
+                self.protocol.serve(q, self.state, self.step, self._meta())
+        self._adopt_position(q)
+
+    def _apply(self, state: Any, grads: Any, scale: float) -> Any:
+        return self.program.apply(state, grads, np.float32(scale))
+
+    def _commit(self, q: QuorumResult, update: Any, loss: Any, contributes: bool, timing: _Timing) -> None:
+        scale = lr_scale(self.cfg.ft.lr_scaling, q.num_contributors, self.cfg.ft.replicas)
+        applied = self.has_state and self.step == q.step
+        self.protocol.committed(q, applied)
+        batch_id = None
+        if applied:
+            self.state = self._apply(self.state, self.protocol.reducer.tree(update), scale)
+            self.step += 1
+            if contributes:
+                batch_id = self.stream.batch_id(self.position)
+                self.position += 1
+        else:  # healing: keep the update for the replay
+            self.protocol.keep(q, update, scale)
+        self._ask()  # the next quorum is requested while this step finishes
+        if self.ckpt is not None and applied:
+            self.ckpt.maybe_save(self.step, self.state, self._meta(), force=self.step == self.stop)
+        self._record(q, applied, contributes, loss, batch_id, scale, timing)
+        self.watchdog.arm()  # a step is done: from now on this process must make progress
+
+    def _record(self, q: QuorumResult, applied: bool, contributes: bool, loss: Any, batch_id: int | None,
+                scale: float, timing: _Timing) -> None:
+        t5 = time.perf_counter()
+        record = {
+            "step": q.step + 1, "committed": applied, "healing": not contributes,
+            "loss": float(loss) if contributes else None, "tokens": self.tokens if contributes else 0,
+            "batch_id": batch_id, "data_position": self.position, "quorum_id": q.quorum_id,
+            "participants": len(q.participants), "contributors": q.num_contributors, "lr_scale": scale,
+            "step_time_s": t5 - timing.t0, "compute_s": timing.compute - timing.t0,
+            "quorum_wait_s": timing.quorum - timing.compute, "ftar_s": timing.ftar - timing.quorum,
+            "commit_s": t5 - timing.ftar, "commit_failures": self.protocol.total_commit_failures,
+        }
+        if applied and self.cfg.ft.digest_every and self.step % self.cfg.ft.digest_every == 0:
+            record["param_digest"] = state_digest(self.state)
+        self.log.log(record)
+
+    # --- state from elsewhere -------------------------------------------------------------------
+    def _init_state(self) -> None:
+        """Nobody in the quorum has state: the latest durable checkpoint, else a fresh init from the
+        seed, but only at job start. Once this process has seen the job past step 0, seed weights
+        would silently restart training: it keeps asking for a peer to heal from instead, and gives
+        up with an error after `ft.quorum_timeout_s`."""
+        if self.restore_durable and self.ckpt is not None and self.ckpt.latest_step() is not None:
+            self.state, meta = self.ckpt.restore(self.abstract)  # CheckpointMismatch if another job's
+            self.step, self.position = int(meta["step"]), int(meta["data_position"])
+            self.protocol.known_positions.clear()  # a whole-job restart: the checkpoint's positions rule
+            self.log.event(E.RESTORE, restored_step=self.step, data_position=self.position, source="durable")
+        elif self.job_step == 0:
+            self.state = self.program.init(np.int32(self.cfg.seed))
+            self.step = 0
+            self.log.event(E.INIT, seed=self.cfg.seed)
+        else:
+            self._wait_for_a_source()
+
+    def _wait_for_a_source(self) -> None:
+        now = time.monotonic()
+        if self.state_lost_since is None:
+            self.state_lost_since = now
+            self.log.event(E.STATE_UNAVAILABLE, job_step=self.job_step,
+                           reason="no participant has state and there is no durable checkpoint")
+        if now - self.state_lost_since > self.cfg.ft.quorum_timeout_s:
+            raise JobStateLost(
+                f"replica {self.replica_id}: the job was at step {self.job_step}, but for "
+                f"{self.cfg.ft.quorum_timeout_s:.0f} s no live peer held its state and there is no durable "
+                "checkpoint (checkpoint.every); not restarting the job from the seed")
+        time.sleep(0.05)
+
+    def _adopt_position(self, q: QuorumResult) -> None:
+        """Where our stream resumes: the job's record, but never below a batch that we trained in a
+        committed step (a coordinator that lost its record may say less: the batch would repeat)."""
+        position = q.data_position
+        if position > self.position:
+            self.log.event(E.BATCHES_COMMITTED_BY_PEERS,
+                           batch_ids=[self.stream.batch_id(p) for p in range(self.position, position)])
+            self.position = position
+        elif position < self.position:
+            self.log.event(E.POSITION_KEPT, position=self.position, coordinator_said=position)
+
+    # --- the end ----------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Training is over for this replica, maybe not for a peer that is restarting or catching
+        up: keep answering quorums at the final step and serving snapshots until every replica of
+        the job holds the final state, or `ft.drain_timeout_s` passes. Without this a replica
+        killed near the end would find nobody to catch up from."""
+        deadline = time.monotonic() + self.cfg.ft.drain_timeout_s
+        while True:
+            q = self.protocol.agree().quorum
+            if self.protocol.transport is not None:
+                self.protocol.serve(q, self.state, self.step, self._meta())
+            everyone = len(q.participants) >= self.cfg.ft.replicas and not any(p.healing for p in q.participants)
+            if everyone or time.monotonic() > deadline:
+                if not everyone:
+                    self.log.event(E.DRAIN_TIMEOUT, participants=len(q.participants),
+                                   healing=[p.replica_id for p in q.participants if p.healing])
+                return
+            time.sleep(0.05)
+            self._ask()
+
+    def _finish(self) -> int:
+        if self.ckpt is not None:
+            self.ckpt.maybe_save(self.step, self.state, self._meta(), force=True)
+            self.ckpt.close()
+        self.log.summary(param_digest=state_digest(self.state), replica=self.replica_id,
+                         incarnation=self.protocol.incarnation, data_position=self.position,
+                         data_fingerprint=self.stream.fingerprint,
+                         commit_failures=self.protocol.total_commit_failures, params=param_count(self.state),
+                         devices=int(self.program.mesh.devices.size), processes=jax.process_count())
+        return 0
+
+    def no_progress(self, phase: str, silent_s: float) -> None:
+        """The watchdog's verdict (ftjax/watchdog.py): leave the job and end this process, so that
+        the peers go on without this replica and it is restarted."""
+        why = (f"replica {self.replica_id} host {jax.process_index()}: no progress for {silent_s:.1f} s in "
+               f"phase '{phase}' (ft.progress_timeout_s={self.cfg.ft.progress_timeout_s}); a host of this "
+               "replica hung, or this process did: leaving the job so that it goes on, to be restarted")
+        self.log.event(E.PROGRESS_TIMEOUT, phase=phase, silent_s=round(silent_s, 3), host=jax.process_index())
+        print(f"ftjax train: {why}", file=sys.stderr, flush=True)
+        self.protocol.leave(why)
+        os._exit(EXIT_NO_PROGRESS)

@@ -1,0 +1,210 @@
+"""The step protocol driven in-process with fake collaborators: a quorum, an FTAR failure and its
+retry with the same batch, and a heal that replays the updates kept while the snapshot travelled."""
+
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+
+from coordinator.client import QuorumResult, decode_quorum, encode_quorum
+from coordinator.quorum import Participant
+from ftjax.catchup import FetchResult
+from ftjax.ftar import PeerFailed
+from ftjax.protocol import StepProtocol, _decode_agreement, _encode_agreement, Agreement
+from ftjax.replay import ReplayBuffer
+
+
+def participant(rid, step=0, position=0, healing=False, source=""):
+    return Participant(rid, f"{rid}-inc", step, position, (f"{rid}-host:1",), f"{rid}-host:2", healing, source)
+
+
+def quorum(qid, step, members, me, *, healing=False, source="", position=0):
+    rank = [p.replica_id for p in members].index(me)
+    return QuorumResult(quorum_id=qid, step=step, participants=tuple(members), rank=rank, healing=healing,
+                        heal_source=source, heal_source_address=f"{source}-host:2" if source else "",
+                        num_contributors=sum(not p.healing for p in members), data_position=position, no_state=False)
+
+
+class FakeQuorums:
+    """Answers each request with the next scripted quorum; remembers what was asked and reported."""
+
+    def __init__(self, answers):
+        self.answers, self.asked, self.reports, self.known_positions = list(answers), [], [], {}
+
+    def quorum_async(self, step, data_position, has_state, commit_failures=0):
+        self.asked.append((step, data_position, has_state, commit_failures))
+        future = Future()
+        future.set_result(self.answers.pop(0))
+        return future
+
+    def report_failure(self, quorum_id, replica_id, incarnation, reason=""):
+        self.reports.append((quorum_id, replica_id, incarnation))
+        return True
+
+    def leave(self, reason):
+        pass
+
+    def close(self):
+        pass
+
+
+class FakeReducer:
+    """Sums what it is given with a peer's fixed contribution; fails the calls it is told to."""
+
+    def __init__(self, fail_steps=(), peer=np.full(4, 2.0, np.float32)):
+        self.fail_steps, self.peer, self.calls = set(fail_steps), peer, []
+
+    def average(self, q, grads):
+        self.calls.append((q.quorum_id, None if grads is None else grads.copy()))
+        if (q.quorum_id, q.step) in self.fail_steps:
+            self.fail_steps.discard((q.quorum_id, q.step))
+            raise PeerFailed("connection reset", peer="b-host:1", quorum_id=q.quorum_id, step=q.step)
+        mine = np.zeros(4, np.float32) if grads is None else grads
+        return (mine + self.peer) / q.num_contributors
+
+    def tree(self, update):
+        return update
+
+    def close(self):
+        pass
+
+
+class FakeFetch:
+    def __init__(self, source, result):
+        self.source, self.result, self.error, self.done = source, result, None, threading.Event()
+        self.done.set()  # (the transfer is instant here)
+
+
+class FakeTransport:
+    """A source's snapshot of step 5 (all ones), available as soon as it is asked for."""
+
+    def __init__(self):
+        self.fetches, self.offers, self.discarded = [], [], []
+        self.address = "me-host:2"
+
+    def fetch(self, address, key, *, source, min_step):
+        self.fetches.append((address, key, source, min_step))
+        return FakeFetch(source, FetchResult(Path("/nowhere"), 5, {"step": 5}, 1000, 0.5, source))
+
+    def load(self, fetched, abstract_state):
+        return np.ones(4, np.float32) * fetched.step
+
+    def discard(self, fetched):
+        self.discarded.append(fetched.path)
+
+    def offered(self, key):
+        return key in self.offers
+
+    def offer(self, key, state, step, meta):
+        self.offers.append(key)
+
+    def keep_only(self, keys):
+        pass
+
+    def close(self):
+        pass
+
+
+class OneHost:
+    rank, hosts = 0, 1
+
+    def broadcast_bytes(self, data):
+        return data
+
+    def allgather(self, obj):
+        return [obj]
+
+
+class Events:
+    def __init__(self):
+        self.events = []
+
+    def event(self, kind, **fields):
+        self.events.append((kind, fields))
+
+    def kinds(self):
+        return [k for k, _ in self.events]
+
+
+def protocol(tmp_path, quorums, reducer, transport=None):
+    return StepProtocol(replica_id="a", incarnation="a-inc", group=OneHost(), reducer=reducer,
+                        transport=transport or FakeTransport(), quorums=quorums,
+                        buffer=ReplayBuffer(tmp_path / "replay", 8), log=Events())
+
+
+def test_a_failed_average_is_voted_down_reported_and_retried_with_the_same_batch(tmp_path):
+    t0 = time.monotonic()
+    a, b = participant("a", 3, 3), participant("b", 3, 3)
+    quorums = FakeQuorums([quorum(7, 3, [a, b], "a", position=3), quorum(8, 3, [a], "a", position=3)])
+    reducer = FakeReducer(fail_steps={(7, 3)})
+    p = protocol(tmp_path, quorums, reducer)
+    grads = np.arange(4, dtype=np.float32)
+
+    p.ask(3, 3, True)
+    q = p.agree().quorum
+    assert (q.quorum_id, q.step, q.replica_ids) == (7, 3, ("a", "b"))
+    update, error = p.average(q, grads)
+    assert update is None and error["peer"] == "b-host:1" and "connection reset" in error["error"]
+    assert not p.vote(q, error)
+    assert quorums.reports == [(7, "b", "b-inc")]  # the peer at fault, by its incarnation
+    assert p.log.kinds() == ["commit_failure"] and p.commit_failures == 1
+
+    p.ask(3, 3, True)  # the retry: the same step and data position (the same batch), one failure told
+    assert quorums.asked == [(3, 3, True, 0), (3, 3, True, 1)]
+    q = p.agree().quorum
+    update, error = p.average(q, grads)
+    assert error is None and p.vote(q, error)
+    np.testing.assert_array_equal(update, grads + 2.0)
+    assert np.array_equal(reducer.calls[0][1], reducer.calls[1][1])  # the same gradients both times
+    p.committed(q, applied=True)
+    assert p.commit_failures == 0 and p.total_commit_failures == 1
+    assert quorums.known_positions == {"a": 4, "b": 3}  # a's batch of step 3 was trained; b left before
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_newcomer_heals_and_replays_the_updates_it_kept(tmp_path):
+    t0 = time.monotonic()
+    src = participant("b", 5, 5)
+    me = participant("a", 0, 2, healing=True, source="b")
+    transport = FakeTransport()
+    quorums = FakeQuorums([quorum(3, 5, [me, src], "a", healing=True, source="b", position=2),
+                           quorum(3, 6, [me._replace(step=0), src._replace(step=6)], "a", healing=True,
+                                  source="b", position=2)])
+    p = protocol(tmp_path, quorums, FakeReducer(), transport)
+
+    p.ask(0, 0, False)
+    agreement = p.agree()
+    q = agreement.quorum
+    assert agreement.install is None and transport.fetches == [("b-host:2", "a/a-inc", "b", 5)]
+    p.healing(q, stale_step=None)
+    update, error = p.average(q, None)  # a healing member relays zeros
+    assert error is None and p.vote(q, error)
+    p.committed(q, applied=False)
+    p.keep(q, update, 0.5)  # the average of step 5, kept for the replay
+    assert p.log.kinds() == ["catchup_started"]
+
+    p.ask(0, 2, False)
+    agreement = p.agree()
+    assert agreement.install is not None and agreement.install.step == 5
+
+    def apply(state, grads, scale):
+        return state + scale * grads
+
+    state, step = p.install(agreement.install, agreement.quorum, None, apply)
+    assert step == 6
+    np.testing.assert_array_equal(state, np.full(4, 5.0) + 0.5 * np.full(4, 2.0))  # snapshot + kept update
+    done = dict(p.log.events)["catchup_done"]
+    assert done["replayed"] == 1 and done["snapshot_step"] == 5 and done["at_step"] == 6
+    assert transport.discarded == [Path("/nowhere")] and len(p.buffer) == 0
+    assert time.monotonic() - t0 < 5
+
+
+def test_the_quorum_travels_to_the_other_hosts_as_the_coordinators_message():
+    q = quorum(9, 4, [participant("a", 4, 4), participant("b", 0, 1, healing=True, source="a")], "b",
+               healing=True, source="a", position=1)
+    assert decode_quorum(encode_quorum(q)) == q
+    got = FetchResult(Path("/shm/x"), 3, {"step": 3}, 10, 0.1, "a")
+    assert _decode_agreement(_encode_agreement(Agreement(q, got))) == Agreement(q, got)
+    assert _decode_agreement(_encode_agreement(Agreement(q))) == Agreement(q)
