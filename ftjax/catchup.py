@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, quote, urlparse
 
-from coordinator.http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPServer
-from coordinator.quorum import split_address
+from ftjax.coordinator.http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPServer
+from ftjax.coordinator.quorum import split_address
 
 TOKEN_HEADER = "X-Ftjax-Token"
 _CHUNK = 4 << 20

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from coordinator.client import QuorumResult, decode_quorum, encode_quorum
-from coordinator.quorum import Participant
+from ftjax.coordinator.client import QuorumResult, decode_quorum, encode_quorum
+from ftjax.coordinator.quorum import Participant
 from ftjax.catchup import CatchupTransport, FetchResult, SnapshotFetch
 from ftjax.events import ReplicaEvent as E
 from ftjax.ftar import FTARError

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.client import QuorumResult
+from ftjax.coordinator.client import QuorumResult
 from ftjax.flat import HostFlattener
 from ftjax.ftar import FTAREndpoint
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jax
 
-from coordinator.client import CoordinatorClient, MemberInfo, new_incarnation
+from ftjax.coordinator.client import CoordinatorClient, MemberInfo, new_incarnation
 from ftjax.catchup import OrbaxHTTPTransport, snapshot_dir
 from ftjax.checkpoint import DurableCheckpoints
 from ftjax.config import Config

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import models
+from ftjax import models
 from ftjax import sharding as shd
 from ftjax.config import Config
 from ftjax.optim import make_optimizer

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from coordinator.client import QuorumResult
+from ftjax.coordinator.client import QuorumResult
 from ftjax.catchup import FetchResult
 from ftjax.events import ReplicaEvent as E
 from ftjax.config import Config

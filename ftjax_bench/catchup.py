@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from coordinator.quorum import split_address
+from ftjax.coordinator.quorum import split_address
 
 _CHUNK = 4 << 20
 

@@ -46,9 +46,9 @@ from typing import NamedTuple
 
 import grpc
 
-from coordinator import TOKEN_METADATA_KEY
-from coordinator import coordinator_pb2 as pb
-from coordinator import coordinator_pb2_grpc as pb_grpc
+from ftjax.coordinator import TOKEN_METADATA_KEY
+from ftjax.coordinator import coordinator_pb2 as pb
+from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
 from ftjax.env import read_token
 
 _WARMUP_STEPS = 2  # the first quorum (everybody joining) and the one after it
@@ -158,7 +158,7 @@ def _floor_server(argv: list[str]) -> int:
     requests are all answered the moment the last of `--replicas` arrives, with answers of the
     coordinator's shape and size (the common part serialized once, plus each caller's own fields).
     The same event loop, collector settings and server options as the coordinator's."""
-    from coordinator.server import SERVER_OPTIONS, SERVICE, new_event_loop, quiet_garbage_collector, write_ready_file
+    from ftjax.coordinator.server import SERVER_OPTIONS, SERVICE, new_event_loop, quiet_garbage_collector, write_ready_file
 
     p = argparse.ArgumentParser(prog="python -m ftjax_bench.coordinator floor")
     p.add_argument("--replicas", type=int, required=True)

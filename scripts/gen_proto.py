@@ -1,11 +1,11 @@
-"""Regenerate the coordinator's gRPC stubs from coordinator/coordinator.proto, or check them.
+"""Regenerate the coordinator's gRPC stubs from ftjax/coordinator/coordinator.proto, or check them.
 
-    python scripts/gen_proto.py           # rewrite coordinator/coordinator_pb2{,_grpc}.py
+    python scripts/gen_proto.py           # rewrite ftjax/coordinator/coordinator_pb2{,_grpc}.py
     python scripts/gen_proto.py --check   # exit 1 if the committed stubs do not match the .proto
 
 The .proto is compiled with the repository root as include path, so the generated gRPC module
-imports its messages as `from coordinator import coordinator_pb2`, which works when
-`coordinator` is an installed top-level package.
+imports its messages as `from ftjax.coordinator import coordinator_pb2`, which works wherever
+`ftjax` is importable.
 
 --check always compares what matters (the compiled descriptor of the .proto, and the RPC paths in
 the gRPC module); it also compares the files byte for byte when the installed grpcio-tools is the
@@ -25,8 +25,8 @@ import tempfile
 from google.protobuf import descriptor_pb2
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROTO = "coordinator/coordinator.proto"
-OUTPUTS = ("coordinator/coordinator_pb2.py", "coordinator/coordinator_pb2_grpc.py")
+PROTO = "ftjax/coordinator/coordinator.proto"
+OUTPUTS = ("ftjax/coordinator/coordinator_pb2.py", "ftjax/coordinator/coordinator_pb2_grpc.py")
 
 
 def _protoc(out_dir: str, descriptor_out: str | None = None) -> None:
@@ -99,8 +99,8 @@ def check() -> list[str]:
                 path = f"/{fresh.package}.{service.name}/{method.name}"
                 if path not in grpc_text:
                     problems.append(f"{OUTPUTS[1]} lacks the RPC {path}")
-        if "from coordinator import coordinator_pb2" not in grpc_text:
-            problems.append(f"{OUTPUTS[1]} does not import `from coordinator import coordinator_pb2`")
+        if "from ftjax.coordinator import coordinator_pb2" not in grpc_text:
+            problems.append(f"{OUTPUTS[1]} does not import `from ftjax.coordinator import coordinator_pb2`")
         match = re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", grpc_text)
         installed = importlib.metadata.version("grpcio-tools")
         if match and match.group(1) == installed:

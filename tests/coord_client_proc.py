@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from coordinator.client import CoordinatorClient, CoordinatorError, MemberInfo, new_incarnation
+from ftjax.coordinator.client import CoordinatorClient, CoordinatorError, MemberInfo, new_incarnation
 from ftjax.env import read_token
 
 _print_lock = threading.Lock()

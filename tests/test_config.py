@@ -2,8 +2,8 @@ import subprocess
 
 import pytest
 
-from coordinator.quorum import Settings
-from coordinator.server import _parser as coordinator_parser
+from ftjax.coordinator.quorum import Settings
+from ftjax.coordinator.server import _parser as coordinator_parser
 from ftjax.config import ConfigError, CoordinatorConfig, load_config, load_config_dict
 
 from conftest import FTJAX, REPO

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import FTJAX
-from coordinator.quorum import split_address
+from ftjax.coordinator.quorum import split_address
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEARTBEAT_TIMEOUT_S = 1.0

@@ -13,12 +13,12 @@ import urllib.request
 import grpc
 import pytest
 
-from coordinator import TOKEN_METADATA_KEY
-from coordinator import coordinator_pb2 as pb
-from coordinator import coordinator_pb2_grpc as pb_grpc
-from coordinator.client import CoordinatorClient, CoordinatorError, MemberInfo, new_incarnation
-from coordinator.quorum import Settings
-from coordinator.server import CoordinatorServer, main
+from ftjax.coordinator import TOKEN_METADATA_KEY
+from ftjax.coordinator import coordinator_pb2 as pb
+from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
+from ftjax.coordinator.client import CoordinatorClient, CoordinatorError, MemberInfo, new_incarnation
+from ftjax.coordinator.quorum import Settings
+from ftjax.coordinator.server import CoordinatorServer, main
 
 TOKEN = "test-token"
 FAST = Settings(min_replicas=2, join_timeout_s=5.0, heartbeat_timeout_s=2.0, suspect_window_s=0.3)

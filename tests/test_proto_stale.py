@@ -1,4 +1,4 @@
-"""The committed gRPC stubs match coordinator/coordinator.proto (regenerate: python scripts/gen_proto.py)."""
+"""The committed gRPC stubs match ftjax/coordinator/coordinator.proto (regenerate: python scripts/gen_proto.py)."""
 
 import os
 import shutil
@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ["scripts/gen_proto.py", "coordinator/coordinator.proto", "coordinator/coordinator_pb2.py",
-         "coordinator/coordinator_pb2_grpc.py"]
+FILES = ["scripts/gen_proto.py", "ftjax/coordinator/coordinator.proto", "ftjax/coordinator/coordinator_pb2.py",
+         "ftjax/coordinator/coordinator_pb2_grpc.py"]
 
 
 def _check(root: str) -> subprocess.CompletedProcess:
@@ -25,7 +25,7 @@ def test_check_notices_an_edited_proto(tmp_path):
         os.makedirs(tmp_path / os.path.dirname(rel), exist_ok=True)
         shutil.copy(os.path.join(REPO, rel), tmp_path / rel)
     assert _check(str(tmp_path)).returncode == 0
-    proto = tmp_path / "coordinator/coordinator.proto"
+    proto = tmp_path / "ftjax/coordinator/coordinator.proto"
     proto.write_text(proto.read_text().replace("int64 heartbeats = 1;", "int64 heartbeats = 1;\n  int64 added = 2;"))
     result = _check(str(tmp_path))
     assert result.returncode == 1

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.client import QuorumResult, decode_quorum, encode_quorum
-from coordinator.quorum import Participant
+from ftjax.coordinator.client import QuorumResult, decode_quorum, encode_quorum
+from ftjax.coordinator.quorum import Participant
 from ftjax.catchup import FetchResult
 from ftjax.ftar import PeerFailed
 from ftjax.protocol import StepProtocol, _decode_agreement, _encode_agreement, Agreement

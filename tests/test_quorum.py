@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from coordinator.quorum import (
+from ftjax.coordinator.quorum import (
     InvalidField,
     MemberReport,
     MemberState,
@@ -19,7 +19,7 @@ from coordinator.quorum import (
     is_alive,
     split_address,
 )
-from coordinator.state import CoordinatorState, PositionLedger, Rejected
+from ftjax.coordinator.state import CoordinatorState, PositionLedger, Rejected
 
 NOW = 100.0
 S = Settings(min_replicas=2, join_timeout_s=1.0, heartbeat_timeout_s=2.0, suspect_window_s=0.3)

@@ -17,13 +17,13 @@ import grpc
 import pytest
 
 from conftest import FTJAX
-from coordinator import TOKEN_METADATA_KEY
-from coordinator import coordinator_pb2 as pb
-from coordinator import coordinator_pb2_grpc as pb_grpc
-from coordinator.http import Metrics, StatusHTTPServer
-from coordinator.quorum import Settings, split_address
-from coordinator.server import _collect_old_generation
-from coordinator.state import CoordinatorState
+from ftjax.coordinator import TOKEN_METADATA_KEY
+from ftjax.coordinator import coordinator_pb2 as pb
+from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
+from ftjax.coordinator.http import Metrics, StatusHTTPServer
+from ftjax.coordinator.quorum import Settings, split_address
+from ftjax.coordinator.server import _collect_old_generation
+from ftjax.coordinator.state import CoordinatorState
 from ftjax.catchup import SnapshotFetch, SnapshotServer, _Snapshot
 
 pytestmark = pytest.mark.timeout(120)

@@ -21,7 +21,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from coordinator.quorum import split_address
+from ftjax.coordinator.quorum import split_address
 
 VERSION = 2  # 2: a ring hello is followed by a shared-memory offer (see shm.py)
 

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.quorum import split_address
+from ftjax.coordinator.quorum import split_address
 from ftjax.catchup import snapshot_dir
 from ftjax.config import Config, load_config
 from ftjax.env import TOKEN_ENV

@@ -174,15 +174,23 @@ class _UnitsOut(_Base):
         unit = self._unit_of(host)
         if unit in self._back:
             self._count("failures of units already out")
-        else:
-            self._abort_save(work)
-            self._stall(t, self.cfg.ft_stall_min, "failure stall")
+            self._take_out(t, unit)
+            return 0.0
+        return self._ride_through(t, unit, work)
+
+    def _ride_through(self, t: float, unit: int, work: float) -> float:
+        """The others go on after one failure stall, without the failed unit; no work is lost."""
+        self._abort_save(work)
+        self._stall(t, self.cfg.ft_stall_min, "failure stall")
         self._take_out(t, unit)
         return 0.0
 
+    @property
+    def _out(self) -> float:
+        return len(self._back) / self.units
+
     def _running_rates(self) -> tuple[float, tuple[tuple[str, float], ...]]:
-        out = len(self._back) / self.units
-        return 1.0 - out, (("units out", out),)
+        return 1.0 - self._out, (("units out", self._out),)
 
 
 class FtHsdp(_UnitsOut):
@@ -259,15 +267,11 @@ class Redundancy(_UnitsOut):
             self._restart_end = self._stall(t, self.cfg.sync_stall_min, "job restart")
             return lost
         self._count("masked")
-        self._abort_save(work)
-        self._stall(t, self.cfg.ft_stall_min, "failure stall")
-        self._take_out(t, unit)
-        return 0.0
+        return self._ride_through(t, unit, work)
 
     def _running_rates(self) -> tuple[float, tuple[tuple[str, float], ...]]:
-        out = len(self._back) / self.units
         useful = 1.0 / self.r
-        return useful, (("units out", out), ("redundant compute", 1.0 - useful - out))
+        return useful, (("units out", self._out), ("redundant compute", 1.0 - useful - self._out))
 
 
 STRATEGIES: dict[str, type[_Base]] = {s.name: s for s in (Sync, FtHsdp, ReducedDegree, Redundancy)}

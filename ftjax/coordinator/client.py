@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator import coordinator_pb2 as pb
-from coordinator import coordinator_pb2_grpc as pb_grpc
-from coordinator.quorum import MAX_REASON_BYTES, MemberReport, Participant
-from coordinator import TOKEN_METADATA_KEY
+from ftjax.coordinator import coordinator_pb2 as pb
+from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
+from ftjax.coordinator.quorum import MAX_REASON_BYTES, MemberReport, Participant
+from ftjax.coordinator import TOKEN_METADATA_KEY
 
 log = logging.getLogger(__name__)
 

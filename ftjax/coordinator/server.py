@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator import TOKEN_METADATA_KEY
-from coordinator import coordinator_pb2 as pb
-from coordinator.http import Metrics, StatusHTTPServer
-from coordinator.quorum import (
+from ftjax.coordinator import TOKEN_METADATA_KEY
+from ftjax.coordinator import coordinator_pb2 as pb
+from ftjax.coordinator.http import Metrics, StatusHTTPServer
+from ftjax.coordinator.quorum import (
     MAX_HOSTS,
     MAX_REASON_BYTES,
     MAX_STEP,
@@ -44,7 +44,7 @@ from coordinator.quorum import (
     check_int,
     check_text,
 )
-from coordinator.state import MAX_MEMBERS, Accusation, CoordinatorState, Rejected
+from ftjax.coordinator.state import MAX_MEMBERS, Accusation, CoordinatorState, Rejected
 from ftjax.config import CoordinatorConfig, flag_name
 from ftjax.env import TOKEN_ENV, read_token
 

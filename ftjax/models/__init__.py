@@ -1,7 +1,7 @@
 """Flax NNX models with FSDP partitioning annotations (logical axis names on every parameter)."""
 
-from models.gpt import GPT
-from models.mlp import TokenMLP
+from ftjax.models.gpt import GPT
+from ftjax.models.mlp import TokenMLP
 
 MODELS = {"gpt": GPT, "mlp": TokenMLP}
 

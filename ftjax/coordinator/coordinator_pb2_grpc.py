@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from coordinator import coordinator_pb2 as coordinator_dot_coordinator__pb2
+from ftjax.coordinator import coordinator_pb2 as ftjax_dot_coordinator_dot_coordinator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in coordinator/coordinator_pb2_grpc.py depends on'
+        + ' but the generated code in ftjax/coordinator/coordinator_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class CoordinatorStub:
         """
         self.Heartbeat = channel.stream_unary(
                 '/ftjax.coordinator.v1.Coordinator/Heartbeat',
-                request_serializer=coordinator_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=coordinator_dot_coordinator__pb2.HeartbeatSummary.FromString,
+                request_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.HeartbeatSummary.FromString,
                 _registered_method=True)
         self.Quorum = channel.stream_stream(
                 '/ftjax.coordinator.v1.Coordinator/Quorum',
-                request_serializer=coordinator_dot_coordinator__pb2.QuorumRequest.SerializeToString,
-                response_deserializer=coordinator_dot_coordinator__pb2.QuorumResponse.FromString,
+                request_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.QuorumRequest.SerializeToString,
+                response_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.QuorumResponse.FromString,
                 _registered_method=True)
         self.ReportFailure = channel.unary_unary(
                 '/ftjax.coordinator.v1.Coordinator/ReportFailure',
-                request_serializer=coordinator_dot_coordinator__pb2.FailureReport.SerializeToString,
-                response_deserializer=coordinator_dot_coordinator__pb2.FailureVerdict.FromString,
+                request_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.FailureReport.SerializeToString,
+                response_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.FailureVerdict.FromString,
                 _registered_method=True)
 
 
@@ -86,18 +86,18 @@ def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Heartbeat': grpc.stream_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=coordinator_dot_coordinator__pb2.HeartbeatRequest.FromString,
-                    response_serializer=coordinator_dot_coordinator__pb2.HeartbeatSummary.SerializeToString,
+                    request_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.HeartbeatRequest.FromString,
+                    response_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.HeartbeatSummary.SerializeToString,
             ),
             'Quorum': grpc.stream_stream_rpc_method_handler(
                     servicer.Quorum,
-                    request_deserializer=coordinator_dot_coordinator__pb2.QuorumRequest.FromString,
-                    response_serializer=coordinator_dot_coordinator__pb2.QuorumResponse.SerializeToString,
+                    request_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.QuorumRequest.FromString,
+                    response_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.QuorumResponse.SerializeToString,
             ),
             'ReportFailure': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportFailure,
-                    request_deserializer=coordinator_dot_coordinator__pb2.FailureReport.FromString,
-                    response_serializer=coordinator_dot_coordinator__pb2.FailureVerdict.SerializeToString,
+                    request_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.FailureReport.FromString,
+                    response_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.FailureVerdict.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -125,8 +125,8 @@ class Coordinator:
             request_iterator,
             target,
             '/ftjax.coordinator.v1.Coordinator/Heartbeat',
-            coordinator_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
-            coordinator_dot_coordinator__pb2.HeartbeatSummary.FromString,
+            ftjax_dot_coordinator_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+            ftjax_dot_coordinator_dot_coordinator__pb2.HeartbeatSummary.FromString,
             options,
             channel_credentials,
             insecure,
@@ -152,8 +152,8 @@ class Coordinator:
             request_iterator,
             target,
             '/ftjax.coordinator.v1.Coordinator/Quorum',
-            coordinator_dot_coordinator__pb2.QuorumRequest.SerializeToString,
-            coordinator_dot_coordinator__pb2.QuorumResponse.FromString,
+            ftjax_dot_coordinator_dot_coordinator__pb2.QuorumRequest.SerializeToString,
+            ftjax_dot_coordinator_dot_coordinator__pb2.QuorumResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -179,8 +179,8 @@ class Coordinator:
             request,
             target,
             '/ftjax.coordinator.v1.Coordinator/ReportFailure',
-            coordinator_dot_coordinator__pb2.FailureReport.SerializeToString,
-            coordinator_dot_coordinator__pb2.FailureVerdict.FromString,
+            ftjax_dot_coordinator_dot_coordinator__pb2.FailureReport.SerializeToString,
+            ftjax_dot_coordinator_dot_coordinator__pb2.FailureVerdict.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from coordinator.quorum import (
+from ftjax.coordinator.quorum import (
     Decision,
     MemberReport,
     MemberState,

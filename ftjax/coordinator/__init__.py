@@ -1,6 +1,6 @@
 """The job's coordinator: membership, heartbeats and per-step quorums over gRPC.
 
-Public API (imported lazily, so that `import coordinator` stays cheap):
+Public API (imported lazily, so that `import ftjax.coordinator` stays cheap):
     CoordinatorClient, MemberInfo, QuorumResult, CoordinatorError, new_incarnation  (client side)
     CoordinatorServer, Settings                                                     (server side)
     compute_quorum, Quorum, Participant                                             (the pure rules)
@@ -9,16 +9,16 @@ Public API (imported lazily, so that `import coordinator` stays cheap):
 TOKEN_METADATA_KEY = "x-ftjax-token"  # call metadata carrying the job's shared secret
 
 _EXPORTS = {
-    "CoordinatorClient": "coordinator.client",
-    "CoordinatorError": "coordinator.client",
-    "MemberInfo": "coordinator.client",
-    "QuorumResult": "coordinator.client",
-    "new_incarnation": "coordinator.client",
-    "CoordinatorServer": "coordinator.server",
-    "Settings": "coordinator.quorum",
-    "compute_quorum": "coordinator.quorum",
-    "Quorum": "coordinator.quorum",
-    "Participant": "coordinator.quorum",
+    "CoordinatorClient": "ftjax.coordinator.client",
+    "CoordinatorError": "ftjax.coordinator.client",
+    "MemberInfo": "ftjax.coordinator.client",
+    "QuorumResult": "ftjax.coordinator.client",
+    "new_incarnation": "ftjax.coordinator.client",
+    "CoordinatorServer": "ftjax.coordinator.server",
+    "Settings": "ftjax.coordinator.quorum",
+    "compute_quorum": "ftjax.coordinator.quorum",
+    "Quorum": "ftjax.coordinator.quorum",
+    "Participant": "ftjax.coordinator.quorum",
 }
 
 __all__ = ["TOKEN_METADATA_KEY", *_EXPORTS]
@@ -29,4 +29,4 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'coordinator' has no attribute {name!r}")
+    raise AttributeError(f"module 'ftjax.coordinator' has no attribute {name!r}")
