@@ -4,8 +4,10 @@ The train state is a plain pytree `{"params", "opt", "step"}` (pure dicts and op
 that orbax, digests and FTAR's flat gradient buffers all see the same leaves in the same order.
 Every function is one `jax.jit` with explicit in/out shardings over the replica mesh (pjit-style).
 
-The step is split in two for fault-tolerant training, gradients then update, with FTAR between
-them on the host; standalone training uses the fused `train_step`. Both compute the same update:
+The step is split in two, gradients then update, with the average over the quorum between them
+(FTAR on the host; the identity for a standalone run); the fused `train_step` is what the
+synchronous baseline of `ftjax bench step` runs, its gradient all-reduce an XLA collective. Both
+compute the same update:
 `lr_scale` multiplies the final updates (AdamW's updates, weight decay included, are linear in the
 learning rate), and a scale of exactly 1.0 leaves every bit unchanged.
 """
@@ -47,7 +49,6 @@ class ReplicaProgram:
 
     cfg: Config
     mesh: jax.sharding.Mesh
-    graphdef: Any
     state_shardings: State
     batch_sharding: jax.sharding.NamedSharding
     init: Any          # (seed: int array) -> State
@@ -123,7 +124,7 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> Replica
         return apply(state, g, lr_scale), loss
 
     return ReplicaProgram(
-        cfg=cfg, mesh=mesh, graphdef=graphdef, state_shardings=state_shardings, batch_sharding=b_shard,
+        cfg=cfg, mesh=mesh, state_shardings=state_shardings, batch_sharding=b_shard,
         init=jax.jit(init, out_shardings=state_shardings),
         grads=jax.jit(grads, in_shardings=(p_shard, b_shard), out_shardings=(rep, p_shard)),
         apply=jax.jit(apply, in_shardings=(state_shardings, p_shard, rep), out_shardings=state_shardings,

@@ -55,7 +55,7 @@ from typing import Any
 
 from ftjax.events import EVENT, REPLICA, TIME, LauncherEvent as L, ReplicaEvent as E, StepField as F
 from ftjax.events import is_own_step, is_step
-from ftjax.faults import PHASES
+from ftjax.faults import PHASES, parse_step_phase
 from ftjax.jsonl import parse_jsonl
 from ftjax.launch.job import LocalJob
 from ftjax.lifecycle import Lifecycle, Phase
@@ -130,11 +130,11 @@ def parse_kill(text: str) -> Injection:
     """`R@STEP[:PHASE]` (PHASE: forward|ftar|commit|catchup; default forward)."""
     form = f"REPLICA@STEP[:PHASE] with PHASE in {'|'.join(PHASES)}"
     r, rest = _replica_and_rest("--kill", text, form)
-    step, _, phase = rest.partition(":")
-    phase = phase or "forward"
-    if not step.isdigit() or int(step) < 1 or phase not in PHASES:
-        raise ValueError(f"--kill: expected {form} and STEP >= 1, got {text!r}")
-    return Injection(r, int(step), phase)
+    try:
+        step, phase = parse_step_phase(rest, "--kill")
+    except ValueError:
+        raise ValueError(f"--kill: expected {form} and STEP >= 1, got {text!r}") from None
+    return Injection(r, step, phase)
 
 
 def parse_kill_host(text: str) -> Injection:
