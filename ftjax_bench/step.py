@@ -5,8 +5,9 @@ devices, and against one of its replicas training alone.
 (b) synchronous HSDP (`ftjax_bench.sync_baseline`): one jax.distributed cluster of 2 processes x
     2 devices, mesh replica=2 x fsdp=2, the cross-replica gradient reduction done by XLA
     collectives (gloo);
-(c) standalone: `ftjax train CONFIG` without a coordinator, 1 process x 2 devices, the per-replica
-    batch (data.batch_size): a replica of (a) without any cross-replica work.
+(c) standalone: the two replicas of (a) as two `ftjax train CONFIG` without a coordinator, each 1
+    process x 2 devices with the per-replica batch (data.batch_size), running at the same time:
+    (a) without any cross-replica work, the machine shared by two replicas as in (a).
 (a) and (b) train the same global batch (2 x data.batch_size) per step. The three run one after
 the other in this command, so they see the same machine; each step time is the median after
 warm-up. Prints one JSON line: ft_step_s, sync_step_s, ratio = ft / sync, standalone_step_s and
@@ -49,29 +50,35 @@ def run_ft(config: str, overrides: list[str], out: Path, timeout: float) -> Path
         return job.replica_dir(0) / "metrics.jsonl"
 
 
-def _run_processes(name: str, commands: list[list[str]], devices: int, out: Path, timeout: float) -> Path:
-    """Run `commands` (one per process, writing OUT/NAME/metrics.jsonl) to completion."""
+def _run_processes(name: str, commands: list[list[str]], devices: int, out: Path, timeout: float) -> None:
+    """Run `commands` (`python -m ...`, one process each, at the same time) to completion; their
+    output goes to OUT/NAME-i.log."""
     with ProcessGroup() as procs:
         children = []
         for i, command in enumerate(commands):
             log = open(out / f"{name}-{i}.log", "w")
-            children.append(procs.start([sys.executable, "-m", *command, "--out", str(out / name)],
-                                        device_count=devices, stdout=log, stderr=subprocess.STDOUT))
+            children.append(procs.start([sys.executable, "-m", *command], device_count=devices, stdout=log,
+                                        stderr=subprocess.STDOUT))
         for i, c in enumerate(children):
             if c.wait(timeout) != 0:
                 raise RuntimeError(f"{name} run failed:\n{(out / f'{name}-{i}.log').read_text()[-3000:]}")
-    return out / name / "metrics.jsonl"
 
 
 def run_sync(config: str, overrides: list[str], batch: int, devices: int, out: Path, timeout: float) -> Path:
     port = free_port()
-    return _run_processes("sync", [
+    _run_processes("sync", [
         ["ftjax_bench.sync_baseline", config, *overrides, f"data.batch_size={2 * batch}", "--num-processes", "2",
-         "--process-id", str(i), "--dist-address", f"127.0.0.1:{port}"] for i in range(2)], devices, out, timeout)
+         "--process-id", str(i), "--dist-address", f"127.0.0.1:{port}", "--out", str(out / "sync")]
+        for i in range(2)], devices, out, timeout)
+    return out / "sync" / "metrics.jsonl"
 
 
 def run_standalone(config: str, overrides: list[str], devices: int, out: Path, timeout: float) -> Path:
-    return _run_processes("standalone", [["ftjax", "train", config, *overrides]], devices, out, timeout)
+    """Both replicas of (a), each training alone, at the same time; replica 0's metrics."""
+    runs = [out / f"standalone-{r}" for r in range(2)]
+    _run_processes("standalone", [["ftjax", "train", config, *overrides, "--replica-id", "0", "--out", str(run)]
+                                  for run in runs], devices, out, timeout)
+    return runs[0] / "metrics.jsonl"
 
 
 def main(argv: list[str]) -> int:
