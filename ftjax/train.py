@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from ftjax.config import Config, ConfigError, load_config
+from ftjax.coordinator.quorum import split_address
 from ftjax.env import configure_process
 
 
@@ -27,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop (with a checkpoint) once N steps are done, as if interrupted")
     p.add_argument("--num-processes", type=int, default=None, help="hosts in this replica (sets mesh.hosts)")
     p.add_argument("--process-id", type=int, default=0, help="this process's rank within the replica")
-    p.add_argument("--dist-address", default=None, help="HOST:PORT of the replica's jax.distributed service")
+    p.add_argument("--dist-address", default=None,
+                   help="HOST:PORT of the replica's jax.distributed service (process 0 serves it, bound to "
+                        "net.bind_host; every process dials HOST)")
     p.add_argument("--replica-id", type=int, default=0, help="this replica's index in the job (0-based)")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of the job's coordinator (joins a job)")
     p.add_argument("--die-at", default=None, metavar="STEP:PHASE",
@@ -45,6 +48,12 @@ def parse_config(args: argparse.Namespace) -> Config:
             raise ConfigError(f"--num-processes: must be >= 1 (got {args.num_processes})")
         overrides.append(f"mesh.hosts={args.num_processes}")
     cfg = load_config(args.config, overrides)
+    for flag, value in (("--dist-address", args.dist_address), ("--coordinator", args.coordinator)):
+        if value:
+            try:
+                split_address(value)
+            except ValueError as e:
+                raise ConfigError(f"{flag}: {e} (an IPv6 host goes in brackets: [fd00::1]:29400)") from None
     if cfg.mesh.hosts > 1 and not args.dist_address:
         raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} needs --dist-address HOST:PORT for the replica's processes")
     if not 0 <= args.process_id < cfg.mesh.hosts:
@@ -54,6 +63,16 @@ def parse_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
+def dist_bind_address(cfg: Config, dist_address: str) -> str:
+    """Where process 0 binds the replica's jax.distributed service: `net.bind_host` (or
+    $FTJAX_BIND_HOST), else all interfaces, or the loopback address that `dist_address` names."""
+    from ftjax import net
+
+    host, port = split_address(dist_address)
+    addrs = net.choose(advertise_host=host, bind_host=cfg.net.bind_host)
+    return net.grpc_bind(addrs.bind, port)
+
+
 def init_distributed(cfg: Config, args: argparse.Namespace) -> None:
     """Form the replica's own jax.distributed cluster (CPU collectives over gloo)."""
     import jax
@@ -61,7 +80,8 @@ def init_distributed(cfg: Config, args: argparse.Namespace) -> None:
     if cfg.mesh.hosts > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=args.dist_address, num_processes=cfg.mesh.hosts,
-                                   process_id=args.process_id)
+                                   process_id=args.process_id,
+                                   coordinator_bind_address=dist_bind_address(cfg, args.dist_address))
 
 
 def main(argv: list[str]) -> int:

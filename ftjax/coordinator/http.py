@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import json
 import socket
+import socketserver
 import sys
 import threading
 import time
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ftjax import net
 from ftjax.coordinator.state import CoordinatorState
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
@@ -46,6 +48,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     - at most `max_connections` are served at once. One more is answered 503 and closed at once by
       the accepting thread itself, without a thread of its own: queueing it instead would let idle
       connections pile up in the queue, and its client learns at once that it should retry.
+
+    The host of `address` may be "" (every interface: one dual-stack IPv6 socket where the kernel
+    has IPv6), an IPv4 or an IPv6 address.
     """
 
     daemon_threads = True
@@ -59,7 +64,17 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
         self.idle_timeout_s = idle_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
-        super().__init__(address, handler)
+        host, port = address
+        self.address_family = net.family_of(host)
+        super().__init__((net.sockaddr_host(host, self.address_family), port), handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind would look up this host's name (socket.getfqdn), which waits on DNS
+        # where there is none (a network namespace, a cluster node): not needed, so skipped.
+        if self.address_family == socket.AF_INET6 and self.server_address[0] == "::":
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
 
     def process_request(self, request: socket.socket, client_address) -> None:
         if not self._slots.acquire(blocking=False):
@@ -199,7 +214,8 @@ class StatusHTTPServer:
     """Serves `/`, `/status` and `/metrics` from a daemon thread."""
 
     def __init__(self, state: CoordinatorState, metrics: Metrics, host: str, port: int, *,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
+                 advertise: str | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
                 path = self.path.split("?", 1)[0]
@@ -225,7 +241,7 @@ class StatusHTTPServer:
 
         self._server = BoundedHTTPServer((host, port), Handler, idle_timeout_s=idle_timeout_s,
                                          max_connections=max_connections)
-        self.address = f"{host}:{self._server.server_address[1]}"
+        self.address = net.format_address(advertise or host, self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="coordinator-http", daemon=True)
         self._thread.start()

@@ -1,0 +1,189 @@
+"""Replicas on different machines: the addresses a process binds and advertises, the platform it
+runs on, a replica that cannot reach a peer saying so, and a job across two network namespaces
+(two "machines" that share nothing but a network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from ftjax import net
+from ftjax.config import ConfigError, load_config
+from ftjax.coordinator.quorum import Settings, split_address
+from ftjax.ftar import FTAREndpoint
+
+from conftest import FTJAX, REPO
+
+TOKEN = "test-token"
+TINY = f"{REPO}/configs/tiny.yaml"
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+needs_ipv6 = pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
+
+
+# --- which address: unit tests --------------------------------------------------------------------
+def test_a_coordinator_on_loopback_gives_loopback_and_only_then():
+    local = net.choose("127.0.0.1", environ={})
+    assert (local.advertise, local.bind) == ("127.0.0.1", "127.0.0.1")
+    assert "route to the coordinator 127.0.0.1" in local.why
+    here = net.host_address()
+    if net.is_loopback(here):
+        pytest.skip("this machine has no address but loopback")
+    remote = net.choose(here, environ={})  # the coordinator on this machine's own network address
+    assert remote.advertise == here and not net.is_loopback(remote.advertise)
+    assert remote.bind == net.ALL_INTERFACES  # every interface, not loopback
+    assert remote.address(4000) == net.format_address(here, 4000)
+
+
+def test_environment_beats_config_beats_route():
+    env = {net.ADVERTISE_ENV: "10.9.8.7"}
+    assert net.choose("127.0.0.1", advertise_host="10.1.1.1", environ=env).advertise == "10.9.8.7"
+    chosen = net.choose("127.0.0.1", advertise_host="10.1.1.1", environ={})
+    assert (chosen.advertise, chosen.why) == ("10.1.1.1", "net.advertise_host")
+    assert chosen.bind == net.ALL_INTERFACES  # it advertises an address others may dial
+    assert net.choose("127.0.0.1", interface="lo", environ={}).advertise == "127.0.0.1"
+    with pytest.raises(ValueError, match="interface 'nosuch0'"):
+        net.choose("127.0.0.1", interface="nosuch0", environ={})
+    # the bind host: environment, then config
+    assert net.choose("127.0.0.1", bind_host="0.0.0.0", environ={}).bind == "0.0.0.0"
+    assert net.choose("127.0.0.1", bind_host="::", environ={}).bind == net.ALL_INTERFACES
+    assert net.choose("127.0.0.1", bind_host="10.0.0.1", environ={net.BIND_ENV: "*"}).bind == net.ALL_INTERFACES
+    with pytest.raises(ValueError, match="not an address peers can dial"):
+        net.choose("127.0.0.1", environ={net.ADVERTISE_ENV: "0.0.0.0"})
+    with pytest.raises(OSError, match="nosuchhost.invalid"):
+        net.route_source("nosuchhost.invalid")
+
+
+def test_ipv6_addresses_are_bracketed_and_canonical():
+    assert net.format_address("fd00::1", 80) == "[fd00::1]:80"
+    assert net.format_address("[fd00::1]", 80) == "[fd00::1]:80"
+    assert net.format_address("10.0.0.1", 80) == "10.0.0.1:80"
+    assert net.normalize_host("[FD00:0:0::1]") == "fd00::1"
+    assert net.normalize_host("::ffff:10.0.0.1") == "10.0.0.1"
+    assert split_address(net.format_address("fd00::1", 80)) == ("fd00::1", 80)
+    chosen = net.choose("127.0.0.1", advertise_host="FD00::0:5", environ={})
+    assert chosen.address(29400) == "[fd00::5]:29400"
+    assert net.grpc_bind("", 5) == "[::]:5" and net.grpc_bind("0.0.0.0", 5) == "0.0.0.0:5"
+    if _has_ipv6_loopback():
+        assert net.route_source("::1") == "::1"
+        assert net.choose("[::1]", environ={}).address(7) == "[::1]:7"
+
+
+def test_net_config_is_checked():
+    cfg = load_config(TINY, ["net.advertise_host=10.0.0.5", "net.bind_host=0.0.0.0"])
+    assert (cfg.net.advertise_host, cfg.net.bind_host, cfg.net.interface) == ("10.0.0.5", "0.0.0.0", None)
+    with pytest.raises(ConfigError, match="net.advertise_host"):
+        load_config(TINY, ["net.advertise_host=0.0.0.0"])
+    with pytest.raises(ConfigError, match="net.bind_host"):
+        load_config(TINY, ["net.bind_host='a b'"])
+
+
+# --- listeners on every interface, dialled over IPv4 and IPv6 ---------------------------------------
+@needs_ipv6
+def test_ftar_endpoints_bound_to_every_interface_meet_over_ipv4_and_ipv6():
+    """One endpoint advertises its IPv6 loopback address, the other its IPv4 one; both listen on one
+    dual-stack socket, so each dials the other in its own family."""
+    eps = [FTAREndpoint(TOKEN, host="", advertise=adv, timeout_s=10, shared_memory=False) for adv in ("::1", "127.0.0.1")]
+    try:
+        assert eps[0].address.startswith("[::1]:") and eps[1].address.startswith("127.0.0.1:")
+        members = [ep.address for ep in eps]
+        bufs = [np.full(1000, i + 1, np.float32) for i in range(2)]
+        results, errors = [None, None], [None, None]
+
+        def member(i):
+            try:
+                results[i] = eps[i].allreduce(bufs[i], quorum_id=1, step=0, members=members, rank=i)
+            except Exception as e:  # noqa: BLE001
+                errors[i] = e
+
+        threads = [threading.Thread(target=member, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert errors == [None, None]
+        for r in results:
+            np.testing.assert_array_equal(r, np.full(1000, 1.5, np.float32))
+    finally:
+        for ep in eps:
+            ep.close()
+
+
+@needs_ipv6
+def test_coordinator_and_catchup_servers_bound_to_every_interface_answer_over_ipv6(tmp_path):
+    from ftjax.catchup import SnapshotServer
+    from ftjax.coordinator.client import CoordinatorClient, MemberInfo, new_incarnation
+    from ftjax.coordinator.server import CoordinatorServer
+
+    server = CoordinatorServer(Settings(min_replicas=1), TOKEN, host="", advertise="::1", startup_grace=0.0).start()
+    client = None
+    try:
+        assert server.bind_host == "" and server.address.startswith("[::1]:")
+        port = split_address(server.address)[1]
+        info = MemberInfo("a", new_incarnation(), 1, ("[fd00::1]:20000",), "[fd00::1]:30000", "fp")
+        for target in (server.address, f"127.0.0.1:{port}"):  # both families reach it
+            client = CoordinatorClient(target, TOKEN, info, heartbeat_interval_s=0.05, quorum_timeout_s=10)
+            client.start()
+            q = client.quorum_async(0, 0, has_state=True).result(10)
+            assert q.participants[0].ftar_addresses == ("[fd00::1]:20000",)
+            client.close()
+            client = None
+        http_port = split_address(server.http_address)[1]
+        with urllib.request.urlopen(f"http://[::1]:{http_port}/status", timeout=10) as r:
+            assert json.load(r)["alive"] == 1
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        if client is not None:
+            client.close()
+        server.stop()
+    snapshots = SnapshotServer(TOKEN, tmp_path, host="", advertise="::1")
+    try:
+        host, port = split_address(snapshots.address)
+        assert host == "::1"
+        for target in ("::1", "127.0.0.1"):
+            with socket.create_connection((target, port), timeout=5) as s:
+                s.sendall(b"GET /nowhere HTTP/1.0\r\n\r\n")
+                assert s.recv(64).startswith(b"HTTP/1.0 404")
+    finally:
+        snapshots.close()
+
+
+def test_the_coordinator_command_binds_every_interface_and_advertises_an_address(tmp_path):
+    """`ftjax coordinator` with no --host binds every interface and prints the address it
+    advertises: this machine's, not loopback (where the machine has another address)."""
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([*FTJAX, "coordinator", "--ready-file", str(ready)], env={**os.environ, "FTJAX_TOKEN": "t"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "bound to every interface" in line, line
+        deadline = time.monotonic() + 10
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        grpc_address = json.loads(ready.read_text())["grpc"]
+        host, port = split_address(grpc_address)
+        assert host == net.host_address()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # every interface: loopback too
+    finally:
+        proc.kill()
+        proc.wait(10)
