@@ -49,7 +49,8 @@ class DataConfig(_Strict):
 
 class MeshConfig(_Strict):
     hosts: int = Field(1, gt=0, description="processes (hosts) in one replica")
-    devices_per_host: int = Field(1, gt=0, description="simulated CPU devices per process")
+    devices_per_host: int = Field(1, gt=0, description="devices each process uses: the first of its "
+                                  "accelerators, or on platform cpu that many simulated CPU devices")
 
     @property
     def num_devices(self) -> int:
@@ -160,6 +161,9 @@ class NetConfig(_Strict):
 class Config(_Strict):
     seed: int = 0
     steps: int = Field(30, gt=0)
+    platform: Literal["auto", "cpu", "gpu", "tpu"] = Field(
+        "auto", description="auto: what JAX finds; cpu: CPU with mesh.devices_per_host simulated devices; "
+        "gpu, tpu: fail unless JAX finds one")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()

@@ -3,7 +3,8 @@
 Standalone (no `--coordinator`), the replica trains alone; with `--coordinator`, its leader joins
 a fault-tolerant job. Both run the same loop (`ftjax.trainer`) and step protocol (`ftjax.protocol`),
 assembled in `ftjax.replica`. Either way: config validated before JAX starts (exit 2 on a bad
-one), simulated CPU devices set from the config, metrics in RUN_DIR, durable checkpoints with orbax.
+one), the platform from the config (`platform: auto` uses what JAX finds; `cpu` simulates
+`mesh.devices_per_host` CPU devices), metrics in RUN_DIR, durable checkpoints with orbax.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from ftjax.config import Config, ConfigError, load_config
 from ftjax.coordinator.quorum import split_address
-from ftjax.env import configure_process
+from ftjax.env import check_platform, configure_run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,9 +92,14 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"ftjax train: config error: {e}", file=sys.stderr)
         return 2
-    configure_process(device_count=cfg.mesh.devices_per_host)
+    configure_run(cfg.platform, device_count=cfg.mesh.devices_per_host)
     out = Path(args.out or Path("runs") / Path(args.config).stem)
     init_distributed(cfg, args)
+    try:
+        check_platform(cfg.platform, cfg.mesh.devices_per_host)
+    except RuntimeError as e:
+        print(f"ftjax train: {e}", file=sys.stderr)
+        return 2
     from ftjax.checkpoint import CheckpointMismatch
 
     try:

@@ -5,7 +5,6 @@ runs on, a replica that cannot reach a peer saying so, and a job across two netw
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 from ftjax import net
 from ftjax.config import ConfigError, load_config
 from ftjax.coordinator.quorum import Settings, split_address
+from ftjax.env import run_env
 from ftjax.ftar import FTAREndpoint
 
 from conftest import FTJAX, REPO
@@ -94,6 +94,8 @@ def test_net_config_is_checked():
         load_config(TINY, ["net.advertise_host=0.0.0.0"])
     with pytest.raises(ConfigError, match="net.bind_host"):
         load_config(TINY, ["net.bind_host='a b'"])
+    with pytest.raises(ConfigError, match="platform"):
+        load_config(TINY, ["platform=quantum"])
 
 
 # --- listeners on every interface, dialled over IPv4 and IPv6 ---------------------------------------
@@ -171,7 +173,7 @@ def test_the_coordinator_command_binds_every_interface_and_advertises_an_address
     """`ftjax coordinator` with no --host binds every interface and prints the address it
     advertises: this machine's, not loopback (where the machine has another address)."""
     ready = tmp_path / "ready.json"
-    proc = subprocess.Popen([*FTJAX, "coordinator", "--ready-file", str(ready)], env={**os.environ, "FTJAX_TOKEN": "t"},
+    proc = subprocess.Popen([*FTJAX, "coordinator", "--ready-file", str(ready)], env={**run_env(), "FTJAX_TOKEN": "t"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()
@@ -187,3 +189,40 @@ def test_the_coordinator_command_binds_every_interface_and_advertises_an_address
     finally:
         proc.kill()
         proc.wait(10)
+
+
+# --- the platform ---------------------------------------------------------------------------------
+def test_a_run_is_not_forced_onto_simulated_cpu_devices_nor_one_thread():
+    base = {"PATH": "/usr/bin", "HOME": "/root"}
+    auto = run_env(base, platform="auto", device_count=4)
+    assert "JAX_PLATFORMS" not in auto and "XLA_FLAGS" not in auto
+    assert not any(k in auto for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"))
+    cpu = run_env(base, platform="cpu", device_count=4)
+    assert cpu["JAX_PLATFORMS"] == "cpu"
+    assert cpu["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"  # simulated devices, threads as JAX likes
+    gpu = run_env({**base, "JAX_PLATFORMS": "cpu"}, platform="gpu")
+    assert "JAX_PLATFORMS" not in gpu  # a CPU leftover would hide the GPU asked for
+    assert run_env({**base, "JAX_PLATFORMS": "cuda"}, platform="auto")["JAX_PLATFORMS"] == "cuda"
+
+
+def test_a_platform_that_is_not_there_is_an_error_naming_it(tmp_path):
+    env = {k: v for k, v in run_env().items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    r = subprocess.run([*FTJAX, "train", TINY, "--out", str(tmp_path), "platform=tpu", "steps=1"],
+                       capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "platform: tpu" in r.stderr
+    r = subprocess.run([*FTJAX, "train", TINY, "--out", str(tmp_path), "platform=auto", "mesh.devices_per_host=2",
+                        "steps=1"], capture_output=True, text=True, timeout=240, env={**env, "JAX_PLATFORMS": "cpu"},
+                       cwd=REPO)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "mesh.devices_per_host=2" in r.stderr and "platform: cpu" in r.stderr
+
+
+def test_emitted_cluster_files_do_not_force_cpu(tmp_path):
+    from ftjax.launch.emit import emit
+
+    for kind in ("slurm", "k8s"):
+        for path in emit(kind, tmp_path / kind, TINY, ["ft.replicas=2", "mesh.hosts=2"]):
+            text = path.read_text()
+            assert "JAX_PLATFORMS" not in text and "127.0.0.1" not in text and "0.0.0.0" not in text, path
+    assert "status.podIP" in (tmp_path / "k8s" / "replica-0.yaml").read_text()

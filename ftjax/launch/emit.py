@@ -125,7 +125,6 @@ _SLURM_REPLICA = """#!/bin/bash
 set -uo pipefail
 JOB_DIR=${{FTJAX_JOB_DIR:-$SLURM_SUBMIT_DIR}}
 export FTJAX_TOKEN="$(cat "$JOB_DIR/token")"
-export JAX_PLATFORMS="${{JAX_PLATFORMS:-cpu}}"
 until [ -s "$JOB_DIR/coordinator.address" ]; do sleep 1; done
 LEADER="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
 for attempt in $(seq 0 {max_restarts}); do
@@ -179,7 +178,6 @@ def _slurm(cfg: Config, *, image: str, max_restarts: int, restart_delay_s: float
 def _k8s(cfg: Config, *, image: str, max_restarts: int, restart_delay_s: float) -> dict[str, tuple[str, int]]:
     del restart_delay_s  # the JobSet controller restarts at once
     token_env = {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": "ftjax-token", "key": "token"}}}
-    platform_env = {"name": "JAX_PLATFORMS", "value": "cpu"}
     # each pod advertises its own IP to its peers (ftjax/net.py): the route to the coordinator's
     # Service would name the same address, this is explicit
     pod_ip_env = {"name": "FTJAX_ADVERTISE_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
@@ -224,7 +222,7 @@ def _k8s(cfg: Config, *, image: str, max_restarts: int, restart_delay_s: float) 
                         "template": {"spec": {
                             "restartPolicy": "Never",
                             "containers": [{"name": "train", "image": image, "command": ["/bin/sh", "-c", script],
-                                            "env": [token_env, platform_env, pod_ip_env],
+                                            "env": [token_env, pod_ip_env],
                                             "volumeMounts": [{"name": "config", "mountPath": "/config"},
                                                              {"name": "run", "mountPath": RUN_DIR}]}],
                             "volumes": [config_volume, {"name": "run", "emptyDir": {}}]}}}}}],
