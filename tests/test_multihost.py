@@ -226,3 +226,161 @@ def test_emitted_cluster_files_do_not_force_cpu(tmp_path):
             text = path.read_text()
             assert "JAX_PLATFORMS" not in text and "127.0.0.1" not in text and "0.0.0.0" not in text, path
     assert "status.podIP" in (tmp_path / "k8s" / "replica-0.yaml").read_text()
+
+
+# --- no silent hang -------------------------------------------------------------------------------
+def test_a_peer_failing_every_attempt_is_reported_once_after_ten_seconds():
+    from ftjax.protocol import UnreachablePeers
+
+    u = UnreachablePeers(after_s=10.0)
+    # refused at once, attempt after attempt: reported once 10 s have passed since the first began
+    assert all(u.failed({"10.0.0.2:5"}, i / 10, i / 10 + 0.01) == [] for i in range(99))  # 0 .. 9.81 s
+    [(peer, seconds, attempts)] = u.failed({"10.0.0.2:5"}, 10.0, 10.01)
+    assert (peer, attempts) == ("10.0.0.2:5", 100) and seconds == pytest.approx(10.01)
+    assert u.failed({"10.0.0.2:5"}, 10.1, 10.11) == []  # once
+    # another peer in between starts a new streak; a success ends every streak
+    u.succeeded()
+    assert u.failed({"10.0.0.2:5"}, 20.0, 30.0) == []  # one attempt, however long, is not a streak
+    assert u.failed({"10.0.0.3:5"}, 30.0, 40.0) == []  # another peer: the first one's streak ends
+    assert u.failed({"10.0.0.2:5"}, 40.0, 50.0) == []
+    # a peer that drops connections: each attempt ends with the FTAR timeout (10 s)
+    assert [p for p, _, _ in u.failed({"10.0.0.2:5"}, 50.0, 60.0)] == ["10.0.0.2:5"]  # at 20 s: within 30 s
+
+
+class _Group:
+    rank, hosts = 0, 1
+
+    def broadcast_bytes(self, data):
+        return data
+
+    def allgather(self, obj):
+        return [obj]
+
+
+class _Log:
+    def __init__(self):
+        self.events = []
+
+    def event(self, kind, **fields):
+        self.events.append((str(kind), fields))
+
+
+class _Quorums:
+    """A coordinator that keeps answering with this replica and one peer at `peer` (a new quorum id
+    each time, as after a commit failure), and takes the reports."""
+
+    def __init__(self, me, peer):
+        from ftjax.coordinator.quorum import Participant
+
+        self.known_positions, self.reports, self.qid = {}, [], 0
+        self.members = (Participant("0", "inc0", 0, 0, (me,), "", False, ""),
+                        Participant("1", "inc1", 0, 0, (peer,), "", False, ""))
+
+    def quorum_async(self, step, data_position, has_state, commit_failures=0):
+        from concurrent.futures import Future
+
+        from ftjax.coordinator.client import QuorumResult
+
+        self.qid += 1
+        future = Future()
+        future.set_result(QuorumResult(quorum_id=self.qid, step=0, participants=self.members, rank=0, healing=False,
+                                       heal_source="", heal_source_address="", num_contributors=2, data_position=0,
+                                       no_state=False))
+        return future
+
+    def report_failure(self, quorum_id, replica_id, incarnation, reason=""):
+        self.reports.append((replica_id, reason))
+        return False  # ALIVE: it heartbeats, so the coordinator keeps it
+
+    def leave(self, reason):
+        pass
+
+    def close(self):
+        pass
+
+
+class _FTAR:
+    def __init__(self, endpoint):
+        self.endpoint = endpoint
+
+    def average(self, q, grads):
+        return self.endpoint.allreduce(np.zeros(64, np.float32), quorum_id=q.quorum_id, step=q.step,
+                                       members=[p.ftar_addresses[0] for p in q.participants], rank=q.rank)
+
+    def tree(self, update):
+        return update
+
+    def close(self):
+        self.endpoint.close()
+
+
+def test_a_replica_given_an_unreachable_peer_address_names_it_within_30_s(tmp_path, capsys):
+    """The issue's hang: a peer that heartbeats (so the coordinator keeps it) at an address nobody
+    listens on. Every step fails on it; within 30 s the replica names the address, on stderr and
+    in its log, with what to check."""
+    from ftjax.procs import free_port
+    from ftjax.protocol import StepProtocol
+    from ftjax.replay import ReplayBuffer
+
+    dead = f"127.0.0.1:{free_port()}"  # nobody listens there
+    endpoint = FTAREndpoint(TOKEN, timeout_s=10, shared_memory=False)
+    quorums, log = _Quorums(endpoint.address, dead), _Log()
+    protocol = StepProtocol(replica_id="0", incarnation="inc0", group=_Group(), reducer=_FTAR(endpoint),
+                            transport=None, quorums=quorums, buffer=ReplayBuffer(tmp_path / "replay", 0), log=log)
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 30 and not any(kind == "peer_unreachable" for kind, _ in log.events):
+            protocol.ask(0, 0, True)
+            q = protocol.agree().quorum
+            _, error = protocol.average(q, None)
+            assert error is not None and error["peer"] == dead, error
+            assert not protocol.vote(q, error)
+    finally:
+        protocol.close()
+    took = time.monotonic() - t0
+    [(_, fields)] = [(k, f) for k, f in log.events if k == "peer_unreachable"]
+    assert took < 30 and fields["peer"] == dead and (fields["replica"], fields["host"]) == ("1", 0)
+    err = capsys.readouterr().err
+    assert err.count(dead) >= 2 and "replica 1 host 0" in err and "loopback" in err, err
+    assert "firewall" in err and "FTJAX_ADVERTISE_HOST" in err and "net.advertise_host" in err
+    assert quorums.reports and all(rid == "1" for rid, _ in quorums.reports)  # it accused the right replica
+
+
+def test_the_coordinator_status_says_the_job_makes_no_progress_and_why():
+    """Quorums keep forming at step 0 to retry a step whose FTAR fails, and the accused replica is
+    alive: /status says there is no progress, since when, and the latest accusation."""
+    from ftjax.coordinator.http import status_page
+    from ftjax.coordinator.quorum import MemberReport
+    from ftjax.coordinator.state import NO_PROGRESS_S, CoordinatorState
+
+    state = CoordinatorState(Settings(min_replicas=2, heartbeat_timeout_s=2.0), 0.0, startup_grace=0.0)
+
+    def report(rid, step, failures):
+        return MemberReport(rid, f"inc{rid}", step=step, ftar_addresses=(f"10.0.0.{rid}:1",), topology_fingerprint="fp",
+                            commit_failures=failures)
+
+    def one_quorum(now, step, failures):
+        for rid in "12":
+            state.request(report(rid, step, failures), now)
+        assert state.evaluate(now).quorum is not None
+
+    one_quorum(0.0, 0, 0)
+    one_quorum(1.0, 1, 0)  # progress: step 1
+    t = 1.0
+    while t < 1.0 + NO_PROGRESS_S - 0.5:  # every attempt at step 2 fails from now on
+        t += 0.25
+        one_quorum(t, 1, 1)
+        assert state.accuse("2", "inc2", t, reporter="1", reason="PeerFailed: peer 10.0.0.2:1: refused").verdict == "PENDING"
+    assert state.snapshot(t)["no_progress"] is None  # not yet 10 s
+    assert not state.summary(t)["stalled"]
+    while t < 1.0 + NO_PROGRESS_S + 1:
+        t += 0.25
+        one_quorum(t, 1, 1)
+    snap = state.snapshot(t)
+    text = snap["no_progress"]
+    assert text and text.startswith("no progress since ") and "at step 1" in text, text
+    assert "10.0.0.2:1" in text and "accused '2'" in text and "heartbeats" in text, text
+    assert snap["progress"]["step"] == 1 and snap["progress"]["retries_since"] >= 40
+    assert state.summary(t)["stalled"] and "no progress since" in status_page(snap)
+    one_quorum(t + 0.25, 2, 0)  # a step goes through
+    assert state.snapshot(t + 0.25)["no_progress"] is None

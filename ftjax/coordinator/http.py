@@ -138,6 +138,12 @@ class _StateCollector:
         yield GaugeMetricFamily("ftjax_coordinator_quorum_size", "Participants of the latest quorum.",
                                 value=s["quorum_size"])
         yield GaugeMetricFamily("ftjax_coordinator_step", "Step of the latest quorum.", value=s["step"])
+        yield GaugeMetricFamily("ftjax_coordinator_seconds_since_progress",
+                                "Seconds since the job's step last moved (0 before the first quorum).",
+                                value=s["seconds_since_progress"])
+        yield GaugeMetricFamily("ftjax_coordinator_stalled",
+                                "1 while the job makes no progress and failed steps keep forming quorums.",
+                                value=int(s["stalled"]))
 
 
 class Metrics:
@@ -188,6 +194,8 @@ def status_page(snapshot: dict) -> str:
         f"{', no state: restoring a checkpoint' if q['no_state'] else ''}</p>"
         + _table(q["participants"], ["replica_id", "incarnation", "step", "healing", "heal_source"])
     )
+    stalled = (f'<p style="color:#b00;font-weight:bold">{html.escape(s["no_progress"])}</p>\n'
+               if s.get("no_progress") else "")
     history = [dict(h, participants=len(h["participants"]), healing=", ".join(f"{k}<-{v}" for k, v in h["healing"].items()),
                     wait_ms=round(h["wait_s"] * 1000, 1)) for h in s["history"]]
     return f"""<!doctype html>
@@ -195,7 +203,7 @@ def status_page(snapshot: dict) -> str:
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left}}</style></head><body>
 <h1>ftjax coordinator</h1>
-<p>up {s['uptime_s']:.0f} s; {s['alive']} replicas alive; topology {html.escape(str(s['topology_fingerprint']))};
+{stalled}<p>up {s['uptime_s']:.0f} s; {s['alive']} replicas alive; topology {html.escape(str(s['topology_fingerprint']))};
 waiting because: {html.escape(s['waiting_because'])}</p>
 <h2>Replicas</h2>
 {_table(s['replicas'], ['replica_id', 'incarnation', 'step', 'data_position', 'has_state', 'heartbeat_age_s', 'alive',
