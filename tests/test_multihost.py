@@ -346,9 +346,11 @@ def test_a_replica_given_an_unreachable_peer_address_names_it_within_30_s(tmp_pa
     assert quorums.reports and all(rid == "1" for rid, _ in quorums.reports)  # it accused the right replica
 
 
-def test_the_coordinator_status_says_the_job_makes_no_progress_and_why():
-    """Quorums keep forming at step 0 to retry a step whose FTAR fails, and the accused replica is
-    alive: /status says there is no progress, since when, and the latest accusation."""
+@pytest.mark.parametrize("prefix", ["10.0.0.", "127.0.0."])
+def test_the_coordinator_status_says_the_job_makes_no_progress_and_why(prefix):
+    """Quorums keep forming at step 1 to retry a step whose FTAR fails, and the accused replica is
+    alive: /status says there is no progress, since when, the latest accusation, and which replicas
+    advertise loopback addresses (the issue's replicas on two machines did)."""
     from ftjax.coordinator.http import status_page
     from ftjax.coordinator.quorum import MemberReport
     from ftjax.coordinator.state import NO_PROGRESS_S, CoordinatorState
@@ -356,7 +358,7 @@ def test_the_coordinator_status_says_the_job_makes_no_progress_and_why():
     state = CoordinatorState(Settings(min_replicas=2, heartbeat_timeout_s=2.0), 0.0, startup_grace=0.0)
 
     def report(rid, step, failures):
-        return MemberReport(rid, f"inc{rid}", step=step, ftar_addresses=(f"10.0.0.{rid}:1",), topology_fingerprint="fp",
+        return MemberReport(rid, f"inc{rid}", step=step, ftar_addresses=(f"{prefix}{rid}:1",), topology_fingerprint="fp",
                             commit_failures=failures)
 
     def one_quorum(now, step, failures):
@@ -370,7 +372,7 @@ def test_the_coordinator_status_says_the_job_makes_no_progress_and_why():
     while t < 1.0 + NO_PROGRESS_S - 0.5:  # every attempt at step 2 fails from now on
         t += 0.25
         one_quorum(t, 1, 1)
-        assert state.accuse("2", "inc2", t, reporter="1", reason="PeerFailed: peer 10.0.0.2:1: refused").verdict == "PENDING"
+        assert state.accuse("2", "inc2", t, reporter="1", reason=f"PeerFailed: peer {prefix}2:1: refused").verdict == "PENDING"
     assert state.snapshot(t)["no_progress"] is None  # not yet 10 s
     assert not state.summary(t)["stalled"]
     while t < 1.0 + NO_PROGRESS_S + 1:
@@ -379,7 +381,10 @@ def test_the_coordinator_status_says_the_job_makes_no_progress_and_why():
     snap = state.snapshot(t)
     text = snap["no_progress"]
     assert text and text.startswith("no progress since ") and "at step 1" in text, text
-    assert "10.0.0.2:1" in text and "accused '2'" in text and "heartbeats" in text, text
+    assert f"{prefix}2:1" in text and "replica '1' accused '2'" in text and "heartbeats" in text, text
+    loopback = f"advertising a loopback address (only their own machine reaches it: right only if every replica " \
+               f"runs there): 1 ({prefix}1:1), 2 ({prefix}2:1)"
+    assert (loopback in text) == (prefix == "127.0.0."), text
     assert snap["progress"]["step"] == 1 and snap["progress"]["retries_since"] >= 40
     assert state.summary(t)["stalled"] and "no progress since" in status_page(snap)
     one_quorum(t + 0.25, 2, 0)  # a step goes through

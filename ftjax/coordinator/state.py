@@ -29,7 +29,9 @@ from ftjax.coordinator.quorum import (
     compute_quorum,
     death_time,
     is_alive,
+    split_address,
 )
+from ftjax.net import is_loopback
 
 MAX_MEMBERS = 10_000  # alive members; beyond that registration gets RESOURCE_EXHAUSTED
 MAX_DEPARTED = 10_000  # dead members remembered for the status page and for late failure reports
@@ -492,11 +494,17 @@ class CoordinatorState:
                 "to retry a step whose FTAR failed")
         report = next((f for f in reversed(self.failures) if f["kind"] == "report"), None)
         if report is not None:
-            text += (f"; latest failure report: {report['reporter'] or 'a replica'} accused "
-                     f"{report['replica_id']!r} ({report['outcome']}): {report['reason']}")
+            reporter = f"replica {report['reporter']!r}" if report["reporter"] else "a replica"
+            text += (f"; latest failure report: {reporter} accused {report['replica_id']!r} "
+                     f"({report['outcome']}): {report['reason']}")
             if report["outcome"] in ("ALIVE", "PENDING", "SUSPECT"):
-                text += (" -- the accused replica heartbeats, so it stays in the job: its peers cannot reach "
-                         "it. Check the FTAR addresses it advertises and the network between the replicas")
+                text += (" -- the accused replica heartbeats, so it stays in the job, but its peers cannot reach "
+                         "it: check the FTAR addresses it advertises and the network between the replicas")
+        loopback = sorted(f"{rid} ({m.report.ftar_addresses[0]})" for rid, m in self.members.items()
+                          if m.report.ftar_addresses and is_loopback(split_address(m.report.ftar_addresses[0])[0]))
+        if loopback:
+            text += (f"; replicas advertising a loopback address (only their own machine reaches it: right only "
+                     f"if every replica runs there): {', '.join(loopback)}")
         return text
 
     def summary(self, now: float) -> dict:
