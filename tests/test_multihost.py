@@ -5,6 +5,9 @@ runs on, a replica that cannot reach a peer saying so, and a job across two netw
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -389,3 +392,182 @@ def test_the_coordinator_status_says_the_job_makes_no_progress_and_why(prefix):
     assert state.summary(t)["stalled"] and "no progress since" in status_page(snap)
     one_quorum(t + 0.25, 2, 0)  # a step goes through
     assert state.snapshot(t + 0.25)["no_progress"] is None
+
+
+# --- two machines: two network namespaces joined by a bridge ----------------------------------------
+# Each "machine" is a network namespace with its own address (10.77.0.1 and .2, fd77::1 and ::2 on
+# a bridge in a third namespace); each process also gets a private /dev/shm (a mount namespace with
+# its own tmpfs), a private temp dir and compilation cache, so the machines share nothing but the
+# network. The README's "Replicas on different machines" shows the same commands by hand.
+MACHINES = {"a": ("10.77.0.1", "fd77::1"), "b": ("10.77.0.2", "fd77::2")}
+
+
+def _namespaces_unavailable() -> str | None:
+    """Why this machine cannot make network namespaces (None: it can)."""
+    if os.geteuid() != 0:
+        return "not root"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"no `{tool}` command"
+    probe = f"ftjprobe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"`ip netns add` failed: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    r = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"`unshare -m` failed: {r.stderr.strip()}"
+    return None
+
+
+def _ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+class Machines:
+    """The namespaces, and the processes started in them (all killed, the namespaces deleted, by
+    `close`, which the fixture runs whatever happens)."""
+
+    def __init__(self, root) -> None:
+        self.prefix = f"ftj{os.getpid() % 100000}"
+        self.names: list[str] = []
+        self.procs: list[subprocess.Popen] = []
+        self.root = root
+        self.no_ipv6: str | None = None
+
+    def ns(self, machine: str) -> str:
+        return f"{self.prefix}{machine}"
+
+    def create(self) -> None:
+        bridge = self.ns("br")
+        for name in (bridge, *(self.ns(m) for m in MACHINES)):
+            _ip("netns", "add", name)
+            self.names.append(name)
+        _ip("-n", bridge, "link", "add", "br0", "type", "bridge")
+        _ip("-n", bridge, "link", "set", "br0", "up")
+        for m, (v4, v6) in MACHINES.items():
+            ns = self.ns(m)
+            _ip("-n", bridge, "link", "add", f"v{m}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", bridge, "link", "set", f"v{m}", "master", "br0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "addr", "add", f"{v4}/24", "dev", "eth0")
+            try:
+                _ip("-n", ns, "addr", "add", f"{v6}/64", "dev", "eth0", "nodad")
+            except RuntimeError as e:  # a kernel without IPv6: the IPv4 tests still run
+                self.no_ipv6 = str(e)
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            (self.root / m / "tmp").mkdir(parents=True, exist_ok=True)
+
+    def env(self, machine: str) -> dict[str, str]:
+        """A real run's environment: no platform, device or thread setting from the tests."""
+        env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+        return {**env, "FTJAX_TOKEN": TOKEN, "TMPDIR": str(self.root / machine / "tmp"),
+                "JAX_COMPILATION_CACHE_DIR": str(self.root / machine / "xla-cache")}
+
+    def start(self, machine: str, argv: list[str], log_name: str) -> subprocess.Popen:
+        """`argv` in `machine`'s network namespace, with a private /dev/shm; output to a log file."""
+        log = open(self.root / machine / log_name, "w")
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns(machine), "unshare", "-m", "sh", "-c",
+             'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "machine", *argv],
+            env=self.env(machine), stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def run(self, machine: str, argv: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", "netns", "exec", self.ns(machine), *argv], env=self.env(machine),
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for name in reversed(self.names):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self.names.clear()
+
+
+@pytest.fixture(scope="module")
+def machines(tmp_path_factory):
+    why = _namespaces_unavailable()
+    if why is not None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true but this machine cannot run the two-machine tests: {why}")
+        pytest.skip(f"needs network namespaces: {why}")
+    m = Machines(tmp_path_factory.mktemp("machines"))
+    try:
+        m.create()
+        yield m
+    finally:
+        m.close()
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert m.prefix not in left, left
+
+
+def test_each_machine_advertises_the_address_of_its_route_to_the_coordinator(machines):
+    code = ("import sys; from ftjax import net; "
+            "print(net.choose(sys.argv[1], environ={}).address(1), net.host_address())")
+    cases = [("10.77.0.1", ("10.77.0.1:1", "10.77.0.2:1"))]
+    cases += [("fd77::1", ("[fd77::1]:1", "[fd77::2]:1"))] if machines.no_ipv6 is None else []
+    for coordinator, expected in cases:
+        for machine, want in zip(MACHINES, expected):
+            r = machines.run(machine, [sys.executable, "-c", code, coordinator])
+            assert r.returncode == 0, r.stderr
+            address, here = r.stdout.split()
+            assert address == want and here == MACHINES[machine][0], (machine, r.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["ipv4", "ipv6"])
+def test_two_replicas_on_two_machines_train_and_end_equal(machines, family):
+    """The issue's reproduction: the coordinator and replica 0 on machine a, replica 1 on machine
+    b, `ftjax train configs/tiny.yaml ft.replicas=2 steps=30 --coordinator IP:PORT` on each. Both
+    train the 30 steps together and end with the same parameters."""
+    if family == "ipv6" and machines.no_ipv6 is not None:
+        pytest.skip(f"no IPv6 in the namespaces: {machines.no_ipv6}")
+    port = 29400 if family == "ipv4" else 29410
+    coordinator = net.format_address(MACHINES["a"][0 if family == "ipv4" else 1], port)
+    coord = machines.start("a", [sys.executable, "-m", "ftjax", "coordinator", "--port", str(port),
+                                 "--http-port", str(port + 1), "--expected-replicas", "2"], f"coordinator-{family}.log")
+    log = machines.root / "a" / f"coordinator-{family}.log"
+    deadline = time.monotonic() + 30
+    while "coordinator listening" not in log.read_text():
+        assert coord.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    runs = {}
+    for r, machine in enumerate(MACHINES):
+        runs[machine] = machines.root / machine / f"run-{family}"
+        machines.start(machine, [sys.executable, "-m", "ftjax", "train", TINY, "ft.replicas=2", "steps=30",
+                                 "--replica-id", str(r), "--coordinator", coordinator, "--out", str(runs[machine])],
+                       f"replica-{r}-{family}.log")
+    codes = [p.wait(300) for p in machines.procs[-2:]]
+    logs = {m: (machines.root / m / f"replica-{r}-{family}.log").read_text() for r, m in enumerate(MACHINES)}
+    assert codes == [0, 0], {m: text[-3000:] for m, text in logs.items()}
+    for r, machine in enumerate(MACHINES):
+        here = MACHINES[machine][0 if family == "ipv4" else 1]
+        assert f"peers reach this process at {here} (chosen by the route to the coordinator" in logs[machine]
+        assert "no progress" not in logs[machine]
+        steps = [json.loads(line) for line in (runs[machine] / "metrics.jsonl").read_text().splitlines()]
+        committed = [s for s in steps if s.get("committed")]
+        assert [s["step"] for s in committed] == list(range(1, 31))
+        assert not any(s.get("event") in ("commit_failure", "peer_unreachable") for s in steps)
+        assert all(s["participants"] == 2 and s["contributors"] == 2 for s in committed)  # trained together
+    digests = [json.loads((runs[m] / "summary.json").read_text())["param_digest"] for m in MACHINES]
+    assert digests[0] == digests[1], digests
+    status = machines.run("a", [sys.executable, "-c", "import sys, urllib.request; print(urllib.request.urlopen("
+                                "sys.argv[1], timeout=10).read().decode())",
+                                f"http://{net.format_address(MACHINES['a'][0], port + 1)}/status"])
+    assert status.returncode == 0, status.stderr
+    status = json.loads(status.stdout)
+    assert status["no_progress"] is None and status["progress"]["step"] == 30, status["progress"]
+    os.killpg(coord.pid, signal.SIGKILL)
