@@ -10,6 +10,7 @@ one), the platform from the config (`platform: auto` uses what JAX finds; `cpu` 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -70,7 +71,8 @@ def dist_bind_address(cfg: Config, dist_address: str) -> str:
     from ftjax import net
 
     host, port = split_address(dist_address)
-    addrs = net.choose(advertise_host=host, bind_host=cfg.net.bind_host)
+    env = {net.BIND_ENV: os.environ.get(net.BIND_ENV, "")}  # (what this process advertises is beside the point)
+    addrs = net.choose(advertise_host=host, bind_host=cfg.net.bind_host, environ=env)
     return net.grpc_bind(addrs.bind, port)
 
 
