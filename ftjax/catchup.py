@@ -62,7 +62,8 @@ class SnapshotServer:
     """Serves orbax snapshots of this replica's state to healing peers (one server per replica)."""
 
     def __init__(self, token: str, workdir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
-                 advertise: str | None = None, serve: bool = True, rate_limit_mbps: float | None = None, wait_offer_s: float = 30.0,
+                 advertise: str | None = None, serve: bool = True, rate_limit_mbps: float | None = None,
+                 wait_offer_s: float = 30.0,
                  idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
         self.token = token
         self.workdir = Path(workdir).absolute()

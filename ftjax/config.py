@@ -153,7 +153,8 @@ class NetConfig(_Strict):
     def _a_host(cls, value: str | None, info) -> str | None:
         if value is not None and (not value.strip() or any(c.isspace() for c in value.strip())):
             raise ValueError(f"{value!r} is not a host (leave it out for the default)")
-        if info.field_name == "advertise_host" and value is not None and value.strip() in ("*", "::", "0.0.0.0", "[::]"):
+        every = ("*", "::", "0.0.0.0", "[::]")
+        if info.field_name == "advertise_host" and value is not None and value.strip() in every:
             raise ValueError(f"{value!r} is every interface, not an address peers can dial")
         return value
 

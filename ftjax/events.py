@@ -37,7 +37,7 @@ class ReplicaEvent(StrEnum):
     BATCHES_COMMITTED_BY_PEERS = "batches_committed_by_peers"  # its batches `batch_ids` were trained by peers
     POSITION_KEPT = "position_kept"  # the coordinator said a lower data position: its own is kept
     COMMIT_FAILURE = "commit_failure"  # a host's FTAR failed: step `step` is discarded and retried
-    PEER_UNREACHABLE = "peer_unreachable"  # every attempt for `seconds` failed on `peer` (replica, host): said on stderr too
+    PEER_UNREACHABLE = "peer_unreachable"  # every attempt for `seconds` failed on `peer` (replica, host); on stderr too
     PROGRESS_TIMEOUT = "progress_timeout"  # the watchdog saw no progress in `phase`: the process leaves the job
     DRAIN_TIMEOUT = "drain_timeout"  # trained every step; gave up waiting for healing peers after drain_timeout_s
 

@@ -106,7 +106,8 @@ def test_net_config_is_checked():
 def test_ftar_endpoints_bound_to_every_interface_meet_over_ipv4_and_ipv6():
     """One endpoint advertises its IPv6 loopback address, the other its IPv4 one; both listen on one
     dual-stack socket, so each dials the other in its own family."""
-    eps = [FTAREndpoint(TOKEN, host="", advertise=adv, timeout_s=10, shared_memory=False) for adv in ("::1", "127.0.0.1")]
+    eps = [FTAREndpoint(TOKEN, host="", advertise=adv, timeout_s=10, shared_memory=False)
+           for adv in ("::1", "127.0.0.1")]
     try:
         assert eps[0].address.startswith("[::1]:") and eps[1].address.startswith("127.0.0.1:")
         members = [ep.address for ep in eps]
@@ -361,8 +362,8 @@ def test_the_coordinator_status_says_the_job_makes_no_progress_and_why(prefix):
     state = CoordinatorState(Settings(min_replicas=2, heartbeat_timeout_s=2.0), 0.0, startup_grace=0.0)
 
     def report(rid, step, failures):
-        return MemberReport(rid, f"inc{rid}", step=step, ftar_addresses=(f"{prefix}{rid}:1",), topology_fingerprint="fp",
-                            commit_failures=failures)
+        return MemberReport(rid, f"inc{rid}", step=step, ftar_addresses=(f"{prefix}{rid}:1",),
+                            topology_fingerprint="fp", commit_failures=failures)
 
     def one_quorum(now, step, failures):
         for rid in "12":
@@ -375,7 +376,8 @@ def test_the_coordinator_status_says_the_job_makes_no_progress_and_why(prefix):
     while t < 1.0 + NO_PROGRESS_S - 0.5:  # every attempt at step 2 fails from now on
         t += 0.25
         one_quorum(t, 1, 1)
-        assert state.accuse("2", "inc2", t, reporter="1", reason=f"PeerFailed: peer {prefix}2:1: refused").verdict == "PENDING"
+        accused = state.accuse("2", "inc2", t, reporter="1", reason=f"PeerFailed: peer {prefix}2:1: refused")
+        assert accused.verdict == "PENDING"
     assert state.snapshot(t)["no_progress"] is None  # not yet 10 s
     assert not state.summary(t)["stalled"]
     while t < 1.0 + NO_PROGRESS_S + 1:

@@ -194,7 +194,7 @@ def status_page(snapshot: dict) -> str:
         f"{', no state: restoring a checkpoint' if q['no_state'] else ''}</p>"
         + _table(q["participants"], ["replica_id", "incarnation", "step", "healing", "heal_source"])
     )
-    stalled = (f'<p style="color:#b00;font-weight:bold">{html.escape(s["no_progress"])}</p>\n'
+    stalled = (f'<p style="color:#b00;font-weight:bold">{html.escape(s["no_progress"])}</p>'
                if s.get("no_progress") else "")
     history = [dict(h, participants=len(h["participants"]), healing=", ".join(f"{k}<-{v}" for k, v in h["healing"].items()),
                     wait_ms=round(h["wait_s"] * 1000, 1)) for h in s["history"]]
@@ -203,7 +203,8 @@ def status_page(snapshot: dict) -> str:
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left}}</style></head><body>
 <h1>ftjax coordinator</h1>
-{stalled}<p>up {s['uptime_s']:.0f} s; {s['alive']} replicas alive; topology {html.escape(str(s['topology_fingerprint']))};
+{stalled}
+<p>up {s['uptime_s']:.0f} s; {s['alive']} replicas alive; topology {html.escape(str(s['topology_fingerprint']))};
 waiting because: {html.escape(s['waiting_because'])}</p>
 <h2>Replicas</h2>
 {_table(s['replicas'], ['replica_id', 'incarnation', 'step', 'data_position', 'has_state', 'heartbeat_age_s', 'alive',
