@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, quote, urlparse
 
+from ftjax import net
 from ftjax.coordinator.http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPServer
 from ftjax.coordinator.quorum import split_address
 
@@ -61,7 +62,8 @@ class SnapshotServer:
     """Serves orbax snapshots of this replica's state to healing peers (one server per replica)."""
 
     def __init__(self, token: str, workdir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
-                 serve: bool = True, rate_limit_mbps: float | None = None, wait_offer_s: float = 30.0,
+                 advertise: str | None = None, serve: bool = True, rate_limit_mbps: float | None = None,
+                 wait_offer_s: float = 30.0,
                  idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
         self.token = token
         self.workdir = Path(workdir).absolute()
@@ -71,6 +73,9 @@ class SnapshotServer:
         self._refresh: dict[str, int] = {}  # key -> min step a fetcher asked for
         self._cv = threading.Condition()
         self._httpd = None
+        if advertise is None:
+            advertise = net.host_address() if net.is_all_interfaces(host) else host
+        self._advertise = net.normalize_host(advertise)
         if serve:  # only a replica's leader serves; every host takes part in the orbax save
             # Idle connections time out and surplus ones are refused (a peer stalled or flooding
             # the port cannot pin threads in the training process); a slow transfer that keeps
@@ -81,8 +86,8 @@ class SnapshotServer:
 
     @property
     def address(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"{host}:{port}"
+        """Where healing peers fetch from: the advertised host and the bound port."""
+        return net.format_address(self._advertise, self._httpd.server_address[1])
 
     # --- source side, called from the training loop -------------------------------------------
     def offer(self, key: str, state: Any, step: int, meta: dict) -> None:
@@ -348,11 +353,11 @@ class OrbaxHTTPTransport:
     (see `snapshot_dir`): what a killed incarnation left there is cleared at start, all of it at close."""
 
     def __init__(self, token: str, directory: Path, *, leader: bool, rate_limit_mbps: float | None,
-                 timeout_s: float, host: str = "127.0.0.1"):
+                 timeout_s: float, host: str = "127.0.0.1", advertise: str | None = None):
         self.token, self.directory, self.leader, self.timeout_s = token, directory, leader, timeout_s
         if leader:  # what a killed incarnation of this replica left behind (it may be in RAM)
             shutil.rmtree(directory, ignore_errors=True)
-        self.server = SnapshotServer(token, directory / "served", serve=leader, host=host,
+        self.server = SnapshotServer(token, directory / "served", serve=leader, host=host, advertise=advertise,
                                      rate_limit_mbps=rate_limit_mbps)
         self.address = self.server.address if leader else ""
         self._fetches = 0

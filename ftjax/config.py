@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -49,7 +49,8 @@ class DataConfig(_Strict):
 
 class MeshConfig(_Strict):
     hosts: int = Field(1, gt=0, description="processes (hosts) in one replica")
-    devices_per_host: int = Field(1, gt=0, description="simulated CPU devices per process")
+    devices_per_host: int = Field(1, gt=0, description="devices each process uses: the first of its "
+                                  "accelerators, or on platform cpu that many simulated CPU devices")
 
     @property
     def num_devices(self) -> int:
@@ -135,9 +136,35 @@ class FTConfig(_Strict):
         return self
 
 
+class NetConfig(_Strict):
+    """Where a train process's listeners (FTAR, catch-up, its replica's jax.distributed service)
+    bind, and the address its peers dial (ftjax/net.py). The environment wins over these, since it
+    is per process and the config is the job's: $FTJAX_BIND_HOST, $FTJAX_ADVERTISE_HOST."""
+
+    bind_host: str | None = Field(None, description="host to bind (default: all interfaces, IPv6 and IPv4; "
+                                  "the loopback address when the process advertises one)")
+    advertise_host: str | None = Field(None, description="host peers dial (default: the source address of "
+                                       "this machine's route to the coordinator)")
+    interface: str | None = Field(None, description="advertise this network interface's address (e.g. ib0), "
+                                  "unless advertise_host is set")
+
+    @field_validator("bind_host", "advertise_host", "interface")
+    @classmethod
+    def _a_host(cls, value: str | None, info) -> str | None:
+        if value is not None and (not value.strip() or any(c.isspace() for c in value.strip())):
+            raise ValueError(f"{value!r} is not a host (leave it out for the default)")
+        every = ("*", "::", "0.0.0.0", "[::]")
+        if info.field_name == "advertise_host" and value is not None and value.strip() in every:
+            raise ValueError(f"{value!r} is every interface, not an address peers can dial")
+        return value
+
+
 class Config(_Strict):
     seed: int = 0
     steps: int = Field(30, gt=0)
+    platform: Literal["auto", "cpu", "gpu", "tpu"] = Field(
+        "auto", description="auto: what JAX finds; cpu: CPU with mesh.devices_per_host simulated devices; "
+        "gpu, tpu: fail unless JAX finds one")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
@@ -145,6 +172,7 @@ class Config(_Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
     ft: FTConfig = FTConfig()
+    net: NetConfig = NetConfig()
 
     @model_validator(mode="after")
     def _mesh_fits(self) -> "Config":

@@ -1,8 +1,15 @@
 """Process environment: what must be fixed before JAX is imported, and the job token.
 
-Many JAX processes share two cores in tests and on the demo machine; each one is limited to a
-single XLA/BLAS thread so that timing-based checks (stall bounds, failure detection) do not flake
-from oversubscription. Simulated CPU devices are also an XLA flag, so they are set here too.
+Two kinds of process, set up differently:
+
+- a **run** (`ftjax train` as a user starts it, or a cluster's job files): `configure_run` takes
+  the platform from the config (`platform: auto|cpu|gpu|tpu`). Only `platform: cpu` sets
+  `JAX_PLATFORMS=cpu` and simulates `mesh.devices_per_host` CPU devices; auto leaves the choice to
+  JAX. Nothing limits threads.
+- a **simulated job on this machine** (tests, `ftjax launch`, `ftjax demo`, the benchmarks), which
+  asks for it explicitly: `limited_env` / `configure_process` give CPU, simulated devices and a
+  single XLA/BLAS thread per process, since many JAX processes share two cores there and
+  timing-based checks (stall bounds, failure detection) must not flake from oversubscription.
 """
 
 from __future__ import annotations
@@ -16,25 +23,21 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "T
 _SINGLE_THREAD_XLA = ("--xla_cpu_multi_thread_eigen=false",)
 
 
-def _merge_xla_flags(flags: str, device_count: int | None) -> str:
+def _merge_xla_flags(flags: str, device_count: int | None, *, single_thread: bool) -> str:
     # Only `--flag=value` tokens: XLA stops parsing at the first token that is not one, silently
     # dropping every flag after it (a stray token once cost a multi-process replica its devices).
     parts = [p for p in flags.split() if p.startswith("--")]
     if device_count is not None:
         parts = [p for p in parts if not p.startswith("--xla_force_host_platform_device_count")]
         parts.insert(0, f"--xla_force_host_platform_device_count={device_count}")
-    for flag in _SINGLE_THREAD_XLA:
+    for flag in _SINGLE_THREAD_XLA if single_thread else ():
         if not any(p.split("=")[0] == flag.split("=")[0] for p in parts):
             parts.append(flag)
     return " ".join(parts)
 
 
-def limited_env(base: Mapping[str, str] | None = None, *, device_count: int | None = None) -> dict[str, str]:
-    """A copy of ``base`` (default: os.environ) for a child process: one compute thread, quiet logs."""
-    env = dict(os.environ if base is None else base)
-    for var in _THREAD_VARS:
-        env.setdefault(var, "1")
-    env["XLA_FLAGS"] = _merge_xla_flags(env.get("XLA_FLAGS", ""), device_count)
+def _common(env: dict[str, str]) -> dict[str, str]:
+    """What every ftjax process gets: the shared compilation cache, quiet logs, unbuffered output."""
     # A persistent XLA compilation cache shared by every process of every job on this machine:
     # a restarted replica (and each test's fresh processes) loads its executables instead of
     # recompiling them, which is most of a JAX process's start-up. Same HLO, same executable, so
@@ -43,13 +46,36 @@ def limited_env(base: Mapping[str, str] | None = None, *, device_count: int | No
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env.setdefault("JAX_PLATFORMS", "cpu")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
-def configure_process(device_count: int | None = None) -> None:
-    """Apply :func:`limited_env` to this process. Must run before the first ``import jax``."""
+def limited_env(base: Mapping[str, str] | None = None, *, device_count: int | None = None) -> dict[str, str]:
+    """A copy of ``base`` (default: os.environ) for a process of a simulated job on this machine:
+    CPU, ``device_count`` simulated devices, one compute thread, quiet logs."""
+    env = dict(os.environ if base is None else base)
+    for var in _THREAD_VARS:
+        env.setdefault(var, "1")
+    env["XLA_FLAGS"] = _merge_xla_flags(env.get("XLA_FLAGS", ""), device_count, single_thread=True)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return _common(env)
+
+
+def run_env(base: Mapping[str, str] | None = None, *, platform: str = "auto",
+            device_count: int | None = None) -> dict[str, str]:
+    """A copy of ``base`` (default: os.environ) for a run on `platform` (the config's): CPU and
+    ``device_count`` simulated devices only for "cpu"; for "auto", "gpu" and "tpu" the platform is
+    what JAX finds (`check_platform` refuses the wrong one) and no device is simulated."""
+    env = dict(os.environ if base is None else base)
+    if platform == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = _merge_xla_flags(env.get("XLA_FLAGS", ""), device_count, single_thread=False)
+    elif platform in ("gpu", "tpu") and env.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        env.pop("JAX_PLATFORMS")  # a leftover from a CPU setup would hide the accelerator asked for
+    return _common(env)
+
+
+def _check_not_imported(device_count: int | None) -> None:
     import sys
 
     if "jax" in sys.modules and device_count is not None and _current_device_flag() != device_count:
@@ -57,7 +83,40 @@ def configure_process(device_count: int | None = None) -> None:
             "simulated CPU devices must be set before the first `import jax`; "
             f"this process already imported JAX with device count {_current_device_flag()}"
         )
+
+
+def configure_process(device_count: int | None = None) -> None:
+    """Apply :func:`limited_env` to this process (a simulated job: tests, benchmarks). Must run
+    before the first ``import jax``."""
+    _check_not_imported(device_count)
     os.environ.update(limited_env(device_count=device_count))
+
+
+def configure_run(platform: str, device_count: int | None = None) -> None:
+    """Apply :func:`run_env` to this process (`ftjax train`). Must run before the first ``import jax``."""
+    _check_not_imported(device_count if platform == "cpu" else None)
+    env = run_env(platform=platform, device_count=device_count)
+    for var in set(os.environ) - set(env):
+        del os.environ[var]
+    os.environ.update(env)
+
+
+def check_platform(platform: str, devices_per_host: int) -> None:
+    """After JAX started: RuntimeError naming the config keys if it runs on another platform than
+    `platform` asks for, or has fewer devices in this process than `devices_per_host`."""
+    import jax
+
+    found = jax.default_backend()
+    if platform in ("gpu", "tpu") and found != platform:
+        raise RuntimeError(f"platform: {platform} was asked for, but JAX found {found} only "
+                           f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}); install the {platform} "
+                           "plugin of jax, or set platform: auto or cpu")
+    local = jax.local_device_count()
+    if local < devices_per_host:
+        hint = ("set platform: cpu to simulate CPU devices, or lower mesh.devices_per_host" if found == "cpu"
+                else "lower mesh.devices_per_host")
+        raise RuntimeError(f"mesh.devices_per_host={devices_per_host}, but this process has {local} {found} "
+                           f"device(s) (platform: {platform}); {hint}")
 
 
 def _current_device_flag() -> int | None:

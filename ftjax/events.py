@@ -37,6 +37,7 @@ class ReplicaEvent(StrEnum):
     BATCHES_COMMITTED_BY_PEERS = "batches_committed_by_peers"  # its batches `batch_ids` were trained by peers
     POSITION_KEPT = "position_kept"  # the coordinator said a lower data position: its own is kept
     COMMIT_FAILURE = "commit_failure"  # a host's FTAR failed: step `step` is discarded and retried
+    PEER_UNREACHABLE = "peer_unreachable"  # every attempt for `seconds` failed on `peer` (replica, host); on stderr too
     PROGRESS_TIMEOUT = "progress_timeout"  # the watchdog saw no progress in `phase`: the process leaves the job
     DRAIN_TIMEOUT = "drain_timeout"  # trained every step; gave up waiting for healing peers after drain_timeout_s
 
@@ -58,6 +59,7 @@ class LauncherEvent(StrEnum):
     REJOINED = "rejoined"  # a restarted replica R caught up (its catchup_done: at_step, catchup_s, source)
     CAUGHT_UP = "caught_up"  # a first incarnation caught up (it joined late)
     COMMIT_FAILURE = "commit_failure"  # replica R's commit_failure, copied (step, errors: how many)
+    PEER_UNREACHABLE = "peer_unreachable"  # replica R's peer_unreachable, copied (peer, replica of the peer, seconds)
     WARM = "warm"  # every replica holds the job's state: the origin of fault times
     RANDOM_KILLS_STOPPED = "random_kills_stopped"  # --mtbf-s: too few steps left to recover from one more
     END = "end"  # the launcher is done (ok; error when it was not)

@@ -22,6 +22,7 @@ fault injection.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -34,6 +35,7 @@ from ftjax.coordinator.quorum import Participant
 from ftjax.catchup import CatchupTransport, FetchResult, SnapshotFetch
 from ftjax.events import ReplicaEvent as E
 from ftjax.ftar import FTARError
+from ftjax.net import ADVERTISE_ENV, is_loopback
 from ftjax.replay import ReplayBuffer
 from ftjax.watchdog import NoWatchdog
 
@@ -96,10 +98,59 @@ class LocalQuorum:
         pass
 
 
+UNREACHABLE_AFTER_S = 10.0  # consecutive failed attempts on one peer for this long: say so
+
+
+class UnreachablePeers:
+    """Which peers every attempt at a step fails on, and for how long (no clock of its own).
+
+    The same peer named in consecutive failed attempts (`failed`, with the time each attempt
+    began), for `after_s` or more and in two attempts at least, is *unreachable*: it is reported
+    once (`failed` returns it), until an attempt succeeds (`succeeded`). A peer whose connections
+    are refused fails an attempt within milliseconds, one that drops them within the FTAR timeout
+    (10 s by default): either way it is reported within 2 x max(after_s, FTAR timeout) of the first
+    failed attempt."""
+
+    def __init__(self, after_s: float = UNREACHABLE_AFTER_S) -> None:
+        self.after_s = after_s
+        self._streaks: dict[str, tuple[float, int]] = {}  # peer -> (first attempt began, attempts)
+        self._told: set[str] = set()
+
+    def failed(self, peers: set[str], began: float, now: float) -> list[tuple[str, float, int]]:
+        """An attempt that began at `began` failed naming `peers`. Returns (peer, seconds, attempts)
+        of each peer that has just become unreachable."""
+        self._streaks = {p: (self._streaks[p][0] if p in self._streaks else began,
+                             self._streaks[p][1] + 1 if p in self._streaks else 1) for p in peers}
+        out = []
+        for peer, (since, attempts) in self._streaks.items():
+            if attempts >= 2 and now - since >= self.after_s and peer not in self._told:
+                self._told.add(peer)
+                out.append((peer, now - since, attempts))
+        return out
+
+    def succeeded(self) -> None:
+        self._streaks.clear()
+        self._told.clear()
+
+
+def unreachable_message(replica_id: str, step: int, peer: str, who: str, seconds: float, attempts: int,
+                        error: str) -> str:
+    """What a replica prints when every attempt at a step fails on the same peer: the address, and
+    what to check."""
+    host = peer.rsplit(":", 1)[0].strip("[]")
+    loop = (f" {host} is a loopback address, which only the peer's own machine can reach: if the peer "
+            "runs on another machine, it advertises the wrong address." if is_loopback(host) else "")
+    return (f"replica {replica_id}: no progress for {seconds:.0f} s: all {attempts} attempts at step {step} failed "
+            f"on {who} at {peer} ({error}).{loop} Check that this machine can reach {peer}: a firewall between "
+            "the machines (the peer's FTAR and catch-up ports), a route, and the address the peer advertises "
+            "(it prints it when it starts; by default the source address of its route to the coordinator; set "
+            f"${ADVERTISE_ENV}, net.advertise_host or net.interface on the peer to one its peers can reach).")
+
+
 class StepProtocol:
     def __init__(self, *, replica_id: str, incarnation: str, group: HostGroup, reducer: Reducer,
                  transport: CatchupTransport | None, quorums: QuorumSource | None, buffer: ReplayBuffer,
-                 log: Any, watchdog: Any = None) -> None:
+                 log: Any, watchdog: Any = None, unreachable_after_s: float = UNREACHABLE_AFTER_S) -> None:
         self.replica_id, self.incarnation = replica_id, incarnation
         self.group, self.reducer, self.transport, self.quorums = group, reducer, transport, quorums
         self.buffer, self.log = buffer, log
@@ -109,6 +160,8 @@ class StepProtocol:
         self.total_commit_failures = 0
         self.known_positions: dict[str, int] = {}  # leader: every replica's data position, as far as we know
         self._pending: Future | None = None
+        self._attempt_began = time.monotonic()
+        self.unreachable = UnreachablePeers(unreachable_after_s)
         self.fetch: SnapshotFetch | None = None
         self.heal_started: float | None = None
 
@@ -140,6 +193,7 @@ class StepProtocol:
         """(the averaged update, None), or (None, the failure: the peer at fault and why). `grads`
         is None when this replica contributes nothing (it heals): it relays zeros."""
         self.watchdog.beat("ftar")
+        self._attempt_began = time.monotonic()
         try:
             return self.reducer.average(q, grads), None
         except FTARError as e:
@@ -153,16 +207,26 @@ class StepProtocol:
         failed = [v for v in self.group.allgather(error) if v is not None]
         self.watchdog.beat("commit")
         if not failed:
+            self.unreachable.succeeded()
             return True
         self.commit_failures += 1
         self.total_commit_failures += 1
         self.log.event(E.COMMIT_FAILURE, step=q.step + 1, quorum_id=q.quorum_id, errors=failed)
+        by_address = {a: (p, h) for p in q.participants for h, a in enumerate(p.ftar_addresses)}
         if self.leader:
-            by_address = {a: p for p in q.participants for a in p.ftar_addresses}
             for f in failed:
-                p = by_address.get(f["peer"])
+                p = by_address.get(f["peer"], (None, 0))[0]
                 if p is not None and p.replica_id != self.replica_id:
                     self.quorums.report_failure(q.quorum_id, p.replica_id, p.incarnation, f["error"][:200])
+        newly = self.unreachable.failed({f["peer"] for f in failed}, self._attempt_began, time.monotonic())
+        for peer, seconds, attempts in newly if self.leader else ():
+            p, host = by_address.get(peer, (None, 0))
+            who = f"replica {p.replica_id} host {host}" if p is not None else "a peer"
+            error = next(f["error"] for f in failed if f["peer"] == peer)
+            self.log.event(E.PEER_UNREACHABLE, step=q.step + 1, peer=peer, replica=p.replica_id if p else None,
+                           host=host, seconds=round(seconds, 3), attempts=attempts, error=error)
+            message = unreachable_message(self.replica_id, q.step + 1, peer, who, seconds, attempts, error)
+            print(f"ftjax train: {message}", file=sys.stderr, flush=True)
         return False
 
     def committed(self, q: QuorumResult, applied: bool) -> None:

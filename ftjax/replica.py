@@ -14,7 +14,9 @@ from pathlib import Path
 
 import jax
 
+from ftjax import net
 from ftjax.coordinator.client import CoordinatorClient, MemberInfo, new_incarnation
+from ftjax.coordinator.quorum import split_address
 from ftjax.catchup import OrbaxHTTPTransport, snapshot_dir
 from ftjax.checkpoint import DurableCheckpoints
 from ftjax.config import Config
@@ -44,17 +46,31 @@ def _faults(args: argparse.Namespace) -> InjectedFaults:
                      parse_die_at(getattr(args, "hang_at", None), "--hang-at"))
 
 
-def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str) -> Trainer:
+def addresses(cfg: Config, coordinator: str) -> net.Addresses:
+    """What this process's listeners bind and advertise (ftjax/net.py): by default every interface,
+    and the source address of this machine's route to the coordinator."""
+    return net.choose(split_address(coordinator)[0], advertise_host=cfg.net.advertise_host,
+                      interface=cfg.net.interface, bind_host=cfg.net.bind_host)
+
+
+def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs: net.Addresses) -> Trainer:
     group = ReplicaComm()
     leader = group.rank == 0
     program = build_program(cfg)
     program.precompile()  # before joining: a late compile would stall every peer's FTAR
     stream = make_stream(cfg, replica=args.replica_id)
     log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}")
-    endpoint = FTAREndpoint(token, timeout_s=cfg.ft.ftar_timeout_s, shared_memory=cfg.ft.ftar_shared_memory)
+    endpoint = FTAREndpoint(token, host=addrs.bind, advertise=addrs.advertise, timeout_s=cfg.ft.ftar_timeout_s,
+                            shared_memory=cfg.ft.ftar_shared_memory)
     ftar_addresses = group.allgather(endpoint.address)
     transport = OrbaxHTTPTransport(token, snapshot_dir(cfg.ft.catchup_dir, out), leader=leader,
-                                   rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps, timeout_s=cfg.ft.quorum_timeout_s)
+                                   rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps, timeout_s=cfg.ft.quorum_timeout_s,
+                                   host=addrs.bind, advertise=addrs.advertise)
+    bound = "every interface" if net.is_all_interfaces(addrs.bind) else addrs.bind
+    print(f"ftjax train: replica {args.replica_id} host {group.rank}: peers reach this process at "
+          f"{addrs.advertise} (chosen by {addrs.why}; ${net.ADVERTISE_ENV} or net.advertise_host to change): "
+          f"FTAR {endpoint.address}" + (f", catch-up {transport.address}" if leader else "")
+          + f"; listening on {bound}", file=sys.stderr, flush=True)
     incarnation = group.broadcast(new_incarnation() if leader else None)
     client = None
     if leader:
@@ -107,7 +123,13 @@ def run_member(cfg: Config, args: argparse.Namespace, out: Path) -> int:
     except ValueError as e:
         print(f"ftjax train: --coordinator needs the job token: {e}", file=sys.stderr)
         return 2
-    return _run(_member(cfg, args, out, token), cfg)
+    try:
+        addrs = addresses(cfg, args.coordinator)
+    except (OSError, ValueError) as e:
+        print(f"ftjax train: cannot tell which address peers reach this process at: {e}; name it with "
+              f"${net.ADVERTISE_ENV}, net.advertise_host or net.interface", file=sys.stderr)
+        return 2
+    return _run(_member(cfg, args, out, token, addrs), cfg)
 
 
 def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:

@@ -3,17 +3,20 @@
 Standalone (no `--coordinator`), the replica trains alone; with `--coordinator`, its leader joins
 a fault-tolerant job. Both run the same loop (`ftjax.trainer`) and step protocol (`ftjax.protocol`),
 assembled in `ftjax.replica`. Either way: config validated before JAX starts (exit 2 on a bad
-one), simulated CPU devices set from the config, metrics in RUN_DIR, durable checkpoints with orbax.
+one), the platform from the config (`platform: auto` uses what JAX finds; `cpu` simulates
+`mesh.devices_per_host` CPU devices), metrics in RUN_DIR, durable checkpoints with orbax.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from ftjax.config import Config, ConfigError, load_config
-from ftjax.env import configure_process
+from ftjax.coordinator.quorum import split_address
+from ftjax.env import check_platform, configure_run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop (with a checkpoint) once N steps are done, as if interrupted")
     p.add_argument("--num-processes", type=int, default=None, help="hosts in this replica (sets mesh.hosts)")
     p.add_argument("--process-id", type=int, default=0, help="this process's rank within the replica")
-    p.add_argument("--dist-address", default=None, help="HOST:PORT of the replica's jax.distributed service")
+    p.add_argument("--dist-address", default=None,
+                   help="HOST:PORT of the replica's jax.distributed service (process 0 serves it, bound to "
+                        "net.bind_host; every process dials HOST)")
     p.add_argument("--replica-id", type=int, default=0, help="this replica's index in the job (0-based)")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of the job's coordinator (joins a job)")
     p.add_argument("--die-at", default=None, metavar="STEP:PHASE",
@@ -45,6 +50,12 @@ def parse_config(args: argparse.Namespace) -> Config:
             raise ConfigError(f"--num-processes: must be >= 1 (got {args.num_processes})")
         overrides.append(f"mesh.hosts={args.num_processes}")
     cfg = load_config(args.config, overrides)
+    for flag, value in (("--dist-address", args.dist_address), ("--coordinator", args.coordinator)):
+        if value:
+            try:
+                split_address(value)
+            except ValueError as e:
+                raise ConfigError(f"{flag}: {e} (an IPv6 host goes in brackets: [fd00::1]:29400)") from None
     if cfg.mesh.hosts > 1 and not args.dist_address:
         raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} needs --dist-address HOST:PORT for the replica's processes")
     if not 0 <= args.process_id < cfg.mesh.hosts:
@@ -54,6 +65,17 @@ def parse_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
+def dist_bind_address(cfg: Config, dist_address: str) -> str:
+    """Where process 0 binds the replica's jax.distributed service: `net.bind_host` (or
+    $FTJAX_BIND_HOST), else all interfaces, or the loopback address that `dist_address` names."""
+    from ftjax import net
+
+    host, port = split_address(dist_address)
+    env = {net.BIND_ENV: os.environ.get(net.BIND_ENV, "")}  # (what this process advertises is beside the point)
+    addrs = net.choose(advertise_host=host, bind_host=cfg.net.bind_host, environ=env)
+    return net.grpc_bind(addrs.bind, port)
+
+
 def init_distributed(cfg: Config, args: argparse.Namespace) -> None:
     """Form the replica's own jax.distributed cluster (CPU collectives over gloo)."""
     import jax
@@ -61,7 +83,8 @@ def init_distributed(cfg: Config, args: argparse.Namespace) -> None:
     if cfg.mesh.hosts > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=args.dist_address, num_processes=cfg.mesh.hosts,
-                                   process_id=args.process_id)
+                                   process_id=args.process_id,
+                                   coordinator_bind_address=dist_bind_address(cfg, args.dist_address))
 
 
 def main(argv: list[str]) -> int:
@@ -71,9 +94,14 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"ftjax train: config error: {e}", file=sys.stderr)
         return 2
-    configure_process(device_count=cfg.mesh.devices_per_host)
+    configure_run(cfg.platform, device_count=cfg.mesh.devices_per_host)
     out = Path(args.out or Path("runs") / Path(args.config).stem)
     init_distributed(cfg, args)
+    try:
+        check_platform(cfg.platform, cfg.mesh.devices_per_host)
+    except RuntimeError as e:
+        print(f"ftjax train: {e}", file=sys.stderr)
+        return 2
     from ftjax.checkpoint import CheckpointMismatch
 
     try:

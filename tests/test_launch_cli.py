@@ -183,7 +183,7 @@ def test_emit_slurm(tmp_path):
                        .replace('"$LEADER:', '"node0:').split(" && ")[0])
     _check_train_args(argv + ["--process-id", "1"], str(out / "config.yaml"), replica=1)
     coord = (out / "coordinator.sbatch").read_text()
-    assert "ftjax coordinator --host 0.0.0.0" in coord and "--token-file" in coord
+    assert "ftjax coordinator --port" in coord and "--token-file" in coord and "--host" not in coord
 
 
 def test_emit_k8s(tmp_path):

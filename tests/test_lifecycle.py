@@ -68,6 +68,8 @@ TRANSITIONS = {
     "a commit failure does not end a stall": (STALLED, ev(E.COMMIT_FAILURE, step=6, errors=[]), STALLED),
     "the launcher's copy of a commit failure (it has a step)": (TRAINING, ev(L.COMMIT_FAILURE, replica=0, step=6),
                                                                 TRAINING),
+    "a peer unreachable does not end a stall": (STALLED, ev(E.PEER_UNREACHABLE, step=6, peer="10.0.0.2:5"), STALLED),
+    "nor does the launcher's copy": (STALLED, ev(L.PEER_UNREACHABLE, replica=0, step=6, peer="10.0.0.2:5"), STALLED),
     "rejoined copies catchup_done": (CATCHING_UP, ev(L.REJOINED, replica=1, at_step=9), CATCHING_UP),
     "a hang fault: the clock will tell": (TRAINING, ev(L.FAULT, kind="hang", replica=1), TRAINING),
     "hang_detected: replica_down follows": (STALLED, ev(L.HANG_DETECTED, replica=1), STALLED),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import json
 import socket
+import socketserver
 import sys
 import threading
 import time
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ftjax import net
 from ftjax.coordinator.state import CoordinatorState
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
@@ -46,6 +48,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     - at most `max_connections` are served at once. One more is answered 503 and closed at once by
       the accepting thread itself, without a thread of its own: queueing it instead would let idle
       connections pile up in the queue, and its client learns at once that it should retry.
+
+    The host of `address` may be "" (every interface: one dual-stack IPv6 socket where the kernel
+    has IPv6), an IPv4 or an IPv6 address.
     """
 
     daemon_threads = True
@@ -59,7 +64,17 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
         self.idle_timeout_s = idle_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
-        super().__init__(address, handler)
+        host, port = address
+        self.address_family = net.family_of(host)
+        super().__init__((net.sockaddr_host(host, self.address_family), port), handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind would look up this host's name (socket.getfqdn), which waits on DNS
+        # where there is none (a network namespace, a cluster node): not needed, so skipped.
+        if self.address_family == socket.AF_INET6 and self.server_address[0] == "::":
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
 
     def process_request(self, request: socket.socket, client_address) -> None:
         if not self._slots.acquire(blocking=False):
@@ -123,6 +138,12 @@ class _StateCollector:
         yield GaugeMetricFamily("ftjax_coordinator_quorum_size", "Participants of the latest quorum.",
                                 value=s["quorum_size"])
         yield GaugeMetricFamily("ftjax_coordinator_step", "Step of the latest quorum.", value=s["step"])
+        yield GaugeMetricFamily("ftjax_coordinator_seconds_since_progress",
+                                "Seconds since the job's step last moved (0 before the first quorum).",
+                                value=s["seconds_since_progress"])
+        yield GaugeMetricFamily("ftjax_coordinator_stalled",
+                                "1 while the job makes no progress and failed steps keep forming quorums.",
+                                value=int(s["stalled"]))
 
 
 class Metrics:
@@ -173,6 +194,8 @@ def status_page(snapshot: dict) -> str:
         f"{', no state: restoring a checkpoint' if q['no_state'] else ''}</p>"
         + _table(q["participants"], ["replica_id", "incarnation", "step", "healing", "heal_source"])
     )
+    stalled = (f'<p style="color:#b00;font-weight:bold">{html.escape(s["no_progress"])}</p>'
+               if s.get("no_progress") else "")
     history = [dict(h, participants=len(h["participants"]), healing=", ".join(f"{k}<-{v}" for k, v in h["healing"].items()),
                     wait_ms=round(h["wait_s"] * 1000, 1)) for h in s["history"]]
     return f"""<!doctype html>
@@ -180,6 +203,7 @@ def status_page(snapshot: dict) -> str:
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left}}</style></head><body>
 <h1>ftjax coordinator</h1>
+{stalled}
 <p>up {s['uptime_s']:.0f} s; {s['alive']} replicas alive; topology {html.escape(str(s['topology_fingerprint']))};
 waiting because: {html.escape(s['waiting_because'])}</p>
 <h2>Replicas</h2>
@@ -199,7 +223,8 @@ class StatusHTTPServer:
     """Serves `/`, `/status` and `/metrics` from a daemon thread."""
 
     def __init__(self, state: CoordinatorState, metrics: Metrics, host: str, port: int, *,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
+                 advertise: str | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
                 path = self.path.split("?", 1)[0]
@@ -225,7 +250,7 @@ class StatusHTTPServer:
 
         self._server = BoundedHTTPServer((host, port), Handler, idle_timeout_s=idle_timeout_s,
                                          max_connections=max_connections)
-        self.address = f"{host}:{self._server.server_address[1]}"
+        self.address = net.format_address(advertise or host, self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="coordinator-http", daemon=True)
         self._thread.start()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from ftjax import net
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator.http import Metrics, StatusHTTPServer
@@ -47,6 +48,7 @@ from ftjax.coordinator.quorum import (
 from ftjax.coordinator.state import MAX_MEMBERS, Accusation, CoordinatorState, Rejected
 from ftjax.config import CoordinatorConfig, flag_name
 from ftjax.env import TOKEN_ENV, read_token
+from ftjax.net import ADVERTISE_ENV, BIND_ENV
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 MAX_MESSAGE_BYTES = 1 << 20  # a Member is at most ~270 KB (1024 addresses of 256 bytes)
@@ -404,14 +406,16 @@ class CoordinatorServer:
     """
 
     def __init__(self, settings: Settings, token: str, *, host: str = "127.0.0.1", port: int = 0,
-                 http_port: int | None = 0, startup_grace: float | None = None) -> None:
+                 http_port: int | None = 0, startup_grace: float | None = None, advertise: str | None = None) -> None:
         if not token:
             raise ValueError("the job token must not be empty")
         self.settings = settings
         self.state = CoordinatorState(settings, time.monotonic(), startup_grace=startup_grace)
         self.metrics = Metrics(self.state)
         self._token = token
-        self._host = host
+        self._host = net.bind_value(host)  # "" binds every interface
+        self._advertise = net.normalize_host(advertise or (
+            net.host_address() if net.is_all_interfaces(self._host) else self._host))
         self._port = port
         self._http_port = http_port
         self._http: StatusHTTPServer | None = None
@@ -423,6 +427,11 @@ class CoordinatorServer:
         self.address = ""
         self.http_address = ""
 
+    @property
+    def bind_host(self) -> str:
+        """The host the servers bind ("" for every interface)."""
+        return self._host
+
     def start(self, timeout: float = 30.0) -> "CoordinatorServer":
         self._thread = threading.Thread(target=self._run, name="coordinator-grpc", daemon=True)
         self._thread.start()
@@ -431,7 +440,8 @@ class CoordinatorServer:
         if self._error is not None:
             raise RuntimeError(f"the coordinator could not start: {self._error}") from self._error
         if self._http_port is not None:
-            self._http = StatusHTTPServer(self.state, self.metrics, self._host, self._http_port)
+            self._http = StatusHTTPServer(self.state, self.metrics, self._host, self._http_port,
+                                          advertise=self._advertise)
             self.http_address = self._http.address
         return self
 
@@ -463,9 +473,9 @@ class CoordinatorServer:
                 service.report_failure, request_deserializer=pb.FailureReport.FromString,
                 response_serializer=pb.FailureVerdict.SerializeToString),
         }),))
-        port = server.add_insecure_port(f"{self._host}:{self._port}")
+        port = server.add_insecure_port(net.grpc_bind(self._host, self._port))
         await server.start()
-        self.address = f"{self._host}:{port}"
+        self.address = net.format_address(self._advertise, port)
         self._ready.set()
         await self._stop.wait()
         await server.stop(grace=None)
@@ -539,7 +549,11 @@ def write_ready_file(path: str, addresses: dict[str, str]) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ftjax coordinator",
                                 description="The job's coordinator: gRPC quorum service plus HTTP status.")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 on a cluster)")
+    p.add_argument("--host", default=None,
+                   help=f"address to bind (default: ${BIND_ENV}, else every interface, IPv6 and IPv4)")
+    p.add_argument("--advertise-host", default=None,
+                   help=f"host the replicas dial, printed and written to --ready-file (default: "
+                        f"${ADVERTISE_ENV}, else --host when it names one address, else this machine's address)")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: the OS picks)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP status port (0: the OS picks, -1: none)")
     # the settings: one flag per field of the config's `coordinator:` section, with its default
@@ -564,7 +578,9 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError) as e:  # the config's checks raise ConfigError, a ValueError
         print(f"ftjax coordinator: {e}", file=sys.stderr)
         return 2
-    server = CoordinatorServer(settings, token, host=args.host, port=args.port,
+    host = args.host if args.host is not None else os.environ.get(BIND_ENV, "")
+    advertise = args.advertise_host or os.environ.get(ADVERTISE_ENV, "").strip() or None
+    server = CoordinatorServer(settings, token, host=host, port=args.port, advertise=advertise,
                                http_port=None if args.http_port < 0 else args.http_port,
                                startup_grace=args.startup_grace_s)
     stop = threading.Event()
@@ -576,7 +592,8 @@ def main(argv: list[str]) -> int:
         print(f"ftjax coordinator: {e}", file=sys.stderr)
         return 1
     quiet_garbage_collector()
-    line = f"coordinator listening grpc={server.address} http={server.http_address or '-'}"
+    bound = "every interface" if net.is_all_interfaces(server.bind_host) else server.bind_host
+    line = f"coordinator listening grpc={server.address} http={server.http_address or '-'} (bound to {bound})"
     print(line, flush=True)
     if args.ready_file:
         write_ready_file(args.ready_file, {"grpc": server.address, "http": server.http_address})

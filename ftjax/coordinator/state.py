@@ -29,11 +29,14 @@ from ftjax.coordinator.quorum import (
     compute_quorum,
     death_time,
     is_alive,
+    split_address,
 )
+from ftjax.net import is_loopback
 
 MAX_MEMBERS = 10_000  # alive members; beyond that registration gets RESOURCE_EXHAUSTED
 MAX_DEPARTED = 10_000  # dead members remembered for the status page and for late failure reports
 HISTORY = 50  # quorums and failures kept for the status page
+NO_PROGRESS_S = 10.0  # the job's step unchanged this long while failed attempts keep forming quorums: say so
 
 
 class Rejected(Exception):
@@ -133,6 +136,11 @@ class CoordinatorState:
             "heartbeats": 0, "quorum_requests": 0, "quorums": 0, "quorum_id_changes": 0, "rejected": 0,
         }
         self.failure_counts: dict[str, int] = {}
+        # progress: when the job's step last moved (monotonic and wall clock), and the quorums formed
+        # since, of which how many after a failed attempt (a participant reported commit failures)
+        self._progress_at, self._progress_wall = now, time.time()
+        self._quorums_since_progress = 0
+        self._retries_since_progress = 0
         self._lock = threading.Lock()
         self._prev_keys: frozenset[tuple[str, str]] = frozenset()
         self._pending = 0  # members with a pending request
@@ -450,6 +458,13 @@ class CoordinatorState:
             if self.prev is None or q.quorum_id != self.prev.quorum_id:
                 self.counters["quorum_id_changes"] += 1
             self.prev = q
+            if self.job_step is None or q.step > self.job_step:
+                self._progress_at, self._progress_wall = now, time.time()
+                self._quorums_since_progress = self._retries_since_progress = 0
+            else:
+                self._quorums_since_progress += 1
+                self._retries_since_progress += any(
+                    self.members[p.replica_id].report.commit_failures for p in q.participants)
             self.job_step = q.step if self.job_step is None else max(self.job_step, q.step)
             self._prev_keys = frozenset(q.members)
             # After the sweep every member is alive, so every pending request was a participant's.
@@ -466,6 +481,32 @@ class CoordinatorState:
 
     # -- status ------------------------------------------------------------------------------
 
+    def _no_progress(self, now: float) -> str | None:
+        """Why the job makes no progress, if its step has not moved for NO_PROGRESS_S while
+        quorums kept forming after failed attempts (every step fails: a peer nobody can reach, say);
+        None otherwise. A quorum that waits for members is not this: `waiting_because` says why."""
+        stalled = now - self._progress_at
+        if self.job_step is None or stalled < NO_PROGRESS_S or self._retries_since_progress < 2:
+            return None
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self._progress_wall))
+        text = (f"no progress since {since} ({stalled:.0f} s at step {self.job_step}): "
+                f"{self._quorums_since_progress} quorums formed since, {self._retries_since_progress} of them "
+                "to retry a step whose FTAR failed")
+        report = next((f for f in reversed(self.failures) if f["kind"] == "report"), None)
+        if report is not None:
+            reporter = f"replica {report['reporter']!r}" if report["reporter"] else "a replica"
+            text += (f"; latest failure report: {reporter} accused {report['replica_id']!r} "
+                     f"({report['outcome']}): {report['reason']}")
+            if report["outcome"] in ("ALIVE", "PENDING", "SUSPECT"):
+                text += (" -- the accused replica heartbeats, so it stays in the job, but its peers cannot reach "
+                         "it: check the FTAR addresses it advertises and the network between the replicas")
+        loopback = sorted(f"{rid} ({m.report.ftar_addresses[0]})" for rid, m in self.members.items()
+                          if m.report.ftar_addresses and is_loopback(split_address(m.report.ftar_addresses[0])[0]))
+        if loopback:
+            text += (f"; replicas advertising a loopback address (only their own machine reaches it: right only "
+                     f"if every replica runs there): {', '.join(loopback)}")
+        return text
+
     def summary(self, now: float) -> dict:
         """Counters and gauges, in O(1) (for /metrics, which may be scraped often)."""
         with self._lock:
@@ -475,6 +516,8 @@ class CoordinatorState:
                 "counters": dict(self.counters), "failure_counts": dict(self.failure_counts),
                 "alive": len(self.members), "quorum_id": q.quorum_id if q else 0,
                 "quorum_size": len(q.participants) if q else 0, "step": q.step if q else 0,
+                "seconds_since_progress": now - self._progress_at if q else 0.0,
+                "stalled": self._no_progress(now) is not None,
             }
 
     def snapshot(self, now: float) -> dict:
@@ -515,6 +558,11 @@ class CoordinatorState:
                 "waiting_because": compute_quorum(
                     self.prev, self.members, now, self.settings, failure_epoch=self.failure_epoch,
                     not_before=self.not_before).reason if self._pending else "no pending request",
+                "progress": {"step": self.job_step, "since": self._progress_wall,
+                             "seconds": round(now - self._progress_at, 3),
+                             "quorums_since": self._quorums_since_progress,
+                             "retries_since": self._retries_since_progress},
+                "no_progress": self._no_progress(now),
                 "history": list(self.history)[::-1],
                 "failures": failures[::-1],
                 "counters": dict(self.counters),

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
+from ftjax import net
 from ftjax.ftar import shm, wire
 from ftjax.ftar.errors import FTARError, HandshakeRefused, PeerFailed, PeerTimeout
 from ftjax.ftar.ring import Aborted, CallState, Ring
@@ -48,12 +49,15 @@ LIVENESS_PROBE_S = 0.5  # how often a member waiting for its left neighbour's li
 class FTAREndpoint:
     """Host-side fault-tolerant all-reduce between the members of a quorum (see module doc).
 
-    Binds and listens at once (port 0: the OS picks; read :attr:`address`). One call at a time; use
+    Binds ``host`` ("" for every interface, IPv6 and IPv4) and listens at once (port 0: the OS
+    picks); peers dial :attr:`address`, ``advertise`` (default: ``host``, or this machine's address
+    when ``host`` is every interface) with the bound port. One call at a time; use
     the same endpoint for the whole life of the replica host, and ``close()`` it at the end.
     All members of a job must use the same ``chunk_bytes`` and ``checksum`` settings.
     """
 
-    def __init__(self, token: str, *, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
+    def __init__(self, token: str, *, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
+                 timeout_s: float = 30.0,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, checksum: bool = False,
                  probe_timeout_s: float = 0.5, shared_memory: bool = True) -> None:
         if not isinstance(token, str) or not token:
@@ -70,8 +74,10 @@ class FTAREndpoint:
         self.probe_timeout_s = probe_timeout_s
         self.shared_memory = bool(shared_memory)  # offer and accept same-host shared-memory links
         self._token = token.encode()
-        self._listener = socket.create_server((host, port), backlog=128)
-        self._address = f"{host}:{self._listener.getsockname()[1]}"
+        self._listener = net.listen(host, port, backlog=128)
+        if advertise is None:
+            advertise = net.host_address() if net.is_all_interfaces(host) else host
+        self._address = net.format_address(net.normalize_host(advertise), self._listener.getsockname()[1])
 
         self._cv = threading.Condition()  # guards everything below
         self._closed = False

@@ -60,9 +60,10 @@ def train_args(config: str, replica: int, coordinator: str, hosts: int, out: str
     return args + (["--dist-address", dist] if dist else [])
 
 
-def coordinator_args(cfg: Config, host: str, token_file: str | None = None) -> list[str]:
-    """`ftjax coordinator` arguments with the config's `coordinator:` settings and fixed ports."""
-    args = ["ftjax", "coordinator", "--host", host, "--port", str(COORDINATOR_PORT), "--http-port", str(HTTP_PORT),
+def coordinator_args(cfg: Config, token_file: str | None = None) -> list[str]:
+    """`ftjax coordinator` arguments with the config's `coordinator:` settings and fixed ports. It
+    binds every interface (IPv6 and IPv4); replicas dial it by its node's or its Service's name."""
+    args = ["ftjax", "coordinator", "--port", str(COORDINATOR_PORT), "--http-port", str(HTTP_PORT),
             *cfg.coordinator.flags()]
     return args + (["--token-file", token_file] if token_file else [])
 
@@ -124,7 +125,6 @@ _SLURM_REPLICA = """#!/bin/bash
 set -uo pipefail
 JOB_DIR=${{FTJAX_JOB_DIR:-$SLURM_SUBMIT_DIR}}
 export FTJAX_TOKEN="$(cat "$JOB_DIR/token")"
-export JAX_PLATFORMS="${{JAX_PLATFORMS:-cpu}}"
 until [ -s "$JOB_DIR/coordinator.address" ]; do sleep 1; done
 LEADER="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
 for attempt in $(seq 0 {max_restarts}); do
@@ -159,7 +159,7 @@ def _slurm(cfg: Config, *, image: str, max_restarts: int, restart_delay_s: float
         "config.yaml": (_config_yaml(cfg), 0o644),
         "token": (secrets.token_hex(16) + "\n", 0o600),
         "coordinator.sbatch": (_SLURM_COORDINATOR.format(
-            command=shell_join(coordinator_args(cfg, "0.0.0.0", Shell('"$JOB_DIR/token"'))), port=COORDINATOR_PORT),
+            command=shell_join(coordinator_args(cfg, Shell('"$JOB_DIR/token"'))), port=COORDINATOR_PORT),
             0o755),
         "submit.sh": (_SLURM_SUBMIT.format(replicas=cfg.ft.replicas, last=cfg.ft.replicas - 1), 0o755),
     }
@@ -178,7 +178,9 @@ def _slurm(cfg: Config, *, image: str, max_restarts: int, restart_delay_s: float
 def _k8s(cfg: Config, *, image: str, max_restarts: int, restart_delay_s: float) -> dict[str, tuple[str, int]]:
     del restart_delay_s  # the JobSet controller restarts at once
     token_env = {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": "ftjax-token", "key": "token"}}}
-    platform_env = {"name": "JAX_PLATFORMS", "value": "cpu"}
+    # each pod advertises its own IP to its peers (ftjax/net.py): the route to the coordinator's
+    # Service would name the same address, this is explicit
+    pod_ip_env = {"name": "FTJAX_ADVERTISE_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     config_volume = {"name": "config", "configMap": {"name": "ftjax-config"}}
     coordinator = [
         {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "ftjax-token"}, "type": "Opaque",
@@ -190,7 +192,7 @@ def _k8s(cfg: Config, *, image: str, max_restarts: int, restart_delay_s: float) 
                   "template": {"metadata": {"labels": {"app": "ftjax-coordinator"}},
                                "spec": {"containers": [{
                                    "name": "coordinator", "image": image, "env": [token_env],
-                                   "command": coordinator_args(cfg, "0.0.0.0"),
+                                   "command": coordinator_args(cfg),
                                    "ports": [{"name": "grpc", "containerPort": COORDINATOR_PORT},
                                              {"name": "http", "containerPort": HTTP_PORT}]}]}}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "ftjax-coordinator"},
@@ -220,7 +222,7 @@ def _k8s(cfg: Config, *, image: str, max_restarts: int, restart_delay_s: float) 
                         "template": {"spec": {
                             "restartPolicy": "Never",
                             "containers": [{"name": "train", "image": image, "command": ["/bin/sh", "-c", script],
-                                            "env": [token_env, platform_env],
+                                            "env": [token_env, pod_ip_env],
                                             "volumeMounts": [{"name": "config", "mountPath": "/config"},
                                                              {"name": "run", "mountPath": RUN_DIR}]}],
                             "volumes": [config_volume, {"name": "run", "emptyDir": {}}]}}}}}],

@@ -51,7 +51,10 @@ class LocalJob:
         ready.unlink(missing_ok=True)
         log = open(self.out / "coordinator.log", "a")
         self.coordinator = self.procs.start(
-            [sys.executable, "-m", "ftjax", "coordinator", "--port", str(port), "--http-port", str(http_port),
+            # a job on this machine: the coordinator listens on loopback only, and so (following
+            # their route to it) do the replicas
+            [sys.executable, "-m", "ftjax", "coordinator", "--host", "127.0.0.1", "--port", str(port),
+             "--http-port", str(http_port),
              *self.cfg.coordinator.flags(), "--expected-replicas", str(self.replicas), "--ready-file", str(ready)],
             env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

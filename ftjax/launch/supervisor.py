@@ -428,6 +428,9 @@ class Supervisor:
                 self._holds_state(s, t)  # (at the very end of a job it commits no step after this)
             elif kind == E.COMMIT_FAILURE:
                 self._log(L.COMMIT_FAILURE, replica=r, step=rec.get(F.STEP), errors=len(rec.get("errors") or []))
+            elif kind == E.PEER_UNREACHABLE:
+                self._log(L.PEER_UNREACHABLE, replica=r, step=rec.get(F.STEP), peer=rec.get("peer"),
+                          peer_replica=rec.get("replica"), seconds=rec.get("seconds"), error=rec.get("error"))
             elif is_step(rec):
                 self._on_step(s, rec, t)
         if abandon is not None and s.alive:

@@ -49,6 +49,9 @@ def describe(e: dict) -> str | None:
         return f"fault: {e['kind']} {target} (step {e.get('step')})"
     if k == L.COMMIT_FAILURE:
         return f"replica {r}: step {e['step']} discarded ({e['errors']} FTAR error(s)), retrying"
+    if k == L.PEER_UNREACHABLE:
+        return (f"replica {r}: every attempt at step {e['step']} for {e['seconds']:.0f} s failed on replica "
+                f"{e['peer_replica']} at {e['peer']}: can this replica reach it? ({e['error']})")
     if k == L.WARM:
         return f"every replica trains (step {e['step']}): fault clocks start"
     if k in (L.HANG_DETECTED, L.NOT_RESTARTED, L.ABANDONED, L.KILL_MISSED):
