@@ -8,6 +8,7 @@ impossible mesh is refused before JAX starts.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -258,9 +259,34 @@ def load_config_dict(data: Any) -> Config:
     return validated(Config, data)
 
 
+BUILTIN_CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def builtin_configs() -> list[str]:
+    """Names of the configs that ship inside the package (`tiny`, `gpt_small`, ...)."""
+    return sorted(p.stem for p in BUILTIN_CONFIGS_DIR.glob("*.yaml"))
+
+
+def resolve_config_path(config: str | Path) -> Path:
+    """The YAML file that `config` names: a path to a file that exists wins; else the name of a
+    built-in config (`tiny`, `tiny.yaml`); else ConfigError naming what was not found and listing the
+    built-in names."""
+    path = Path(config)
+    if path.is_file():
+        return path
+    name = str(config)
+    if "/" not in name and os.sep not in name:
+        builtin = BUILTIN_CONFIGS_DIR / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+        if builtin.is_file():
+            return builtin
+    names = ", ".join(builtin_configs()) or "(none)"
+    raise ConfigError(f"{config}: No such file, and not the name of a built-in config (built-in: {names})")
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config, apply overrides, validate. Raises ConfigError naming the field at fault."""
-    path = Path(path)
+    """Read a YAML config (a path, or a built-in name: see resolve_config_path), apply overrides,
+    validate. Raises ConfigError naming the field at fault."""
+    path = resolve_config_path(path)
     try:
         text = path.read_text()
     except OSError as e:

@@ -1,7 +1,7 @@
 """`ftjax demo` (what `make demo` runs): a fault-tolerant job that survives a replica killed mid-FTAR.
 
-Three replicas of configs/tiny.yaml train on this machine; replica 1 SIGKILLs itself in the middle
-of the gradient all-reduce of step --kill-step. The two others finish that step without it and keep
+Three replicas of the built-in config `tiny` (ftjax/configs/tiny.yaml) train on this machine;
+replica 1 SIGKILLs itself in the middle of the gradient all-reduce of step --kill-step. The two others finish that step without it and keep
 training; the launcher restarts replica 1, which catches up from a live peer while the job goes on.
 At the end: the summary (every replica's digest equal, every batch trained exactly once), and the
 paths of loss.png and timeline.png.
@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ftjax.config import resolve_config_path
 from ftjax.launch.cli import main as launch
-
-TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 
 def main(argv: list[str]) -> int:
@@ -28,5 +27,6 @@ def main(argv: list[str]) -> int:
         p.error(f"--kill-step: must be in [1, --steps={args.steps}]")
     out = Path(args.out)
     overwrite = ["--overwrite"] if (out / "launcher.jsonl").exists() else []
-    return launch([str(TINY), "--replicas", "3", "--kill", f"1@{args.kill_step}:ftar", "--out", str(out),
-                   *overwrite, f"steps={args.steps}"])
+    tiny = str(resolve_config_path("tiny"))
+    return launch([tiny, "--replicas", "3", "--kill", f"1@{args.kill_step}:ftar", "--out", str(out), *overwrite,
+                   f"steps={args.steps}"])

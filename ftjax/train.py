@@ -22,7 +22,7 @@ from ftjax.env import check_platform, configure_run
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ftjax train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="YAML config (see configs/)")
+    p.add_argument("config", help="YAML config: a path, or a built-in name (tiny, gpt_small)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. steps=30 model.d_model=128")
     p.add_argument("--out", default=None, help="run directory (default: runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the latest durable checkpoint")

@@ -34,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ftjax launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="YAML config (see configs/)")
+    p.add_argument("config", help="YAML config: a path, or a built-in name (tiny, gpt_small)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. steps=400 coordinator.heartbeat_timeout_s=2")
     p.add_argument("--replicas", type=int, default=None, help="replicas R (default: the config's ft.replicas)")
     p.add_argument("--hosts-per-replica", type=int, default=None, help="processes per replica H (default: mesh.hosts)")
