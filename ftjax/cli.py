@@ -19,9 +19,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def version() -> str:
+    """This package's version: from the installed distribution's metadata, else ftjax.__version__
+    (a source checkout on PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("ftjax")
+    except PackageNotFoundError:
+        from ftjax import __version__
+
+        return __version__
+
+
 def _usage() -> str:
-    lines = ["usage: ftjax COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: ftjax COMMAND [ARGS...]", "       ftjax --version", "", "commands:"]
     lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {'version':<12} print `ftjax VERSION`"]
     lines += ["", "Run `ftjax COMMAND --help` for a command's options."]
     return "\n".join(lines)
 
@@ -37,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
+    if name in ("--version", "version"):
+        print(f"ftjax {version()}")
+        return 0
     if name not in COMMANDS:
         print(f"ftjax: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
