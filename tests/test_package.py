@@ -3,6 +3,7 @@
 config is a path or the name of a built-in one."""
 
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,10 +20,13 @@ from conftest import FTJAX, REPO
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
-    # --no-build-isolation: setuptools from this venv, no network. The build's own leftovers (build/,
-    # *.egg-info) are ignored by git.
+    # Built from a copy of the checkout (without its run outputs or an earlier build), so the build
+    # leaves no build/ or *.egg-info here. --no-build-isolation: setuptools from this venv, no network.
+    src = out / "src"
+    shutil.copytree(REPO, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "runs", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(out), REPO], capture_output=True, text=True, timeout=240)
+                        "-w", str(out), str(src)], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
     (whl,) = out.glob("ftjax-*.whl")
     with zipfile.ZipFile(whl) as z:
