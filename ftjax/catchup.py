@@ -73,9 +73,7 @@ class SnapshotServer:
         self._refresh: dict[str, int] = {}  # key -> min step a fetcher asked for
         self._cv = threading.Condition()
         self._httpd = None
-        if advertise is None:
-            advertise = net.host_address() if net.is_all_interfaces(host) else host
-        self._advertise = net.normalize_host(advertise)
+        self._advertise = net.advertised(host, advertise)
         if serve:  # only a replica's leader serves; every host takes part in the orbax save
             # Idle connections time out and surplus ones are refused (a peer stalled or flooding
             # the port cannot pin threads in the training process); a slow transfer that keeps

@@ -74,6 +74,19 @@ def is_all_interfaces(host: str) -> bool:
     return host.strip() in _ALL
 
 
+def advertised(bind: str, advertise: str | None = None) -> str:
+    """The host a listener bound to `bind` tells its peers: `advertise` if given, else the bound host,
+    or this machine's address when it is bound to every interface (normalized either way)."""
+    if advertise is None:
+        advertise = host_address() if is_all_interfaces(bind) else bind
+    return normalize_host(advertise)
+
+
+def describe_bind(bind: str) -> str:
+    """A bind host for a log line ("every interface" for all of them)."""
+    return "every interface" if is_all_interfaces(bind) else bind
+
+
 def route_source(host: str, port: int = 9) -> str:
     """The local address this machine would send from to reach `host`: the source address of a
     UDP socket `connect()`ed to it (the kernel picks the route; no packet is sent). OSError naming

@@ -66,11 +66,10 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
     transport = OrbaxHTTPTransport(token, snapshot_dir(cfg.ft.catchup_dir, out), leader=leader,
                                    rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps, timeout_s=cfg.ft.quorum_timeout_s,
                                    host=addrs.bind, advertise=addrs.advertise)
-    bound = "every interface" if net.is_all_interfaces(addrs.bind) else addrs.bind
     print(f"ftjax train: replica {args.replica_id} host {group.rank}: peers reach this process at "
           f"{addrs.advertise} (chosen by {addrs.why}; ${net.ADVERTISE_ENV} or net.advertise_host to change): "
           f"FTAR {endpoint.address}" + (f", catch-up {transport.address}" if leader else "")
-          + f"; listening on {bound}", file=sys.stderr, flush=True)
+          + f"; listening on {net.describe_bind(addrs.bind)}", file=sys.stderr, flush=True)
     incarnation = group.broadcast(new_incarnation() if leader else None)
     client = None
     if leader:

@@ -250,7 +250,7 @@ class StatusHTTPServer:
 
         self._server = BoundedHTTPServer((host, port), Handler, idle_timeout_s=idle_timeout_s,
                                          max_connections=max_connections)
-        self.address = net.format_address(advertise or host, self._server.server_address[1])
+        self.address = net.format_address(net.advertised(host, advertise), self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="coordinator-http", daemon=True)
         self._thread.start()

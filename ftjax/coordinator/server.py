@@ -414,8 +414,7 @@ class CoordinatorServer:
         self.metrics = Metrics(self.state)
         self._token = token
         self._host = net.bind_value(host)  # "" binds every interface
-        self._advertise = net.normalize_host(advertise or (
-            net.host_address() if net.is_all_interfaces(self._host) else self._host))
+        self._advertise = net.advertised(self._host, advertise or None)
         self._port = port
         self._http_port = http_port
         self._http: StatusHTTPServer | None = None
@@ -592,8 +591,8 @@ def main(argv: list[str]) -> int:
         print(f"ftjax coordinator: {e}", file=sys.stderr)
         return 1
     quiet_garbage_collector()
-    bound = "every interface" if net.is_all_interfaces(server.bind_host) else server.bind_host
-    line = f"coordinator listening grpc={server.address} http={server.http_address or '-'} (bound to {bound})"
+    line = (f"coordinator listening grpc={server.address} http={server.http_address or '-'} "
+            f"(bound to {net.describe_bind(server.bind_host)})")
     print(line, flush=True)
     if args.ready_file:
         write_ready_file(args.ready_file, {"grpc": server.address, "http": server.http_address})

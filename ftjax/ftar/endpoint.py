@@ -75,9 +75,7 @@ class FTAREndpoint:
         self.shared_memory = bool(shared_memory)  # offer and accept same-host shared-memory links
         self._token = token.encode()
         self._listener = net.listen(host, port, backlog=128)
-        if advertise is None:
-            advertise = net.host_address() if net.is_all_interfaces(host) else host
-        self._address = net.format_address(net.normalize_host(advertise), self._listener.getsockname()[1])
+        self._address = net.format_address(net.advertised(host, advertise), self._listener.getsockname()[1])
 
         self._cv = threading.Condition()  # guards everything below
         self._closed = False
