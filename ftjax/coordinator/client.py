@@ -30,6 +30,7 @@ import grpc
 
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
+from ftjax.coordinator.codec import QuorumEncoding
 from ftjax.coordinator.quorum import MAX_REASON_BYTES, MemberReport, Participant
 from ftjax.coordinator import TOKEN_METADATA_KEY
 
@@ -143,17 +144,7 @@ def result_from_proto(r: pb.QuorumResponse, members: tuple[pb.MemberAddress, ...
 def encode_quorum(q: QuorumResult) -> bytes:
     """A quorum as this replica sees it, as the coordinator's own message (membership included):
     what a replica's leader hands its other hosts. `decode_quorum` is its inverse."""
-    index = {p.replica_id: i for i, p in enumerate(q.participants)}
-    return pb.QuorumResponse(
-        quorum_id=q.quorum_id, step=q.step, no_state=q.no_state, num_contributors=q.num_contributors,
-        num_participants=len(q.participants),
-        members=[pb.MemberAddress(replica_id=p.replica_id, incarnation=p.incarnation, ftar_addresses=p.ftar_addresses,
-                                  catchup_address=p.catchup_address) for p in q.participants],
-        steps=[p.step for p in q.participants], data_positions=[p.data_position for p in q.participants],
-        heal_sources=[index[p.heal_source] + 1 if p.healing else 0 for p in q.participants],
-        rank=q.rank, healing=q.healing, heal_source=q.heal_source, heal_source_address=q.heal_source_address,
-        data_position=q.data_position,
-    ).SerializeToString()
+    return QuorumEncoding(q).for_member(q.rank, known_quorum_id=0)  # (0: holds no membership yet)
 
 
 def decode_quorum(data: bytes) -> QuorumResult:

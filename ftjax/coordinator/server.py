@@ -6,9 +6,10 @@ quorum resolves. The membership itself lives in `CoordinatorState` (one lock), w
 status thread reads. Nothing here is durable: a restarted coordinator relearns everything from the
 members (see coordinator/state.py).
 
-A quorum's answer is serialized once and shared: each participant gets the common bytes followed
-by a few bytes of its own (protobuf merges concatenated messages), and the static membership only
-when it does not hold it yet, so a quorum of N members costs O(N) bytes to build, not O(N^2).
+A quorum's answer is serialized once and shared (`QuorumEncoding`, ftjax/coordinator/codec.py):
+each participant gets the common bytes followed by a few bytes of its own, and the static
+membership only when it does not hold it yet, so a quorum of N members costs O(N) bytes to build,
+not O(N^2).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import grpc
 from ftjax import net
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
+from ftjax.coordinator.codec import QuorumEncoding
 from ftjax.coordinator.http import Metrics, StatusHTTPServer
 from ftjax.coordinator.quorum import (
     MAX_HOSTS,
@@ -39,7 +41,6 @@ from ftjax.coordinator.quorum import (
     MAX_TIMEOUT_MS,
     InvalidField,
     MemberReport,
-    Quorum,
     Settings,
     check_id,
     check_int,
@@ -91,50 +92,6 @@ class MemberDecoder:
                 self._valid.clear()
             self._valid.add(static)
         return report
-
-
-class _EncodedQuorum:
-    """One quorum's answer, serialized once for all of its participants."""
-
-    def __init__(self, q: Quorum) -> None:
-        self.q = q
-        self._index = index = {p.replica_id: i for i, p in enumerate(q.participants)}
-        parts = q.participants
-        uniform = all(p.step == q.step for p in parts)
-        healing = any(p.healing for p in parts)
-        self._common = pb.QuorumResponse(
-            quorum_id=q.quorum_id, step=q.step, no_state=q.no_state, num_contributors=q.num_contributors,
-            num_participants=len(parts),
-            steps=None if uniform else [p.step for p in parts],
-            data_positions=[p.data_position for p in parts],
-            heal_sources=[index[p.heal_source] + 1 if p.healing else 0 for p in parts] if healing else None,
-        ).SerializeToString()
-        self._members: bytes | None = None
-
-    def _membership(self) -> bytes:
-        if self._members is None:
-            self._members = pb.QuorumResponse(members=[
-                pb.MemberAddress(replica_id=p.replica_id, incarnation=p.incarnation,
-                                 ftar_addresses=p.ftar_addresses, catchup_address=p.catchup_address)
-                for p in self.q.participants
-            ]).SerializeToString()
-        return self._members
-
-    def rank(self, replica_id: str) -> int | None:
-        return self._index.get(replica_id)
-
-    def for_member(self, rank: int, known_quorum_id: int) -> bytes:
-        p = self.q.participants[rank]
-        if p.healing:
-            source = self.q.participants[self._index[p.heal_source]]
-            own = pb.QuorumResponse(rank=rank, healing=True, heal_source=p.heal_source,
-                                    heal_source_address=source.catchup_address, data_position=p.data_position)
-        else:
-            own = pb.QuorumResponse(rank=rank, data_position=p.data_position)
-        own = own.SerializeToString()
-        if known_quorum_id == self.q.quorum_id:
-            return self._common + own
-        return self._common + self._membership() + own
 
 
 @dataclass
@@ -191,7 +148,7 @@ class _Service:
         q = decision.quorum
         if q is None:
             return
-        encoded = _EncodedQuorum(q)
+        encoded = QuorumEncoding(q)
         first = now
         # Oldest request first (the dict keeps arrival order): who asked first has waited longest.
         for rid, waiter in list(self._waiters.items()):
