@@ -73,21 +73,24 @@ class PositionLedger:
     def position(self, replica_id: str) -> int:
         return self.positions.get(replica_id, 0)
 
-    def observe(self, replica_id: str, step: int, position: int) -> None:
-        """A member reported `step` steps committed and `position` as its next batch."""
+    def _advance(self, replica_id: str, position: int) -> None:
+        """The record only moves forward."""
         if position > self.positions.get(replica_id, 0):
             self.positions[replica_id] = position
+
+    def observe(self, replica_id: str, step: int, position: int) -> None:
+        """A member reported `step` steps committed and `position` as its next batch."""
+        self._advance(replica_id, position)
         if self._contributions:
             for committed in sorted(s for s in self._contributions if s < step):
                 for p in self._contributions.pop(committed).participants:
-                    if not p.healing and p.data_position + 1 > self.positions.get(p.replica_id, 0):
-                        self.positions[p.replica_id] = p.data_position + 1
+                    if not p.healing:
+                        self._advance(p.replica_id, p.data_position + 1)
 
     def merge(self, known: Mapping[str, int]) -> None:
-        """Positions a member knows of: the record only moves forward."""
+        """Positions a member knows of."""
         for replica_id, position in known.items():
-            if position > self.positions.get(replica_id, 0):
-                self.positions[replica_id] = position
+            self._advance(replica_id, position)
 
     def record(self, quorum: Quorum) -> None:
         """Remember who contributes which batch to the step of `quorum`."""
