@@ -15,6 +15,8 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ftjax.net import is_all_interfaces, normalize_host
+
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -154,8 +156,7 @@ class NetConfig(_Strict):
     def _a_host(cls, value: str | None, info) -> str | None:
         if value is not None and (not value.strip() or any(c.isspace() for c in value.strip())):
             raise ValueError(f"{value!r} is not a host (leave it out for the default)")
-        every = ("*", "::", "0.0.0.0", "[::]")
-        if info.field_name == "advertise_host" and value is not None and value.strip() in every:
+        if info.field_name == "advertise_host" and value is not None and is_all_interfaces(normalize_host(value)):
             raise ValueError(f"{value!r} is every interface, not an address peers can dial")
         return value
 
