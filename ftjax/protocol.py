@@ -240,12 +240,19 @@ class StepProtocol:
         the coordinator with each new heartbeat stream, so a restarted coordinator loses nothing."""
         if not self.leader:
             return
-        known = self.known_positions
+        known, changed = self.known_positions, False
         for p in q.participants:
             done = p.data_position + (1 if committed and not p.healing else 0)
             if done > known.get(p.replica_id, 0):
-                known[p.replica_id] = done
-        self.quorums.known_positions = dict(known)
+                known[p.replica_id], changed = done, True
+        if changed:  # a copy for the heartbeat thread, which reads it when its stream (re)connects
+            self.quorums.known_positions = dict(known)
+
+    def forget_positions(self) -> None:
+        """A whole-job restart from a durable checkpoint: its positions rule, not what we knew."""
+        self.known_positions = {}
+        if self.leader:
+            self.quorums.known_positions = {}
 
     # --- healing hooks ------------------------------------------------------------------------
     def serve(self, q: QuorumResult, state: Any, step: int, meta: dict) -> None:

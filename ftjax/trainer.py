@@ -188,7 +188,7 @@ class Trainer:
         if self.restore_durable and self.ckpt is not None and self.ckpt.latest_step() is not None:
             self.state, meta = self.ckpt.restore(self.abstract)  # CheckpointMismatch if another job's
             self.step, self.position = int(meta["step"]), int(meta["data_position"])
-            self.protocol.known_positions.clear()  # a whole-job restart: the checkpoint's positions rule
+            self.protocol.forget_positions()
             self.log.event(E.RESTORE, restored_step=self.step, data_position=self.position, source="durable")
         elif self.job_step == 0:
             self.state = self.program.init(np.int32(self.cfg.seed))
