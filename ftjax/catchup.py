@@ -1,36 +1,43 @@
-"""Non-blocking peer catch-up: a live replica serves its state to a restarted one.
+"""Non-blocking peer catch-up, host by host: a live replica serves its state to a restarted one.
 
-Source side (`SnapshotServer`): when a quorum names this replica as the heal source of a peer, the
-replica snapshots the state it holds at that step with orbax's async checkpointer. Only the
-device-to-host copy blocks (after it, the train step may donate the state's buffers); the write to
-a local directory and the transfer run in the background. The snapshot directory is served over
-HTTP (a stream of files, sent with zero-copy sendfile), only to requests carrying the job token, and only while the quorum still
-lists that peer as healing (`keep_only` drops the others and deletes their files).
+Source side (`SnapshotServer`, on every host of a replica): when a quorum names this replica as the
+heal source of a peer, each host copies the shards of the state that it holds to host memory
+(`HostShards.take`). Only that copy blocks the step (after it, the train step may donate the
+state's buffers). Each host serves its copy over HTTP, only to requests that carry the job token,
+and only while the quorum still lists that peer as healing (`keep_only` drops the others).
 
-Newcomer side (`SnapshotFetch`): a background thread downloads the snapshot into a local
-directory; `restore_snapshot` reads it with orbax into the newcomer's own mesh and shardings
-(orbax reshards, so the newcomer's device count may differ). Meanwhile the newcomer keeps taking
-part in FTAR with zero gradients; the step protocol keeps what it receives and replays it on install.
+Newcomer side (`SnapshotFetch`, on every host of the healing replica): in a background thread, host
+h downloads host h's shards from host h of its source. `HostShards.to_state` then places them on
+this host's devices in the newcomer's own shardings. When a region that the newcomer needs is not
+one of the source's shards, it is assembled from the pieces that cover it. A single-host source
+holds every region, so the newcomer's device count may differ. Meanwhile the newcomer keeps taking
+part in FTAR with zero gradients, and the step protocol keeps what it receives and replays it on
+install.
 
-Why orbax + HTTP: orbax owns the serialization and resharding of sharded arrays; what no library
-does is the peer-to-peer transport and its lifetime rules, which are here.
+No directory is shared and nothing is written to disk: hosts of a cluster share nothing but the
+network (docs/design.md, "Catch-up"). That is why catch-up does not use orbax, which the durable
+checkpoints use: orbax's multi-host save writes one checkpoint from every process into one directory
+and has process 0 commit it, which needs a file system that all hosts of a replica share. What no
+library does here is the peer-to-peer transport, its layout matching and its lifetime rules.
+(`jax.experimental.transfer` moves arrays between processes, but it is experimental and does not
+authenticate.)
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import os
 import http.client
 import json
-import shutil
+import math
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
-from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, quote, urlparse
+
+import numpy as np
 
 from ftjax import net
 from ftjax.coordinator.http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPServer
@@ -38,12 +45,105 @@ from ftjax.coordinator.quorum import split_address
 
 TOKEN_HEADER = "X-Ftjax-Token"
 _CHUNK = 4 << 20
+_MAX_HEADER = 64 << 10
+
+Region = tuple[tuple[int, int], ...]  # [start, stop) in each dimension of a leaf's global shape
 
 
-def _checkpointer():
-    import orbax.checkpoint as ocp
+class LayoutMismatch(ValueError):
+    """The source's shards do not make the state that the newcomer needs (the message names the leaf)."""
 
-    return ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+
+def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _size(region: Region) -> int:
+    return math.prod(b - a for a, b in region)
+
+
+@dataclass(frozen=True)
+class Piece:
+    leaf: str          # the leaf's tree path (jax.tree_util.keystr)
+    region: Region
+    data: np.ndarray   # the region's values, C-contiguous
+
+
+@dataclass
+class HostShards:
+    """The distinct shards of a state that one host holds, in host memory."""
+
+    leaves: dict[str, tuple[tuple[int, ...], str]]  # leaf path -> (global shape, dtype name)
+    pieces: list[Piece]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.nbytes for p in self.pieces)
+
+    @classmethod
+    def take(cls, state: Any) -> "HostShards":
+        """Copy this host's shards of `state` to host memory; a replicated shard is copied once."""
+        import jax
+
+        leaves, pending = {}, []
+        for path, arr in jax.tree_util.tree_flatten_with_path(state)[0]:
+            name = jax.tree_util.keystr(path)
+            leaves[name] = (tuple(arr.shape), arr.dtype.name)
+            seen: set[Region] = set()
+            for shard in arr.addressable_shards:
+                region = _region(shard.index, arr.shape)
+                if region not in seen:
+                    seen.add(region)
+                    pending.append((name, region, shard.data))
+        for _, _, data in pending:  # every copy in flight at once, then wait for each
+            data.copy_to_host_async()
+        # An owned copy: the snapshot outlives the state, whose buffers the next step donates.
+        return cls(leaves, [Piece(n, r, np.array(d, copy=True, order="C")) for n, r, d in pending])
+
+    def to_state(self, abstract_state: Any) -> Any:
+        """These shards as arrays on this host's devices, in `abstract_state`'s shapes, dtypes and
+        shardings. Raises LayoutMismatch naming the leaf if they do not make that state."""
+        import jax
+        import jax.numpy as jnp
+
+        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+        names = [jax.tree_util.keystr(path) for path, _ in flat]
+        if set(names) != set(self.leaves):
+            extra, missing = sorted(set(self.leaves) - set(names)), sorted(set(names) - set(self.leaves))
+            raise LayoutMismatch(f"the source's state has other leaves: missing {missing[:3]}, unknown {extra[:3]}")
+        by_leaf: dict[str, list[Piece]] = defaultdict(list)
+        for p in self.pieces:
+            by_leaf[p.leaf].append(p)
+        arrays = []
+        for name, (_, a) in zip(names, flat):
+            if self.leaves[name] != (tuple(a.shape), jnp.dtype(a.dtype).name):
+                raise LayoutMismatch(f"{name}: the source has shape/dtype {self.leaves[name]}, "
+                                     f"this replica {(tuple(a.shape), jnp.dtype(a.dtype).name)}")
+            on_devices = [jax.device_put(_assemble(by_leaf[name], _region(index, a.shape), a.dtype, name), device)
+                          for device, index in a.sharding.addressable_devices_indices_map(a.shape).items()]
+            arrays.append(jax.make_array_from_single_device_arrays(a.shape, a.sharding, on_devices))
+        return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def _assemble(pieces: list[Piece], region: Region, dtype: Any, leaf: str) -> np.ndarray:
+    """The values of `region`: the piece that is exactly it, or the parts of the pieces that
+    overlap it (the distinct shards of one sharding never overlap each other)."""
+    for p in pieces:
+        if p.region == region:
+            return p.data
+    out = np.empty([b - a for a, b in region], dtype)
+    covered = 0
+    for p in pieces:
+        overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(region, p.region))
+        if any(lo >= hi for lo, hi in overlap):
+            continue
+        out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, region))] = \
+            p.data[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, p.region))]
+        covered += _size(overlap)
+    if covered != _size(region):
+        raise LayoutMismatch(f"{leaf}: this host needs region {list(region)}, of which the source's host "
+                             f"sent {covered} of {_size(region)} elements (do the replicas' layouts differ?)")
+    return out
 
 
 @dataclass
@@ -51,97 +151,61 @@ class _Snapshot:
     key: str
     step: int
     meta: dict
-    path: Path
-    checkpointer: Any
-    ready: threading.Event = field(default_factory=threading.Event)
-    error: str | None = None
-    nbytes: int = 0
+    shards: HostShards
 
 
 class SnapshotServer:
-    """Serves orbax snapshots of this replica's state to healing peers (one server per replica)."""
+    """Serves this host's shards of a snapshot to the same host of a healing peer (one per host)."""
 
-    def __init__(self, token: str, workdir: str | Path, *, host: str = "127.0.0.1", port: int = 0,
-                 advertise: str | None = None, serve: bool = True, rate_limit_mbps: float | None = None,
-                 wait_offer_s: float = 30.0,
+    def __init__(self, token: str, *, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
+                 rate_limit_mbps: float | None = None, wait_offer_s: float = 30.0,
                  idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
         self.token = token
-        self.workdir = Path(workdir).absolute()
         self.rate_limit_mbps = rate_limit_mbps
         self.wait_offer_s = wait_offer_s
         self._snapshots: dict[str, _Snapshot] = {}
         self._refresh: dict[str, int] = {}  # key -> min step a fetcher asked for
         self._cv = threading.Condition()
-        self._httpd = None
         self._advertise = net.advertised(host, advertise)
-        if serve:  # only a replica's leader serves; every host takes part in the orbax save
-            # Idle connections time out and surplus ones are refused (a peer stalled or flooding
-            # the port cannot pin threads in the training process); a slow transfer that keeps
-            # moving, and the wait for an offer, are not cut.
-            self._httpd = BoundedHTTPServer((host, port), self._handler(), idle_timeout_s=idle_timeout_s,
-                                            max_connections=max_connections)
-            threading.Thread(target=self._httpd.serve_forever, name="snapshot-server", daemon=True).start()
+        # Idle connections time out and surplus ones are refused (a peer stalled or flooding the
+        # port cannot pin threads in the training process); a slow transfer that keeps moving, and
+        # the wait for an offer, are not cut.
+        self._httpd = BoundedHTTPServer((host, port), self._handler(), idle_timeout_s=idle_timeout_s,
+                                        max_connections=max_connections)
+        threading.Thread(target=self._httpd.serve_forever, name="snapshot-server", daemon=True).start()
 
     @property
     def address(self) -> str:
-        """Where healing peers fetch from: the advertised host and the bound port."""
+        """Where the healing peer's host fetches from: the advertised host and the bound port."""
         return net.format_address(self._advertise, self._httpd.server_address[1])
 
     # --- source side, called from the training loop -------------------------------------------
     def offer(self, key: str, state: Any, step: int, meta: dict) -> None:
-        """Snapshot `state` (at `step`) for peer `key`. Returns once the state is copied to host."""
-        import jax
+        """Snapshot this host's part of `state` (at `step`) for peer `key`; returns once it is in host memory."""
+        self.publish(_Snapshot(key, step, dict(meta), HostShards.take(state)))
 
-        path = self.workdir / f"{_safe(key)}-step{step}"
-        if jax.process_index() == 0 and path.exists():
-            shutil.rmtree(path)
-        ckptr = _checkpointer()
-        import orbax.checkpoint as ocp
-
-        ckptr.save(path, args=ocp.args.StandardSave(state))  # blocks for the device->host copy only
-        snap = _Snapshot(key, step, dict(meta), path, ckptr)
-        threading.Thread(target=self._finish, args=(snap,), name="snapshot-write", daemon=True).start()
+    def publish(self, snap: _Snapshot) -> None:
         with self._cv:
-            old = self._snapshots.pop(key, None)
-            self._snapshots[key] = snap
-            self._refresh.pop(key, None)
+            self._snapshots[snap.key] = snap
+            self._refresh.pop(snap.key, None)
             self._cv.notify_all()
-        if old is not None:
-            self._drop(old)
-
-    def _finish(self, snap: _Snapshot) -> None:
-        try:
-            snap.checkpointer.wait_until_finished()
-            snap.nbytes = sum(f.stat().st_size for f in snap.path.rglob("*") if f.is_file())
-        except Exception as e:  # noqa: BLE001 - reported to the fetcher, which asks another source
-            snap.error = f"{type(e).__name__}: {e}"
-        snap.ready.set()
 
     def offered(self, key: str) -> bool:
         with self._cv:
             return key in self._snapshots and key not in self._refresh
 
     def keep_only(self, keys: set[str]) -> None:
-        """Drop (and delete) every snapshot not for one of `keys`: its quorum no longer stands."""
+        """Drop every snapshot not for one of `keys`: its quorum no longer stands (a transfer in
+        progress keeps its own reference until it ends)."""
         with self._cv:
-            gone = [self._snapshots.pop(k) for k in list(self._snapshots) if k not in keys]
-            for k in list(self._refresh):
-                if k not in keys:
-                    del self._refresh[k]
-        for snap in gone:
-            self._drop(snap)
-
-    def _drop(self, snap: _Snapshot) -> None:
-        def rm():
-            snap.ready.wait(60)
-            shutil.rmtree(snap.path, ignore_errors=True)
-
-        threading.Thread(target=rm, daemon=True).start()
+            for k in [k for k in self._snapshots if k not in keys]:
+                del self._snapshots[k]
+            for k in [k for k in self._refresh if k not in keys]:
+                del self._refresh[k]
 
     def close(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
+        self._httpd.shutdown()
+        self._httpd.server_close()
         self.keep_only(set())
 
     # --- HTTP ------------------------------------------------------------------------------------
@@ -182,48 +246,46 @@ class SnapshotServer:
                 snap = server._lookup(key, min_step)
                 if snap is None:
                     return self.send_error(404, f"no snapshot offered for {key!r} (quorum gone?)")
-                snap.ready.wait()
-                if snap.error or not snap.path.exists():
-                    return self.send_error(410, f"snapshot unavailable: {snap.error or 'withdrawn'}")
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("X-Ftjax-Step", str(snap.step))
                 self.send_header("X-Ftjax-Meta", json.dumps(snap.meta))
                 self.end_headers()
-                _send_tree(self.connection, snap.path, server.rate_limit_mbps)
+                _send_shards(self.connection, snap.shards, server.rate_limit_mbps)
 
         return Handler
 
 
-def _send_tree(sock, root: Path, mbps: float | None) -> int:
-    """Stream every file under `root`: per file an 8-byte header length, a JSON header
-    {path, size}, then the bytes (zero-copy `sendfile` unless a test caps the rate). An empty
-    header ends the stream. Returns the bytes sent."""
+def _send_shards(sock, shards: HostShards, mbps: float | None) -> int:
+    """Stream every piece: an 8-byte header length, a JSON header {leaf, shape, dtype, region},
+    then the piece's bytes. An empty header ends the stream. Returns the bytes sent."""
     sent, t0 = 0, time.monotonic()
-    for f in sorted(p for p in root.rglob("*") if p.is_file()):
-        size = f.stat().st_size
-        header = json.dumps({"path": f.relative_to(root).as_posix(), "size": size}).encode()
+    for p in shards.pieces:
+        shape, dtype = shards.leaves[p.leaf]
+        header = json.dumps({"leaf": p.leaf, "shape": shape, "dtype": dtype, "region": p.region}).encode()
         sock.sendall(len(header).to_bytes(8, "little") + header)
-        with open(f, "rb") as fh:
-            if mbps is None:
-                sock.sendfile(fh)
-                sent += size
-                continue
-            while chunk := fh.read(256 << 10):
-                sock.sendall(chunk)
-                sent += len(chunk)
-                ahead = sent / (mbps * 1e6) - (time.monotonic() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
+        data = memoryview(p.data.reshape(-1).view(np.uint8))
+        if mbps is None:
+            sock.sendall(data)
+            sent += len(data)
+            continue
+        for i in range(0, len(data), 256 << 10):  # a test's slow link
+            chunk = data[i: i + (256 << 10)]
+            sock.sendall(chunk)
+            sent += len(chunk)
+            ahead = sent / (mbps * 1e6) - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
     sock.sendall((0).to_bytes(8, "little"))
     return sent
 
 
-def _recv_tree(resp, dest: Path) -> int:
-    """The receiving end of `_send_tree`: files land under `dest` (paths may not leave it)."""
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    total = 0
+def _recv_shards(resp) -> HostShards:
+    """The receiving end of `_send_shards`. Every header is checked before its bytes are read."""
+    import jax.numpy as jnp
+
+    leaves: dict[str, tuple[tuple[int, ...], str]] = {}
+    pieces = []
 
     def read_exact(n: int) -> bytes:
         data = resp.read(n)
@@ -234,54 +296,55 @@ def _recv_tree(resp, dest: Path) -> int:
     while True:
         n = int.from_bytes(read_exact(8), "little")
         if n == 0:
-            return total
-        if n > 4096:
-            raise ValueError(f"snapshot stream: file header of {n} bytes")
-        header = json.loads(read_exact(n))
-        rel, size = Path(header["path"]), int(header["size"])
-        if rel.is_absolute() or ".." in rel.parts or size < 0:
-            raise ValueError(f"snapshot stream: refused path {header['path']!r}")
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "wb") as out:
-            left = size
-            while left:
-                got = resp.readinto(view[: min(left, _CHUNK)])
-                if not got:
-                    raise ConnectionError(f"snapshot stream ended inside {rel}")
-                out.write(view[:got])
-                left -= got
-        total += size
+            return HostShards(leaves, pieces)
+        if n > _MAX_HEADER:
+            raise ValueError(f"snapshot stream: piece header of {n} bytes")
+        h = json.loads(read_exact(n))
+        leaf, shape, dtype = str(h["leaf"]), tuple(int(d) for d in h["shape"]), jnp.dtype(h["dtype"])
+        region = tuple((int(a), int(b)) for a, b in h["region"])
+        if len(region) != len(shape) or any(not 0 <= a <= b <= d for (a, b), d in zip(region, shape)):
+            raise ValueError(f"snapshot stream: {leaf}: region {list(region)} outside shape {list(shape)}")
+        if leaves.setdefault(leaf, (shape, dtype.name)) != (shape, dtype.name):
+            raise ValueError(f"snapshot stream: {leaf}: pieces of different shapes or dtypes")
+        data = np.empty([b - a for a, b in region], dtype)
+        view = memoryview(data.reshape(-1).view(np.uint8))
+        got = 0
+        while got < len(view):
+            k = resp.readinto(view[got: got + _CHUNK])
+            if not k:
+                raise ConnectionError(f"snapshot stream ended inside {leaf}")
+            got += k
+        pieces.append(Piece(leaf, region, data))
 
 
 @dataclass(frozen=True)
 class FetchResult:
-    path: Path
     step: int
     meta: dict
     nbytes: int
     seconds: float       # the transfer itself (first byte of the body to the last)
     source: str
+    shards: HostShards = field(repr=False, compare=False)
 
 
 class SnapshotFetch:
-    """Downloads a peer's snapshot in a background thread (newcomer side, run by the leader)."""
+    """Downloads this host's part of a peer's snapshot in a background thread (newcomer side)."""
 
-    def __init__(self, address: str, key: str, token: str, dest: str | Path, *, source: str,
-                 min_step: int = 0, timeout_s: float = 120.0):
+    def __init__(self, address: str, key: str, token: str, *, source: str, min_step: int = 0,
+                 timeout_s: float = 120.0):
         self.address, self.key, self.source = address, key, source
         self.result: FetchResult | None = None
         self.error: str | None = None
         self.done = threading.Event()
-        self._args = (token, Path(dest).absolute(), min_step, timeout_s)
+        self._args = (token, min_step, timeout_s)
         threading.Thread(target=self._run, name="snapshot-fetch", daemon=True).start()
 
     def _run(self) -> None:
-        token, dest, min_step, timeout_s = self._args
+        token, min_step, timeout_s = self._args
         try:
-            if dest.exists():
-                shutil.rmtree(dest)
-            dest.mkdir(parents=True)
+            if not self.address:
+                raise ValueError(f"source {self.source} gave no catch-up address for this host "
+                                 "(do the replicas have different host counts?)")
             host, port = split_address(self.address)
             conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
             conn.request("GET", f"/snapshot?key={quote(self.key)}&min_step={min_step}",
@@ -290,75 +353,40 @@ class SnapshotFetch:
             if resp.status != 200:
                 raise RuntimeError(f"source {self.source} ({self.address}) answered {resp.status}: {resp.reason}")
             t0 = time.monotonic()
-            nbytes = _recv_tree(resp, dest)
+            shards = _recv_shards(resp)
             conn.close()
-            self.result = FetchResult(dest, int(resp.getheader("X-Ftjax-Step")),
-                                      json.loads(resp.getheader("X-Ftjax-Meta") or "{}"), nbytes,
-                                      time.monotonic() - t0, self.source)
+            self.result = FetchResult(int(resp.getheader("X-Ftjax-Step")), json.loads(resp.getheader("X-Ftjax-Meta")
+                                                                                      or "{}"),
+                                      shards.nbytes, time.monotonic() - t0, self.source, shards)
         except Exception as e:  # noqa: BLE001 - the protocol asks the next quorum for another source
             self.error = f"{type(e).__name__}: {e}"
         finally:
             self.done.set()
 
 
-def restore_snapshot(path: str | Path, abstract_state: Any) -> Any:
-    """Read a fetched snapshot into `abstract_state`'s shardings (every host of the newcomer calls it)."""
-    import orbax.checkpoint as ocp
-
-    with ocp.StandardCheckpointer() as ckptr:
-        return ckptr.restore(Path(path).absolute(), abstract_state)
-
-
-def snapshot_dir(configured: str | None, replica_out: str | Path) -> Path:
-    """Where a replica writes the snapshots it serves and the ones it fetches.
-
-    Snapshots are transient, so by default they live in RAM-backed /dev/shm (when writable): that
-    spares the disk a write and a read on each side of a catch-up. The directory is a function of
-    the replica's run directory, so every host of a replica, a restarted incarnation (which clears
-    what a killed one left) and the launcher (which removes it at the end) agree on it."""
-    out = Path(replica_out).absolute()
-    if configured:
-        base = Path(configured)
-    elif os.access("/dev/shm", os.W_OK):
-        base = Path("/dev/shm") / f"ftjax-{os.getuid()}"
-    else:
-        return out / "catchup"
-    return base / hashlib.sha256(str(out).encode()).hexdigest()[:16]
-
-
-def _safe(key: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
-
-
 class CatchupTransport(Protocol):
-    """How a replica's state travels from a live source to a healing peer: what the step protocol
-    needs of catch-up, and nothing about how. `OrbaxHTTPTransport` is the one implementation today
-    (orbax snapshot, files sent over HTTP); a per-host network transfer can take its place."""
+    """How a replica's state travels from a live source to a healing peer, host by host: what the
+    step protocol needs of catch-up, and nothing about how."""
 
-    address: str  # where healing peers reach this replica's source side (empty on non-leaders)
+    address: str  # where the same host of a healing peer reaches this host's source side
 
     def offer(self, key: str, state: Any, step: int, meta: dict) -> None: ...  # every host of the source
     def offered(self, key: str) -> bool: ...
     def keep_only(self, keys: set[str]) -> None: ...
-    def fetch(self, address: str, key: str, *, source: str, min_step: int) -> "SnapshotFetch": ...  # leader
+    def fetch(self, address: str, key: str, *, source: str, min_step: int) -> SnapshotFetch: ...  # every host
     def load(self, fetched: FetchResult, abstract_state: Any) -> Any: ...  # every host of the newcomer
-    def discard(self, fetched: FetchResult) -> None: ...  # leader, once every host has loaded it
     def close(self) -> None: ...
 
 
-class OrbaxHTTPTransport:
-    """`SnapshotServer` + `SnapshotFetch` + `restore_snapshot`, in one snapshot directory per replica
-    (see `snapshot_dir`): what a killed incarnation left there is cleared at start, all of it at close."""
+class ShardTransport:
+    """`SnapshotServer` + `SnapshotFetch` + `HostShards.to_state`: each host sends the shards it
+    holds to the same host of the peer, over the network, from memory to memory."""
 
-    def __init__(self, token: str, directory: Path, *, leader: bool, rate_limit_mbps: float | None,
-                 timeout_s: float, host: str = "127.0.0.1", advertise: str | None = None):
-        self.token, self.directory, self.leader, self.timeout_s = token, directory, leader, timeout_s
-        if leader:  # what a killed incarnation of this replica left behind (it may be in RAM)
-            shutil.rmtree(directory, ignore_errors=True)
-        self.server = SnapshotServer(token, directory / "served", serve=leader, host=host, advertise=advertise,
-                                     rate_limit_mbps=rate_limit_mbps)
-        self.address = self.server.address if leader else ""
-        self._fetches = 0
+    def __init__(self, token: str, *, rate_limit_mbps: float | None, timeout_s: float, host: str = "127.0.0.1",
+                 advertise: str | None = None):
+        self.token, self.timeout_s = token, timeout_s
+        self.server = SnapshotServer(token, host=host, advertise=advertise, rate_limit_mbps=rate_limit_mbps)
+        self.address = self.server.address
 
     def offer(self, key: str, state: Any, step: int, meta: dict) -> None:
         self.server.offer(key, state, step, meta)
@@ -370,17 +398,10 @@ class OrbaxHTTPTransport:
         self.server.keep_only(keys)
 
     def fetch(self, address: str, key: str, *, source: str, min_step: int) -> SnapshotFetch:
-        self._fetches += 1
-        return SnapshotFetch(address, key, self.token, self.directory / f"fetch{self._fetches}", source=source,
-                             min_step=min_step, timeout_s=self.timeout_s)
+        return SnapshotFetch(address, key, self.token, source=source, min_step=min_step, timeout_s=self.timeout_s)
 
     def load(self, fetched: FetchResult, abstract_state: Any) -> Any:
-        return restore_snapshot(fetched.path, abstract_state)
-
-    def discard(self, fetched: FetchResult) -> None:
-        shutil.rmtree(fetched.path, ignore_errors=True)
+        return fetched.shards.to_state(abstract_state)
 
     def close(self) -> None:
         self.server.close()
-        if self.leader:
-            shutil.rmtree(self.directory, ignore_errors=True)

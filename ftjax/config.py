@@ -126,8 +126,6 @@ class FTConfig(_Strict):
     catchup_rate_limit_mbps: float | None = Field(None, gt=0, description="test knob: slow snapshot transfers")
     drain_timeout_s: float = Field(60.0, ge=0, description="a finished replica serves its state this long "
                                    "at most, until every replica of the job has caught up")
-    catchup_dir: str | None = Field(None, description="where snapshots are written and fetched "
-                                    "(default: RAM-backed /dev/shm when present, else RUN_DIR)")
 
     @model_validator(mode="after")
     def _progress_after_ftar(self) -> "FTConfig":

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from ftjax.coordinator.client import QuorumResult, decode_quorum, encode_quorum
@@ -65,11 +64,22 @@ class HostGroup(Protocol):
 
 @dataclass(frozen=True)
 class Agreement:
-    """What every host of the replica knows before the step: the quorum, and a snapshot that the
-    leader finished fetching (to install now)."""
+    """What a host of the replica knows before the step: the quorum (the same on every host), and
+    the snapshot to install now (this host's part of it, fetched from the same host of the source)."""
 
     quorum: QuorumResult
     install: FetchResult | None = None
+
+
+@dataclass(frozen=True)
+class HealOrder:
+    """The leader's catch-up decision for a step, carried out by every host: drop the fetch in
+    flight, install what every host fetched, and/or start a fetch (each host from the same host of
+    the source) of a snapshot no older than `fetch_min_step`."""
+
+    drop: bool = False
+    install: bool = False
+    fetch_min_step: int | None = None
 
 
 class LocalQuorum:
@@ -84,7 +94,7 @@ class LocalQuorum:
         me = Participant(self.replica_id, "local", step, data_position, (), "", False, "")
         future: Future = Future()
         future.set_result(QuorumResult(quorum_id=1, step=step, participants=(me,), rank=0, healing=False,
-                                       heal_source="", heal_source_address="", num_contributors=1,
+                                       heal_source="", heal_source_addresses="", num_contributors=1,
                                        data_position=data_position, no_state=not has_state))
         return future
 
@@ -172,21 +182,20 @@ class StepProtocol:
             self._pending = self.quorums.quorum_async(step, position, has_state, self.commit_failures)
 
     def agree(self) -> Agreement:
-        """Wait for the quorum the leader asked for; every host gets it, and the leader's heal
-        bookkeeping (a finished fetch to install), in one broadcast."""
-        if not self.leader:
-            with self.watchdog.exempt("quorum"):  # (the leader's message waits for the quorum)
-                return _decode_agreement(self.group.broadcast_bytes(b""))
-        with self.watchdog.exempt("quorum"):
+        """Wait for the quorum the leader asked for; every host gets it, and the leader's catch-up
+        decision (made from every host's fetch), in one broadcast."""
+        with self.watchdog.exempt("quorum"):  # (the leader's message waits for the quorum)
+            fetches = self._fetch_states()
+            if not self.leader:
+                return self._carry_out(*_decode_agreement(self.group.broadcast_bytes(b"")))
             q = self._pending.result()
-        install = self._heal_bookkeeping(q) if (q.healing or self.fetch is not None) else None
+        order = self._heal_bookkeeping(q, fetches) if (q.healing or self.fetch is not None) else HealOrder()
         if not q.no_state:
             self.record_positions(q, committed=False)
         self.watchdog.beat("quorum broadcast")
-        agreement = Agreement(q, install)
         if self.group.hosts > 1:
-            self.group.broadcast_bytes(_encode_agreement(agreement))
-        return agreement
+            self.group.broadcast_bytes(_encode_agreement(q, order))
+        return self._carry_out(q, order)
 
     # --- averaging and the vote -----------------------------------------------------------------
     def average(self, q: QuorumResult, grads: Any | None) -> tuple[Any, dict | None]:
@@ -256,14 +265,16 @@ class StepProtocol:
 
     # --- healing hooks ------------------------------------------------------------------------
     def serve(self, q: QuorumResult, state: Any, step: int, meta: dict) -> None:
-        """Source role: snapshot our state for each peer that heals from us, once per incarnation."""
-        keys = set()
-        for p in q.heal_targets:
-            key = f"{p.replica_id}/{p.incarnation}"
-            keys.add(key)
-            if state is not None and not self.transport.offered(key):
-                self.transport.offer(key, state, step, meta)
-                self.log.event(E.SNAPSHOT_OFFERED, to=p.replica_id, at_step=step)
+        """Source role: snapshot our state for each peer that heals from us, once per incarnation
+        (again if the peer asked for a fresher one). Every host snapshots the same step: the peer's
+        hosts each fetch from one of ours, and must install parts of one state."""
+        keys = {f"{p.replica_id}/{p.incarnation}" for p in q.heal_targets}
+        stale = {k for k in keys if not self.transport.offered(k)}
+        if keys and self.group.hosts > 1:  # a host that a fetch asked for a fresher one tells all
+            stale = set().union(*map(set, self.group.allgather(sorted(stale))))
+        for key in sorted(stale) if state is not None else ():
+            self.transport.offer(key, state, step, meta)
+            self.log.event(E.SNAPSHOT_OFFERED, to=key.split("/")[0], at_step=step)
         self.transport.keep_only(keys)
 
     def healing(self, q: QuorumResult, stale_step: int | None) -> None:
@@ -291,9 +302,6 @@ class StepProtocol:
         Returns (state, step), or None if the snapshot is older than the oldest update kept."""
         with self.watchdog.exempt("snapshot restore"):
             state = self.transport.load(got, abstract_state)
-        self.group.allgather(None)  # every host has read the snapshot: it can go (it may be in RAM)
-        if self.leader:
-            self.transport.discard(got)
         step, replayed = got.step, 0
         while step < q.step:
             if step not in self.buffer:
@@ -316,28 +324,54 @@ class StepProtocol:
                        update_bytes=self.buffer.update_bytes, replay_spilled_bytes=spilled, catchup_s=seconds)
         self.heal_started = None
 
-    def _heal_bookkeeping(self, q: QuorumResult) -> FetchResult | None:
-        """Newcomer role (leader): start or restart the fetch; hand a finished one to all hosts."""
+    def _fetch_states(self) -> list[dict]:
+        """Every host's fetch in flight: done, and its step or error. (A collective only while a
+        multi-host replica fetches: every host starts and drops its fetch on the same order.)"""
+        if self.fetch is None:
+            return []
+        f = self.fetch
+        mine = {"done": f.done.is_set(), "error": f.error,
+                "step": f.result.step if f.done.is_set() and f.result is not None else None}
+        return self.group.allgather(mine) if self.group.hosts > 1 else [mine]
+
+    def _heal_bookkeeping(self, q: QuorumResult, fetches: list[dict]) -> HealOrder:
+        """Newcomer role (leader): install a fetch that every host finished, or start (again)."""
         if not q.participants[q.rank].healing:
             if self.fetch is not None:
                 self.log.event(E.CATCHUP_ABANDONED, source=self.fetch.source, reason="no longer behind")
-            self.fetch = None
-            return None
-        if self.fetch is not None and self.fetch.done.is_set():
-            fetch, self.fetch = self.fetch, None
-            if fetch.result is not None:
-                return fetch.result
-            self.log.event(E.CATCHUP_FAILED, source=fetch.source, error=fetch.error)
-        if self.fetch is not None and not any(p.replica_id == self.fetch.source for p in q.participants):
+            return HealOrder(drop=self.fetch is not None)
+        drop = False
+        errors = [f"host {h}: {f['error']}" for h, f in enumerate(fetches) if f["error"]]
+        steps = {f["step"] for f in fetches}
+        if self.fetch is not None and not errors and all(f["done"] for f in fetches):
+            if len(steps) == 1:
+                return HealOrder(install=True)
+            errors = [f"the hosts fetched snapshots of different steps {sorted(steps)}"]
+        if errors:
+            self.log.event(E.CATCHUP_FAILED, source=self.fetch.source, error="; ".join(errors))
+            drop = True
+        elif self.fetch is not None and not any(p.replica_id == self.fetch.source for p in q.participants):
             self.log.event(E.CATCHUP_ABANDONED, source=self.fetch.source, reason="source left the quorum")
-            self.fetch = None
-        if self.fetch is None and q.heal_source:
+            drop = True
+        if (self.fetch is None or drop) and q.heal_source:
             missing = self.buffer.first_missing(q.step)
-            me = q.participants[q.rank]
-            self.fetch = self.transport.fetch(q.heal_source_address, f"{me.replica_id}/{me.incarnation}",
-                                              source=q.heal_source, min_step=missing)
             self.log.event(E.CATCHUP_STARTED, source=q.heal_source, at_step=q.step, min_step=missing)
-        return None
+            return HealOrder(drop=drop, fetch_min_step=missing)
+        return HealOrder(drop=drop)
+
+    def _carry_out(self, q: QuorumResult, order: HealOrder) -> Agreement:
+        """Every host: what the leader decided of catch-up for this step."""
+        install = None
+        if order.install:
+            install = self.fetch.result
+        if order.drop or order.install:
+            self.fetch = None
+        if order.fetch_min_step is not None:
+            me, addresses = q.participants[q.rank], q.heal_source_addresses
+            self.fetch = self.transport.fetch(addresses[self.group.rank] if self.group.rank < len(addresses) else "",
+                                              f"{me.replica_id}/{me.incarnation}", source=q.heal_source,
+                                              min_step=order.fetch_min_step)
+        return Agreement(q, install)
 
     # --- leaving --------------------------------------------------------------------------------
     def leave(self, reason: str) -> None:
@@ -354,16 +388,12 @@ class StepProtocol:
         self.buffer.clear()
 
 
-def _encode_agreement(a: Agreement) -> bytes:
-    """The quorum as the coordinator's protobuf message, then the install record (JSON)."""
-    q = encode_quorum(a.quorum)
-    install = json.dumps(None if a.install is None else {**asdict(a.install), "path": str(a.install.path)}).encode()
-    return len(q).to_bytes(8, "little") + q + install
+def _encode_agreement(q: QuorumResult, order: HealOrder) -> bytes:
+    """The quorum as the coordinator's protobuf message, then the catch-up order (JSON)."""
+    data = encode_quorum(q)
+    return len(data).to_bytes(8, "little") + data + json.dumps(asdict(order)).encode()
 
 
-def _decode_agreement(data: bytes) -> Agreement:
+def _decode_agreement(data: bytes) -> tuple[QuorumResult, HealOrder]:
     n = int.from_bytes(data[:8], "little")
-    install = json.loads(data[8 + n:])
-    if install is not None:
-        install = FetchResult(**{**install, "path": Path(install["path"])})
-    return Agreement(decode_quorum(data[8:8 + n]), install)
+    return decode_quorum(data[8:8 + n]), HealOrder(**json.loads(data[8 + n:]))

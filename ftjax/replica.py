@@ -17,7 +17,7 @@ import jax
 from ftjax import net
 from ftjax.coordinator.client import CoordinatorClient, MemberInfo, new_incarnation
 from ftjax.coordinator.quorum import split_address
-from ftjax.catchup import OrbaxHTTPTransport, snapshot_dir
+from ftjax.catchup import ShardTransport
 from ftjax.checkpoint import DurableCheckpoints
 from ftjax.config import Config
 from ftjax.data import make_stream
@@ -63,18 +63,17 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
     endpoint = FTAREndpoint(token, host=addrs.bind, advertise=addrs.advertise, timeout_s=cfg.ft.ftar_timeout_s,
                             shared_memory=cfg.ft.ftar_shared_memory)
     ftar_addresses = group.allgather(endpoint.address)
-    transport = OrbaxHTTPTransport(token, snapshot_dir(cfg.ft.catchup_dir, out), leader=leader,
-                                   rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps, timeout_s=cfg.ft.quorum_timeout_s,
-                                   host=addrs.bind, advertise=addrs.advertise)
+    transport = ShardTransport(token, rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps, timeout_s=cfg.ft.quorum_timeout_s,
+                               host=addrs.bind, advertise=addrs.advertise)
+    catchup_addresses = group.allgather(transport.address)
     print(f"ftjax train: replica {args.replica_id} host {group.rank}: peers reach this process at "
           f"{addrs.advertise} (chosen by {addrs.why}; ${net.ADVERTISE_ENV} or net.advertise_host to change): "
-          f"FTAR {endpoint.address}" + (f", catch-up {transport.address}" if leader else "")
-          + f"; listening on {net.describe_bind(addrs.bind)}", file=sys.stderr, flush=True)
+          f"FTAR {endpoint.address}, catch-up {transport.address}; listening on {net.describe_bind(addrs.bind)}", file=sys.stderr, flush=True)
     incarnation = group.broadcast(new_incarnation() if leader else None)
     client = None
     if leader:
         info = MemberInfo(replica_id=str(args.replica_id), incarnation=incarnation, num_hosts=group.hosts,
-                          ftar_addresses=tuple(ftar_addresses), catchup_address=transport.address,
+                          ftar_addresses=tuple(ftar_addresses), catchup_addresses=tuple(catchup_addresses),
                           topology_fingerprint=topology_fingerprint(program))
         client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s)
         client.start()

@@ -1,27 +1,24 @@
 """`ftjax bench catchup CONFIG`: catch-up transfer rate against the raw loopback link, same run.
 
 A source process builds the config's model, trains two steps (so the optimizer moments are not
-all zeros), and offers a snapshot exactly as a replica does for a healing peer. This process then,
-three times over, measures (a) the raw link: one-way TCP from the source process to this one,
+all zeros), and offers a snapshot exactly as a replica's host does for a healing peer. This process
+then, three times over, measures (a) the raw link: one-way TCP from the source process to this one,
 the snapshot's byte count in 4 MiB sendall / recv_into calls, and (b) the snapshot transfer
-(`SnapshotFetch`: HTTP request, the source's files streamed with sendfile, written to disk here),
-and restores the last one with orbax into this process's mesh. Prints one JSON line: medians of
-`catchup_mb_s` and `link_mb_s`, `ratio`, and the other costs of a catch-up (snapshot copy, write,
-restore) for context.
+(`SnapshotFetch`: HTTP request, the source's shards streamed from its memory into this one's), and
+places the last one on this process's devices (`HostShards.to_state`). Prints one JSON line: medians
+of `catchup_mb_s` and `link_mb_s`, `ratio`, and the other costs of a catch-up (the source's copy to
+host memory, the placement) for context.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import socket
 import statistics
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 from ftjax.coordinator.quorum import split_address
 
@@ -47,14 +44,11 @@ def _serve(argv: list[str]) -> int:
     for k in range(2):
         state, _ = program.train_step(state, device_batch(program, stream.batch(k)), np.float32(1.0))
     jax.block_until_ready(state)
-    workdir = Path(tempfile.mkdtemp(prefix="ftjax-bench-catchup-", dir=_scratch()))
-    server = SnapshotServer("bench-token", workdir)
+    server = SnapshotServer("bench-token")
     t0 = time.perf_counter()
     server.offer("bench/0", state, 2, {"step": 2})
     offer_s = time.perf_counter() - t0
-    snap = server._snapshots["bench/0"]
-    snap.ready.wait()
-    write_s = time.perf_counter() - t0
+    nbytes = server._snapshots["bench/0"].shards.nbytes
     payload = bytearray(_CHUNK)
     link = socket.create_server(("127.0.0.1", 0))
 
@@ -70,16 +64,10 @@ def _serve(argv: list[str]) -> int:
 
     threading.Thread(target=link_loop, daemon=True).start()
     print(json.dumps({"address": server.address, "link": f"127.0.0.1:{link.getsockname()[1]}",
-                      "nbytes": snap.nbytes, "offer_s": offer_s, "write_s": write_s}), flush=True)
+                      "nbytes": nbytes, "offer_s": offer_s}), flush=True)
     sys.stdin.read()  # until the parent closes our stdin
     server.close()
-    shutil.rmtree(workdir, ignore_errors=True)
     return 0
-
-
-def _scratch() -> str | None:
-    """Where a replica puts snapshots (RAM-backed /dev/shm when present), so the bench measures the same path."""
-    return "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
 def _link_seconds(address: str, nbytes: int) -> float:
@@ -118,17 +106,17 @@ def main(argv: list[str]) -> int:
     from ftjax.procs import ProcessGroup
 
     configure_process(device_count=cfg.mesh.devices_per_host)
-    with ProcessGroup() as procs, tempfile.TemporaryDirectory(prefix="ftjax-bench-catchup-", dir=_scratch()) as tmp:
+    with ProcessGroup() as procs:
         source = procs.start([sys.executable, "-m", "ftjax", "bench", "catchup", "--serve", args.config,
                               *args.overrides], device_count=cfg.mesh.devices_per_host,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         info = json.loads(source.stdout.readline())
-        from ftjax.catchup import SnapshotFetch, restore_snapshot
+        from ftjax.catchup import SnapshotFetch
 
         links, transfers, fetch = [], [], None
         for i in range(args.rounds):
             links.append(_link_seconds(info["link"], info["nbytes"]))
-            fetch = SnapshotFetch(info["address"], "bench/0", "bench-token", Path(tmp) / f"fetch{i}", source="bench")
+            fetch = SnapshotFetch(info["address"], "bench/0", "bench-token", source="bench")
             fetch.done.wait(300)
             if fetch.result is None:
                 print(f"ftjax bench catchup: fetch failed: {fetch.error}", file=sys.stderr)
@@ -140,15 +128,15 @@ def main(argv: list[str]) -> int:
 
         abstract = build_program(cfg).abstract_state()
         t0 = time.perf_counter()
-        jax.block_until_ready(restore_snapshot(fetch.result.path, abstract))
+        jax.block_until_ready(fetch.result.shards.to_state(abstract))
         restore_s = time.perf_counter() - t0
         source.stdin.close()
-        source.wait(30)  # it removes its snapshot (in RAM) on the way out
+        source.wait(30)
     mb = info["nbytes"] / 1e6
     link_mb_s, catchup_mb_s = mb / statistics.median(links), mb / statistics.median(transfers)
     print(json.dumps({"bench": "catchup", "config": args.config, "snapshot_mb": round(mb, 2),
                       "catchup_mb_s": round(catchup_mb_s, 1), "link_mb_s": round(link_mb_s, 1),
                       "ratio": round(catchup_mb_s / link_mb_s, 3), "snapshot_copy_s": round(info["offer_s"], 3),
-                      "snapshot_write_s": round(info["write_s"], 3), "restore_s": round(restore_s, 3),
+                      "restore_s": round(restore_s, 3),
                       "rounds": args.rounds}))
     return 0

@@ -108,7 +108,7 @@ async def _simulate(args: argparse.Namespace, token: str) -> list[tuple]:
         async def replica(i: int) -> None:
             rid = f"bench-{i:05d}"
             member = pb.Member(replica_id=rid, incarnation=f"{os.getpid()}-{i}", num_hosts=1,
-                               ftar_addresses=[f"127.0.0.1:{20000 + i}"], catchup_address=f"127.0.0.1:{40000 + i}",
+                               ftar_addresses=[f"127.0.0.1:{20000 + i}"], catchup_addresses=[f"127.0.0.1:{40000 + i}"],
                                topology_fingerprint="bench-topology", has_state=True)
             hb_call = stub.Heartbeat(metadata=metadata)
             stop = asyncio.Event()
@@ -175,7 +175,7 @@ def _floor_server(argv: list[str]) -> int:
                                    num_participants=n, data_positions=[r.member.data_position for _, r in waiting])
         members = pb.QuorumResponse(members=[
             pb.MemberAddress(replica_id=r.member.replica_id, incarnation=r.member.incarnation,
-                             ftar_addresses=r.member.ftar_addresses, catchup_address=r.member.catchup_address)
+                             ftar_addresses=r.member.ftar_addresses, catchup_addresses=r.member.catchup_addresses)
             for _, r in waiting])
         known = common.SerializeToString()
         shared = (known, known + members.SerializeToString())

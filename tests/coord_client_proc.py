@@ -50,7 +50,7 @@ def main() -> int:
     args = p.parse_args()
     token = read_token(args.token_file)
     n = sum(map(ord, args.replica_id))
-    member = MemberInfo(args.replica_id, new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), f"127.0.0.1:{30000 + n}",
+    member = MemberInfo(args.replica_id, new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), (f"127.0.0.1:{30000 + n}",),
                         "test-topology")
     client = CoordinatorClient(args.address, token, member, heartbeat_interval_s=0.1, quorum_timeout_s=60)
     client.start()

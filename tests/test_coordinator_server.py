@@ -30,7 +30,7 @@ _PORTS = {rid: 100 + i for i, rid in enumerate("abcdefgh")}
 
 def info(rid: str, *, inc: str | None = None, fp: str = "fp") -> MemberInfo:
     n = _PORTS.get(rid, 99)
-    return MemberInfo(rid, inc or new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), f"127.0.0.1:{30000 + n}", fp)
+    return MemberInfo(rid, inc or new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), (f"127.0.0.1:{30000 + n}",), fp)
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def raw():
 
 def member_proto(rid: str = "x", **fields) -> pb.Member:
     base = dict(replica_id=rid, incarnation="inc-1", step=0, data_position=0, has_state=True, num_hosts=1,
-                ftar_addresses=["127.0.0.1:1"], catchup_address="127.0.0.1:2", topology_fingerprint="fp")
+                ftar_addresses=["127.0.0.1:1"], catchup_addresses=["127.0.0.1:2"], topology_fingerprint="fp")
     base.update(fields)
     return pb.Member(**base)
 
@@ -203,7 +203,7 @@ def test_restarted_replica_heals_from_a_peer_and_learns_its_data_position(make_s
     results = settle([a.quorum_async(11, 9, True), b.quorum_async(11, 10, True), c2.quorum_async(0, 0, False)])
     ra, rb, rc = results
     assert ra.quorum_id == rc.quorum_id and ra.replica_ids == ("a", "b", "c")
-    assert rc.healing and rc.heal_source == "a" and rc.heal_source_address == a.member.catchup_address
+    assert rc.healing and rc.heal_source == "a" and rc.heal_source_addresses == a.member.catchup_addresses
     assert rc.step == 11 and ra.num_contributors == 2
     assert rc.data_position == 11  # its batch of step 10 was trained: a and b committed step 10
     assert [t.replica_id for t in ra.heal_targets] == ["c"] and rb.heal_targets == ()
@@ -324,7 +324,7 @@ BAD_QUORUM_REQUESTS = [
     ("member.step", pb.QuorumRequest(member=member_proto(step=-1), timeout_ms=1000)),
     ("member.data_position", pb.QuorumRequest(member=member_proto(data_position=-3), timeout_ms=1000)),
     ("member.commit_failures", pb.QuorumRequest(member=member_proto(commit_failures=-1), timeout_ms=1000)),
-    ("member.catchup_address", pb.QuorumRequest(member=member_proto(catchup_address="h:1" + "0" * 10_000),
+    ("member.catchup_addresses[0]", pb.QuorumRequest(member=member_proto(catchup_addresses=["h:1" + "0" * 10_000]),
                                                 timeout_ms=1000)),
     ("member.topology_fingerprint", pb.QuorumRequest(member=member_proto(topology_fingerprint="f" * 300),
                                                      timeout_ms=1000)),
@@ -391,7 +391,7 @@ def test_oversized_message_is_refused_by_the_transport(make_server, make_client,
     wait_pending(server, "a")
     before = membership(server)
     huge = member_proto(num_hosts=1, ftar_addresses=["h:1"], topology_fingerprint="f")
-    huge.catchup_address = "h:" + "1" * (2 << 20)  # 2 MiB: past the server's 1 MiB limit
+    huge.catchup_addresses.append("h:" + "1" * (2 << 20))  # 2 MiB: past the server's 1 MiB limit
     with pytest.raises(grpc.RpcError) as e:
         raw(server).quorum_once(pb.QuorumRequest(member=huge, timeout_ms=1000))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -144,7 +144,7 @@ def test_coordinator_and_catchup_servers_bound_to_every_interface_answer_over_ip
     try:
         assert server.bind_host == "" and server.address.startswith("[::1]:")
         port = split_address(server.address)[1]
-        info = MemberInfo("a", new_incarnation(), 1, ("[fd00::1]:20000",), "[fd00::1]:30000", "fp")
+        info = MemberInfo("a", new_incarnation(), 1, ("[fd00::1]:20000",), ("[fd00::1]:30000",), "fp")
         for target in (server.address, f"127.0.0.1:{port}"):  # both families reach it
             client = CoordinatorClient(target, TOKEN, info, heartbeat_interval_s=0.05, quorum_timeout_s=10)
             client.start()
@@ -161,7 +161,7 @@ def test_coordinator_and_catchup_servers_bound_to_every_interface_answer_over_ip
         if client is not None:
             client.close()
         server.stop()
-    snapshots = SnapshotServer(TOKEN, tmp_path, host="", advertise="::1")
+    snapshots = SnapshotServer(TOKEN, host="", advertise="::1")
     try:
         host, port = split_address(snapshots.address)
         assert host == "::1"
@@ -288,7 +288,7 @@ class _Quorums:
         self.qid += 1
         future = Future()
         future.set_result(QuorumResult(quorum_id=self.qid, step=0, participants=self.members, rank=0, healing=False,
-                                       heal_source="", heal_source_address="", num_contributors=2, data_position=0,
+                                       heal_source="", heal_source_addresses=(), num_contributors=2, data_position=0,
                                        no_state=False))
         return future
 
@@ -362,7 +362,7 @@ def test_the_coordinator_status_says_the_job_makes_no_progress_and_why(prefix):
     state = CoordinatorState(Settings(min_replicas=2, heartbeat_timeout_s=2.0), 0.0, startup_grace=0.0)
 
     def report(rid, step, failures):
-        return MemberReport(rid, f"inc{rid}", step=step, ftar_addresses=(f"{prefix}{rid}:1",),
+        return MemberReport(rid, f"inc{rid}", step=step, ftar_addresses=(f"{prefix}{rid}:1",), catchup_addresses=(f"{prefix}{rid}:2",),
                             topology_fingerprint="fp", commit_failures=failures)
 
     def one_quorum(now, step, failures):

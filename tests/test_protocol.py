@@ -4,7 +4,6 @@ retry with the same batch, and a heal that replays the updates kept while the sn
 import threading
 import time
 from concurrent.futures import Future
-from pathlib import Path
 
 import numpy as np
 
@@ -12,18 +11,18 @@ from ftjax.coordinator.client import QuorumResult, decode_quorum, encode_quorum
 from ftjax.coordinator.quorum import Participant
 from ftjax.catchup import FetchResult
 from ftjax.ftar import PeerFailed
-from ftjax.protocol import StepProtocol, _decode_agreement, _encode_agreement, Agreement
+from ftjax.protocol import HealOrder, StepProtocol, _decode_agreement, _encode_agreement
 from ftjax.replay import ReplayBuffer
 
 
 def participant(rid, step=0, position=0, healing=False, source=""):
-    return Participant(rid, f"{rid}-inc", step, position, (f"{rid}-host:1",), f"{rid}-host:2", healing, source)
+    return Participant(rid, f"{rid}-inc", step, position, (f"{rid}-host:1",), (f"{rid}-host:2",), healing, source)
 
 
 def quorum(qid, step, members, me, *, healing=False, source="", position=0):
     rank = [p.replica_id for p in members].index(me)
     return QuorumResult(quorum_id=qid, step=step, participants=tuple(members), rank=rank, healing=healing,
-                        heal_source=source, heal_source_address=f"{source}-host:2" if source else "",
+                        heal_source=source, heal_source_addresses=(f"{source}-host:2",) if source else (),
                         num_contributors=sum(not p.healing for p in members), data_position=position, no_state=False)
 
 
@@ -81,18 +80,15 @@ class FakeTransport:
     """A source's snapshot of step 5 (all ones), available as soon as it is asked for."""
 
     def __init__(self):
-        self.fetches, self.offers, self.discarded = [], [], []
+        self.fetches, self.offers = [], []
         self.address = "me-host:2"
 
     def fetch(self, address, key, *, source, min_step):
         self.fetches.append((address, key, source, min_step))
-        return FakeFetch(source, FetchResult(Path("/nowhere"), 5, {"step": 5}, 1000, 0.5, source))
+        return FakeFetch(source, FetchResult(5, {"step": 5}, 1000, 0.5, source, shards=None))
 
     def load(self, fetched, abstract_state):
         return np.ones(4, np.float32) * fetched.step
-
-    def discard(self, fetched):
-        self.discarded.append(fetched.path)
 
     def offered(self, key):
         return key in self.offers
@@ -197,7 +193,7 @@ def test_a_newcomer_heals_and_replays_the_updates_it_kept(tmp_path):
     np.testing.assert_array_equal(state, np.full(4, 5.0) + 0.5 * np.full(4, 2.0))  # snapshot + kept update
     done = dict(p.log.events)["catchup_done"]
     assert done["replayed"] == 1 and done["snapshot_step"] == 5 and done["at_step"] == 6
-    assert transport.discarded == [Path("/nowhere")] and len(p.buffer) == 0
+    assert len(p.buffer) == 0
     assert time.monotonic() - t0 < 5
 
 
@@ -205,6 +201,5 @@ def test_the_quorum_travels_to_the_other_hosts_as_the_coordinators_message():
     q = quorum(9, 4, [participant("a", 4, 4), participant("b", 0, 1, healing=True, source="a")], "b",
                healing=True, source="a", position=1)
     assert decode_quorum(encode_quorum(q)) == q
-    got = FetchResult(Path("/shm/x"), 3, {"step": 3}, 10, 0.1, "a")
-    assert _decode_agreement(_encode_agreement(Agreement(q, got))) == Agreement(q, got)
-    assert _decode_agreement(_encode_agreement(Agreement(q))) == Agreement(q)
+    for order in (HealOrder(), HealOrder(drop=True, fetch_min_step=3), HealOrder(install=True)):
+        assert _decode_agreement(_encode_agreement(q, order)) == (q, order)

@@ -27,7 +27,7 @@ S = Settings(min_replicas=2, join_timeout_s=1.0, heartbeat_timeout_s=2.0, suspec
 
 def report(rid: str, *, inc: str = "1", step: int = 5, pos: int = 0, state: bool = True, failures: int = 0,
            known: int = 0, fp: str = "fp") -> MemberReport:
-    return MemberReport(rid, inc, step, pos, state, (f"10.0.0.1:{1000 + ord(rid[0])}",), f"10.0.0.1:{2000 + ord(rid[0])}",
+    return MemberReport(rid, inc, step, pos, state, (f"10.0.0.1:{1000 + ord(rid[0])}",), (f"10.0.0.1:{2000 + ord(rid[0])}",),
                         fp, failures, known)
 
 
@@ -236,7 +236,7 @@ BAD_FIELDS = [
     ("member.ftar_addresses[1]", dict(ftar_addresses=("h:1", "nohostport"))),
     ("member.ftar_addresses[0]", dict(ftar_addresses=("h:70000",))),
     ("member.ftar_addresses[0]", dict(ftar_addresses=("h" * 300 + ":1",))),
-    ("member.catchup_address", dict(catchup_address=":80")),
+    ("member.catchup_addresses[0]", dict(catchup_addresses=(":80",))),
     ("member.topology_fingerprint", dict(topology_fingerprint="")),
     ("member.topology_fingerprint", dict(topology_fingerprint="f" * 257)),
 ]
@@ -250,7 +250,13 @@ def test_validation_names_the_bad_field(field, change):
 
 
 def test_valid_report_and_ipv6_address_pass():
-    report("a")._replace(ftar_addresses=("[::1]:5000", "host-2.example:6000")).validate()
+    report("a")._replace(ftar_addresses=("[::1]:5000", "host-2.example:6000"),
+                         catchup_addresses=("[::1]:5001", "host-2.example:6001")).validate()
+
+
+def test_a_catchup_address_per_host():
+    with pytest.raises(InvalidField, match="member.catchup_addresses: 1 addresses for 2 hosts"):
+        report("a")._replace(ftar_addresses=("h1:5000", "h2:5000")).validate()
 
 
 def test_settings_are_checked():
@@ -282,8 +288,8 @@ def test_static_fields_cannot_change_within_an_incarnation():
     state = new_state()
     state.register(report("a"), 1.0)
     with pytest.raises(Rejected, match="fixed for an incarnation"):
-        state.request(report("a")._replace(catchup_address="10.9.9.9:1"), 1.1)
-    state.request(report("a", inc="2")._replace(catchup_address="10.9.9.9:1"), 1.2)  # a restart may
+        state.request(report("a")._replace(catchup_addresses=("10.9.9.9:1",)), 1.1)
+    state.request(report("a", inc="2")._replace(catchup_addresses=("10.9.9.9:1",)), 1.2)  # a restart may
 
 
 def test_accusation_of_a_silent_member_drops_it_and_of_a_live_one_does_not():

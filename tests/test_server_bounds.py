@@ -14,6 +14,7 @@ import weakref
 from contextlib import ExitStack
 
 import grpc
+import numpy as np
 import pytest
 
 from conftest import FTJAX
@@ -24,7 +25,7 @@ from ftjax.coordinator.http import Metrics, StatusHTTPServer
 from ftjax.coordinator.quorum import Settings, split_address
 from ftjax.coordinator.server import _collect_old_generation
 from ftjax.coordinator.state import CoordinatorState
-from ftjax.catchup import SnapshotFetch, SnapshotServer, _Snapshot
+from ftjax.catchup import HostShards, Piece, SnapshotFetch, SnapshotServer, _Snapshot
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "bounds-token"
@@ -186,38 +187,27 @@ class Status:
 
 
 class Catchup:
-    """A replica's catch-up server offering a two-file snapshot, and a real fetch of it."""
+    """A replica host's catch-up server offering a two-leaf snapshot, and a real fetch of it."""
 
-    def __init__(self, tmp_path, **bounds) -> None:
-        self.tmp_path = tmp_path
-        self.server = SnapshotServer(TOKEN, tmp_path / "served", wait_offer_s=5.0, **bounds)
+    def __init__(self, **bounds) -> None:
+        self.server = SnapshotServer(TOKEN, wait_offer_s=5.0, **bounds)
         self.address = self.server.address
-        self.fetches = 0
 
-    def offer(self, files: dict[str, bytes], step: int = 7) -> None:
-        """What `offer` leaves once orbax has written the state (without JAX)."""
-        path = self.tmp_path / "served" / f"snap-{step}"
-        for name, data in files.items():
-            (path / name).parent.mkdir(parents=True, exist_ok=True)
-            (path / name).write_bytes(data)
-        snap = _Snapshot("peer", step, {"k": 1}, path, checkpointer=None)
-        snap.nbytes = sum(map(len, files.values()))
-        snap.ready.set()
-        with self.server._cv:
-            self.server._snapshots["peer"] = snap
-            self.server._cv.notify_all()
+    def offer(self, leaves: dict[str, np.ndarray], step: int = 7) -> None:
+        """What `offer` holds once the state is in host memory (without JAX)."""
+        shards = HostShards({k: (v.shape, v.dtype.name) for k, v in leaves.items()},
+                            [Piece(k, tuple((0, n) for n in v.shape), v) for k, v in leaves.items()])
+        self.server.publish(_Snapshot("peer", step, {"k": 1}, shards))
 
     def fetch(self, timeout: float = 30.0):
-        self.fetches += 1
-        f = SnapshotFetch(self.address, "peer", TOKEN, self.tmp_path / f"fetched{self.fetches}", source="test",
-                          timeout_s=timeout)
+        f = SnapshotFetch(self.address, "peer", TOKEN, source="test", timeout_s=timeout)
         assert f.done.wait(timeout + 5), "the fetch did not end"
         assert f.error is None, f.error
         return f.result
 
     def normal_request(self) -> None:
         result = self.fetch()
-        assert result.step == 7 and (result.path / "a.bin").read_bytes() == b"a" * 1000
+        assert result.step == 7 and result.shards.pieces[0].data.tobytes() == b"a" * 1000
 
     def close(self) -> None:
         self.server.close()
@@ -231,8 +221,8 @@ def make_server(request, tmp_path):
             if request.param == "status":
                 server = Status(**bounds)
             else:
-                server = Catchup(tmp_path, **bounds)
-                server.offer({"a.bin": b"a" * 1000, "d/b.bin": b"b" * 10})
+                server = Catchup(**bounds)
+                server.offer({"a": np.full(1000, ord("a"), np.uint8), "d/b": np.full((2, 5), ord("b"), np.uint8)})
             stack.callback(server.close)
             return server
 
@@ -273,17 +263,18 @@ def test_connections_beyond_the_cap_are_refused_without_a_thread(make_server):
     server.normal_request()
 
 
-def test_slow_catchup_transfer_outlives_the_idle_timeout(tmp_path):
+def test_slow_catchup_transfer_outlives_the_idle_timeout():
     # The timeout bounds idleness, not duration: a rate-limited send of 1 MB at 0.4 MB/s (~2.5 s),
     # after a wait for the offer, both longer than the idle timeout, still completes.
-    server = Catchup(tmp_path, idle_timeout_s=0.5, max_connections=4)
-    later = threading.Timer(1.0, server.offer, args=({"a.bin": b"a" * 1000, "big.bin": b"x" * 1_000_000},))
+    server = Catchup(idle_timeout_s=0.5, max_connections=4)
+    big = np.full(1_000_000, ord("x"), np.uint8)
+    later = threading.Timer(1.0, server.offer, args=({"a": np.full(1000, ord("a"), np.uint8), "big": big},))
     try:
         server.server.rate_limit_mbps = 0.4
         later.start()
         t0 = time.monotonic()
         result = server.fetch()
-        assert result.nbytes == 1_001_000 and (result.path / "big.bin").stat().st_size == 1_000_000
+        assert result.nbytes == 1_001_000 and np.array_equal(result.shards.pieces[1].data, big)
         assert time.monotonic() - t0 >= 2.0  # it did take longer than the idle timeout
     finally:
         later.cancel()

@@ -72,15 +72,16 @@ class MemberInfo:
     incarnation: str
     num_hosts: int
     ftar_addresses: tuple[str, ...]
-    catchup_address: str
+    catchup_addresses: tuple[str, ...]  # one per host rank: where host h serves its part of the state
     topology_fingerprint: str
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ftar_addresses", tuple(self.ftar_addresses))
+        object.__setattr__(self, "catchup_addresses", tuple(self.catchup_addresses))
         if len(self.ftar_addresses) != self.num_hosts:
             raise ValueError(f"ftar_addresses: {len(self.ftar_addresses)} addresses for num_hosts={self.num_hosts}")
         MemberReport(self.replica_id, self.incarnation, ftar_addresses=self.ftar_addresses,
-                     catchup_address=self.catchup_address,
+                     catchup_addresses=self.catchup_addresses,
                      topology_fingerprint=self.topology_fingerprint).validate("member_info")
 
     def to_proto(self, step: int = 0, data_position: int = 0, has_state: bool = True,
@@ -88,7 +89,7 @@ class MemberInfo:
         return pb.Member(
             replica_id=self.replica_id, incarnation=self.incarnation, step=step, data_position=data_position,
             has_state=has_state, num_hosts=self.num_hosts, ftar_addresses=self.ftar_addresses,
-            catchup_address=self.catchup_address, topology_fingerprint=self.topology_fingerprint,
+            catchup_addresses=self.catchup_addresses, topology_fingerprint=self.topology_fingerprint,
             commit_failures=commit_failures,
         )
 
@@ -103,7 +104,7 @@ class QuorumResult:
     rank: int  # this replica's index in participants
     healing: bool  # this replica must fetch the state of `step` from heal_source
     heal_source: str
-    heal_source_address: str
+    heal_source_addresses: tuple[str, ...]  # the source's catch-up address per host rank
     num_contributors: int  # participants not healing: the divisor of the gradient average
     data_position: int  # where this replica's data stream resumes
     no_state: bool  # nobody has state: restore the latest durable checkpoint
@@ -129,14 +130,14 @@ def result_from_proto(r: pb.QuorumResponse, members: tuple[pb.MemberAddress, ...
     participants = tuple(
         Participant(
             replica_id=m.replica_id, incarnation=m.incarnation, step=steps[i], data_position=r.data_positions[i],
-            ftar_addresses=tuple(m.ftar_addresses), catchup_address=m.catchup_address,
+            ftar_addresses=tuple(m.ftar_addresses), catchup_addresses=tuple(m.catchup_addresses),
             healing=sources[i] > 0, heal_source=members[sources[i] - 1].replica_id if sources[i] > 0 else "",
         )
         for i, m in enumerate(members)
     )
     return QuorumResult(
         quorum_id=r.quorum_id, step=r.step, participants=participants, rank=r.rank, healing=r.healing,
-        heal_source=r.heal_source, heal_source_address=r.heal_source_address,
+        heal_source=r.heal_source, heal_source_addresses=tuple(r.heal_source_addresses),
         num_contributors=r.num_contributors, data_position=r.data_position, no_state=r.no_state,
     )
 

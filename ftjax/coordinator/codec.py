@@ -36,7 +36,7 @@ class QuorumEncoding:
         if self._members is None:
             self._members = pb.QuorumResponse(members=[
                 pb.MemberAddress(replica_id=p.replica_id, incarnation=p.incarnation,
-                                 ftar_addresses=p.ftar_addresses, catchup_address=p.catchup_address)
+                                 ftar_addresses=p.ftar_addresses, catchup_addresses=p.catchup_addresses)
                 for p in self.q.participants
             ]).SerializeToString()
         return self._members
@@ -49,7 +49,7 @@ class QuorumEncoding:
         if p.healing:
             source = self.q.participants[self._index[p.heal_source]]
             own = pb.QuorumResponse(rank=rank, healing=True, heal_source=p.heal_source,
-                                    heal_source_address=source.catchup_address, data_position=p.data_position)
+                                    heal_source_addresses=source.catchup_addresses, data_position=p.data_position)
         else:
             own = pb.QuorumResponse(rank=rank, data_position=p.data_position)
         own = own.SerializeToString()

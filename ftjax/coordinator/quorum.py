@@ -109,7 +109,7 @@ class MemberReport(NamedTuple):
     data_position: int = 0
     has_state: bool = True
     ftar_addresses: tuple[str, ...] = ()
-    catchup_address: str = ""
+    catchup_addresses: tuple[str, ...] = ()  # one per host rank, like ftar_addresses
     topology_fingerprint: str = ""
     commit_failures: int = 0
     known_quorum_id: int = 0  # the quorum id whose membership the member holds (0: none)
@@ -120,7 +120,7 @@ class MemberReport(NamedTuple):
 
     def static_fields(self) -> tuple:
         """The fields that may not change within one incarnation."""
-        return (self.ftar_addresses, self.catchup_address, self.topology_fingerprint)
+        return (self.ftar_addresses, self.catchup_addresses, self.topology_fingerprint)
 
     def validate(self, prefix: str = "member", *, static: bool = True) -> None:
         """Raise InvalidField naming the first field out of bounds. `static=False` skips the fields
@@ -135,7 +135,11 @@ class MemberReport(NamedTuple):
         check_int(f"{prefix}.num_hosts", len(self.ftar_addresses), 1, MAX_HOSTS)
         for i, address in enumerate(self.ftar_addresses):
             check_address(f"{prefix}.ftar_addresses[{i}]", address)
-        check_address(f"{prefix}.catchup_address", self.catchup_address)
+        if len(self.catchup_addresses) != len(self.ftar_addresses):
+            raise InvalidField(f"{prefix}.catchup_addresses",
+                               f"{len(self.catchup_addresses)} addresses for {len(self.ftar_addresses)} hosts")
+        for i, address in enumerate(self.catchup_addresses):
+            check_address(f"{prefix}.catchup_addresses[{i}]", address)
         check_text(f"{prefix}.topology_fingerprint", self.topology_fingerprint)
         if not self.topology_fingerprint:
             raise InvalidField(f"{prefix}.topology_fingerprint", "empty")
@@ -198,7 +202,7 @@ class Participant(NamedTuple):
     step: int
     data_position: int  # max(what it reported, the coordinator's record)
     ftar_addresses: tuple[str, ...]
-    catchup_address: str
+    catchup_addresses: tuple[str, ...]
     healing: bool
     heal_source: str  # replica_id of its source; empty if not healing
 
@@ -335,7 +339,7 @@ def _form(
     # on every step, on the path between the last request and the first answer.
     participants = tuple([
         Participant(r.replica_id, r.incarnation, r.step, max(r.data_position, positions.get(r.replica_id, 0)),
-                    r.ftar_addresses, r.catchup_address, bool(source := heal_source.get(r.replica_id, "")), source)
+                    r.ftar_addresses, r.catchup_addresses, bool(source := heal_source.get(r.replica_id, "")), source)
         for r in reports
     ])
     members = tuple([r.key for r in reports])

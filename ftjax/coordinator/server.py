@@ -81,7 +81,7 @@ class MemberDecoder:
                                f"{len(member.ftar_addresses)} addresses for num_hosts={member.num_hosts}")
         report = MemberReport(
             member.replica_id, member.incarnation, member.step, member.data_position, member.has_state,
-            tuple(member.ftar_addresses), member.catchup_address, member.topology_fingerprint,
+            tuple(member.ftar_addresses), tuple(member.catchup_addresses), member.topology_fingerprint,
             member.commit_failures, known_quorum_id,
         )
         static = (report.replica_id, report.incarnation, *report.static_fields())

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ftjax.coordinator.quorum import split_address
-from ftjax.catchup import snapshot_dir
 from ftjax.config import Config, load_config
 from ftjax.env import TOKEN_ENV
 from ftjax.procs import ProcessGroup, free_port
@@ -87,9 +85,6 @@ class LocalJob:
     def replica_dir(self, r: int) -> Path:
         return self.out / f"replica-{r}"
 
-    def _remove_snapshots(self, r: int) -> None:
-        shutil.rmtree(snapshot_dir(self.cfg.ft.catchup_dir, self.replica_dir(r)), ignore_errors=True)
-
     def start_replica(self, r: int, *, die_at: str | None = None, die_host: int = 0,
                       extra_args: list[str] | None = None) -> list[subprocess.Popen]:
         """Start replica r's H host processes (a new incarnation)."""
@@ -98,8 +93,6 @@ class LocalJob:
         hosts = self.cfg.mesh.hosts
         rdir = self.replica_dir(r)
         rdir.mkdir(parents=True, exist_ok=True)
-        if r not in self.incarnations:  # snapshots may be in RAM: gone with the job, whatever happens
-            self.procs.on_close(lambda: self._remove_snapshots(r))
         dist = ["--dist-address", f"127.0.0.1:{free_port()}"] if hosts > 1 else []
         self.incarnations[r] = self.incarnations.get(r, 0) + 1
         children = []

@@ -1,0 +1,149 @@
+"""Catch-up host by host: a host's shards travel from memory to memory and land in the newcomer's
+own shardings, and the leader installs only what every host of its replica fetched, of one step."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ftjax.catchup import HostShards, LayoutMismatch, ShardTransport
+from ftjax.events import ReplicaEvent as E
+from ftjax.protocol import HealOrder, StepProtocol
+from ftjax.replay import ReplayBuffer
+from test_protocol import Events, OneHost, participant, quorum
+
+TOKEN = "test-token"
+
+
+def mesh(n: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), ("x",))
+
+
+def state_on(m: Mesh):
+    """A small train state: a sharded matrix, a replicated vector, a bfloat16 leaf and a scalar."""
+    rng = np.random.default_rng(0)
+    return {
+        "params": {"w": jax.device_put(rng.standard_normal((8, 6), np.float32), NamedSharding(m, P("x"))),
+                   "b": jax.device_put(rng.standard_normal(6).astype(np.float32), NamedSharding(m, P()))},
+        "mu": jax.device_put(jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16), NamedSharding(m, P(None, "x"))),
+        "count": jax.device_put(jnp.int32(7), NamedSharding(m, P())),
+    }
+
+
+def abstract(state, m: Mesh):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, a.sharding.spec)),
+                        state)
+
+
+def assert_same(got, want) -> None:
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+
+
+def test_a_state_crosses_the_network_bitwise_and_replicated_shards_travel_once():
+    src = state_on(mesh(4))
+    server, client = ShardTransport(TOKEN, rate_limit_mbps=None, timeout_s=30), None
+    try:
+        server.offer("b/1", src, 12, {"step": 12, "data_position": 30})
+        client = ShardTransport(TOKEN, rate_limit_mbps=None, timeout_s=30)
+        fetch = client.fetch(server.address, "b/1", source="a", min_step=12)
+        assert fetch.done.wait(30) and fetch.error is None, fetch.error
+        got = fetch.result
+        assert (got.step, got.meta, got.source) == (12, {"step": 12, "data_position": 30}, "a")
+        # one piece per distinct region: 4 of w, 4 of mu, 1 of b and 1 of count (not 4 each)
+        assert len(got.shards.pieces) == 10 and got.nbytes == sum(a.nbytes for a in jax.tree.leaves(src))
+        assert_same(client.load(got, abstract(src, mesh(4))), src)
+    finally:
+        server.close()
+        if client is not None:
+            client.close()
+
+
+def test_the_newcomer_may_have_another_device_count():
+    src = state_on(mesh(4))
+    for n in (2, 1):  # regions of 2 (or all 4) source shards assembled into one
+        into = abstract(src, mesh(n))
+        got = HostShards.take(src).to_state(into)
+        assert_same(got, src)
+        assert got["params"]["w"].sharding == into["params"]["w"].sharding
+
+
+def test_a_host_that_lacks_a_region_it_needs_is_an_error_naming_the_leaf():
+    src = state_on(mesh(4))
+    w = src["params"]["w"]
+    whole = HostShards.take(src)
+    # what host 0 of a 2-host source holds of w: its rows 0-3 (devices 0 and 1)
+    half = HostShards(whole.leaves, [p for p in whole.pieces if p.leaf != "['params']['w']" or p.region[0][1] <= 4])
+    rows = NamedSharding(mesh(2), P("x"))  # device 0 needs rows 0-3 (held), device 1 rows 4-7 (not)
+    with pytest.raises(LayoutMismatch, match=r"\['params'\]\['w'\]: this host needs region \[\(4, 8\), \(0, 6\)\]"):
+        half.to_state({**abstract(src, mesh(2)), "params": {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=rows),
+                                                            "b": abstract(src, mesh(2))["params"]["b"]}})
+    bad = {**abstract(src, mesh(4)), "count": jax.ShapeDtypeStruct((), jnp.float32)}
+    with pytest.raises(LayoutMismatch, match=r"\['count'\]: the source has shape/dtype"):
+        whole.to_state(bad)
+    with pytest.raises(LayoutMismatch, match="missing"):
+        whole.to_state({**abstract(src, mesh(4)), "extra": abstract(src, mesh(4))["count"]})
+
+
+# --- the leader's decision over every host's fetch ------------------------------------------------
+class Fetch:
+    def __init__(self, source="a"):
+        self.source, self.done, self.result, self.error = source, threading.Event(), None, None
+
+
+def healing_quorum():
+    a, me = participant("a", 10, 10), participant("me", 0, 3, healing=True, source="a")
+    return quorum(4, 10, [a, me], "me", healing=True, source="a", position=3)
+
+
+def done(step):
+    return {"done": True, "error": None, "step": step}
+
+
+RUNNING = {"done": False, "error": None, "step": None}
+
+
+@pytest.mark.parametrize("hosts, order, event", [
+    ([done(9), done(9)], HealOrder(install=True), None),
+    ([done(9), RUNNING], HealOrder(), None),  # host 1 still fetching: wait for it
+    ([RUNNING, {"done": True, "error": "ConnectionError: reset", "step": None}],
+     HealOrder(drop=True, fetch_min_step=10), E.CATCHUP_FAILED),  # no waiting for the others: again at once
+    ([done(9), done(10)], HealOrder(drop=True, fetch_min_step=10), E.CATCHUP_FAILED),  # parts of two states
+])
+def test_the_leader_installs_only_what_every_host_fetched_of_one_step(tmp_path, hosts, order, event):
+    log = Events()
+    p = StepProtocol(replica_id="me", incarnation="me-inc", group=OneHost(), reducer=None, transport=None,
+                     quorums=None, buffer=ReplayBuffer(tmp_path / "replay", 8), log=log)
+    p.fetch = Fetch()
+    assert p._heal_bookkeeping(healing_quorum(), hosts) == order
+    assert (log.kinds()[:1] or [None])[0] == event
+    if event == E.CATCHUP_FAILED:
+        assert "host 1" in log.events[0][1]["error"] or "different steps [9, 10]" in log.events[0][1]["error"]
+
+
+def test_every_host_fetches_from_the_same_host_of_the_source(tmp_path):
+    class Host1(OneHost):
+        rank, hosts = 1, 2
+
+    asked = []
+
+    class Transport:
+        def fetch(self, address, key, *, source, min_step):
+            asked.append((address, key, source, min_step))
+            return Fetch(source)
+
+    p = StepProtocol(replica_id="me", incarnation="me-inc", group=Host1(), reducer=None, transport=Transport(),
+                     quorums=None, buffer=ReplayBuffer(tmp_path / "replay", 8), log=Events())
+    q = healing_quorum()
+    q = type(q)(**{**q.__dict__, "heal_source_addresses": ("a-host0:2", "a-host1:2")})
+    assert p._carry_out(q, HealOrder(fetch_min_step=7)).install is None
+    assert asked == [("a-host1:2", "me/me-inc", "a", 7)]
+    fetched = p.fetch.result = object()
+    assert p._carry_out(q, HealOrder(install=True)).install is fetched and p.fetch is None
