@@ -112,7 +112,14 @@ def flag_name(field: str) -> str:
 
 class FTConfig(_Strict):
     replicas: int = Field(1, gt=0, description="data-parallel replicas in the job (data streams)")
-    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="elastic mode: the learning rate "
+                                                          "while replicas are missing")
+    global_batch: Literal["elastic", "constant"] = Field(
+        "elastic", description="elastic: a step averages the batches of the replicas present; constant: every "
+        "step trains the same R batches, the contributors compute the missing ones (docs/design.md)")
+    micro_batch_rows: int | None = Field(None, gt=0, description="constant mode: rows of one micro-batch (the unit "
+                                         "in which missing batches are dealt out); default: batch_size / 4, or "
+                                         "less to stay a multiple of the replica's device count")
     ftar_timeout_s: float = Field(10.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
     ftar_shared_memory: bool = Field(True, description="FTAR links between replicas on one host carry payloads "
                                                        "through /dev/shm (frame headers stay on TCP)")
@@ -188,7 +195,20 @@ class Config(_Strict):
                 f"mesh: model.d_model ({self.model.d_model}) must be divisible by the replica's {n} devices "
                 "(FSDP shards the embedding dimension)"
             )
+        m = self.ft.micro_batch_rows
+        if m is not None and (self.data.batch_size % m or m % n):
+            raise ValueError(f"ft.micro_batch_rows ({m}) must divide data.batch_size ({self.data.batch_size}) "
+                             f"and be a multiple of the replica's {n} devices")
         return self
+
+    @property
+    def micro_rows(self) -> int:
+        """Rows of a micro-batch in constant-batch mode: ft.micro_batch_rows, else the smallest
+        multiple of the device count that divides the batch and is at least a quarter of it."""
+        if self.ft.micro_batch_rows is not None:
+            return self.ft.micro_batch_rows
+        b, n = self.data.batch_size, self.mesh.num_devices
+        return next(m for m in range(n, b + 1, n) if b % m == 0 and 4 * m >= b)
 
 
 # Keys that configs once had: a config still using one is refused with this hint.
@@ -196,6 +216,7 @@ _RETIRED = {
     "log_every": "removed: it had no effect",
     "coordinator.heartbeat_timeout_ms": "renamed coordinator.heartbeat_timeout_s, in seconds",
     "coordinator.join_timeout_ms": "renamed coordinator.join_timeout_s, in seconds",
+    "ft.catchup_dir": "removed: catch-up goes from host to host, memory to memory (no directory)",
 }
 
 

@@ -46,6 +46,12 @@ def _faults(args: argparse.Namespace) -> InjectedFaults:
                      parse_die_at(getattr(args, "hang_at", None), "--hang-at"))
 
 
+def _divisor(cfg: Config) -> int | None:
+    """What divides the sum of the contributors' gradients: their number (elastic), or the job's
+    constant batch count R (constant: the contributors computed all R batches between them)."""
+    return cfg.ft.replicas if cfg.ft.global_batch == "constant" else None
+
+
 def addresses(cfg: Config, coordinator: str) -> net.Addresses:
     """What this process's listeners bind and advertise (ftjax/net.py): by default every interface,
     and the source address of this machine's route to the coordinator."""
@@ -80,7 +86,8 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
     buffer = ReplayBuffer(out / f"replay-host{group.rank}", int(cfg.ft.catchup_buffer_mib * 2**20))
     protocol = StepProtocol(replica_id=str(args.replica_id), incarnation=incarnation, group=group,
                             reducer=FTARReducer(endpoint, HostFlattener(program.abstract_state()["params"],
-                                                                        program.grad_shardings), group.rank),
+                                                                        program.grad_shardings), group.rank,
+                                                divisor=_divisor(cfg)),
                             transport=transport, quorums=client, buffer=buffer, log=log)
     trainer = Trainer(cfg, program, stream, protocol, log=log, ckpt=_checkpoints(cfg, args, out, stream),
                       faults=_faults(args), watchdog=NoWatchdog(), replica_id=str(args.replica_id),
@@ -95,7 +102,8 @@ def _standalone(cfg: Config, args: argparse.Namespace, out: Path) -> Trainer:
     stream = make_stream(cfg, replica=args.replica_id)
     log = MetricsLog(out, enabled=group.rank == 0, total_steps=cfg.steps, label=f"replica {args.replica_id}")
     rid = str(args.replica_id)
-    protocol = StepProtocol(replica_id=rid, incarnation=new_incarnation(), group=group, reducer=LocalReducer(),
+    protocol = StepProtocol(replica_id=rid, incarnation=new_incarnation(), group=group,
+                            reducer=LocalReducer(_divisor(cfg)),
                             transport=None, quorums=LocalQuorum(rid) if group.rank == 0 else None,
                             buffer=ReplayBuffer(out / "replay-unused", 0), log=log)
     return Trainer(cfg, program, stream, protocol, log=log, ckpt=_checkpoints(cfg, args, out, stream),

@@ -43,6 +43,13 @@ def loss_fn(graphdef, params, batch: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
+def row_losses(graphdef, params, rows: jax.Array) -> jax.Array:
+    """Each row's mean next-token cross-entropy: (rows,) for a (rows, seq_len + 1) token array."""
+    model = nnx.merge(graphdef, params)
+    logits = model(rows[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]).mean(axis=1)
+
+
 @dataclass
 class ReplicaProgram:
     """Everything compiled for one replica: mesh, shardings, and the jitted step functions."""
@@ -55,6 +62,8 @@ class ReplicaProgram:
     grads: Any         # (params, batch) -> (loss, grads)
     apply: Any         # (State, grads, lr_scale) -> State  (donates State)
     train_step: Any    # (State, batch, lr_scale) -> (State, loss)  (donates State)
+    accumulate: Any    # (acc, params, rows) -> (acc + grads of rows' loss sum / batch_size, row losses)
+    zeros: Any         # () -> gradients of zeros, in the gradients' shardings
 
     @property
     def grad_shardings(self):
@@ -77,6 +86,10 @@ class ReplicaProgram:
         lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=shd.replicated(self.mesh))
         self.grads = self.grads.lower(st["params"], batch).compile()
         self.apply = self.apply.lower(st, st["params"], lr).compile()
+        if self.cfg.ft.global_batch == "constant":  # an outage must not wait for a compile
+            rows = jax.ShapeDtypeStruct((self.cfg.micro_rows, batch.shape[1]), jnp.int32, sharding=self.batch_sharding)
+            self.accumulate = self.accumulate.lower(st["params"], st["params"], rows).compile()
+            self.zeros = self.zeros.lower().compile()
 
     def topology(self) -> str:
         """Mesh shape and shard layout: replicas may exchange gradients only if these agree."""
@@ -123,6 +136,19 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> Replica
         loss, g = grads(state["params"], batch)
         return apply(state, g, lr_scale), loss
 
+    def accumulate(acc, params, rows):
+        # Gradient accumulation for a constant global batch (ftjax/batches.py): each row's loss
+        # counts 1 / batch_size, so the micro-batches of one whole batch sum to its mean loss.
+        def rows_loss(p):
+            per_row = row_losses(graphdef, p, rows)
+            return per_row.sum() / cfg.data.batch_size, per_row
+
+        (_, per_row), g = jax.value_and_grad(rows_loss, has_aux=True)(params)
+        return jax.tree.map(jnp.add, acc, g), per_row
+
+    def zeros():
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params_shape)
+
     return ReplicaProgram(
         cfg=cfg, mesh=mesh, state_shardings=state_shardings, batch_sharding=b_shard,
         init=jax.jit(init, out_shardings=state_shardings),
@@ -131,6 +157,9 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> Replica
                       donate_argnums=0),
         train_step=jax.jit(train_step, in_shardings=(state_shardings, b_shard, rep),
                            out_shardings=(state_shardings, rep), donate_argnums=0),
+        accumulate=jax.jit(accumulate, in_shardings=(p_shard, p_shard, b_shard), out_shardings=(p_shard, rep),
+                           donate_argnums=0),
+        zeros=jax.jit(zeros, out_shardings=p_shard),
     )
 
 

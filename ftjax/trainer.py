@@ -20,8 +20,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from ftjax.batches import Piece, assign, row_count
 from ftjax.coordinator.client import QuorumResult
 from ftjax.catchup import FetchResult
+from ftjax.data import make_stream
 from ftjax.events import ReplicaEvent as E
 from ftjax.config import Config
 from ftjax.digest import state_digest
@@ -39,6 +41,17 @@ def lr_scale(policy: str, live: int, total: int) -> float:
     """Learning-rate response to missing replicas (FT-HSDP paper: sqrt beat linear beat none)."""
     frac = min(live, total) / total
     return {"none": 1.0, "linear": frac, "sqrt": math.sqrt(frac)}[policy]
+
+
+@dataclass
+class Computed:
+    """The gradients of this replica's share of a step, before the quorum's average."""
+
+    loss: Any                  # the mean loss of the rows computed
+    grads: Any
+    position: int              # the data position they are for
+    work: tuple[Piece, ...]    # the rows computed: (stream, first row, end row)
+    loss_sums: list | None = None  # constant batch: [stream, first row, end row, sum of row losses] per piece
 
 
 @dataclass
@@ -64,7 +77,17 @@ class Trainer:
         self.position = 0    # next batch of this replica's own stream
         self.job_step = 0    # the highest step of a quorum with state this process has seen
         self.state_lost_since: float | None = None
-        self.tokens = cfg.data.batch_size * cfg.model.seq_len
+        self.constant = cfg.ft.global_batch == "constant"
+        # A constant global batch trains stream r's batch n at step n, whoever computes it: replica
+        # ids are the stream numbers 0..R-1 (ftjax/batches.py).
+        self.own = int(replica_id) if self.constant else stream.replica
+        if self.constant and not 0 <= self.own < cfg.ft.replicas:
+            raise ValueError(f"ft.global_batch=constant: replica id {replica_id!r} is not a stream of "
+                             f"0..{cfg.ft.replicas - 1} (ft.replicas={cfg.ft.replicas})")
+        self.own_work: tuple[Piece, ...] = ((self.own, 0, cfg.data.batch_size),)
+        self.work = self.own_work          # this replica's share of the latest quorum's step
+        self.step_work: list[list[int]] | None = None  # constant: the whole step's [who, stream, a, b]
+        self._streams = {self.own: stream}
 
     @property
     def has_state(self) -> bool:
@@ -92,7 +115,7 @@ class Trainer:
     def _one_step(self) -> None:
         self.watchdog.beat("forward")
         timing = _Timing(time.perf_counter())
-        computed = self._compute() if self.has_state and self.protocol.heal_started is None else None
+        computed = self._compute(self.work) if self.has_state and self.protocol.heal_started is None else None
         timing.compute = time.perf_counter()
         agreement = self.protocol.agree()
         q = agreement.quorum
@@ -106,23 +129,53 @@ class Trainer:
             time.sleep(0.05)
             return self._ask()
         contributes = not q.healing and self.has_state
-        if contributes and (computed is None or computed[2] != self.position):  # (rare) our batch changed
-            computed = self._compute()
+        if contributes:
+            self.work = self._share(q)
+        if contributes and (computed is None or (computed.position, computed.work) != (self.position, self.work)):
+            computed = self._compute(self.work)  # (rare) our rows changed: a new quorum, or we were behind
         self.faults.point(q.step + 1, "ftar")
-        update, error = self.protocol.average(q, computed[1] if contributes else None)
+        update, error = self.protocol.average(q, computed.grads if contributes else None)
         timing.ftar = time.perf_counter()
         if not self.protocol.vote(q, error):
             return self._ask()  # discarded: the same batch again, unless the job committed the step
         self.faults.point(q.step + 1, "commit")
-        self._commit(q, update, computed[0] if contributes else None, contributes, timing)
+        self._commit(q, update, computed if contributes else None, contributes, timing)
 
-    def _compute(self) -> tuple[Any, Any, int]:
-        """(loss, gradients, the data position they are for) of this replica's next batch."""
+    def _share(self, q: QuorumResult) -> tuple[Piece, ...]:
+        """The rows this replica computes at the quorum's step: its own batch (elastic), or its
+        share of the step's R batches (constant; the whole step's assignment is kept for the record)."""
+        if not self.constant:
+            return self.own_work
+        shares = assign(self.cfg.ft.replicas, self.cfg.data.batch_size, self.cfg.micro_rows,
+                        [int(p.replica_id) for p in q.participants if not p.healing])
+        self.step_work = [[c, *piece] for c, pieces in sorted(shares.items()) for piece in pieces]
+        return shares[self.own]
+
+    def _compute(self, work: tuple[Piece, ...]) -> Computed:
+        """The gradients of `work`, the rows of this replica's share at the next data position. Its
+        own batch alone goes through `grads`, the same program in both modes; a larger share is
+        summed in micro-batches inside `accumulate`."""
         self.faults.point(self.step + 1, "forward")
-        batch = device_batch(self.program, self.stream.batch(self.position))
-        loss, grads = self.program.grads(self.state["params"], batch)
+        if work == self.own_work:
+            batch = device_batch(self.program, self.stream.batch(self.position))
+            loss, grads = self.program.grads(self.state["params"], batch)
+            jax.block_until_ready(grads)
+            return Computed(loss, grads, self.position, work)
+        rows = np.concatenate([self._stream(s).batch(self.position)[a:b] for s, a, b in work])
+        m, grads, per_row = self.cfg.micro_rows, self.program.zeros(), []
+        for i in range(0, len(rows), m):
+            grads, losses = self.program.accumulate(grads, self.state["params"], device_batch(self.program, rows[i:i + m]))
+            per_row.append(losses)
         jax.block_until_ready(grads)
-        return loss, grads, self.position
+        per_row = np.concatenate([np.asarray(x) for x in per_row])
+        ends = np.cumsum([b - a for _, a, b in work])
+        sums = [[s, a, b, float(per_row[end - (b - a):end].sum())] for (s, a, b), end in zip(work, ends)]
+        return Computed(float(per_row.mean()), grads, self.position, work, sums)
+
+    def _stream(self, s: int):
+        if s not in self._streams:
+            self._streams[s] = make_stream(self.cfg, replica=s)
+        return self._streams[s]
 
     def _follow(self, q: QuorumResult, install: FetchResult | None) -> None:
         """Take in what the quorum says of this replica: a snapshot to install, whether it heals,
@@ -144,8 +197,9 @@ class Trainer:
     def _apply(self, state: Any, grads: Any, scale: float) -> Any:
         return self.program.apply(state, grads, np.float32(scale))
 
-    def _commit(self, q: QuorumResult, update: Any, loss: Any, contributes: bool, timing: _Timing) -> None:
-        scale = lr_scale(self.cfg.ft.lr_scaling, q.num_contributors, self.cfg.ft.replicas)
+    def _commit(self, q: QuorumResult, update: Any, computed: Computed | None, contributes: bool,
+                timing: _Timing) -> None:
+        scale = 1.0 if self.constant else lr_scale(self.cfg.ft.lr_scaling, q.num_contributors, self.cfg.ft.replicas)
         applied = self.has_state and self.step == q.step
         self.protocol.committed(q, applied)
         batch_id = None
@@ -160,21 +214,26 @@ class Trainer:
         self._ask()  # the next quorum is requested while this step finishes
         if self.ckpt is not None and applied:
             self.ckpt.maybe_save(self.step, self.state, self._meta(), force=self.step == self.stop)
-        self._record(q, applied, contributes, loss, batch_id, scale, timing)
+        self._record(q, applied, computed, batch_id, scale, timing)
         self.watchdog.arm()  # a step is done: from now on this process must make progress
 
-    def _record(self, q: QuorumResult, applied: bool, contributes: bool, loss: Any, batch_id: int | None,
+    def _record(self, q: QuorumResult, applied: bool, computed: Computed | None, batch_id: int | None,
                 scale: float, timing: _Timing) -> None:
         t5 = time.perf_counter()
+        rows = row_count(computed.work) if computed is not None else 0
         record = {
-            "step": q.step + 1, "committed": applied, "healing": not contributes,
-            "loss": float(loss) if contributes else None, "tokens": self.tokens if contributes else 0,
+            "step": q.step + 1, "committed": applied, "healing": computed is None,
+            "loss": float(computed.loss) if computed is not None else None, "tokens": rows * self.cfg.model.seq_len,
             "batch_id": batch_id, "data_position": self.position, "quorum_id": q.quorum_id,
             "participants": len(q.participants), "contributors": q.num_contributors, "lr_scale": scale,
             "step_time_s": t5 - timing.t0, "compute_s": timing.compute - timing.t0,
             "quorum_wait_s": timing.quorum - timing.compute, "ftar_s": timing.ftar - timing.quorum,
             "commit_s": t5 - timing.ftar, "commit_failures": self.protocol.total_commit_failures,
         }
+        if self.constant:  # who computed which rows of the step's R batches (ftjax/batches.py)
+            record["work"] = self.step_work
+            record["loss_sums"] = (computed.loss_sums or [[*computed.work[0], float(computed.loss) * rows]]
+                                   if computed is not None else None)
         if applied and self.cfg.ft.digest_every and self.step % self.cfg.ft.digest_every == 0:
             record["param_digest"] = state_digest(self.state)
         self.log.log(record)
@@ -212,7 +271,11 @@ class Trainer:
 
     def _adopt_position(self, q: QuorumResult) -> None:
         """Where our stream resumes: the job's record, but never below a batch that we trained in a
-        committed step (a coordinator that lost its record may say less: the batch would repeat)."""
+        committed step (a coordinator that lost its record may say less: the batch would repeat).
+        With a constant global batch every stream is at the step: step n trains batch n of each."""
+        if self.constant:
+            self.position = self.step
+            return
         position = q.data_position
         if position > self.position:
             self.log.event(E.BATCHES_COMMITTED_BY_PEERS,

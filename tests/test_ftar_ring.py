@@ -313,7 +313,7 @@ class FakePeer:
 def _first_frame_of_left(ep, fake, n):
     """What the real member (rank 0 of [ep, fake]) expects first from its left neighbour."""
     members = [ep.address, fake.address]
-    meta = wire.call_fingerprint(n, np.dtype(np.float32), ep.chunk_elems, members, [True, True])
+    meta = wire.call_fingerprint(n, np.dtype(np.float32), ep.chunk_elems, members, [True, True], 2)
     return members, meta, schedule(n, 2, 1, ep.chunk_elems)[0][0]
 
 

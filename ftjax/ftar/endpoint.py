@@ -101,10 +101,13 @@ class FTAREndpoint:
 
     # --- the call ------------------------------------------------------------------------------
     def allreduce(self, buf: np.ndarray, *, quorum_id: int, step: int, members: Sequence[str], rank: int,
-                  contributors: Sequence[bool] | None = None, out: np.ndarray | None = None) -> np.ndarray:
+                  contributors: Sequence[bool] | None = None, out: np.ndarray | None = None,
+                  divisor: int | None = None) -> np.ndarray:
         """Average ``buf`` over the contributing members of the ring ``members`` (this one is
         ``members[rank]``). Non-contributors add zeros but still relay. Returns ``out`` (or a new
-        array) holding sum / number of contributors, bitwise identical on every member.
+        array) holding sum / ``divisor`` (default: the number of contributors), bitwise identical
+        on every member. (A constant global batch divides by the job's batch count, however many
+        members contributed it.)
 
         Every member must pass the same ``members``, ``contributors``, length and dtype (checked:
         each frame carries a fingerprint of them). Calls with the same ``quorum_id`` reuse the
@@ -116,12 +119,20 @@ class FTAREndpoint:
         (a member still to join it fails at once, from the abort notices it received).
         """
         buf, out, contributors = self._validate(buf, quorum_id, step, members, rank, contributors, out)
+        if divisor is not None and (not isinstance(divisor, (int, np.integer)) or isinstance(divisor, bool)
+                                    or divisor < 1):
+            raise ValueError(f"divisor: must be a positive int, got {divisor!r}")
         if not self._call_lock.acquire(blocking=False):
             raise RuntimeError("FTAREndpoint.allreduce: another call is running on this endpoint")
         try:
-            count = sum(contributors)
+            count = sum(contributors) if divisor is None else int(divisor)
             if len(members) == 1:
-                np.copyto(out, buf)
+                if count == 1:
+                    np.copyto(out, buf)
+                elif buf.dtype == np.float32:
+                    np.divide(buf, count, out=out)
+                else:  # bfloat16: one rounding of the float32 quotient, as the ring does
+                    out[...] = buf.astype(np.float32) / count
                 return out
             return self._ring_call(buf, out, quorum_id, step, list(members), rank, contributors, count)
         finally:
@@ -174,7 +185,7 @@ class FTAREndpoint:
                    rank: int, contributors: list[bool], count: int) -> np.ndarray:
         world = len(members)
         left, right = members[(rank - 1) % world], members[(rank + 1) % world]
-        meta = wire.call_fingerprint(buf.size, buf.dtype, self.chunk_elems, members, contributors)
+        meta = wire.call_fingerprint(buf.size, buf.dtype, self.chunk_elems, members, contributors, count)
         state = CallState(quorum_id, step, on_abort=self._wake)
         pending = self._begin(state, left, right)
         ring = Ring(state=state, buf=buf, res=out, rank=rank, world=world, contributes=contributors[rank],

@@ -39,9 +39,11 @@ class WireError(ValueError):
     """A frame or hello that does not parse or does not match what the receiver expects."""
 
 
-def call_fingerprint(n: int, dtype, chunk_elems: int, members: list[str], contributors: list[bool]) -> int:
+def call_fingerprint(n: int, dtype, chunk_elems: int, members: list[str], contributors: list[bool],
+                     divisor: int) -> int:
     """32-bit digest of what every member of a call must agree on; carried in every frame."""
-    return zlib.crc32(repr((n, str(dtype), chunk_elems, list(members), [bool(c) for c in contributors])).encode())
+    return zlib.crc32(repr((n, str(dtype), chunk_elems, list(members), [bool(c) for c in contributors],
+                            int(divisor))).encode())
 
 
 def pack_frame(*, quorum_id: int, step: int, phase: int, seq: int, meta: int, payload: memoryview,

@@ -33,6 +33,13 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   (`batches_committed_by_peers`; a restarted incarnation lists there every batch before its resume
   point, including those an earlier incarnation committed itself, which are no repeat). A batch
   that r commits after it was trained either way is a repeat.
+  With a constant global batch (`ft.global_batch: constant`, steps recorded with their `work`)
+  the check is per step instead (`constant_batch`): every step from 1 to the last was committed,
+  every replica that committed it recorded the same work, and that work trains each row of the
+  step's R batches exactly once (`ftjax.batches.check_tiling`), whoever computed it.
+- **constant_batch** (constant global batch only): that check, and who computed whose rows: the
+  steps in which some rows were computed by another replica than their own, the rows each replica
+  computed for others, and each run of consecutive steps with the same reassignment.
 - **failure_events**: every replica death and coordinator loss, with `recovery_s` (from a
   replica's death to its rejoin, when it rejoined: restart delay + start + catch-up).
 - **final_loss**: the mean training loss of every contribution in the last 5% of the steps (at
@@ -47,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftjax.batches import check_tiling
 from ftjax.events import EVENT, REPLICA, TIME, LauncherEvent as L, ReplicaEvent as E, StepField as F
 from ftjax.events import is_own_step, is_step
 from ftjax.lifecycle import Phase, segments
@@ -177,6 +185,37 @@ def exactly_once(run: Run, r: int) -> tuple[bool, str]:
     return True, ""
 
 
+def constant_batch(run: Run) -> dict[str, Any] | None:
+    """The constant-batch check and who computed whose rows (see the module docstring); None when
+    the run's steps carry no `work` (an elastic run)."""
+    by_step: dict[int, list] = {}
+    for r in range(run.replicas):
+        for rec in _steps(run.metrics[r]):
+            if rec.get(F.COMMITTED) and rec.get("work") is not None:
+                by_step.setdefault(int(rec[F.STEP]), []).append(rec["work"])
+    if not by_step:
+        return None
+    rows = max(int(w[3]) for works in by_step.values() for w in works[0])
+    errors = [f"step {n}: committed by nobody" for n in range(1, max(by_step) + 1) if n not in by_step]
+    runs: list[list] = []  # [first step, last step, [[who, stream, a, b] computed for another]]
+    for_others: dict[str, int] = {str(r): 0 for r in range(run.replicas)}
+    for n, works in sorted(by_step.items()):
+        if any(w != works[0] for w in works):
+            errors.append(f"step {n}: the replicas that committed it recorded different work")
+        if why := check_tiling(run.replicas, rows, works[0]):
+            errors.append(f"step {n}: {why}")
+        others = [w for w in works[0] if w[0] != w[1]]
+        for who, _, a, b in others:
+            for_others[str(who)] = for_others.get(str(who), 0) + b - a
+        if others and runs and runs[-1][1] == n - 1 and runs[-1][2] == others:
+            runs[-1][1] = n
+        elif others:
+            runs.append([n, n, others])
+    return {"exactly_once": not errors, **({"error": errors[0]} if errors else {}),
+            "steps_with_reassigned_rows": sum(last - first + 1 for first, last, _ in runs),
+            "rows_computed_for_others": for_others, "reassignments": runs}
+
+
 def final_position(run: Run, r: int) -> int:
     final = run.finals.get(r)
     if final and "data_position" in final:
@@ -234,6 +273,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
     committed_times = [s[TIME] for r in range(run.replicas) for s in _steps(run.metrics[r]) if s.get(F.COMMITTED)]
     t_end = max(committed_times) if committed_times else run.end
     segments = timeline(run, median_s)
+    constant = constant_batch(run)
 
     replicas: dict[str, Any] = {}
     for r in range(run.replicas):
@@ -242,7 +282,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         final = run.finals.get(r) or {}
         digests = [s[F.PARAM_DIGEST] for s in committed if F.PARAM_DIGEST in s]
         catchups = [e for e in run.metrics[r] if e.get(EVENT) == E.CATCHUP_DONE]
-        once, why = exactly_once(run, r)
+        once, why = exactly_once(run, r) if constant is None else (constant["exactly_once"], constant.get("error", ""))
         in_state = {phase.value: 0.0 for phase in Phase}
         for a, b, st in segments[r]:
             in_state[st] += b - a
@@ -294,6 +334,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "final_loss": round(loss, 5) if loss is not None else None,
         "digests_equal": len(set(digests)) == 1 and None not in digests,
         "exactly_once": all(rec["exactly_once"] for rec in replicas.values()),
+        **({"constant_batch": constant} if constant is not None else {}),
     }
 
 

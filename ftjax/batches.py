@@ -1,0 +1,76 @@
+"""Constant global batch: which rows of a step's R batches each contributor computes.
+
+In `ft.global_batch: constant` mode, step n always trains the same R batches of the job's data:
+batch n of stream r, for every stream r in 0..R-1 (stream r is replica r's data), whoever is
+alive. A contributor computes its own stream's batch. The batches of streams whose replica does not
+contribute to the step (missing or healing) are cut into micro-batches of `unit` rows and dealt
+out among the contributors, in stream order, as evenly as the units allow. So during an outage each
+contributor computes about R / C batches (C contributors), not two. (docs/design.md, "Constant
+global batch".)
+
+`assign` is a pure function of the quorum, so every member knows the whole step's assignment
+before the step, and it is recorded with each step, whoever computed what.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+Piece = tuple[int, int, int]  # (stream, first row, end row) of that stream's batch of the step
+
+
+def assign(streams: int, rows: int, unit: int, contributors: Sequence[int]) -> dict[int, tuple[Piece, ...]]:
+    """For each contributor (a stream id: replica r contributes stream r), the pieces of the step's
+    batches it computes. Its own batch comes first, whole. Then the `unit`-row micro-batches of the
+    orphan streams, in stream and row order: the first `U mod C` contributors (by id) take
+    `U // C + 1` consecutive units, the others `U // C` (U units in all, C contributors).
+
+    Raises ValueError naming the argument at fault."""
+    if streams < 1 or rows < 1:
+        raise ValueError(f"streams ({streams}) and rows ({rows}) must be positive")
+    if unit < 1 or rows % unit:
+        raise ValueError(f"unit: {unit} rows do not divide a batch of {rows}")
+    cs = sorted(set(contributors))
+    if not cs:
+        raise ValueError("contributors: none (a step needs one at least)")
+    if cs[0] < 0 or cs[-1] >= streams:
+        raise ValueError(f"contributors: {cs} are not all streams of 0..{streams - 1}")
+    units = [(s, a) for s in range(streams) if s not in cs for a in range(0, rows, unit)]
+    share, extra = divmod(len(units), len(cs))
+    out: dict[int, tuple[Piece, ...]] = {}
+    start = 0
+    for i, c in enumerate(cs):
+        take = share + (1 if i < extra else 0)
+        pieces = [(c, 0, rows)]
+        for s, a in units[start:start + take]:
+            if pieces[-1][0] == s and pieces[-1][2] == a and len(pieces) > 1:
+                pieces[-1] = (s, pieces[-1][1], a + unit)  # a run of one stream's units: one piece
+            else:
+                pieces.append((s, a, a + unit))
+        out[c] = tuple(pieces)
+        start += take
+    return out
+
+
+def row_count(pieces: Sequence[Piece]) -> int:
+    return sum(b - a for _, a, b in pieces)
+
+
+def check_tiling(streams: int, rows: int, work: Sequence[Sequence[int]]) -> str | None:
+    """Why a step's recorded work does not train every row of its R batches exactly once (None if
+    it does). `work`: [contributor, stream, first row, end row] entries."""
+    covered: dict[int, list[tuple[int, int]]] = {s: [] for s in range(streams)}
+    for entry in work:
+        _, s, a, b = (int(x) for x in entry)
+        if s not in covered or not 0 <= a < b <= rows:
+            return f"piece {list(entry)} is not rows of a stream's batch (R={streams}, B={rows})"
+        covered[s].append((a, b))
+    for s, spans in covered.items():
+        end = 0
+        for a, b in sorted(spans):
+            if a != end:
+                return (f"stream {s}: rows {end}..{a} " + ("trained twice" if a < end else "not trained"))
+            end = b
+        if end != rows:
+            return f"stream {s}: rows {end}..{rows} not trained"
+    return None
