@@ -12,6 +12,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "ftar": ("ftjax_bench.ftar:main", "FTAR bus bandwidth against the raw TCP loopback link"),
     "step": ("ftjax_bench.step:main", "FT-HSDP step time against synchronous HSDP and a standalone replica"),
     "catchup": ("ftjax_bench.catchup:main", "catch-up transfer rate against the raw link"),
+    "outage": ("ftjax_bench.outage:main", "step time in an outage against healthy, elastic and constant batch"),
 }
 
 

@@ -5,4 +5,5 @@ packages, which never import it: `ftjax.bench` (the dispatcher) imports these mo
     coordinator.py    quorum latency of N simulated replicas against a bare grpcio server
     step.py           FT-HSDP step against synchronous HSDP (sync_baseline.py) and a standalone replica
     catchup.py        catch-up transfer rate against the raw link
+    outage.py         step time during an outage against healthy, elastic vs constant global batch
 """

@@ -3,14 +3,18 @@ same R batches whoever is alive (ftjax/batches.py, docs/design.md "Constant glob
 
 from __future__ import annotations
 
+import subprocess
 import threading
 
+import jax
 import numpy as np
 import pytest
 
 from ftjax.batches import assign, check_tiling
 from ftjax.config import ConfigError, load_config
 from ftjax.ftar import FTAREndpoint, FTARError
+
+from conftest import FTJAX
 
 TOKEN = "test-token"
 
@@ -112,3 +116,99 @@ def test_ftar_divides_the_contributors_sum_by_the_job_batch_count_and_members_mu
     finally:
         for e in eps:
             e.close()
+
+
+# --- real jobs -----------------------------------------------------------------------------------
+def _committed(records):
+    return [r for r in records if "event" not in r and r.get("committed")]
+
+
+def job_losses(metric_files, streams: int, rows: int) -> dict[int, float]:
+    """Each step's loss over all R*B rows of the step, from the committed records' loss sums (a
+    step whose rows are not all in the records, its contributor killed as it committed, is left out)."""
+    from ftjax.jsonl import read_jsonl
+
+    pieces: dict[int, dict[tuple, float]] = {}
+    for f in metric_files:
+        for rec in _committed(read_jsonl(f)):
+            for s, a, b, loss_sum in rec["loss_sums"]:
+                pieces.setdefault(rec["step"], {})[(s, a, b)] = loss_sum
+    out = {}
+    for step, got in pieces.items():
+        if check_tiling(streams, rows, [[0, *k] for k in got]) is None:
+            out[step] = sum(got.values()) / (streams * rows)
+    return out
+
+
+def largest_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
+    return max(abs(a[n] - b[n]) / abs(b[n]) for n in a)
+
+
+def final_params(run_dir, overrides):
+    from ftjax.checkpoint import DurableCheckpoints
+    from ftjax.data import make_stream
+    from ftjax.step import build_program
+
+    cfg = load_config("tiny", [*overrides, "ft.replicas=3"])
+    ckpt = DurableCheckpoints.from_config(cfg, run_dir, data_fingerprint=make_stream(cfg).fingerprint)
+    try:
+        state, meta = ckpt.restore(build_program(cfg).abstract_state())
+    finally:
+        ckpt.close()
+    assert meta["step"] == cfg.steps
+    return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(state["params"])])
+
+
+@pytest.mark.slow
+def test_without_failures_constant_and_elastic_are_the_same_program(launch):
+    runs = {}
+    for mode in ("elastic", "constant"):
+        run = runs[mode] = launch("--replicas", "3", "steps=15", f"ft.global_batch={mode}", name=mode)
+        assert run.wait(300) == 0, run.output()
+    for r in range(3):
+        losses = {m: [(s["step"], s["loss"]) for s in _committed(runs[m].metrics(r))] for m in runs}
+        assert len(losses["constant"]) == 15 and losses["constant"] == losses["elastic"]  # bitwise
+    assert ({d["param_digest"] for d in runs["constant"].summary()["replicas"].values()}
+            == {d["param_digest"] for d in runs["elastic"].summary()["replicas"].values()})
+    assert runs["constant"].summary()["constant_batch"]["steps_with_reassigned_rows"] == 0
+
+
+@pytest.mark.slow
+def test_kills_at_three_steps_and_phases_change_the_time_not_the_math(launch, tmp_path, procs):
+    """Replica 0 always lives (it holds the job's state); 1 dies at step 5 (forward), 2 at step 15
+    and again while it catches up, 1 again in FTAR once it is back. The per-step loss over the R
+    batches and the final parameters must equal the failure-free run's to float32 rounding. The
+    rounding floor is measured here: the same failure-free job as one process that sums all R
+    batches in one accumulation (`ftjax train`, a quorum of one) instead of FTAR's ring."""
+    steps = 200
+    job = [f"steps={steps}", "ft.global_batch=constant", f"checkpoint.every={steps}"]
+    free = launch("--replicas", "3", *job, name="free")
+    assert free.wait(600) == 0, free.output()
+    alone = procs.start([*FTJAX, "train", "tiny", *job, "ft.replicas=3",
+                         "--out", str(tmp_path / "alone")], stdout=open(tmp_path / "alone.out", "w"),
+                        stderr=subprocess.STDOUT)
+    assert alone.wait(600) == 0, (tmp_path / "alone.out").read_text()[-3000:]
+    chaos = launch("--replicas", "3", *job, "--kill", "1@5", "--kill", "2@15:catchup", "--kill", "1@30:ftar",
+                   name="chaos")
+    assert chaos.wait(900) == 0, chaos.output()
+
+    s = chaos.summary()
+    assert s["digests_equal"] and s["exactly_once"], chaos.output()
+    downs = [(e["replica"], e.get("at")) for e in s["failure_events"]]
+    assert (1, "5:forward") in downs and (2, "15:forward") in downs and (1, "30:ftar") in downs, downs
+    assert any(e["event"] == "fault" and e.get("kind") == "kill_catchup" for e in chaos.events()), "no catch-up kill"
+    assert s["constant_batch"]["steps_with_reassigned_rows"] > 10  # the others computed the missing batches
+
+    rows = 8
+    ref = job_losses([free.run_dir / f"replica-{r}" / "metrics.jsonl" for r in range(3)], 3, rows)
+    floor_run = job_losses([tmp_path / "alone" / "metrics.jsonl"], 3, rows)
+    got = job_losses([chaos.run_dir / f"replica-{r}" / "metrics.jsonl" for r in range(3)], 3, rows)
+    assert len(ref) == len(floor_run) == steps and len(got) >= 0.9 * steps, (len(ref), len(floor_run), len(got))
+    floor, diff = largest_relative_difference(floor_run, ref), largest_relative_difference(got, ref)
+    print(f"largest relative loss difference: {diff:.3g} with failures, floor {floor:.3g}")
+    assert 0 < floor < 1e-3, floor  # the two orders of the sum do differ, by rounding only
+    assert diff <= 4 * floor, (diff, floor)
+
+    p_ref = final_params(free.run_dir / "replica-0", job)
+    p_floor = np.abs(final_params(tmp_path / "alone", job) - p_ref).max()
+    np.testing.assert_allclose(final_params(chaos.run_dir / "replica-0", job), p_ref, rtol=0, atol=4 * p_floor)
