@@ -296,7 +296,10 @@ class Trainer:
             if self.protocol.transport is not None:
                 self.protocol.serve(q, self.state, self.step, self._meta())
             everyone = len(q.participants) >= self.cfg.ft.replicas and not any(p.healing for p in q.participants)
-            if everyone or time.monotonic() > deadline:
+            stop = everyone or time.monotonic() > deadline
+            if self.protocol.group.hosts > 1:  # the leader's clock decides: every host leaves together
+                stop = self.protocol.group.broadcast_bytes(b"1" if stop else b"0") == b"1"
+            if stop:
                 if not everyone:
                     self.log.event(E.DRAIN_TIMEOUT, participants=len(q.participants),
                                    healing=[p.replica_id for p in q.participants if p.healing])
