@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#ftjax/coordinator/coordinator.proto\x12\x14\x66tjax.coordinator.v1\"\xe4\x01\n\x06Member\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x15\n\rdata_position\x18\x04 \x01(\x03\x12\x11\n\thas_state\x18\x05 \x01(\x08\x12\x11\n\tnum_hosts\x18\x06 \x01(\x05\x12\x16\n\x0e\x66tar_addresses\x18\x07 \x03(\t\x12\x17\n\x0f\x63\x61tchup_address\x18\x08 \x01(\t\x12\x1c\n\x14topology_fingerprint\x18\t \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\n \x01(\x03\"<\n\x0fReplicaPosition\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x15\n\rdata_position\x18\x02 \x01(\x03\"\x80\x01\n\x10HeartbeatRequest\x12,\n\x06member\x18\x01 \x01(\x0b\x32\x1c.ftjax.coordinator.v1.Member\x12>\n\x0fknown_positions\x18\x02 \x03(\x0b\x32%.ftjax.coordinator.v1.ReplicaPosition\"&\n\x10HeartbeatSummary\x12\x12\n\nheartbeats\x18\x01 \x01(\x03\"j\n\rQuorumRequest\x12,\n\x06member\x18\x01 \x01(\x0b\x32\x1c.ftjax.coordinator.v1.Member\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x03\x12\x17\n\x0fknown_quorum_id\x18\x03 \x01(\x03\"i\n\rMemberAddress\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x16\n\x0e\x66tar_addresses\x18\x03 \x03(\t\x12\x17\n\x0f\x63\x61tchup_address\x18\x04 \x01(\t\"\xd2\x02\n\x0eQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x10\n\x08no_state\x18\x03 \x01(\x08\x12\x18\n\x10num_contributors\x18\x04 \x01(\x05\x12\x18\n\x10num_participants\x18\x05 \x01(\x05\x12\x34\n\x07members\x18\x06 \x03(\x0b\x32#.ftjax.coordinator.v1.MemberAddress\x12\r\n\x05steps\x18\x07 \x03(\x03\x12\x16\n\x0e\x64\x61ta_positions\x18\x08 \x03(\x03\x12\x14\n\x0cheal_sources\x18\t \x03(\x05\x12\x0c\n\x04rank\x18\n \x01(\x05\x12\x0f\n\x07healing\x18\x0b \x01(\x08\x12\x13\n\x0bheal_source\x18\x0c \x01(\t\x12\x1b\n\x13heal_source_address\x18\r \x01(\t\x12\x15\n\rdata_position\x18\x0e \x01(\x03\"p\n\rFailureReport\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0breporter_id\x18\x05 \x01(\t\"\xf8\x01\n\x0e\x46\x61ilureVerdict\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x12=\n\x07verdict\x18\x02 \x01(\x0e\x32,.ftjax.coordinator.v1.FailureVerdict.Verdict\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x85\x01\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x44ROPPED\x10\x01\x12\x10\n\x0c\x41LREADY_GONE\x10\x02\x12\t\n\x05\x41LIVE\x10\x03\x12\x15\n\x11STALE_INCARNATION\x10\x04\x12\x13\n\x0fUNKNOWN_REPLICA\x10\x05\x12\x0b\n\x07SUSPECT\x10\x06\x32\xa1\x02\n\x0b\x43oordinator\x12]\n\tHeartbeat\x12&.ftjax.coordinator.v1.HeartbeatRequest\x1a&.ftjax.coordinator.v1.HeartbeatSummary(\x01\x12W\n\x06Quorum\x12#.ftjax.coordinator.v1.QuorumRequest\x1a$.ftjax.coordinator.v1.QuorumResponse(\x01\x30\x01\x12Z\n\rReportFailure\x12#.ftjax.coordinator.v1.FailureReport\x1a$.ftjax.coordinator.v1.FailureVerdictb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#ftjax/coordinator/coordinator.proto\x12\x14\x66tjax.coordinator.v1\"\xe4\x01\n\x06Member\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x15\n\rdata_position\x18\x04 \x01(\x03\x12\x11\n\thas_state\x18\x05 \x01(\x08\x12\x11\n\tnum_hosts\x18\x06 \x01(\x05\x12\x16\n\x0e\x66tar_addresses\x18\x07 \x03(\t\x12\x17\n\x0f\x63\x61tchup_address\x18\x08 \x01(\t\x12\x1c\n\x14topology_fingerprint\x18\t \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\n \x01(\x03\"<\n\x0fReplicaPosition\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x15\n\rdata_position\x18\x02 \x01(\x03\"\x80\x01\n\x10HeartbeatRequest\x12,\n\x06member\x18\x01 \x01(\x0b\x32\x1c.ftjax.coordinator.v1.Member\x12>\n\x0fknown_positions\x18\x02 \x03(\x0b\x32%.ftjax.coordinator.v1.ReplicaPosition\"&\n\x10HeartbeatSummary\x12\x12\n\nheartbeats\x18\x01 \x01(\x03\"\x9c\x01\n\rQuorumRequest\x12,\n\x06member\x18\x01 \x01(\x0b\x32\x1c.ftjax.coordinator.v1.Member\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x03\x12\x17\n\x0fknown_quorum_id\x18\x03 \x01(\x03\x12\x30\n\x06report\x18\x04 \x01(\x0b\x32 .ftjax.coordinator.v1.StepReport\"\x9d\x01\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\x13\n\x0b\x63ontributed\x18\x03 \x01(\x08\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12\x14\n\x0ctarget_steps\x18\x07 \x01(\x03\x12\x10\n\x08replicas\x18\x08 \x01(\x05\"i\n\rMemberAddress\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x16\n\x0e\x66tar_addresses\x18\x03 \x03(\t\x12\x17\n\x0f\x63\x61tchup_address\x18\x04 \x01(\t\"\xd2\x02\n\x0eQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x10\n\x08no_state\x18\x03 \x01(\x08\x12\x18\n\x10num_contributors\x18\x04 \x01(\x05\x12\x18\n\x10num_participants\x18\x05 \x01(\x05\x12\x34\n\x07members\x18\x06 \x03(\x0b\x32#.ftjax.coordinator.v1.MemberAddress\x12\r\n\x05steps\x18\x07 \x03(\x03\x12\x16\n\x0e\x64\x61ta_positions\x18\x08 \x03(\x03\x12\x14\n\x0cheal_sources\x18\t \x03(\x05\x12\x0c\n\x04rank\x18\n \x01(\x05\x12\x0f\n\x07healing\x18\x0b \x01(\x08\x12\x13\n\x0bheal_source\x18\x0c \x01(\t\x12\x1b\n\x13heal_source_address\x18\r \x01(\t\x12\x15\n\rdata_position\x18\x0e \x01(\x03\"p\n\rFailureReport\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0breporter_id\x18\x05 \x01(\t\"\xf8\x01\n\x0e\x46\x61ilureVerdict\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x12=\n\x07verdict\x18\x02 \x01(\x0e\x32,.ftjax.coordinator.v1.FailureVerdict.Verdict\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x85\x01\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x44ROPPED\x10\x01\x12\x10\n\x0c\x41LREADY_GONE\x10\x02\x12\t\n\x05\x41LIVE\x10\x03\x12\x15\n\x11STALE_INCARNATION\x10\x04\x12\x13\n\x0fUNKNOWN_REPLICA\x10\x05\x12\x0b\n\x07SUSPECT\x10\x06\x32\xa1\x02\n\x0b\x43oordinator\x12]\n\tHeartbeat\x12&.ftjax.coordinator.v1.HeartbeatRequest\x1a&.ftjax.coordinator.v1.HeartbeatSummary(\x01\x12W\n\x06Quorum\x12#.ftjax.coordinator.v1.QuorumRequest\x1a$.ftjax.coordinator.v1.QuorumResponse(\x01\x30\x01\x12Z\n\rReportFailure\x12#.ftjax.coordinator.v1.FailureReport\x1a$.ftjax.coordinator.v1.FailureVerdictb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,18 +39,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_end=483
   _globals['_HEARTBEATSUMMARY']._serialized_start=485
   _globals['_HEARTBEATSUMMARY']._serialized_end=523
-  _globals['_QUORUMREQUEST']._serialized_start=525
-  _globals['_QUORUMREQUEST']._serialized_end=631
-  _globals['_MEMBERADDRESS']._serialized_start=633
-  _globals['_MEMBERADDRESS']._serialized_end=738
-  _globals['_QUORUMRESPONSE']._serialized_start=741
-  _globals['_QUORUMRESPONSE']._serialized_end=1079
-  _globals['_FAILUREREPORT']._serialized_start=1081
-  _globals['_FAILUREREPORT']._serialized_end=1193
-  _globals['_FAILUREVERDICT']._serialized_start=1196
-  _globals['_FAILUREVERDICT']._serialized_end=1444
-  _globals['_FAILUREVERDICT_VERDICT']._serialized_start=1311
-  _globals['_FAILUREVERDICT_VERDICT']._serialized_end=1444
-  _globals['_COORDINATOR']._serialized_start=1447
-  _globals['_COORDINATOR']._serialized_end=1736
+  _globals['_QUORUMREQUEST']._serialized_start=526
+  _globals['_QUORUMREQUEST']._serialized_end=682
+  _globals['_STEPREPORT']._serialized_start=685
+  _globals['_STEPREPORT']._serialized_end=842
+  _globals['_MEMBERADDRESS']._serialized_start=844
+  _globals['_MEMBERADDRESS']._serialized_end=949
+  _globals['_QUORUMRESPONSE']._serialized_start=952
+  _globals['_QUORUMRESPONSE']._serialized_end=1290
+  _globals['_FAILUREREPORT']._serialized_start=1292
+  _globals['_FAILUREREPORT']._serialized_end=1404
+  _globals['_FAILUREVERDICT']._serialized_start=1407
+  _globals['_FAILUREVERDICT']._serialized_end=1655
+  _globals['_FAILUREVERDICT_VERDICT']._serialized_start=1522
+  _globals['_FAILUREVERDICT_VERDICT']._serialized_end=1655
+  _globals['_COORDINATOR']._serialized_start=1658
+  _globals['_COORDINATOR']._serialized_end=1947
 # @@protoc_insertion_point(module_scope)
