@@ -85,9 +85,12 @@ def _overall(s: dict) -> tuple[str, str]:
     if s["quorum"] is None:
         return Phase.STARTING.value, "starting"
     states = [r["state"] for r in s["replicas"]]
-    if any(st in (Phase.DOWN.value, Phase.CATCHING_UP.value, Phase.STARTING.value) for st in states):
+    size = job["replicas"] or len(states)
+    if job["training"] == 0:
+        return Phase.STALLED.value, "waiting"
+    if job["training"] < size:
         return Phase.STALLED.value, "training, reduced"
-    if any(st == Phase.STALLED.value for st in states):
+    if all(st == Phase.STALLED.value for st in states):
         return Phase.STALLED.value, "stalled"
     return Phase.TRAINING.value, "training"
 
@@ -141,9 +144,10 @@ def _banners(s: dict) -> str:
                                 "streams wait) and each one catches up from a peer when it is back."))
     if job["finished"]:
         out.append(("good", f"Finished: {job['committed_steps']:,} steps committed at {clock(job['finished_at'])}."))
-    if s["quorum"] is not None and s["uptime_s"] < 60 and (s["progress"]["step"] or 0) > 0 and not s["incidents"]:
-        out.append(("info", f"This coordinator started {duration(s['uptime_s'])} ago: its records (failures, "
-                            "timeline, restarts) begin then."))
+    if job.get("first_step"):
+        out.append(("info", f"This coordinator started at {clock(s['started_at'])} ({duration(s['uptime_s'])} ago), "
+                            f"when the job was at step {job['first_step']:,} (it was restarted): its records "
+                            "(failures, timeline, restarts, ETTR) begin then."))
     return "".join(f'<div class="banner {kind}">{esc(text)}</div>' for kind, text in out)
 
 
@@ -349,7 +353,7 @@ h2{font-size:16px;margin:22px 0 8px;color:#333}
 table{border-collapse:collapse;background:#fff;width:100%;font-size:14px}
 td,th{border-bottom:1px solid #e3e6ea;padding:5px 8px;text-align:left;vertical-align:top}
 th{font-size:12px;color:#555;font-weight:600;background:#fafbfc}
-td.n{text-align:right;font-variant-numeric:tabular-nums}td.rid{font-weight:700}
+td.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}td.rid{font-weight:700}
 tr.st-down{background:#fff0ee}tr.st-down .words{color:#a50f15;font-weight:600}
 tr.st-stalled{background:#fff6ec}tr.st-catching-up{background:#f4f2fa}
 .incident{background:#fff;border:1px solid #dde1e6;border-left:5px solid #de2d26;border-radius:6px;padding:8px 12px;margin:8px 0}

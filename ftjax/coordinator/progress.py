@@ -44,6 +44,11 @@ TOKENS_WINDOW_S = 30  # tokens/s: over this many one-second buckets
 LOSS_POINTS = 400  # the loss curve keeps at most this many points (thinned by 2 when full)
 MAX_STEP_TIME_S = 1e7
 MAX_REPLICAS = 1 << 20
+# The stall rule (ftjax.lifecycle.is_stall) judges every gap between a replica's steps, as the
+# launcher's summary does. A replica is *shown* stalled now only once its current gap is also
+# longer than this: on a busy machine sub-second gaps of a fast job come and go every few steps,
+# and a state word that flickers tells a person nothing (the timeline still shows every one).
+STALLED_NOW_AFTER_S = 1.0
 
 
 class StepFigures(NamedTuple):
@@ -106,8 +111,9 @@ class ReplicaView:
         self.phase, self.since = phase, now
 
     def stalled_at(self, now: float, median_s: float | None) -> bool:
+        """Whether the replica is stalled now (its open gap; see STALLED_NOW_AFTER_S)."""
         return (self.phase is Phase.TRAINING and not self.finished and self.last_signal is not None
-                and is_stall(now - self.last_signal, median_s))
+                and now - self.last_signal > STALLED_NOW_AFTER_S and is_stall(now - self.last_signal, median_s))
 
 
 class JobProgress:
@@ -120,6 +126,7 @@ class JobProgress:
         self.job_replicas = 0  # ft.replicas, as reported
         self.max_participants = 0
         self.step: int | None = None  # the job's committed steps (the latest quorum's step)
+        self.first_step: int | None = None  # the step of this coordinator's first quorum (> 0: a restart)
         self.last_advance: float | None = None  # when the job's step last moved
         self.finished_at: float | None = None  # when a quorum first reached the target step
         self._advances: deque[tuple[float, int]] = deque(maxlen=512)
@@ -268,6 +275,8 @@ class JobProgress:
     def quorum(self, q: Quorum, has_state: dict[str, bool], now: float) -> None:
         """A quorum formed; `has_state`: each participant's latest report."""
         self.max_participants = max(self.max_participants, len(q.participants))
+        if self.first_step is None:
+            self.first_step = q.step
         if q.no_state:
             for p in q.participants:
                 self._view(p.replica_id).set_phase(Phase.STARTING, now)
@@ -328,8 +337,13 @@ class JobProgress:
                 if last[0] < v.last_signal:
                     last[1] = v.last_signal
                     v.segments.append([v.last_signal, now, Phase.STALLED])
-                else:
-                    last[1], last[2] = now, Phase.STALLED
+                else:  # (no training since the previous stall: one longer stall)
+                    v.segments.pop()
+                    before = v.segments[-1] if v.segments else None
+                    if before is not None and before[2] is Phase.STALLED and before[1] == last[0]:
+                        before[1] = now
+                    else:
+                        v.segments.append([last[0], now, Phase.STALLED])
                 v.segments.append([now, None, Phase.TRAINING])
                 v.since = now
         else:
@@ -374,13 +388,14 @@ class JobProgress:
             goodput = self._tokens_warm / (end - self.warm_at)
         losses = [v.report.loss for v in self.replicas.values()
                   if v.phase.alive and v.report is not None and v.report.contributed and math.isfinite(v.report.loss)]
-        training = sum(self.phase_now(v, now) is Phase.TRAINING and not v.finished for v in self.replicas.values())
+        training = self._contributing()
         return {
             "target_steps": self.target_steps or None, "committed_steps": step, "replicas": self.size or None,
             "alive": alive, "training": training, "steps_per_s": rate, "eta_s": eta,
             "tokens_per_s": tokens_per_s, "tokens_total": self.tokens_total, "goodput_tokens_per_s": goodput,
             "ettr": ettr, "loss": statistics.fmean(losses) if losses else None, "median_step_s": self._median,
             "warm_at": self.wall(self.warm_at), "finished": self.finished_at is not None,
+            "first_step": self.first_step,
             "finished_at": self.wall(self.finished_at),
         }
 
@@ -415,7 +430,7 @@ class JobProgress:
         if phase is Phase.TRAINING:
             if v.finished:
                 return "finished its steps: serving peers until every replica holds the final state"
-            size, contributing = self.size, self._contributing(now)
+            size, contributing = self.size, self._contributing()
             if size and contributing < size:
                 return f"training, reduced: {contributing} of {size} replicas contribute"
             return "training"
@@ -431,7 +446,8 @@ class JobProgress:
             return f"done at step {step}"
         return phase.value
 
-    def _contributing(self, now: float) -> int:
+    def _contributing(self) -> int:
+        """Replicas that contribute to the job's steps now (training, stalled included)."""
         return sum(v.phase is Phase.TRAINING and not v.finished for v in self.replicas.values())
 
     def incident_rows(self, now: float) -> list[dict]:
