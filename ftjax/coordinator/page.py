@@ -201,7 +201,8 @@ def _incident(inc: dict, s: dict) -> str:
     if inc["restarted_after_s"] is not None:
         then.append(f"restarted {duration(inc['restarted_after_s'])} after the failure")
     elif inc["open"] and inc.get("outcome") is None:
-        then.append(f"not back yet ({duration(inc['age_s'])})")
+        then.append(f"not back yet ({duration(inc['age_s'])}): a restarted replica shows here once its processes "
+                    "have started JAX and compiled, and it connects")
     if inc["healing_from"] is not None:
         if inc["catchup_s"] is not None:
             then.append(f"caught up from replica {esc(inc['healing_from'])} in {duration(inc['catchup_s'])}")
@@ -226,11 +227,13 @@ def _failures(s: dict) -> str:
     return "".join(_incident(inc, s) for inc in incidents[:10])
 
 
-def _ticks(span: float, n: int = 6) -> list[float]:
-    raw = span / n
+def _ticks(lo: float, hi: float, n: int = 6) -> list[float]:
+    """Round numbers from lo to hi, about n of them."""
+    raw = (hi - lo) / n
     mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
     step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    return [i * step for i in range(int(span / step) + 1)]
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step) + 1)]
 
 
 def _timeline(s: dict) -> str:
@@ -238,17 +241,20 @@ def _timeline(s: dict) -> str:
     rows = list(tl["replicas"].items())[:TIMELINE_ROWS]
     if not rows:
         return '<p class="muted">Nothing yet.</p>'
-    span = max(tl["now_s"], 1.0)
+    # from the first replica's first record (before it the coordinator saw nothing) to now
+    lo = min((segs[0][0] for _, segs in rows if segs), default=0.0)
+    hi = max(tl["now_s"], lo + 1.0)
+    lo = max(0.0, lo - 0.02 * (hi - lo))
     label_w, width, row_h = 90, 1000, 20
     plot_w = width - label_w - 10
     height = 30 + row_h * len(rows) + 24
 
     def x(t: float) -> float:
-        return label_w + plot_w * max(0.0, min(t, span)) / span
+        return label_w + plot_w * (max(lo, min(t, hi)) - lo) / (hi - lo)
 
     base = 10 + row_h * len(rows)
     parts = []
-    for t in _ticks(span):
+    for t in _ticks(lo, hi):
         parts.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="10" y2="{base + 4}" class="grid"/>'
                      f'<text x="{x(t):.1f}" y="{base + 16}" text-anchor="middle" class="tick">{t:g}</text>')
     for i, (rid, segs) in enumerate(rows):
