@@ -161,6 +161,7 @@ class _Service:
             # Each handler encodes its own few bytes: the first answers leave sooner.
             waiter.future.set_result((encoded, rank, waiter.known_quorum_id, now))
         self.metrics.observe_wait(now - first)
+        self.loop.call_soon(self.state.settle_progress)  # after the answers' handlers (call_soon is FIFO)
 
     def _fail_waiter(self, replica_id: str, code: grpc.StatusCode, message: str, *, spare: str | None = None) -> None:
         """Answer the replica's pending request with an error (unless it is incarnation `spare`'s)."""

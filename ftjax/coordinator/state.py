@@ -143,6 +143,7 @@ class CoordinatorState:
         # implausible), kind what it found (a verdict, why a member departed, ...)
         self.failure_counts: dict[tuple[str, str], int] = {}
         self.progress = JobProgress(now, time.time() - now, expected_replicas=settings.expected_replicas)
+        self._progress_backlog: deque[tuple] = deque()  # quorums formed, not yet told to `progress`
         # progress: when the job's step last moved (monotonic and wall clock), and the quorums formed
         # since, of which how many after a failed attempt (a participant reported commit failures)
         self._progress_at, self._progress_wall = now, time.time()
@@ -154,6 +155,21 @@ class CoordinatorState:
         self._pending_prev = 0  # ... of which members of the previous quorum
         self._first_request: float | None = None  # lower bound of the earliest pending request
         self._next_sweep = float("inf")  # no member of `members` can be dead before this
+
+    # -- the status page's bookkeeping --------------------------------------------------------
+
+    def _jp(self) -> JobProgress:
+        """`progress`, told every quorum formed so far first (events reach it in order)."""
+        while self._progress_backlog:
+            self.progress.quorum(*self._progress_backlog.popleft())
+        return self.progress
+
+    def settle_progress(self) -> None:
+        """Tell `progress` the quorums formed since it last heard. The server calls this once the
+        answers of a quorum are on their way: at 1000 participants it costs a millisecond or two,
+        which the answers need not wait for. Every reader and every other event settles it first."""
+        with self._lock:
+            self._jp()
 
     # -- bookkeeping of `members` -------------------------------------------------------------
 
@@ -182,11 +198,11 @@ class CoordinatorState:
         self.departed[rid] = (m, now, why)
         key = ("departed", why)
         self.failure_counts[key] = self.failure_counts.get(key, 0) + 1
-        self.progress.departed(rid, now, why, self.settings.heartbeat_timeout_s)
+        self._jp().departed(rid, now, why, self.settings.heartbeat_timeout_s)
         if len(self.departed) > MAX_DEPARTED:
             oldest = min(self.departed, key=lambda r: self.departed[r][1])
             del self.departed[oldest]
-            self.progress.replicas.pop(oldest, None)
+            self._jp().replicas.pop(oldest, None)
 
     def _sweep(self, now: float) -> None:
         """Move the dead out of `members`; find when the next one could die (one pass)."""
@@ -273,10 +289,10 @@ class CoordinatorState:
             requested_at = now if requested_at is None else requested_at
         was_departed = self.departed.pop(report.replica_id, None) is not None
         if m is None or replaced:
-            self.progress.registered(report.replica_id, report.incarnation, now,
+            self._jp().registered(report.replica_id, report.incarnation, now,
                                      replaced_alive=replaced and not was_departed)
         elif was_departed:
-            self.progress.revived(report.replica_id, now)
+            self._jp().revived(report.replica_id, now)
         new = MemberState(report, now, requested_at, None)
         self._put(new)
         if self.fingerprint is None or len(self.members) == 1:
@@ -314,7 +330,7 @@ class CoordinatorState:
             self.counters["heartbeats"] += 1
             revived = self.departed.pop(replica_id, None) is not None
             if revived:
-                self.progress.revived(replica_id, now)
+                self._jp().revived(replica_id, now)
             self._put(MemberState(m.report, now, m.requested_at, None))
             return True, revived
 
@@ -327,7 +343,7 @@ class CoordinatorState:
             self._check_plausible(report, now)
             _, replaced = self._upsert(report, now, requesting=True)
             if figures is not None:
-                self.progress.reported(report.replica_id, figures, now)
+                self._jp().reported(report.replica_id, figures, now)
             self.ledger.observe(report.replica_id, report.step, report.data_position)
             self.counters["quorum_requests"] += 1
             return replaced
@@ -352,7 +368,7 @@ class CoordinatorState:
             if m is not None and m.report.incarnation == incarnation and not m.stream_lost:
                 suspected_at = now if m.suspected_at is None else m.suspected_at
                 self._put(m._replace(suspected_at=suspected_at, stream_lost=True))
-                self.progress.disconnected(replica_id, now)
+                self._jp().disconnected(replica_id, now)
                 self._record_failure(now, "disconnect", replica_id, incarnation, "", "", "heartbeat stream ended")
 
     def accuse(self, replica_id: str, incarnation: str, now: float, *, quorum_id: int = 0,
@@ -373,7 +389,7 @@ class CoordinatorState:
             elif m is None:
                 result = Accusation("ALREADY_GONE", f"{replica_id!r} was already out ({gone[2]})")
             else:
-                self.progress.accused(replica_id, reporter, reason, "", now)  # (before it may depart)
+                self._jp().accused(replica_id, reporter, reason, "", now)  # (before it may depart)
                 suspect = m if m.suspected_at is not None else m._replace(suspected_at=now)
                 self._put(suspect)
                 silent = now - m.last_seen
@@ -494,7 +510,8 @@ class CoordinatorState:
             self._pending = self._pending_prev = 0
             self._first_request = None
             self.ledger.record(q)
-            self.progress.quorum(q, has_state, now)
+            # (the page's bookkeeping waits until the answers are out: see `settle_progress`)
+            self._progress_backlog.append((q, has_state, now))
             self.counters["quorums"] += 1
             self.history.append({
                 "quorum_id": q.quorum_id, "step": q.step, "reason": q.reason, "time": time.time(),
@@ -555,8 +572,8 @@ class CoordinatorState:
                              "step": m.report.step, "heartbeat_age_s": now - m.last_seen,
                              "healing": self.prev is not None and any(
                                  p.replica_id == rid and p.healing for p in self.prev.participants),
-                             **self.progress.replica(rid, now)})
-            return {"job": self.progress.job(now, len(self.members)), "replicas": rows}
+                             **self._jp().replica(rid, now)})
+            return {"job": self._jp().job(now, len(self.members)), "replicas": rows}
 
     def snapshot(self, now: float) -> dict:
         """A JSON-able picture for the status page and /status."""
@@ -577,7 +594,7 @@ class CoordinatorState:
                          for m, when, why in self.departed.values()]
             replicas.sort(key=lambda r: _replica_order(r["replica_id"]))
             for r in replicas:
-                r.update(self.progress.replica(r["replica_id"], now))
+                r.update(self._jp().replica(r["replica_id"], now))
             q = self.prev
             quorum = None if q is None else {
                 "quorum_id": q.quorum_id, "step": q.step, "reason": q.reason, "no_state": q.no_state,
@@ -611,12 +628,12 @@ class CoordinatorState:
                 "failure_epoch": self.failure_epoch,
                 "expected_replicas": s.expected_replicas,
                 "now": round(time.time(), 3),
-                "started_at": self.progress.wall(self.started_at),
+                "started_at": self._jp().wall(self.started_at),
                 "pending": self._pending,
-                "job": self.progress.job(now, len(self.members)),
-                "incidents": self.progress.incident_rows(now),
-                "timeline": self.progress.timeline(now),
-                "loss_curve": [list(p) for p in self.progress.loss_points],
+                "job": self._jp().job(now, len(self.members)),
+                "incidents": self._jp().incident_rows(now),
+                "timeline": self._jp().timeline(now),
+                "loss_curve": [list(p) for p in self._jp().loss_points],
             }
 
 
