@@ -46,6 +46,12 @@ class Phase(enum.Enum):
 
 _ALIVE = frozenset({Phase.STARTING, Phase.TRAINING, Phase.STALLED, Phase.CATCHING_UP})
 
+# One colour per phase, keyed by the phase names: RUN/timeline.png (ftjax/launch/plots.py) and the
+# coordinator's status page draw with the same ones.
+PHASE_COLORS = {Phase.STARTING.value: "#9ecae1", Phase.TRAINING.value: "#31a354", Phase.STALLED.value: "#fd8d3c",
+                Phase.CATCHING_UP.value: "#756bb1", Phase.DOWN.value: "#de2d26", Phase.DONE.value: "#d9d9d9",
+                Phase.GONE.value: "#636363"}
+
 
 # --- the stall rule -------------------------------------------------------------------------------
 # A gap between two own steps of a replica is a stall when it is longer than STALL_FACTOR median

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -65,7 +66,8 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
     program = build_program(cfg)
     program.precompile()  # before joining: a late compile would stall every peer's FTAR
     stream = make_stream(cfg, replica=args.replica_id)
-    log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}")
+    log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}",
+                     log_every=getattr(args, "log_every", None))
     endpoint = FTAREndpoint(token, host=addrs.bind, advertise=addrs.advertise, timeout_s=cfg.ft.ftar_timeout_s,
                             shared_memory=cfg.ft.ftar_shared_memory)
     ftar_addresses = group.allgather(endpoint.address)
@@ -83,6 +85,8 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
                           topology_fingerprint=topology_fingerprint(program))
         client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s)
         client.start()
+        # each step's figures travel to the coordinator with the next quorum request (status page, /metrics)
+        log.listeners.append(partial(client.report_step, target_steps=cfg.steps, replicas=cfg.ft.replicas))
     buffer = ReplayBuffer(out / f"replay-host{group.rank}", int(cfg.ft.catchup_buffer_mib * 2**20))
     protocol = StepProtocol(replica_id=str(args.replica_id), incarnation=incarnation, group=group,
                             reducer=FTARReducer(endpoint, HostFlattener(program.abstract_state()["params"],
@@ -100,7 +104,8 @@ def _standalone(cfg: Config, args: argparse.Namespace, out: Path) -> Trainer:
     group = ReplicaComm()
     program = build_program(cfg)
     stream = make_stream(cfg, replica=args.replica_id)
-    log = MetricsLog(out, enabled=group.rank == 0, total_steps=cfg.steps, label=f"replica {args.replica_id}")
+    log = MetricsLog(out, enabled=group.rank == 0, total_steps=cfg.steps, label=f"replica {args.replica_id}",
+                     log_every=getattr(args, "log_every", None))
     rid = str(args.replica_id)
     protocol = StepProtocol(replica_id=rid, incarnation=new_incarnation(), group=group,
                             reducer=LocalReducer(_divisor(cfg)),

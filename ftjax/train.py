@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(forward|ftar|commit|catchup)")
     p.add_argument("--hang-at", default=None, metavar="STEP:PHASE",
                    help="fault injection: block the training thread forever at that step and phase")
+    p.add_argument("--log-every", type=int, default=None, metavar="N",
+                   help="when stdout is not a terminal (a file, a pipe), print a plain line every N steps "
+                        "(default: about 20 lines per run), besides one per event and the end of the run")
     return p
 
 
@@ -60,6 +63,8 @@ def parse_config(args: argparse.Namespace) -> Config:
         raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} needs --dist-address HOST:PORT for the replica's processes")
     if not 0 <= args.process_id < cfg.mesh.hosts:
         raise ConfigError(f"--process-id: {args.process_id} is not in [0, {cfg.mesh.hosts})")
+    if args.log_every is not None and args.log_every < 1:
+        raise ConfigError(f"--log-every: must be >= 1 (got {args.log_every})")
     if not 0 <= args.replica_id < cfg.ft.replicas:
         raise ConfigError(f"--replica-id: {args.replica_id} is not in [0, ft.replicas={cfg.ft.replicas})")
     return cfg

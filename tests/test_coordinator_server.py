@@ -433,7 +433,7 @@ def test_status_page_json_and_metrics(make_server, make_client):
     assert "ftjax_coordinator_quorum_latency_seconds_count 2.0" in metrics  # one per participant
     assert "ftjax_coordinator_quorum_wait_seconds_count 1.0" in metrics
     page = get("/")
-    assert "ftjax coordinator" in page and "<td>a</td>" in page and "<td>b</td>" in page
+    assert "ftjax coordinator" in page and '<td class="rid">a</td>' in page and '<td class="rid">b</td>' in page
     with pytest.raises(urllib.error.HTTPError) as e:
         get("/nope")
     assert e.value.code == 404

@@ -1,5 +1,6 @@
 """`ftjax launch` end to end: real launcher process, real replicas, real faults, nothing left behind."""
 
+import json
 import signal
 import time
 
@@ -84,5 +85,9 @@ def test_no_process_survives_an_error_or_sigterm(launch, how):
     assert code == (1 if how == "error" else 128 + signal.SIGTERM), run.output()
     if how == "error":
         assert "did not finish within --timeout-s 8" in run.output()
+        # a replica that never trained has no digest, and two missing digests are no difference
+        summary = json.loads((run.run_dir / "summary.json").read_text())
+        if all(rec["param_digest"] is None for rec in summary["replicas"].values()):
+            assert "no digest for any replica" in run.output() and "DIFFER" not in run.output(), run.output()
     assert len(run.pids()) == 5  # the coordinator and 2 x 2 hosts were running
     assert run.leftovers() == []

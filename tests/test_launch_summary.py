@@ -126,6 +126,33 @@ def test_different_digests_are_reported(tmp_path):
     assert not build_summary(tmp_path)["digests_equal"]
 
 
+def test_a_replica_without_a_digest_is_no_difference(tmp_path):
+    """A run ended by --timeout-s before any replica finished has no digest at all: the summary says
+    so instead of "DIFFER"; with one replica missing it names it and judges the others."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from ftjax.launch.view import print_summary
+
+    def printed(summary):
+        out = StringIO()
+        print_summary(Console(file=out, width=200), summary, str(tmp_path))
+        return out.getvalue()
+
+    make_run(tmp_path)
+    for r in (0, 1):
+        (tmp_path / f"replica-{r}" / "summary.json").unlink()
+    s = build_summary(tmp_path)
+    assert [rec["param_digest"] for rec in s["replicas"].values()] == [None, None]
+    assert not s["digests_equal"] and s["digests_missing"] == ["0", "1"]
+    text = printed(s)
+    assert "no digest for any replica" in text and "DIFFER" not in text, text
+    (tmp_path / "replica-0" / "summary.json").write_text(json.dumps({"param_digest": "abc", "data_position": 7}))
+    text = printed(build_summary(tmp_path))
+    assert "no digest for replica 1" in text and "DIFFER" not in text, text
+
+
 def test_not_a_run_directory(tmp_path):
     with pytest.raises(ValueError, match="not a run directory"):
         build_summary(tmp_path)

@@ -103,3 +103,23 @@ def test_a_replica_without_a_record_is_left_to_the_startup_timeout(tmp_path):
     peers_train = _steps(90, 130)
     assert _hung_by_supervisor(tmp_path, [[], peers_train], 130.5, started_s_ago=10.0) == set()
     assert _hung_by_supervisor(tmp_path / "late", [[], peers_train], 130.5, started_s_ago=301.0) == {0}
+
+
+def test_a_restarted_replicas_row_starts_empty(tmp_path):
+    """The view's row of a replica that restarts shows the new incarnation, not the dead one's step,
+    loss and quorum size."""
+    job = _Job(tmp_path, 2)
+    job.start_replica = lambda r, **kw: [SimpleNamespace(pid=1000 + r)]
+    job.coordinator_http = None
+    for r in range(2):
+        job.replica_dir(r).mkdir(parents=True)
+        (job.replica_dir(r) / "metrics.jsonl").write_text("".join(
+            json.dumps({"time": 100.0 + k, "step": k + 1, "committed": True, "healing": False, "loss": 2.5,
+                        "participants": 2}) + "\n" for k in range(5)))
+    supervisor = Supervisor(job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl"), hang_timeout_s=T)
+    supervisor._read_metrics(105.0)
+    s = supervisor.status[1]
+    assert (s.step, s.loss, s.participants) == (5, 2.5, 2)
+    supervisor._start(1)
+    assert (s.step, s.loss, s.participants, s.incarnation) == (0, None, 0, 1)
+    assert supervisor.job_view()["step"] == 5  # the job's step is its other replica's

@@ -31,11 +31,23 @@ def four_devices(tmp_path_factory):
     return run_inprocess(tmp_path_factory.mktemp("d4"), "steps=12", "mesh.devices_per_host=4")
 
 
-def test_cli_tiny_trains(tmp_path):
-    r = subprocess.run([*FTJAX, "train", "configs/tiny.yaml", "--out", str(tmp_path), "steps=30"],
-                       cwd=REPO, capture_output=True, text=True, timeout=240)
+def test_cli_tiny_trains_and_its_output_redirected_to_a_file_is_a_readable_log(tmp_path):
+    """`ftjax train configs/tiny.yaml --out RUN > log`: it trains, and the log (stdout is a file, not
+    a terminal) has plain lines: the progress every few steps and the final loss."""
+    run = tmp_path / "run"
+    with open(tmp_path / "log", "w") as log:
+        r = subprocess.run([*FTJAX, "train", "configs/tiny.yaml", "--out", str(run), "steps=30"],
+                           cwd=REPO, stdout=log, stderr=subprocess.PIPE, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    recs = read_metrics(tmp_path / "metrics.jsonl")
+    text = (tmp_path / "log").read_text()
+    lines = text.splitlines()
+    summary = json.loads((run / "summary.json").read_text())
+    assert 5 <= len(lines) <= 40, text
+    assert any("step 1/30  loss " in line for line in lines) and any("step 30/30  loss " in line for line in lines)
+    assert f"final loss {summary['final_loss']:.4f}" in lines[-1], text
+    assert "done: 30 steps" in lines[-1], text
+    assert "\x1b" not in text, "no terminal escapes in a file"
+    recs = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in recs] == list(range(1, 31)), [r["step"] for r in recs]
     assert recs[-1]["loss"] <= 0.8 * recs[0]["loss"], (recs[0]["loss"], recs[-1]["loss"])
     assert [r["batch_id"] for r in recs] == list(range(30))

@@ -220,6 +220,7 @@ class CoordinatorClient:
         # What this member knows of every replica's data position (the caller keeps it current);
         # sent on each new heartbeat stream, so that a restarted coordinator can rebuild its record.
         self.known_positions: dict[str, int] = {}
+        self._report: pb.StepReport | None = None  # the latest step, sent with the next quorum request
 
     def _channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
@@ -285,6 +286,19 @@ class CoordinatorClient:
                 self._quorum_thread.start()
         return future
 
+    def report_step(self, record: dict, *, target_steps: int = 0, replicas: int = 0) -> None:
+        """Keep a step record of the training loop (ftjax/trainer.py) to send with the next quorum
+        request: the coordinator's status page and /metrics show the replicas' loss, step time and
+        tokens from them. Records that are not steps are ignored."""
+        if "step" not in record or "event" in record:
+            return
+        loss = record.get("loss")
+        self._report = pb.StepReport(
+            step=int(record["step"]), committed=bool(record.get("committed")),
+            contributed=not record.get("healing"), loss=float("nan") if loss is None else float(loss),
+            step_time_s=max(0.0, float(record.get("step_time_s") or 0.0)), tokens=int(record.get("tokens") or 0),
+            target_steps=target_steps, replicas=replicas)
+
     def quorum(self, step: int, data_position: int, has_state: bool, commit_failures: int = 0) -> QuorumResult:
         """Blocking `quorum_async`."""
         return self.quorum_async(step, data_position, has_state, commit_failures).result()
@@ -318,6 +332,9 @@ class CoordinatorClient:
             known_id, members = self._membership
             request = pb.QuorumRequest(member=member, timeout_ms=max(1, int(remaining * 1000)),
                                        known_quorum_id=known_id)
+            report = self._report
+            if report is not None:
+                request.report.CopyFrom(report)
             try:
                 response = self._open_stream(remaining).exchange(request, remaining + 1.0)
             except (grpc.RpcError, CoordinatorError) as e:

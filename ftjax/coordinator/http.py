@@ -1,4 +1,5 @@
-"""The coordinator's HTTP side: `/` a status page, `/status` JSON, `/metrics` Prometheus text.
+"""The coordinator's HTTP side: `/` a status page (ftjax/coordinator/page.py), `/status` JSON,
+`/metrics` Prometheus text.
 
 Served by the standard library's threading HTTP server in a daemon thread; every request reads a
 snapshot of the state under its lock, so the gRPC loop is never blocked for more than a copy.
@@ -8,8 +9,8 @@ replica's catch-up snapshots (ftjax/catchup.py).
 
 from __future__ import annotations
 
-import html
 import json
+import math
 import socket
 import socketserver
 import sys
@@ -22,7 +23,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ftjax import net
+from ftjax.coordinator.page import status_page  # noqa: F401 (also this module's: tests import it here)
 from ftjax.coordinator.state import CoordinatorState
+from ftjax.lifecycle import Phase
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -114,13 +117,18 @@ def _refuse(request: socket.socket) -> None:
 
 
 class _StateCollector:
-    """Counters and gauges read from the state at scrape time (nothing to update on the hot path)."""
+    """Counters and gauges read from the state at scrape time (nothing to update on the hot path).
+
+    Per replica (label `replica`, its replica id): whether it is up, its lifecycle state, step,
+    loss, step time, tokens/s, restarts. For the job: target and committed steps, steps/s, ETA,
+    tokens/s, tokens, goodput, ETTR, loss. A figure not known yet (no report, no warm-up) has no sample."""
 
     def __init__(self, state: CoordinatorState) -> None:
         self._state = state
 
     def collect(self):
-        s = self._state.summary(time.monotonic())
+        now = time.monotonic()
+        s = self._state.summary(now)
         c = s["counters"]
         yield CounterMetricFamily("ftjax_coordinator_heartbeats", "Heartbeats received.", value=c["heartbeats"])
         yield CounterMetricFamily("ftjax_coordinator_quorum_requests", "Quorum requests received.",
@@ -128,9 +136,14 @@ class _StateCollector:
         yield CounterMetricFamily("ftjax_coordinator_quorums", "Quorums formed.", value=c["quorums"])
         yield CounterMetricFamily("ftjax_coordinator_quorum_id_changes", "Quorums formed with a new id.",
                                   value=c["quorum_id_changes"])
-        failures = CounterMetricFamily("ftjax_coordinator_failures", "Failure events by kind.", labels=["kind"])
-        for kind, n in sorted(s["failure_counts"].items()):
-            failures.add_metric([kind], n)
+        failures = CounterMetricFamily(
+            "ftjax_coordinator_failures",
+            "Failure signals: source is what saw it (report: a peer's accusation, verdict: its outcome after the "
+            "suspect window, disconnect: a heartbeat stream ended, departed: a member left the membership, "
+            "implausible: a refused request), kind what it found (the verdict, or why the member departed).",
+            labels=["source", "kind"])
+        for (source, kind), n in sorted(s["failure_counts"].items()):
+            failures.add_metric([source, kind], n)
         yield failures
         yield GaugeMetricFamily("ftjax_coordinator_alive_replicas", "Replicas alive now.", value=s["alive"])
         yield GaugeMetricFamily("ftjax_coordinator_quorum_id", "Id of the latest quorum (0: none yet).",
@@ -144,6 +157,65 @@ class _StateCollector:
         yield GaugeMetricFamily("ftjax_coordinator_stalled",
                                 "1 while the job makes no progress and failed steps keep forming quorums.",
                                 value=int(s["stalled"]))
+        view = self._state.metrics_view(now)
+        yield from _job_families(view["job"])
+        yield from _replica_families(view["replicas"])
+
+
+def _job_families(job: dict):
+    gauges = [
+        ("ftjax_job_target_steps", "The job's configured steps (from the replicas' reports).", "target_steps"),
+        ("ftjax_job_committed_steps", "Steps the job has committed.", "committed_steps"),
+        ("ftjax_job_replicas", "The job's replicas (ft.replicas as reported, else the expected replicas).",
+         "replicas"),
+        ("ftjax_job_replicas_training", "Replicas that contribute to the job's steps now.", "training"),
+        ("ftjax_job_steps_per_second", "Committed steps per second over the last minute.", "steps_per_s"),
+        ("ftjax_job_eta_seconds", "Estimated seconds to the target step at the recent step rate.", "eta_s"),
+        ("ftjax_job_tokens_per_second", "Tokens of committed steps per second over the last 30 s.", "tokens_per_s"),
+        ("ftjax_job_goodput_tokens_per_second",
+         "Goodput: tokens of committed steps per second since warm-up (every replica trained a step).",
+         "goodput_tokens_per_s"),
+        ("ftjax_job_ettr", "Effective training time ratio since warm-up: the replicas' productive time over "
+                           "replicas x elapsed time (as in RUN/summary.json).", "ettr"),
+        ("ftjax_job_loss", "Mean of the replicas' latest training losses.", "loss"),
+        ("ftjax_job_median_step_seconds", "Median time between the job's steps (recent).", "median_step_s"),
+    ]
+    for name, help_text, key in gauges:
+        if job.get(key) is not None:
+            yield GaugeMetricFamily(name, help_text, value=job[key])
+    yield CounterMetricFamily("ftjax_job_tokens", "Tokens of committed steps since this coordinator started.",
+                              value=job["tokens_total"])
+
+
+def _replica_families(rows: list[dict]):
+    def family(kind, name: str, help_text: str, key: str, labels=("replica",)):
+        f = kind(name, help_text, labels=list(labels))
+        for r in rows:
+            v = r.get(key)
+            if v is not None and not (isinstance(v, float) and math.isinf(v)):
+                f.add_metric([r["replica_id"]], float(v))
+        return f
+
+    yield family(GaugeMetricFamily, "ftjax_replica_up", "1 while the replica heartbeats, 0 once it is out.", "alive")
+    state = GaugeMetricFamily("ftjax_replica_state", "1 for the replica's lifecycle state (starting, training, "
+                              "stalled, catching up, down, done), 0 for the others.", labels=["replica", "state"])
+    for r in rows:
+        for phase in Phase:
+            if phase is not Phase.GONE:
+                state.add_metric([r["replica_id"], phase.value], 1.0 if r["state"] == phase.value else 0.0)
+    yield state
+    yield family(GaugeMetricFamily, "ftjax_replica_step", "Steps the replica reported committed.", "step")
+    yield family(GaugeMetricFamily, "ftjax_replica_loss", "Training loss of the replica's latest batch.", "loss")
+    yield family(GaugeMetricFamily, "ftjax_replica_step_seconds", "Wall time of the replica's latest step.",
+                 "step_time_s")
+    yield family(GaugeMetricFamily, "ftjax_replica_tokens_per_second",
+                 "Tokens per second of the replica's latest step.", "tokens_per_s")
+    yield family(GaugeMetricFamily, "ftjax_replica_healing", "1 while the latest quorum has the replica heal.",
+                 "healing")
+    yield family(GaugeMetricFamily, "ftjax_replica_heartbeat_age_seconds",
+                 "Seconds since the coordinator last heard from the replica.", "heartbeat_age_s")
+    yield family(CounterMetricFamily, "ftjax_replica_restarts",
+                 "New incarnations of the replica seen by this coordinator after its first.", "restarts")
 
 
 class Metrics:
@@ -174,49 +246,6 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _table(rows: list[dict], columns: list[str]) -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(r.get(c, '')))}</td>" for c in columns) + "</tr>" for r in rows
-    )
-    return f"<table><tr>{head}</tr>{body}</table>" if rows else "<p>none</p>"
-
-
-def status_page(snapshot: dict) -> str:
-    """The status page: replicas, the current quorum, recent quorums and failures."""
-    s = snapshot
-    q = s["quorum"]
-    quorum = "<p>none yet</p>" if q is None else (
-        f"<p>id {q['quorum_id']}, step {q['step']}, {len(q['participants'])} participants, "
-        f"{q['num_contributors']} contributing, formed by {html.escape(q['reason'])}"
-        f"{', no state: restoring a checkpoint' if q['no_state'] else ''}</p>"
-        + _table(q["participants"], ["replica_id", "incarnation", "step", "healing", "heal_source"])
-    )
-    stalled = (f'<p style="color:#b00;font-weight:bold">{html.escape(s["no_progress"])}</p>'
-               if s.get("no_progress") else "")
-    history = [dict(h, participants=len(h["participants"]), healing=", ".join(f"{k}<-{v}" for k, v in h["healing"].items()),
-                    wait_ms=round(h["wait_s"] * 1000, 1)) for h in s["history"]]
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="2"><title>ftjax coordinator</title>
-<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left}}</style></head><body>
-<h1>ftjax coordinator</h1>
-{stalled}
-<p>up {s['uptime_s']:.0f} s; {s['alive']} replicas alive; topology {html.escape(str(s['topology_fingerprint']))};
-waiting because: {html.escape(s['waiting_because'])}</p>
-<h2>Replicas</h2>
-{_table(s['replicas'], ['replica_id', 'incarnation', 'step', 'data_position', 'has_state', 'heartbeat_age_s', 'alive',
-                        'requesting', 'suspected', 'departed_because'])}
-<h2>Current quorum</h2>
-{quorum}
-<h2>Recent quorums</h2>
-{_table(history, ['quorum_id', 'step', 'participants', 'reason', 'wait_ms', 'healing'])}
-<h2>Recent failures</h2>
-{_table(s['failures'], ['age_s', 'kind', 'replica_id', 'incarnation', 'reporter', 'reason', 'outcome', 'quorum_id'])}
-</body></html>
-"""
 
 
 class StatusHTTPServer:

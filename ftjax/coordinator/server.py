@@ -33,6 +33,7 @@ from ftjax import net
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator.codec import QuorumEncoding
+from ftjax.coordinator.progress import StepFigures
 from ftjax.coordinator.http import Metrics, StatusHTTPServer
 from ftjax.coordinator.quorum import (
     MAX_HOSTS,
@@ -160,6 +161,7 @@ class _Service:
             # Each handler encodes its own few bytes: the first answers leave sooner.
             waiter.future.set_result((encoded, rank, waiter.known_quorum_id, now))
         self.metrics.observe_wait(now - first)
+        self.loop.call_soon(self.state.settle_progress)  # after the answers' handlers (call_soon is FIFO)
 
     def _fail_waiter(self, replica_id: str, code: grpc.StatusCode, message: str, *, spare: str | None = None) -> None:
         """Answer the replica's pending request with an error (unless it is incarnation `spare`'s)."""
@@ -227,7 +229,7 @@ class _Service:
                     if not request.HasField("member"):
                         raise InvalidField("member", "missing")
                     report = self._decode(request.member, request.known_quorum_id)
-                    replaced = self.state.request(report, now)
+                    replaced = self.state.request(report, now, _step_figures(request))
                 except (InvalidField, Rejected) as e:
                     await self._reject_request(context, e)
                 rid = report.replica_id
@@ -299,6 +301,17 @@ class _Service:
             verdict = self.state.confirm(request.replica_id, request.incarnation, now, later)
             self._after_event(later)
         return _verdict_proto(verdict)
+
+
+def _step_figures(request: pb.QuorumRequest) -> StepFigures | None:
+    """A quorum request's step report, validated (InvalidField names the field); None without one."""
+    if not request.HasField("report"):
+        return None
+    r = request.report
+    figures = StepFigures(r.step, r.committed, r.contributed, r.loss, r.step_time_s, r.tokens, r.target_steps,
+                          r.replicas)
+    figures.validate()
+    return figures
 
 
 def _known_positions(entries) -> dict[str, int]:

@@ -31,6 +31,7 @@ from ftjax.coordinator.quorum import (
     is_alive,
     split_address,
 )
+from ftjax.coordinator.progress import JobProgress, StepFigures
 from ftjax.net import is_loopback
 
 MAX_MEMBERS = 10_000  # alive members; beyond that registration gets RESOURCE_EXHAUSTED
@@ -138,7 +139,11 @@ class CoordinatorState:
         self.counters: dict[str, int] = {
             "heartbeats": 0, "quorum_requests": 0, "quorums": 0, "quorum_id_changes": 0, "rejected": 0,
         }
-        self.failure_counts: dict[str, int] = {}
+        # failures by (source, kind): source is what saw it (report, verdict, disconnect, departed,
+        # implausible), kind what it found (a verdict, why a member departed, ...)
+        self.failure_counts: dict[tuple[str, str], int] = {}
+        self.progress = JobProgress(now, time.time() - now, expected_replicas=settings.expected_replicas)
+        self._progress_backlog: deque[tuple] = deque()  # quorums formed, not yet told to `progress`
         # progress: when the job's step last moved (monotonic and wall clock), and the quorums formed
         # since, of which how many after a failed attempt (a participant reported commit failures)
         self._progress_at, self._progress_wall = now, time.time()
@@ -150,6 +155,21 @@ class CoordinatorState:
         self._pending_prev = 0  # ... of which members of the previous quorum
         self._first_request: float | None = None  # lower bound of the earliest pending request
         self._next_sweep = float("inf")  # no member of `members` can be dead before this
+
+    # -- the status page's bookkeeping --------------------------------------------------------
+
+    def _jp(self) -> JobProgress:
+        """`progress`, told every quorum formed so far first (events reach it in order)."""
+        while self._progress_backlog:
+            self.progress.quorum(*self._progress_backlog.popleft())
+        return self.progress
+
+    def settle_progress(self) -> None:
+        """Tell `progress` the quorums formed since it last heard. The server calls this once the
+        answers of a quorum are on their way: at 1000 participants it costs a millisecond or two,
+        which the answers need not wait for. Every reader and every other event settles it first."""
+        with self._lock:
+            self._jp()
 
     # -- bookkeeping of `members` -------------------------------------------------------------
 
@@ -176,11 +196,13 @@ class CoordinatorState:
         m = self.members.pop(rid)
         self._count(m, -1)
         self.departed[rid] = (m, now, why)
-        key = f"departed:{why}"
+        key = ("departed", why)
         self.failure_counts[key] = self.failure_counts.get(key, 0) + 1
+        self._jp().departed(rid, now, why, self.settings.heartbeat_timeout_s)
         if len(self.departed) > MAX_DEPARTED:
             oldest = min(self.departed, key=lambda r: self.departed[r][1])
             del self.departed[oldest]
+            self._jp().replicas.pop(oldest, None)
 
     def _sweep(self, now: float) -> None:
         """Move the dead out of `members`; find when the next one could die (one pass)."""
@@ -265,7 +287,12 @@ class CoordinatorState:
             requested_at = m.requested_at
         if requesting:
             requested_at = now if requested_at is None else requested_at
-        self.departed.pop(report.replica_id, None)
+        was_departed = self.departed.pop(report.replica_id, None) is not None
+        if m is None or replaced:
+            self._jp().registered(report.replica_id, report.incarnation, now,
+                                     replaced_alive=replaced and not was_departed)
+        elif was_departed:
+            self._jp().revived(report.replica_id, now)
         new = MemberState(report, now, requested_at, None)
         self._put(new)
         if self.fingerprint is None or len(self.members) == 1:
@@ -302,16 +329,21 @@ class CoordinatorState:
                 return False, False
             self.counters["heartbeats"] += 1
             revived = self.departed.pop(replica_id, None) is not None
+            if revived:
+                self._jp().revived(replica_id, now)
             self._put(MemberState(m.report, now, m.requested_at, None))
             return True, revived
 
-    def request(self, report: MemberReport, now: float) -> bool:
-        """A quorum request (it counts as a heartbeat). Returns True if it replaced an older
-        incarnation (whose pending request, if any, must be answered ABORTED)."""
+    def request(self, report: MemberReport, now: float, figures: StepFigures | None = None) -> bool:
+        """A quorum request (it counts as a heartbeat), with the member's latest step report if it
+        sent one. Returns True if it replaced an older incarnation (whose pending request, if any,
+        must be answered ABORTED)."""
         with self._lock:
             self._maybe_sweep(now)
             self._check_plausible(report, now)
             _, replaced = self._upsert(report, now, requesting=True)
+            if figures is not None:
+                self._jp().reported(report.replica_id, figures, now)
             self.ledger.observe(report.replica_id, report.step, report.data_position)
             self.counters["quorum_requests"] += 1
             return replaced
@@ -336,6 +368,7 @@ class CoordinatorState:
             if m is not None and m.report.incarnation == incarnation and not m.stream_lost:
                 suspected_at = now if m.suspected_at is None else m.suspected_at
                 self._put(m._replace(suspected_at=suspected_at, stream_lost=True))
+                self._jp().disconnected(replica_id, now)
                 self._record_failure(now, "disconnect", replica_id, incarnation, "", "", "heartbeat stream ended")
 
     def accuse(self, replica_id: str, incarnation: str, now: float, *, quorum_id: int = 0,
@@ -356,6 +389,7 @@ class CoordinatorState:
             elif m is None:
                 result = Accusation("ALREADY_GONE", f"{replica_id!r} was already out ({gone[2]})")
             else:
+                self._jp().accused(replica_id, reporter, reason, "", now)  # (before it may depart)
                 suspect = m if m.suspected_at is not None else m._replace(suspected_at=now)
                 self._put(suspect)
                 silent = now - m.last_seen
@@ -395,7 +429,7 @@ class CoordinatorState:
 
     def _record_failure(self, now: float, kind: str, replica_id: str, incarnation: str, reporter: str,
                         reason: str, outcome: str, *, quorum_id: int = 0) -> None:
-        key = f"{kind}:{outcome}" if kind != "disconnect" else kind
+        key = (kind, outcome if kind != "disconnect" else "stream_ended")
         self.failure_counts[key] = self.failure_counts.get(key, 0) + 1
         self.failures.append({
             "time": time.time(), "t": now, "kind": kind, "replica_id": replica_id,
@@ -454,9 +488,11 @@ class CoordinatorState:
             if q is None:
                 return decision
             first = now
+            has_state = {}
             for p in q.participants:
                 m = self.members[p.replica_id]
                 first = min(first, m.requested_at)
+                has_state[p.replica_id] = m.report.has_state
                 self.members[p.replica_id] = MemberState(m.report, m.last_seen, None, m.suspected_at, m.stream_lost)
             if self.prev is None or q.quorum_id != self.prev.quorum_id:
                 self.counters["quorum_id_changes"] += 1
@@ -474,6 +510,8 @@ class CoordinatorState:
             self._pending = self._pending_prev = 0
             self._first_request = None
             self.ledger.record(q)
+            # (the page's bookkeeping waits until the answers are out: see `settle_progress`)
+            self._progress_backlog.append((q, has_state, now))
             self.counters["quorums"] += 1
             self.history.append({
                 "quorum_id": q.quorum_id, "step": q.step, "reason": q.reason, "time": time.time(),
@@ -523,6 +561,20 @@ class CoordinatorState:
                 "stalled": self._no_progress(now) is not None,
             }
 
+    def metrics_view(self, now: float) -> dict:
+        """What /metrics shows beyond `summary`: the job's figures and one row per replica (O(replicas))."""
+        with self._lock:
+            self._maybe_sweep(now)
+            rows = []
+            for rid, m, alive in [*((rid, m, True) for rid, m in self.members.items()),
+                                  *((rid, g[0], False) for rid, g in self.departed.items())]:
+                rows.append({"replica_id": rid, "alive": alive and is_alive(m, now, self.settings),
+                             "step": m.report.step, "heartbeat_age_s": now - m.last_seen,
+                             "healing": self.prev is not None and any(
+                                 p.replica_id == rid and p.healing for p in self.prev.participants),
+                             **self._jp().replica(rid, now)})
+            return {"job": self._jp().job(now, len(self.members)), "replicas": rows}
+
     def snapshot(self, now: float) -> dict:
         """A JSON-able picture for the status page and /status."""
         with self._lock:
@@ -538,8 +590,11 @@ class CoordinatorState:
                 }
 
             replicas = [row(m, is_alive(m, now, self.settings)) for m in self.members.values()]
-            replicas += [row(m, False, why) for m, _, why in self.departed.values()]
-            replicas.sort(key=lambda r: r["replica_id"])
+            replicas += [row(m, False, why) | {"departed_s": round(now - when, 3)}
+                         for m, when, why in self.departed.values()]
+            replicas.sort(key=lambda r: _replica_order(r["replica_id"]))
+            for r in replicas:
+                r.update(self._jp().replica(r["replica_id"], now))
             q = self.prev
             quorum = None if q is None else {
                 "quorum_id": q.quorum_id, "step": q.step, "reason": q.reason, "no_state": q.no_state,
@@ -569,6 +624,19 @@ class CoordinatorState:
                 "history": list(self.history)[::-1],
                 "failures": failures[::-1],
                 "counters": dict(self.counters),
-                "failure_counts": dict(self.failure_counts),
+                "failure_counts": {f"{source}:{kind}": n for (source, kind), n in self.failure_counts.items()},
                 "failure_epoch": self.failure_epoch,
+                "expected_replicas": s.expected_replicas,
+                "now": round(time.time(), 3),
+                "started_at": self._jp().wall(self.started_at),
+                "pending": self._pending,
+                "job": self._jp().job(now, len(self.members)),
+                "incidents": self._jp().incident_rows(now),
+                "timeline": self._jp().timeline(now),
+                "loss_curve": [list(p) for p in self._jp().loss_points],
             }
+
+
+def _replica_order(replica_id: str) -> tuple:
+    """Replica ids in numeric order where they are numbers ("2" before "10")."""
+    return (0, int(replica_id), "") if replica_id.isdigit() else (1, 0, replica_id)

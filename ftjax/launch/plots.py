@@ -10,12 +10,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from ftjax.launch.summary import Run, timeline
-from ftjax.lifecycle import Phase
+from ftjax.lifecycle import PHASE_COLORS, Phase
 
 # One colour per lifecycle phase (ftjax/lifecycle.py), keyed by the names summary.json uses.
-_COLORS = {Phase.STARTING.value: "#9ecae1", Phase.TRAINING.value: "#31a354", Phase.STALLED.value: "#fd8d3c",
-           Phase.CATCHING_UP.value: "#756bb1", Phase.DOWN.value: "#de2d26", Phase.DONE.value: "#d9d9d9",
-           Phase.GONE.value: "#636363"}
+_COLORS = PHASE_COLORS
 assert set(_COLORS) == {p.value for p in Phase}, "a lifecycle phase without a colour"
 
 

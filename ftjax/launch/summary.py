@@ -333,6 +333,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "max_healthy_stall_s": round(max(healthy_gaps), 4) if healthy_gaps else None,
         "final_loss": round(loss, 5) if loss is not None else None,
         "digests_equal": len(set(digests)) == 1 and None not in digests,
+        "digests_missing": [rid for rid, rec in replicas.items() if rec["param_digest"] is None],
         "exactly_once": all(rec["exactly_once"] for rec in replicas.values()),
         **({"constant_batch": constant} if constant is not None else {}),
     }

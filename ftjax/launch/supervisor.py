@@ -321,7 +321,7 @@ class Supervisor:
     def job_view(self) -> dict:
         return {"step": max((s.step for s in self.status), default=0), "steps": self.steps,
                 "coordinator": "down" if self.coordinator_down_since is not None else "up",
-                "warm": self.warm_at is not None}
+                "coordinator_http": self.job.coordinator_http, "warm": self.warm_at is not None}
 
     def _log(self, name: str, /, **fields: Any) -> dict:
         """Log a decision; one about a replica is a record of its lifecycle too (as in the summary)."""
@@ -350,6 +350,7 @@ class Supervisor:
         s.started_at, s.restart_at = time.time(), None
         s.last_record = s.last_step = None
         s.trained, s.killed_as, s.injection = False, None, inj
+        s.step, s.loss, s.participants = 0, None, 0  # a new incarnation's row starts empty (the view shows it)
         s.gaps.clear()
         s.recent_steps.clear()
         self._log(L.REPLICA_STARTED, replica=r, incarnation=s.incarnation, pids=[p.pid for p in procs],

@@ -1,13 +1,19 @@
 """What the launcher shows while a job runs, and the summary table at its end.
 
-On a terminal: a rich `Live` table (per replica: state, step, loss, participants, restarts) above
-the latest events (failures, restarts, rejoins). Otherwise (a pipe, a CI log): one plain line per
-event, and a progress line every 10% of the steps.
+On a terminal: a rich `Live` table (per replica: state, step, loss, participants, restarts) under a
+header that follows the coordinator's own state (read from its `/status` by `CoordinatorProbe`:
+waiting for replicas, the quorum and step, ETA and tokens/s, not answering, down), above the
+latest events (failures, restarts, rejoins). Otherwise (a file, a pipe, a CI log): one plain line
+per event, and a progress line every 5% of the steps, flushed as printed.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import threading
+import time
+import urllib.request
 from collections import deque
 
 from rich.console import Console, Group
@@ -66,19 +72,83 @@ def describe(e: dict) -> str | None:
     return None
 
 
+class CoordinatorProbe:
+    """The coordinator's `/status`, read every `every_s` by a daemon thread (a slow or dead
+    coordinator never blocks the supervisor's loop). `address` may change (a restarted coordinator)."""
+
+    def __init__(self, every_s: float = 1.0, timeout_s: float = 1.0) -> None:
+        self.address: str | None = None
+        self.every_s, self.timeout_s = every_s, timeout_s
+        self.status: dict | None = None
+        self.answered_at: float | None = None  # time.monotonic() of the latest answer
+        self.failing_since: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="coordinator-probe", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            address = self.address
+            if address:
+                try:
+                    with urllib.request.urlopen(f"http://{address}/status", timeout=self.timeout_s) as r:
+                        self.status = json.loads(r.read())
+                    self.answered_at, self.failing_since = time.monotonic(), None
+                except (OSError, ValueError):
+                    if self.failing_since is None:
+                        self.failing_since = time.monotonic()
+            self._stop.wait(self.every_s if address else 0.2)
+
+    def describe(self, supervisor_says: str) -> str:
+        """One line on the coordinator, as of its latest answer."""
+        if supervisor_says == "down":
+            return "coordinator DOWN (restarting)"
+        now = time.monotonic()
+        if self.failing_since is not None and now - self.failing_since > 1.5:
+            return f"coordinator not answering for {now - self.failing_since:.0f} s"
+        s = self.status
+        if s is None:
+            return "coordinator starting"
+        job, q = s.get("job") or {}, s.get("quorum")
+        if s.get("no_progress"):
+            return f"NO PROGRESS for {s['progress']['seconds']:.0f} s at step {s['progress']['step']} (see the status page)"
+        if q is None:
+            expected = s.get("expected_replicas") or 0
+            return (f"coordinator up, waiting for replicas: {len(s.get('replicas', []))}"
+                    + (f" of {expected}" if expected else "") + " connected")
+        parts = [f"quorum {q['quorum_id']}: {q['num_contributors']}/{len(q['participants'])} contributing"]
+        if job.get("finished"):
+            parts.append("target reached")
+        elif job.get("eta_s") is not None:
+            parts.append(f"ETA {job['eta_s']:.0f} s")
+        if job.get("tokens_per_s"):
+            parts.append(f"{job['tokens_per_s']:,.0f} tokens/s")
+        if job.get("ettr") is not None:
+            parts.append(f"ETTR {job['ettr']:.2f}")
+        return "  ".join(parts)
+
+
 class PlainView:
     """Event lines on a non-terminal stream."""
 
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, probe: CoordinatorProbe | None = None):
         self.console = console
+        self.probe = probe or CoordinatorProbe()
         self.t0: float | None = None
-        self._next_tenth = 1
+        self._next = 1
 
     def start(self) -> None:
-        pass
+        self.probe.start()
 
     def stop(self) -> None:
-        pass
+        self.probe.stop()
 
     def event(self, e: dict) -> None:
         if self.t0 is None:
@@ -88,27 +158,32 @@ class PlainView:
             self.console.print(f"[{e[TIME] - self.t0:7.1f}s] {line}", markup=False, highlight=False, soft_wrap=True)
 
     def poll(self, replicas: list[ReplicaStatus], job: dict) -> None:
-        if job["steps"] and job["step"] * 10 >= self._next_tenth * job["steps"]:
-            self._next_tenth = job["step"] * 10 // job["steps"] + 1
+        self.probe.address = job.get("coordinator_http")
+        parts = 20  # a progress line every 5% of the steps
+        if job["steps"] and job["step"] * parts >= self._next * job["steps"]:
+            self._next = job["step"] * parts // job["steps"] + 1
             cells = "  ".join(f"r{s.replica}:{s.state.value}@{s.step}" + (f" loss {s.loss:.3f}" if s.loss else "")
                               for s in replicas)
-            self.console.print(f"  step {job['step']}/{job['steps']}  {cells}", markup=False, highlight=False,
-                               soft_wrap=True)
+            self.console.print(f"  step {job['step']}/{job['steps']}  {cells}  [{self.probe.describe(job['coordinator'])}]",
+                               markup=False, highlight=False, soft_wrap=True)
 
 
 class LiveView:
     """A rich Live table on a terminal."""
 
-    def __init__(self, console: Console, keep: int = 8):
+    def __init__(self, console: Console, keep: int = 8, probe: CoordinatorProbe | None = None):
         self.console = console
+        self.probe = probe or CoordinatorProbe()
         self.events: deque[str] = deque(maxlen=keep)
         self.t0: float | None = None
         self.live = Live(console=console, refresh_per_second=4, transient=False)
 
     def start(self) -> None:
+        self.probe.start()
         self.live.start()
 
     def stop(self) -> None:
+        self.probe.stop()
         self.live.stop()
 
     def event(self, e: dict) -> None:
@@ -119,19 +194,35 @@ class LiveView:
             self.events.append(f"[{e[TIME] - self.t0:6.1f}s] {line}")
 
     def poll(self, replicas: list[ReplicaStatus], job: dict) -> None:
-        table = Table(title=f"ftjax launch: step {job['step']}/{job['steps']}  coordinator {job['coordinator']}",
+        self.probe.address = job.get("coordinator_http")
+        table = Table(title=f"ftjax launch: step {job['step']}/{job['steps']}  {self.probe.describe(job['coordinator'])}",
                       title_justify="left")
         for col in ("replica", "state", "step", "loss", "participants", "restarts"):
             table.add_column(col, justify="left" if col == "state" else "right")
         for s in replicas:
             table.add_row(str(s.replica), Text(s.state.value, style=_PHASE_STYLE[s.state]), str(s.step),
                           f"{s.loss:.4f}" if s.loss is not None else "-", str(s.participants or "-"), str(s.restarts))
+        if job.get("coordinator_http"):
+            table.caption = f"status page: http://{job['coordinator_http']}/"
         self.live.update(Group(table, Text("\n".join(self.events), style="dim")))
 
 
 def make_view(console: Console | None = None) -> PlainView | LiveView:
     console = console or Console()
     return LiveView(console) if sys.stdout.isatty() and console.is_terminal else PlainView(console)
+
+
+def digests_verdict(summary: dict) -> str:
+    """'equal', 'DIFFER', or which replicas have no digest (they never trained, or never finished:
+    two missing digests are no difference)."""
+    digests = {rid: rec.get("param_digest") for rid, rec in summary["replicas"].items()}
+    missing = [rid for rid, d in digests.items() if not d]
+    present = {d for d in digests.values() if d}
+    if missing:
+        who = "any replica" if len(missing) == len(digests) else "replica " + ", ".join(missing)
+        rest = ("" if not present else "; the others " + ("[green]equal[/]" if len(present) == 1 else "[red]DIFFER[/]"))
+        return f"[yellow]no digest for {who}[/] (never trained, or did not finish){rest}"
+    return "[green]equal[/]" if summary["digests_equal"] else "[red]DIFFER[/]"
 
 
 def print_summary(console: Console, summary: dict, run_dir: str) -> None:
@@ -142,7 +233,7 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
     table.add_column("param digest", no_wrap=True, min_width=16)
     for rid, rec in summary["replicas"].items():
         table.add_row(rid, str(rec["steps_committed"]), str(rec["restarts"]), f"{rec['catchup_s']:.2f}",
-                      "yes" if rec["exactly_once"] else "[red]NO[/]", str(rec["param_digest"]))
+                      "yes" if rec["exactly_once"] else "[red]NO[/]", rec["param_digest"] or "no digest")
     console.print(table)
 
     def num(key: str, fmt: str) -> str:
@@ -153,7 +244,7 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
         f"committed steps {summary['committed_steps']}/{summary['steps']}   failures {summary['failures']}   "
         f"wall {num('wall_s', '.1f')} s   ETTR {num('ettr', '.3f')}   median step {num('median_step_s', '.3f')} s   "
         f"max healthy stall {num('max_healthy_stall_s', '.3f')} s   final loss {num('final_loss', '.4f')}")
-    equal = "[green]equal[/]" if summary["digests_equal"] else "[red]DIFFER[/]"
+    equal = digests_verdict(summary)
     once = "[green]yes[/]" if summary["exactly_once"] else "[red]NO[/]"
     console.print(f"replica digests {equal}   every batch exactly once {once}")
     for name in ("summary.json", "loss.png", "timeline.png"):
