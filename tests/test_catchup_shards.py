@@ -4,7 +4,6 @@ own shardings, and the leader installs only what every host of its replica fetch
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
