@@ -78,7 +78,7 @@ class FakeJob:
 
     def member(self, r: str) -> MemberReport:
         return MemberReport(r, self.inc[r], step=self.mine[r], data_position=self.pos[r], has_state=self.have[r],
-                            ftar_addresses=(f"127.0.0.1:{100 + int(r)}",), catchup_address="127.0.0.1:9",
+                            ftar_addresses=(f"127.0.0.1:{100 + int(r)}",), catchup_addresses=("127.0.0.1:9",),
                             topology_fingerprint="fp")
 
     def quorum(self, dt: float = 0.1):
@@ -207,7 +207,7 @@ def test_a_replica_that_leaves_the_job_says_why():
 # --- the wire: reports travel with quorum requests ------------------------------------------------
 def _info(rid: str) -> MemberInfo:
     n = 100 + ord(rid[0]) % 50
-    return MemberInfo(rid, new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), f"127.0.0.1:{30000 + n}", "fp")
+    return MemberInfo(rid, new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), (f"127.0.0.1:{30000 + n}",), "fp")
 
 
 @pytest.fixture
