@@ -54,7 +54,8 @@ class LauncherEvent(StrEnum):
     NOT_RESTARTED = "not_restarted"  # replica R stays down: its peers finished, nobody holds the state
     ABANDONED = "abandoned"  # replica R was stopped for good: it could only start the job over
     HANG_DETECTED = "hang_detected"  # replica R is silent while its peers train: killed (replica_down follows)
-    FAULT = "fault"  # an injected fault fired (kind: kill_catchup, kill_coordinator, hang, random_kill)
+    FAULT = "fault"  # an injected fault fired (kind: kill_catchup, kill_coordinator, hang, random_kill, partition)
+    PARTITION_ENDED = "partition_ended"  # the links a partition cut (replica R, host, hosts) are restored
     KILL_MISSED = "kill_missed"  # the incarnation finished before its --kill point
     REJOINED = "rejoined"  # a restarted replica R caught up (its catchup_done: at_step, catchup_s, source)
     CAUGHT_UP = "caught_up"  # a first incarnation caught up (it joined late)

@@ -21,6 +21,14 @@ rounds):
                     raw TCP to its right neighbour while receiving as much from its left one;
                     ratio_pattern = busbw_tcp_gbps / pattern_gbps (how close FTAR's TCP links get
                     to what this machine does for the same traffic)
+
+``--virtual-cluster``: each member runs on a virtual host of its own (`ftjax.launch.vcluster`: a
+network namespace on a bridge, a private /dev/shm), so the members share nothing but the network,
+as on a cluster: their links are TCP between two addresses on the bridge, the shared-memory
+offer is declined (``shm_links`` is 0) and there is no TCP-only set (every link is one already).
+``link_gbps`` is then raw TCP between the same namespaces, in the same run, and ``ratio`` is FTAR's
+busbw against it (``pattern_gbps`` / ``ratio_pattern`` likewise, against busbw_gbps).
+``--bandwidth-mbit B`` caps every member's host at B megabits per second each way (tc tbf).
 """
 
 from __future__ import annotations
@@ -46,6 +54,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--checksum", action="store_true", help="crc32 every frame")
     ap.add_argument("--no-tcp", action="store_true", help="skip the TCP-only all-reduces (busbw_tcp_gbps)")
     ap.add_argument("--json", action="store_true", help="accepted for uniformity: the output is always one JSON line")
+    ap.add_argument("--virtual-cluster", action="store_true",
+                    help="each member on a virtual host of its own (network and mount namespaces; Linux, root)")
+    ap.add_argument("--bandwidth-mbit", type=float, default=None, metavar="B",
+                    help="with --virtual-cluster: cap every member's host at B Mbit/s each way (tc tbf)")
     args = ap.parse_args(argv)
     if args.world < 2:
         ap.error("--world must be >= 2")
@@ -53,6 +65,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         ap.error("--iters and --rounds must be >= 1")
     if args.mib <= 0 or args.chunk_bytes < 4:
         ap.error("--mib must be > 0 and --chunk-bytes >= 4")
+    if args.bandwidth_mbit is not None and not (args.virtual_cluster and args.bandwidth_mbit > 0):
+        ap.error("--bandwidth-mbit must be > 0 and needs --virtual-cluster")
+    if args.virtual_cluster:
+        from ftjax.launch.vcluster import bandwidth_unavailable, unavailable
+
+        why = unavailable() or (bandwidth_unavailable() if args.bandwidth_mbit else None)
+        if why is not None:
+            ap.error(f"--virtual-cluster: this machine cannot run one: {why}")
+        args.no_tcp = True  # across hosts every link is TCP already
     return args
 
 
@@ -106,8 +127,18 @@ def measure(args: argparse.Namespace) -> dict:
     """Run the benchmark described in the module docstring; returns its JSON record."""
     with ProcessGroup() as group:
         token = secrets.token_hex(16)
+        cluster = hosts = None
+        if args.virtual_cluster:
+            from ftjax.launch.vcluster import VirtualCluster
+
+            hosts = [f"m{i}" for i in range(args.world)]
+            cluster = VirtualCluster(hosts)
+            group.on_close(cluster.close)  # after the members are killed
+            cluster.create()
+            if args.bandwidth_mbit:
+                cluster.limit(hosts, args.bandwidth_mbit)
         bench = _Bench(start_members(group, args.world, token, chunk_bytes=args.chunk_bytes,
-                                     checksum=args.checksum), args)
+                                     checksum=args.checksum, cluster=cluster, hosts=hosts), args)
         tcp = [] if args.no_tcp else start_members(group, args.world, token, chunk_bytes=args.chunk_bytes,
                                                    checksum=args.checksum, shared_memory=False)
         bench.allreduce(1, verify=True)  # warm-up: dials the ring, touches the buffers, checks the result
@@ -135,6 +166,9 @@ def measure(args: argparse.Namespace) -> dict:
     record = {"bench": "ftar", "world": world, "mib": args.mib, "busbw_gbps": round(busbw, 3),
               "link_gbps": round(link, 3), "ratio": round(busbw / link, 3), "median_s": round(med["allreduce"], 5),
               "shm_links": shm_links}
+    if args.virtual_cluster:
+        record |= {"virtual_cluster": True, "bandwidth_mbit": args.bandwidth_mbit,
+                   "pattern_gbps": round(pattern, 3), "ratio_pattern": round(busbw / pattern, 3)}
     if tcp:
         busbw_tcp = bus / med["allreduce_tcp"]
         record |= {"busbw_tcp_gbps": round(busbw_tcp, 3), "ratio_tcp": round(busbw_tcp / link, 3),

@@ -54,7 +54,11 @@ class _Channel:
     """JSON lines to and from the parent, over the control connection it gave us."""
 
     def __init__(self, address: str) -> None:
-        self.sock = socket.create_connection(wire.parse_address(address))
+        if address.startswith("unix:"):  # the parent is in another network namespace (a virtual cluster)
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(address[len("unix:"):])
+        else:
+            self.sock = socket.create_connection(wire.parse_address(address))
         self.lines = self.sock.makefile("r")
 
     def emit(self, obj: dict[str, Any]) -> None:
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     ap.add_argument("--checksum", action="store_true")
     ap.add_argument("--no-shared-memory", action="store_true", help="ring payloads over TCP even on one host")
-    ap.add_argument("--control", required=True, help="host:port of the parent's control listener")
+    ap.add_argument("--control", required=True, help="host:port (or unix:PATH) of the parent's control listener")
     args = ap.parse_args(argv)
     chan = _Channel(args.control)
     ep = FTAREndpoint(args.token, host=args.host, timeout_s=args.timeout, chunk_bytes=args.chunk_bytes,
@@ -232,18 +236,34 @@ def _read_lines(conn: socket.socket, lines: "queue.Queue[dict[str, Any] | None]"
 
 def start_members(group, count: int, token: str, *, timeout_s: float = 30.0,
                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, checksum: bool = False, shared_memory: bool = True,
-                  start_timeout_s: float = 60.0) -> list[MemberClient]:
+                  start_timeout_s: float = 60.0, cluster=None, hosts: list[str] | None = None) -> list[MemberClient]:
     """Start ``count`` member processes in ``group`` (a :class:`ftjax.procs.ProcessGroup`, which
-    kills them on close). Each dials back a control channel to this process; returned in start order."""
-    control = socket.create_server(("127.0.0.1", 0))
+    kills them on close). Each dials back a control channel to this process; returned in start order.
+
+    With ``cluster`` (a :class:`ftjax.launch.vcluster.VirtualCluster`) member i runs on virtual host
+    ``hosts[i]`` and listens on its address; the control channel is then a Unix socket in the
+    cluster's state dir (a path reaches across network namespaces; this process's loopback does not)."""
+    if cluster is None:
+        control = socket.create_server(("127.0.0.1", 0))
+        where = f"127.0.0.1:{control.getsockname()[1]}"
+    else:
+        path = cluster.state_dir / f"control-{os.getpid()}-{len(os.listdir(cluster.state_dir))}.sock"
+        control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        control.bind(str(path))
+        control.listen(count)
+        where = f"unix:{path}"
     control.settimeout(start_timeout_s)
     args = ["-m", "ftjax_bench.ftar_member", "--token", token, "--timeout", str(timeout_s), "--chunk-bytes",
-            str(chunk_bytes), "--control", f"127.0.0.1:{control.getsockname()[1]}"]
+            str(chunk_bytes), "--control", where]
     if checksum:
         args.append("--checksum")
     if not shared_memory:
         args.append("--no-shared-memory")
-    procs = [group.python(*args) for _ in range(count)]
+    if cluster is None:
+        procs = [group.python(*args) for _ in range(count)]
+    else:
+        procs = [group.start(cluster.command(h, [sys.executable, *args, "--host", cluster.address(h)]))
+                 for h in hosts[:count]]
     by_pid: dict[int, MemberClient] = {}
     with control:
         while len(by_pid) < count:

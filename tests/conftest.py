@@ -17,6 +17,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FTJAX = [sys.executable, "-m", "ftjax"]
 
 
+def need_namespaces(what: str) -> None:
+    """Skip (fail, when $CI is true: CI must run them) unless this machine can make a virtual cluster
+    (network and mount namespaces: Linux, as root)."""
+    from ftjax.launch.vcluster import unavailable
+
+    why = unavailable()
+    if why is not None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true but this machine cannot run {what}: {why}")
+        pytest.skip(f"{what} need network namespaces: {why}")
+
+
 @pytest.fixture
 def procs():
     """Start real child processes; every one is SIGKILLed at teardown, also when the test fails."""

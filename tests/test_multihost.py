@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +23,7 @@ from ftjax.coordinator.quorum import Settings, split_address
 from ftjax.env import run_env
 from ftjax.ftar import FTAREndpoint
 
-from conftest import FTJAX, REPO
+from conftest import FTJAX, REPO, need_namespaces
 
 TOKEN = "test-token"
 TINY = f"{REPO}/configs/tiny.yaml"
@@ -397,90 +396,54 @@ def test_the_coordinator_status_says_the_job_makes_no_progress_and_why(prefix):
 
 
 # --- two machines: two network namespaces joined by a bridge ----------------------------------------
-# Each "machine" is a network namespace with its own address (10.77.0.1 and .2, fd77::1 and ::2 on
-# a bridge in a third namespace); each process also gets a private /dev/shm (a mount namespace with
-# its own tmpfs), a private temp dir and compilation cache, so the machines share nothing but the
-# network. The README's "Replicas on different machines" shows the same commands by hand.
-MACHINES = {"a": ("10.77.0.1", "fd77::1"), "b": ("10.77.0.2", "fd77::2")}
-
-
-def _namespaces_unavailable() -> str | None:
-    """Why this machine cannot make network namespaces (None: it can)."""
-    if os.geteuid() != 0:
-        return "not root"
-    for tool in ("ip", "unshare"):
-        if shutil.which(tool) is None:
-            return f"no `{tool}` command"
-    probe = f"ftjprobe{os.getpid()}"
-    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"`ip netns add` failed: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    r = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True)
-    if r.returncode != 0:
-        return f"`unshare -m` failed: {r.stderr.strip()}"
-    return None
-
-
-def _ip(*args: str) -> None:
-    r = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+# Each "machine" is a host of a virtual cluster (ftjax/launch/vcluster.py): a network namespace with
+# its own address (IPv4 and IPv6, on a bridge in a namespace of its own); each process also gets a
+# private /dev/shm and temp dir (a mount namespace with its own tmpfs) and its own compilation cache,
+# so the machines share nothing but the network. The README's "Replicas on different machines" shows
+# the same commands by hand.
+MACHINES = ("a", "b")
 
 
 class Machines:
-    """The namespaces, and the processes started in them (all killed, the namespaces deleted, by
+    """The virtual cluster, and the processes started on it (all killed, the namespaces deleted, by
     `close`, which the fixture runs whatever happens)."""
 
     def __init__(self, root) -> None:
-        self.prefix = f"ftj{os.getpid() % 100000}"
-        self.names: list[str] = []
+        from ftjax.launch.vcluster import VirtualCluster
+
+        self.cluster = VirtualCluster(list(MACHINES), ipv6=True)
+        self.prefix = self.cluster.prefix
         self.procs: list[subprocess.Popen] = []
         self.root = root
-        self.no_ipv6: str | None = None
 
-    def ns(self, machine: str) -> str:
-        return f"{self.prefix}{machine}"
+    @property
+    def no_ipv6(self) -> str | None:
+        return self.cluster.no_ipv6
+
+    def address(self, machine: str, family: str = "ipv4") -> str:
+        return self.cluster.address(machine, 4 if family == "ipv4" else 6)
 
     def create(self) -> None:
-        bridge = self.ns("br")
-        for name in (bridge, *(self.ns(m) for m in MACHINES)):
-            _ip("netns", "add", name)
-            self.names.append(name)
-        _ip("-n", bridge, "link", "add", "br0", "type", "bridge")
-        _ip("-n", bridge, "link", "set", "br0", "up")
-        for m, (v4, v6) in MACHINES.items():
-            ns = self.ns(m)
-            _ip("-n", bridge, "link", "add", f"v{m}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("-n", bridge, "link", "set", f"v{m}", "master", "br0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "addr", "add", f"{v4}/24", "dev", "eth0")
-            try:
-                _ip("-n", ns, "addr", "add", f"{v6}/64", "dev", "eth0", "nodad")
-            except RuntimeError as e:  # a kernel without IPv6: the IPv4 tests still run
-                self.no_ipv6 = str(e)
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            (self.root / m / "tmp").mkdir(parents=True, exist_ok=True)
+        self.cluster.create()
+        for m in MACHINES:
+            (self.root / m).mkdir(parents=True, exist_ok=True)
 
     def env(self, machine: str) -> dict[str, str]:
         """A real run's environment: no platform, device or thread setting from the tests."""
         env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-        return {**env, "FTJAX_TOKEN": TOKEN, "TMPDIR": str(self.root / machine / "tmp"),
-                "JAX_COMPILATION_CACHE_DIR": str(self.root / machine / "xla-cache")}
+        return {**env, "FTJAX_TOKEN": TOKEN, "JAX_COMPILATION_CACHE_DIR": str(self.root / machine / "xla-cache")}
 
     def start(self, machine: str, argv: list[str], log_name: str) -> subprocess.Popen:
-        """`argv` in `machine`'s network namespace, with a private /dev/shm; output to a log file."""
+        """`argv` on `machine` (its network namespace, a private /dev/shm and temp dir); output to a log file."""
         log = open(self.root / machine / log_name, "w")
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns(machine), "unshare", "-m", "sh", "-c",
-             'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "machine", *argv],
-            env=self.env(machine), stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(self.cluster.command(machine, argv), env=self.env(machine), stdout=log,
+                                stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
         log.close()
         self.procs.append(proc)
         return proc
 
     def run(self, machine: str, argv: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", self.ns(machine), *argv], env=self.env(machine),
+        return subprocess.run(self.cluster.command(machine, argv, private=False), env=self.env(machine),
                               capture_output=True, text=True, timeout=60, cwd=REPO)
 
     def close(self) -> None:
@@ -494,18 +457,12 @@ class Machines:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 pass
-        for name in reversed(self.names):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        self.names.clear()
+        self.cluster.close()
 
 
 @pytest.fixture(scope="module")
 def machines(tmp_path_factory):
-    why = _namespaces_unavailable()
-    if why is not None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but this machine cannot run the two-machine tests: {why}")
-        pytest.skip(f"needs network namespaces: {why}")
+    need_namespaces("the two-machine tests")
     m = Machines(tmp_path_factory.mktemp("machines"))
     try:
         m.create()
@@ -519,14 +476,14 @@ def machines(tmp_path_factory):
 def test_each_machine_advertises_the_address_of_its_route_to_the_coordinator(machines):
     code = ("import sys; from ftjax import net; "
             "print(net.choose(sys.argv[1], environ={}).address(1), net.host_address())")
-    cases = [("10.77.0.1", ("10.77.0.1:1", "10.77.0.2:1"))]
-    cases += [("fd77::1", ("[fd77::1]:1", "[fd77::2]:1"))] if machines.no_ipv6 is None else []
-    for coordinator, expected in cases:
-        for machine, want in zip(MACHINES, expected):
+    for family in ("ipv4", "ipv6") if machines.no_ipv6 is None else ("ipv4",):
+        coordinator = machines.address("a", family)
+        for machine in MACHINES:
+            want = net.format_address(machines.address(machine, family), 1)
             r = machines.run(machine, [sys.executable, "-c", code, coordinator])
             assert r.returncode == 0, r.stderr
             address, here = r.stdout.split()
-            assert address == want and here == MACHINES[machine][0], (machine, r.stdout)
+            assert address == want and here == machines.address(machine), (machine, r.stdout)
 
 
 @pytest.mark.slow
@@ -538,7 +495,7 @@ def test_two_replicas_on_two_machines_train_and_end_equal(machines, family):
     if family == "ipv6" and machines.no_ipv6 is not None:
         pytest.skip(f"no IPv6 in the namespaces: {machines.no_ipv6}")
     port = 29400 if family == "ipv4" else 29410
-    coordinator = net.format_address(MACHINES["a"][0 if family == "ipv4" else 1], port)
+    coordinator = net.format_address(machines.address("a", family), port)
     coord = machines.start("a", [sys.executable, "-m", "ftjax", "coordinator", "--port", str(port),
                                  "--http-port", str(port + 1), "--expected-replicas", "2"], f"coordinator-{family}.log")
     log = machines.root / "a" / f"coordinator-{family}.log"
@@ -556,7 +513,7 @@ def test_two_replicas_on_two_machines_train_and_end_equal(machines, family):
     logs = {m: (machines.root / m / f"replica-{r}-{family}.log").read_text() for r, m in enumerate(MACHINES)}
     assert codes == [0, 0], {m: text[-3000:] for m, text in logs.items()}
     for r, machine in enumerate(MACHINES):
-        here = MACHINES[machine][0 if family == "ipv4" else 1]
+        here = machines.address(machine, family)
         assert f"peers reach this process at {here} (chosen by the route to the coordinator" in logs[machine]
         assert "no progress" not in logs[machine]
         steps = [json.loads(line) for line in (runs[machine] / "metrics.jsonl").read_text().splitlines()]
@@ -568,7 +525,7 @@ def test_two_replicas_on_two_machines_train_and_end_equal(machines, family):
     assert digests[0] == digests[1], digests
     status = machines.run("a", [sys.executable, "-c", "import sys, urllib.request; print(urllib.request.urlopen("
                                 "sys.argv[1], timeout=10).read().decode())",
-                                f"http://{net.format_address(MACHINES['a'][0], port + 1)}/status"])
+                                f"http://{net.format_address(machines.address('a'), port + 1)}/status"])
     assert status.returncode == 0, status.stderr
     status = json.loads(status.stdout)
     assert status["no_progress"] is None and status["progress"]["step"] == 30, status["progress"]

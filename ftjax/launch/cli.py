@@ -3,7 +3,10 @@
 Starts the coordinator and R replicas of H hosts (processes) with D simulated CPU devices each,
 restarts a replica whose process dies (as a whole, after --restart-delay-s), injects the faults
 asked for, shows the job live, and writes RUN/summary.json, RUN/loss.png and RUN/timeline.png.
-With --emit slurm|k8s DIR it writes the cluster job files of the same job instead of running it.
+With --virtual-cluster every process runs on a virtual host of its own (network and mount
+namespaces: hosts share nothing but the network), and --partition / --bandwidth-mbit inject
+network faults. With --emit slurm|k8s DIR it writes the cluster job files of the same job instead
+of running it.
 No process outlives the launcher: not on a normal end, not on Ctrl-C or SIGTERM, not on an error.
 """
 
@@ -15,12 +18,16 @@ import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from ftjax.config import Config, ConfigError, load_config
-from ftjax.launch.supervisor import (FaultPlan, LaunchError, check_seconds, parse_hang, parse_kill, parse_kill_host,
-                                     parse_seconds)
+from ftjax.launch.supervisor import (FaultPlan, LaunchError, check_seconds, parse_bandwidth, parse_hang, parse_kill,
+                                     parse_kill_host, parse_partition, parse_seconds)
+
+if TYPE_CHECKING:
+    from ftjax.launch.vcluster import VirtualCluster
 
 
 class UsageError(ValueError):
@@ -54,6 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--hang", action="append", default=[], metavar="R@T", help="SIGSTOP replica R at T seconds")
     f.add_argument("--kill-coordinator-at", action="append", default=[], metavar="T",
                    help="SIGKILL the coordinator at T seconds (it is restarted after --restart-delay-s)")
+    v = p.add_argument_group("virtual cluster (Linux, as root)")
+    v.add_argument("--virtual-cluster", action="store_true",
+                   help="run the coordinator and every host of every replica on a virtual host of its own: its own "
+                        "network namespace (an address on a bridge, its own loopback) and mount namespace (its own "
+                        "/dev/shm and temp dir), so that hosts share nothing but the network")
+    v.add_argument("--partition", action="append", default=[], metavar="R[/H]@STEP:SECONDS",
+                   help="cut the links of replica R's hosts (of host H only, with /H) once R has trained STEP, and "
+                        "restore them SECONDS later (needs --virtual-cluster)")
+    v.add_argument("--bandwidth-mbit", action="append", default=[], metavar="all|R|R/H=MBIT",
+                   help="cap the bandwidth of every host (all), of replica R's hosts, or of host H of replica R, "
+                        "at MBIT megabits per second each way: tc tbf (needs --virtual-cluster)")
     s = p.add_argument_group("supervision")
     s.add_argument("--restart-delay-s", type=float, default=1.0, help="delay before a dead replica restarts (1.0)")
     s.add_argument("--max-restarts", type=int, default=10, help="per replica; one more failure ends the job (10)")
@@ -92,6 +110,11 @@ def check_options(args: argparse.Namespace) -> None:
             check_directory(flag, path)
     if not args.image:
         raise UsageError("--image: empty name")
+    for flag, given in (("--partition", args.partition), ("--bandwidth-mbit", args.bandwidth_mbit)):
+        if given and not args.virtual_cluster:
+            raise UsageError(f"{flag}: needs --virtual-cluster (the links it acts on are the virtual cluster's)")
+    if args.virtual_cluster and args.emit is not None:
+        raise UsageError("--virtual-cluster: runs the job on this machine; --emit writes job files for a real cluster")
 
 
 def check_directory(flag: str, path: str) -> None:
@@ -124,7 +147,8 @@ def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan
             injections=tuple([*map(parse_kill, args.kill), *map(parse_kill_host, args.kill_host)]),
             hangs=tuple(map(parse_hang, args.hang)),
             coordinator_kills=tuple(parse_seconds("--kill-coordinator-at", t) for t in args.kill_coordinator_at),
-            mtbf_s=args.mtbf_s, seed=args.seed)
+            mtbf_s=args.mtbf_s, seed=args.seed, partitions=tuple(map(parse_partition, args.partition)),
+            bandwidth=tuple(map(parse_bandwidth, args.bandwidth_mbit)))
         plan.validate(replicas, cfg.mesh.hosts, cfg.steps)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -136,7 +160,33 @@ def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan
             raise UsageError(f"--out {out}: not empty (choose a new directory, or --overwrite an earlier run)")
         if not (out / "launcher.jsonl").exists():
             raise UsageError(f"--out {out}: holds no earlier run (no launcher.jsonl); refusing to delete it")
+    if args.virtual_cluster and args.emit is None:
+        from ftjax.launch.vcluster import bandwidth_unavailable, unavailable
+
+        why = unavailable() or (bandwidth_unavailable() if plan.bandwidth else None)
+        if why is not None:
+            raise UsageError(f"--virtual-cluster: this machine cannot run one: {why}")
     return cfg, overrides, replicas, plan, out
+
+
+def make_cluster(replicas: int, hosts: int, plan: FaultPlan) -> "VirtualCluster":
+    """The virtual cluster of a job: a host for the coordinator and one for each host of each
+    replica, with the plan's bandwidth caps set."""
+    from ftjax.launch.job import COORDINATOR_HOST, host_name, job_hosts
+    from ftjax.launch.vcluster import VirtualCluster
+
+    cluster = VirtualCluster(job_hosts(replicas, hosts)).create()
+    try:
+        for cap in plan.bandwidth:
+            if cap.replica is None:
+                names = [COORDINATOR_HOST, *(host_name(r, h) for r in range(replicas) for h in range(hosts))]
+            else:
+                names = [host_name(cap.replica, h) for h in (range(hosts) if cap.host is None else [cap.host])]
+            cluster.limit(names, cap.mbit)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
 
 
 def compile_cache_env(cache: str | None, out: Path) -> dict[str, str]:
@@ -197,22 +247,33 @@ def run(args: argparse.Namespace, cfg: Config, overrides: list[str], replicas: i
     if args.overwrite and out.exists():
         shutil.rmtree(out)
     view = make_view(console)
-    code, log = 1, None
+    code, log, cluster = 1, None, None
     with ProcessGroup() as procs:  # leaving the block (any way) SIGKILLs every child
         try:
+            if args.virtual_cluster:
+                from ftjax.launch.vcluster import VirtualClusterError
+
+                try:
+                    cluster = make_cluster(replicas, cfg.mesh.hosts, plan)
+                except VirtualClusterError as e:
+                    raise LaunchError(f"--virtual-cluster: {e}") from None
+                procs.on_close(cluster.close)  # after every child is killed: the namespaces go too
             job = LocalJob(args.config, overrides, out, replicas=replicas, procs=procs,
-                           extra_env=compile_cache_env(args.compile_cache, out))
+                           extra_env=compile_cache_env(args.compile_cache, out), cluster=cluster)
             log = RunLog(out / "launcher.jsonl", listener=view.event)
             log.event("launch", config=args.config, overrides=overrides, out=str(out), replicas=replicas,
                       hosts=cfg.mesh.hosts, devices=cfg.mesh.devices_per_host, steps=cfg.steps,
-                      restart_delay_s=args.restart_delay_s, faults=asdict(plan))
+                      restart_delay_s=args.restart_delay_s, faults=asdict(plan),
+                      virtual_cluster=None if cluster is None else
+                      {name: {"address": h.ipv4, "netns": h.netns} for name, h in cluster.hosts.items()})
             supervisor = Supervisor(job, plan, log, restart_delay_s=args.restart_delay_s,
                                     hang_timeout_s=args.hang_timeout_s, startup_timeout_s=args.startup_timeout_s,
                                     max_restarts=args.max_restarts, timeout_s=args.timeout_s, on_poll=view.poll)
             view.start()
             code = 0 if supervisor.run() else 1
         except LaunchError as e:
-            log.event("end", ok=False, error=str(e))
+            if log is not None:
+                log.event("end", ok=False, error=str(e))
             code = 1
             view.stop()
             console.print(f"[red]ftjax launch: {e}[/]")

@@ -4,6 +4,14 @@
 survives its owner); policy (restarts, faults, views) belongs to the launcher. Tests of the step
 protocol use it directly.
 
+In a virtual cluster (`cluster`, `ftjax.launch.vcluster`) every process runs on a host of its own:
+the coordinator on host `coord`, host h of replica r on `r<r>h<h>`, each in its own network namespace
+(its own address, its own loopback) with a private /dev/shm and temp dir. The coordinator then
+binds every interface of its host and advertises that host's address, so every replica process
+advertises its own host's address (the source of its route to the coordinator, `ftjax.net`), and a
+replica's `jax.distributed` service is dialled at its host 0's address. The run directory stays on
+the shared filesystem: it is the launcher's view of the job.
+
 Layout of the run directory:
     RUN/coordinator.log, RUN/coordinator.json (its bound addresses)
     RUN/replica-R/metrics.jsonl, summary.json  (written by the replica's leader)
@@ -18,16 +26,35 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ftjax.coordinator.quorum import split_address
 from ftjax.config import Config, load_config
 from ftjax.env import TOKEN_ENV
+from ftjax.net import format_address
 from ftjax.procs import ProcessGroup, free_port
+
+if TYPE_CHECKING:
+    from ftjax.launch.vcluster import VirtualCluster
+
+
+COORDINATOR_HOST = "coord"  # the coordinator's host in a virtual cluster
+
+
+def host_name(r: int, h: int) -> str:
+    """The virtual host that runs host h of replica r."""
+    return f"r{r}h{h}"
+
+
+def job_hosts(replicas: int, hosts: int) -> list[str]:
+    """Every virtual host of a job: the coordinator's, then each replica's."""
+    return [COORDINATOR_HOST, *(host_name(r, h) for r in range(replicas) for h in range(hosts))]
 
 
 class LocalJob:
     def __init__(self, config_path: str | Path, overrides: list[str], out: str | Path, *, replicas: int,
-                 procs: ProcessGroup, token: str | None = None, extra_env: dict[str, str] | None = None):
+                 procs: ProcessGroup, token: str | None = None, extra_env: dict[str, str] | None = None,
+                 cluster: "VirtualCluster | None" = None):
         self.config_path = str(config_path)
         self.overrides = [*overrides, f"ft.replicas={replicas}"]
         self.cfg: Config = load_config(self.config_path, self.overrides)  # validated before anything starts
@@ -42,18 +69,33 @@ class LocalJob:
         self.coordinator_http: str | None = None
         self.hosts: dict[int, list[subprocess.Popen]] = {}
         self.incarnations: dict[int, int] = {}
+        self.cluster = cluster  # a virtual cluster (every process on a host of its own), or None: this machine
+
+    def host_name(self, r: int, h: int) -> str:
+        return host_name(r, h)
+
+    def host_names(self, r: int) -> list[str]:
+        return [host_name(r, h) for h in range(self.cfg.mesh.hosts)]
+
+    def _on(self, host: str, argv: list[str]) -> list[str]:
+        """`argv` as run on `host`: on its virtual host in a virtual cluster, else as is."""
+        return self.cluster.command(host, argv) if self.cluster is not None else argv
 
     # --- coordinator -----------------------------------------------------------------------------
     def start_coordinator(self, timeout: float = 30.0, port: int = 0, http_port: int = 0) -> str:
         ready = self.out / "coordinator.json"
         ready.unlink(missing_ok=True)
         log = open(self.out / "coordinator.log", "a")
+        # A job on this machine: the coordinator listens on loopback only, and so (following their
+        # route to it) do the replicas. In a virtual cluster: every interface of its host, and it
+        # advertises the host's address.
+        where = (["--advertise-host", self.cluster.address(COORDINATOR_HOST)] if self.cluster is not None
+                 else ["--host", "127.0.0.1"])
         self.coordinator = self.procs.start(
-            # a job on this machine: the coordinator listens on loopback only, and so (following
-            # their route to it) do the replicas
-            [sys.executable, "-m", "ftjax", "coordinator", "--host", "127.0.0.1", "--port", str(port),
-             "--http-port", str(http_port),
-             *self.cfg.coordinator.flags(), "--expected-replicas", str(self.replicas), "--ready-file", str(ready)],
+            self._on(COORDINATOR_HOST,
+                     [sys.executable, "-m", "ftjax", "coordinator", *where, "--port", str(port),
+                      "--http-port", str(http_port), *self.cfg.coordinator.flags(),
+                      "--expected-replicas", str(self.replicas), "--ready-file", str(ready)]),
             env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not ready.exists():
@@ -93,7 +135,9 @@ class LocalJob:
         hosts = self.cfg.mesh.hosts
         rdir = self.replica_dir(r)
         rdir.mkdir(parents=True, exist_ok=True)
-        dist = ["--dist-address", f"127.0.0.1:{free_port()}"] if hosts > 1 else []
+        # the replica's jax.distributed service: on its host 0
+        leader = self.cluster.address(host_name(r, 0)) if self.cluster is not None else "127.0.0.1"
+        dist = ["--dist-address", format_address(leader, free_port())] if hosts > 1 else []
         self.incarnations[r] = self.incarnations.get(r, 0) + 1
         children = []
         for h in range(hosts):
@@ -105,8 +149,9 @@ class LocalJob:
             log = open(rdir / f"host-{h}.log", "a")
             log.write(f"--- incarnation {self.incarnations[r]} host {h} at {time.time():.3f}\n")
             log.flush()
-            children.append(self.procs.start(args, env=self.env, device_count=self.cfg.mesh.devices_per_host,
-                                             stdout=log, stderr=subprocess.STDOUT))
+            children.append(self.procs.start(self._on(host_name(r, h), args), env=self.env,
+                                             device_count=self.cfg.mesh.devices_per_host, stdout=log,
+                                             stderr=subprocess.STDOUT))
         self.hosts[r] = children
         return children
 

@@ -42,6 +42,13 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   computed for others, and each run of consecutive steps with the same reassignment.
 - **failure_events**: every replica death and coordinator loss, with `recovery_s` (from a
   replica's death to its rejoin, when it rejoined: restart delay + start + catch-up).
+- **partitions** (`--partition`, a virtual cluster): for each cut, the replica and host, the
+  step the launcher saw when it cut, and what was committed while the links were down, from the
+  cut record to the restore: `in_flight` is the step after the replica's last commit before the
+  cut (its records may land just after the cut record: it committed before its links went),
+  `isolated_commits` every other step the cut-off replica committed (none, or there was a split
+  brain), `peer_commits` how many steps each other replica committed meanwhile (it trains on), and
+  `rejoined_at_step` where the cut-off replica caught up afterwards (null: it did not).
 - **final_loss**: the mean training loss of every contribution in the last 5% of the steps (at
   least the last step), over all replicas: a single batch's loss is too noisy to compare runs.
 """
@@ -257,6 +264,33 @@ def _recovery(run: Run, down: dict) -> float | None:
     return round(back[TIME] - down[TIME], 3) if back else None
 
 
+def partitions(run: Run) -> list[dict[str, Any]]:
+    """What was committed while each `--partition` cut was in force (see the module docstring)."""
+    out = []
+    for cut in (e for e in run.events if e[EVENT] == L.FAULT and e.get("kind") == "partition"):
+        r, host = cut[REPLICA], cut.get("host")
+        end = next((e for e in run.events if e[EVENT] == L.PARTITION_ENDED and e[REPLICA] == r
+                    and e.get("host") == host and e[TIME] >= cut[TIME]), None)
+        t_cut, t_end = cut[TIME], end[TIME] if end else run.end
+
+        def committed(o: int) -> list[dict]:
+            return [s for s in _steps(run.metrics[o]) if s.get(F.COMMITTED)]
+
+        before = max((s[F.STEP] for s in committed(r) if s[TIME] <= t_cut), default=0)
+        during = [s[F.STEP] for s in committed(r) if t_cut < s[TIME] <= t_end]
+        back = next((e for e in run.metrics[r] if e.get(EVENT) == E.CATCHUP_DONE and e[TIME] > t_end), None)
+        out.append({
+            "replica": r, "host": host, "step": cut.get("step"), "seconds": cut.get("seconds"),
+            "time_s": round(t_cut - run.start, 3), "restored": end is not None,
+            "in_flight": [n for n in during if n == before + 1],
+            "isolated_commits": [n for n in during if n != before + 1],
+            "peer_commits": {str(o): sum(1 for s in committed(o) if t_cut < s[TIME] <= t_end)
+                             for o in range(run.replicas) if o != r},
+            "rejoined_at_step": back.get("at_step") if back else None,
+        })
+    return out
+
+
 def final_loss(run: Run) -> float | None:
     k = max(1, run.steps // 20)
     losses = [s[F.LOSS] for r in range(run.replicas) for s in run.metrics[r]
@@ -328,6 +362,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "failure_events": failure_events,
         "rejoins": [{"time_s": round(e[TIME] - run.start, 3), "replica": e[REPLICA], "at_step": e.get("at_step"),
                      "catchup_s": e.get("catchup_s")} for e in run.events if e[EVENT] == L.REJOINED],
+        "partitions": partitions(run),
         "ettr": round(ettr_value, 4) if ettr_value is not None else None,
         "median_step_s": round(median_s, 4) if median_s is not None else None,
         "max_healthy_stall_s": round(max(healthy_gaps), 4) if healthy_gaps else None,

@@ -19,6 +19,14 @@ lines only), and decides:
   restart time (start to first own step), or before any restart was measured, half of the steps. `--hang R@T`
   SIGSTOPs replica R; `--kill-coordinator-at T` SIGKILLs the coordinator. Times T count from the
   end of warm-up (every replica has committed a step with its own batch).
+- **Partitions** (a virtual cluster only, `ftjax.launch.vcluster`): `--partition R[/H]@STEP:SECONDS`
+  cuts the links of every host of replica R (or of host H only) once R has trained step STEP, and
+  restores them SECONDS later. Keyed off the replica's metrics like a kill, so the cut lands within
+  a poll (0.1 s) of that step's record. A cut replica is silent because the network says nothing,
+  not because it hangs: the hang rule leaves it alone while it is cut, and counts its silence
+  from the restore plus the cut's length (TCP's retransmission backoff: a connection silent for S
+  seconds may take about S more to send again once the link is back). `--bandwidth-mbit` caps are
+  set before anything starts (`ftjax.launch.cli`).
 - **Hangs.** A replica is declared hung, SIGKILLed and restarted when its newest record is older
   than `hang_timeout_s` while a peer kept training through the last half of that silence: the peer
   logged a step at or before its start and then never went `hang_timeout_s / 2` without one, up to
@@ -92,12 +100,35 @@ class Hang:
 
 
 @dataclass(frozen=True)
+class Partition:
+    """`--partition R[/H]@STEP:SECONDS`: the links of replica R's hosts (host H only, if given) are
+    cut once R has trained step STEP, and restored `seconds` later."""
+
+    replica: int
+    step: int
+    seconds: float
+    host: int | None = None  # None: every host of the replica
+
+
+@dataclass(frozen=True)
+class BandwidthCap:
+    """`--bandwidth-mbit TARGET=MBIT`: TARGET all (every host, the coordinator's too), R (every host
+    of replica R) or R/H (host H of replica R)."""
+
+    mbit: float
+    replica: int | None = None  # None: every host
+    host: int | None = None  # None: every host of the replica
+
+
+@dataclass(frozen=True)
 class FaultPlan:
     injections: tuple[Injection, ...] = ()
     hangs: tuple[Hang, ...] = ()
     coordinator_kills: tuple[float, ...] = ()
     mtbf_s: float | None = None
     seed: int = 0
+    partitions: tuple[Partition, ...] = ()
+    bandwidth: tuple[BandwidthCap, ...] = ()
 
     def validate(self, replicas: int, hosts: int, steps: int) -> None:
         """Raise ValueError naming the flag whose value does not fit this job."""
@@ -114,6 +145,15 @@ class FaultPlan:
                 raise ValueError(f"--hang: replica {h.replica} is not in [0, {replicas})")
         if self.mtbf_s is not None and replicas < 2:
             raise ValueError("--mtbf-s: random kills need at least 2 replicas (a peer must hold the state)")
+        for flag, target in [*(("--partition", p) for p in self.partitions),
+                             *(("--bandwidth-mbit", b) for b in self.bandwidth)]:
+            if target.replica is not None and not 0 <= target.replica < replicas:
+                raise ValueError(f"{flag}: replica {target.replica} is not in [0, {replicas})")
+            if target.host is not None and not 0 <= target.host < hosts:
+                raise ValueError(f"{flag}: host {target.host} is not in [0, {hosts}) (--hosts-per-replica {hosts})")
+        for p in self.partitions:
+            if not 1 <= p.step <= steps:
+                raise ValueError(f"--partition: step {p.step} is not in [1, steps={steps}]")
 
     def for_replica(self, r: int) -> list[Injection]:
         return sorted((i for i in self.injections if i.replica == r), key=lambda i: i.step)
@@ -145,6 +185,46 @@ def parse_kill_host(text: str) -> Injection:
     if not sep or not step.isdigit() or int(step) < 1 or not host.isdigit():
         raise ValueError(f"--kill-host: expected {form} with STEP >= 1, got {text!r}")
     return Injection(r, int(step), "forward", int(host), kind="kill_host")
+
+
+def _target(flag: str, text: str, form: str) -> tuple[int, int | None]:
+    """`R` or `R/H` -> (replica, host or None)."""
+    rid, sep, host = text.partition("/")
+    if not (rid.isascii() and rid.isdigit()) or (sep and not (host.isascii() and host.isdigit())):
+        raise ValueError(f"{flag}: expected {form}, got {text!r}")
+    return int(rid), int(host) if sep else None
+
+
+def parse_partition(text: str) -> Partition:
+    """`R[/H]@STEP:SECONDS`: cut replica R's links (host H's only, if given) once R has trained step
+    STEP, for SECONDS."""
+    form = "REPLICA[/HOST]@STEP:SECONDS"
+    target, sep, rest = text.partition("@")
+    step, sep2, seconds = rest.partition(":")
+    if not sep or not sep2 or not (step.isascii() and step.isdigit()) or int(step) < 1:
+        raise ValueError(f"--partition: expected {form} with STEP >= 1, got {text!r}")
+    replica, host = _target("--partition", target, form)
+    try:
+        value = float(seconds)
+    except ValueError:
+        raise ValueError(f"--partition: expected {form} with SECONDS a number, got {text!r}") from None
+    return Partition(replica, int(step), check_seconds("--partition", value, positive=True), host)
+
+
+def parse_bandwidth(text: str) -> BandwidthCap:
+    """`TARGET=MBIT`: TARGET all, R or R/H; MBIT megabits per second (> 0), each way."""
+    form = "TARGET=MBIT with TARGET all, REPLICA or REPLICA/HOST"
+    target, sep, mbit = text.partition("=")
+    if not sep:
+        raise ValueError(f"--bandwidth-mbit: expected {form}, got {text!r}")
+    replica, host = (None, None) if target == "all" else _target("--bandwidth-mbit", target, form)
+    try:
+        value = float(mbit)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"--bandwidth-mbit: expected {form} and MBIT a number > 0, got {text!r}")
+    return BandwidthCap(value, replica, host)
 
 
 def parse_seconds(flag: str, text: str) -> float:
@@ -231,6 +311,9 @@ class ReplicaStatus:
     killed_as: str | None = None  # set when the supervisor itself kills or stops it
     injection: Injection | None = None  # the self-kill given to the current incarnation
     kill_on_catchup: bool = False
+    cut: bool = False  # its links are cut (--partition): silent, not hung
+    reconnected_at: float | None = None  # when its links were last restored
+    quiet_until: float | None = None  # the hang rule counts its silence from here (see _restore_links)
     gaps: deque = field(default_factory=lambda: deque(maxlen=50))
     recent_steps: deque = field(default_factory=deque)  # its step times of the last hang_timeout_s
 
@@ -251,6 +334,17 @@ def is_hung(now: float, last: float | None, peers_steps: list[Sequence[float]], 
     if last is None or now - last <= timeout_s:
         return False
     return any(trained_through(steps, now - timeout_s / 2, now, timeout_s / 2) for steps in peers_steps)
+
+
+def _silent_since(s: ReplicaStatus) -> float | None:
+    """Where the hang rule counts a replica's silence from: its newest record, or the end of the grace
+    after a partition if later (None: no record yet, the startup timeout's business)."""
+    return None if s.last_record is None else _latest(s.last_record, s.quiet_until)
+
+
+def _latest(*times: float | None) -> float | None:
+    known = [t for t in times if t is not None]
+    return max(known) if known else None
 
 
 def trained_through(steps: Sequence[float], since: float, now: float, max_gap: float) -> bool:
@@ -283,6 +377,10 @@ class Supervisor:
         self.pending = {r: plan.for_replica(r) for r in range(job.replicas)}
         self.hangs = sorted(plan.hangs, key=lambda h: h.after_s)
         self.coordinator_kills = sorted(plan.coordinator_kills)
+        self.partitions = sorted(plan.partitions, key=lambda p: p.step)  # not yet fired
+        self.cuts: list[tuple[Partition, list[str], float]] = []  # fired: (partition, hosts, restore at)
+        if (plan.partitions or plan.bandwidth) and getattr(job, "cluster", None) is None:
+            raise ValueError("--partition and --bandwidth-mbit need a virtual cluster (--virtual-cluster)")
         self.coordinator_down_since: float | None = None
         self.coordinator_killed = False
         self.rng = random.Random(plan.seed)
@@ -424,7 +522,8 @@ class Supervisor:
                 abandon = ("it initialized from scratch after the job had trained: no live peer "
                            "held the state to catch up from")
             elif kind == E.CATCHUP_DONE:  # a restarted replica rejoins; a first one caught up at the start
-                self._log(L.REJOINED if s.incarnation > 1 else L.CAUGHT_UP, replica=r, at_step=rec.get("at_step"),
+                back = s.incarnation > 1 or s.reconnected_at is not None  # restarted, or back from a partition
+                self._log(L.REJOINED if back else L.CAUGHT_UP, replica=r, at_step=rec.get("at_step"),
                           catchup_s=rec.get("catchup_s"), source=rec.get("source"))
                 self._holds_state(s, t)  # (at the very end of a job it commits no step after this)
             elif kind == E.COMMIT_FAILURE:
@@ -483,8 +582,11 @@ class Supervisor:
             peers = [o for o in self.status if o is not s]
             if s.last_step is None and now - s.started_at > self.startup_timeout_s:
                 self._hung(s, now, f"no step within --startup-timeout-s {self.startup_timeout_s:g}")
-            elif is_hung(now, s.last_record, [o.recent_steps for o in peers if o.alive], self.hang_timeout_s):
-                self._hung(s, now, f"no record for {now - s.last_record:.1f} s while peers trained")
+            elif s.cut:  # silent because its links are cut (--partition), not hung
+                s.state = s.lifecycle.phase_at(now, median_step_s)
+            elif is_hung(now, last := _silent_since(s), [o.recent_steps for o in peers if o.alive],
+                         self.hang_timeout_s):
+                self._hung(s, now, f"no record for {now - last:.1f} s while peers trained")
             else:  # the clock's transition: training -> stalled (ftjax.lifecycle, the stall rule)
                 s.state = s.lifecycle.phase_at(now, median_step_s)
             if s.lifecycle.waiting_for_state and self._job_over_for(s):
@@ -516,8 +618,14 @@ class Supervisor:
 
     # --- faults -----------------------------------------------------------------------------------
     def _fire_faults(self, now: float) -> None:
+        self._restore_links(now)
         if self.warm_at is None:
             return
+        for p in list(self.partitions):
+            s = self.status[p.replica]
+            if s.state in (Phase.TRAINING, Phase.STALLED) and s.step >= p.step:
+                self.partitions.remove(p)
+                self._cut(p, now)
         t = now - self.warm_at
         if self.coordinator_kills and t >= self.coordinator_kills[0] and self.coordinator_down_since is None:
             self.coordinator_kills.pop(0)
@@ -533,6 +641,28 @@ class Supervisor:
                     self.job.procs.kill(p, signal.SIGSTOP)
         if self.next_random_kill is not None and now >= self.next_random_kill:
             self._random_kill(now)
+
+    def _cut(self, p: Partition, now: float) -> None:
+        hosts = self.job.host_names(p.replica) if p.host is None else [self.job.host_name(p.replica, p.host)]
+        # logged before the cut: whatever the replica commits after this record, it did cut off
+        self._log(L.FAULT, kind="partition", replica=p.replica, host=p.host, step=self.status[p.replica].step,
+                  seconds=p.seconds, hosts=hosts)
+        self.job.cluster.cut(hosts)
+        self.status[p.replica].cut = True
+        self.cuts.append((p, hosts, now + p.seconds))
+
+    def _restore_links(self, now: float) -> None:
+        for cut in [c for c in self.cuts if now >= c[2]]:
+            p, hosts, _ = cut
+            self.job.cluster.restore(hosts)
+            self.cuts.remove(cut)
+            s = self.status[p.replica]
+            s.cut = any(c[0].replica == p.replica for c in self.cuts)
+            s.reconnected_at = time.time()
+            # TCP retransmits with exponential backoff: after a silence of S seconds, a connection may
+            # take about S more to send again. Until then the replica is still waiting on the network.
+            s.quiet_until = _latest(s.quiet_until, s.reconnected_at + p.seconds)
+            self._log(L.PARTITION_ENDED, replica=p.replica, host=p.host, hosts=hosts, seconds=p.seconds)
 
     def _random_kill(self, now: float) -> None:
         if not all(s.state is Phase.TRAINING for s in self.status):

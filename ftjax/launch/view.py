@@ -52,7 +52,13 @@ def describe(e: dict) -> str | None:
         return f"replica {r} {verb} at step {e['at_step']}: state from replica {e['source']} in {e['catchup_s']:.2f} s"
     if k == L.FAULT:
         target = f"replica {r}" if r is not None else "coordinator"
+        if e["kind"] == "partition":
+            target += f" host {e['host']}" if e.get("host") is not None else ""
+            return f"fault: partition: {target} cut off for {e['seconds']:g} s (step {e.get('step')})"
         return f"fault: {e['kind']} {target} (step {e.get('step')})"
+    if k == L.PARTITION_ENDED:
+        host = f" host {e['host']}" if e.get("host") is not None else ""
+        return f"replica {r}{host}: links restored after {e['seconds']:g} s"
     if k == L.COMMIT_FAILURE:
         return f"replica {r}: step {e['step']} discarded ({e['errors']} FTAR error(s)), retrying"
     if k == L.PEER_UNREACHABLE:

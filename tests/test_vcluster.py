@@ -1,0 +1,266 @@
+"""The virtual cluster (issue 14): `ftjax launch --virtual-cluster` runs the coordinator and every host
+of every replica on a host of its own (network namespace, mount namespace), and injects network
+faults: partitions (`--partition`) and bandwidth caps (`--bandwidth-mbit`). `ftjax bench ftar
+--virtual-cluster` measures FTAR between two such hosts against raw TCP between them.
+
+Every test here needs network namespaces (Linux, root): skipped where the machine cannot make them,
+a failure when $CI is true."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ftjax.launch.supervisor import BandwidthCap, FaultPlan, Partition, parse_bandwidth, parse_partition
+
+from conftest import FTJAX, REPO, need_namespaces
+from launchrun import TINY
+
+
+@pytest.fixture
+def namespaces():
+    need_namespaces("the virtual-cluster tests")
+
+
+def _netns_of(pid: int) -> list[str]:
+    """The namespaces a virtual cluster made by process `pid` left behind."""
+    from ftjax.launch.vcluster import PREFIX, namespaces
+
+    return [ns for ns in namespaces() if ns.startswith(f"{PREFIX}{pid}-")]
+
+
+# --- options ---------------------------------------------------------------------------------------
+def test_partition_and_bandwidth_options_are_parsed_and_checked():
+    assert parse_partition("1@30:10") == Partition(1, 30, 10.0, None)
+    assert parse_partition("1/0@30:2.5") == Partition(1, 30, 2.5, 0)
+    assert parse_bandwidth("all=100") == BandwidthCap(100.0)
+    assert parse_bandwidth("1=50") == BandwidthCap(50.0, 1, None)
+    assert parse_bandwidth("0/1=0.5") == BandwidthCap(0.5, 0, 1)
+    for bad in ("1@30", "x@30:10", "1@0:10", "1@30:0", "1@30:nan", "1/x@30:10", "1@30:-1", "@30:10"):
+        with pytest.raises(ValueError, match="--partition"):
+            parse_partition(bad)
+    for bad in ("all", "1=0", "1=-3", "x=10", "1/=10", "all=inf"):
+        with pytest.raises(ValueError, match="--bandwidth-mbit"):
+            parse_bandwidth(bad)
+    with pytest.raises(ValueError, match="--partition: replica 2 is not in"):
+        FaultPlan(partitions=(Partition(2, 3, 1.0),)).validate(2, 1, 10)
+    with pytest.raises(ValueError, match="--partition: host 1 is not in"):
+        FaultPlan(partitions=(Partition(1, 3, 1.0, 1),)).validate(2, 1, 10)
+    with pytest.raises(ValueError, match=r"--partition: step 11 is not in \[1, steps=10\]"):
+        FaultPlan(partitions=(Partition(1, 11, 1.0),)).validate(2, 1, 10)
+    with pytest.raises(ValueError, match="--bandwidth-mbit: host 2 is not in"):
+        FaultPlan(bandwidth=(BandwidthCap(10.0, 0, 2),)).validate(2, 2, 10)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--partition", "1@3:1"], "--partition: needs --virtual-cluster"),
+    (["--bandwidth-mbit", "all=10"], "--bandwidth-mbit: needs --virtual-cluster"),
+    (["--virtual-cluster", "--partition", "2@3:1"], "--partition: replica 2 is not in [0, 2)"),
+    (["--virtual-cluster", "--emit", "slurm", "x"], "--virtual-cluster: runs the job on this machine"),
+])
+def test_launch_refuses_bad_network_fault_options_naming_the_flag(tmp_path, args, message):
+    r = subprocess.run([*FTJAX, "launch", TINY, "--replicas", "2", "--out", str(tmp_path / "run"), *args],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# --- the namespaces themselves ----------------------------------------------------------------------
+_PROBE = """
+import os, socket, struct, sys, tempfile
+name = socket.gethostname()
+print(name, socket.gethostbyname(name), sorted(os.listdir("/dev/shm")), tempfile.gettempdir(), flush=True)
+open("/dev/shm/ftjax-probe", "w").close()
+if sys.argv[1] == "serve":  # each message: 8 bytes of length, then that many bytes; answered b"k"
+    conn, _ = socket.create_server((sys.argv[2], 5000)).accept()
+    while header := conn.recv(8, socket.MSG_WAITALL):
+        left = struct.unpack("!Q", header)[0]
+        while left:
+            left -= len(conn.recv(min(left, 1 << 20)))
+        conn.sendall(b"k")
+else:
+    conn = socket.create_connection((sys.argv[2], 5000), timeout=30)
+    for line in sys.stdin:
+        conn.sendall(struct.pack("!Q", int(line)) + b"x" * int(line))
+        assert conn.recv(1) == b"k"
+        print("echo", flush=True)
+"""
+
+
+def test_hosts_share_nothing_but_the_network_and_links_can_be_cut_and_capped(namespaces):
+    """Two hosts: each has its own hostname (resolving to its address), an empty /dev/shm and temp
+    dir of its own; a cut link silences the connection between them without breaking it, a restore
+    lets it go on; a cap of 80 Mbit/s holds; close() deletes every namespace."""
+    from ftjax.launch.vcluster import VirtualCluster
+
+    cluster = VirtualCluster(["a", "b"]).create()
+    procs = []
+    try:
+        a, b = cluster.address("a"), cluster.address("b")
+        assert a != b and a.startswith("10.") and not (a.startswith("127.") or b.startswith("127."))
+        server = subprocess.Popen(cluster.command("b", [sys.executable, "-c", _PROBE, "serve", b]),
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
+        procs.append(server)
+        name, address, shm, tmp = server.stdout.readline().split(" ", 3)
+        assert (name, address, shm) == ("b", b, "[]") and tmp.strip() == str(cluster.host("b").tmp)
+        time.sleep(0.3)
+        client = subprocess.Popen(cluster.command("a", [sys.executable, "-c", _PROBE, "dial", b]),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        procs.append(client)
+        assert client.stdout.readline().split(" ")[:3] == ["a", a, "[]"]  # b's /dev/shm file is not here
+
+        def echo(nbytes: int) -> float:
+            t0 = time.monotonic()
+            client.stdin.write(f"{nbytes}\n")
+            client.stdin.flush()
+            assert client.stdout.readline().strip() == "echo"
+            return time.monotonic() - t0
+
+        echo(1000)
+        cluster.cut(["b"])
+        assert cluster.is_cut("b") and not cluster.is_cut("a")
+        t0 = time.monotonic()
+        client.stdin.write("1000\n")
+        client.stdin.flush()
+        time.sleep(2.0)
+        cluster.restore(["b"])
+        assert client.stdout.readline().strip() == "echo"  # the same connection, after the cut
+        assert time.monotonic() - t0 >= 2.0
+        assert not os.path.exists("/dev/shm/ftjax-probe")  # nor on this machine
+        cluster.limit(["a"], 80)
+        seconds = echo(4 << 20)  # 4 MiB = 33.5 Mbit: >= 0.42 s at 80 Mbit/s
+        assert seconds > 0.8 * (4 << 20) * 8 / 80e6, seconds
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+        cluster.close()
+    assert not [ns for ns in _netns_of(os.getpid()) if ns.startswith(cluster.prefix)]
+
+
+def test_namespaces_of_a_dead_creator_are_removed(namespaces):
+    from ftjax.launch.vcluster import PREFIX, namespaces as all_namespaces, remove_stale
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{PREFIX}{dead.pid}-1-x"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        assert stale in remove_stale()
+        assert stale not in all_namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+
+
+# --- ftjax launch --virtual-cluster ------------------------------------------------------------------
+def _check_no_leftovers(run) -> None:
+    assert run.leftovers() == []
+    assert _netns_of(run.proc.pid) == []  # the launcher deleted every namespace it made
+
+
+def _events(run, name, **match):
+    return [e for e in run.events() if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hosts", [
+    1,
+    pytest.param(2, marks=pytest.mark.xfail(strict=False, reason=(
+        "a restarted multi-host replica catches up through orbax's multi-process save and restore, which "
+        "needs one directory all hosts of a replica share; on a virtual cluster each host's /dev/shm is its "
+        "own (per-host catch-up over the network is being written); and the 2-host replica's steps on 2 "
+        "busy cores are noisy for the 1.5 x median + 0.5 s stall bound"))),
+])
+def test_one_host_of_a_replica_killed_at_step_30_on_a_virtual_cluster(launch, namespaces, hosts):
+    """Issue 14: 2 replicas x H hosts, 100 steps, one host of replica 1 killed at step 30 and its
+    replica restarted: digests equal, every batch exactly once, the healthy replica's largest stall
+    <= 1.5 x its median step + 0.5 s. Every process on a host of its own."""
+    run = launch("--virtual-cluster", "--replicas", "2", "--hosts-per-replica", str(hosts),
+                 "--kill-host", f"1@30:{hosts - 1}", "steps=100")
+    code = run.wait(timeout=500)
+    s = run.summary()
+    launched = _events(run, "launch")[0]
+    addresses = {name: h["address"] for name, h in launched["virtual_cluster"].items()}
+    assert len(set(addresses.values())) == 1 + 2 * hosts  # the coordinator's host and one per replica host
+    coordinator = _events(run, "coordinator_started")[0]["grpc"]
+    assert coordinator.startswith(addresses["coord"] + ":")
+    for r in (0, 1):  # each process advertises its own host's address, chosen by its route
+        for h in range(hosts):
+            log = (run.run_dir / f"replica-{r}" / f"host-{h}.log").read_text()
+            assert f"peers reach this process at {addresses[f'r{r}h{h}']} (chosen by the route" in log, log[-2000:]
+    assert [(e["replica"], e["cause"], e["at"]) for e in s["failure_events"]] == [(1, "kill_host", "30:forward")]
+    assert s["replicas"]["1"]["restarts"] == 1 and s["replicas"]["0"]["restarts"] == 0
+    _check_no_leftovers(run)
+    assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
+    assert s["max_healthy_stall_s"] <= 1.5 * s["median_step_s"] + 0.5, s
+
+
+@pytest.mark.slow
+def test_a_partitioned_replica_commits_nothing_then_rejoins(launch, namespaces):
+    """Issue 14: replica 1's links cut for 10 s at step 30, then restored: replica 0 trains on, replica
+    1 commits nothing while cut off (no split brain: every step both committed has one digest), then
+    rejoins and catches up; digests equal, exactly once. FTAR's timeout is 2 s, so that replica 0
+    trains on within seconds whatever the cut interrupts (with the default 10 s it may wait out the
+    whole cut in the FTAR it was in)."""
+    run = launch("--virtual-cluster", "--replicas", "2", "--partition", "1@30:10", "steps=200",
+                 "ft.ftar_timeout_s=2", "ft.progress_timeout_s=5")
+    code = run.wait(timeout=400)
+    s = run.summary()
+    (cut,) = _events(run, "fault", kind="partition")
+    (ended,) = _events(run, "partition_ended", replica=1)
+    assert cut["replica"] == 1 and cut["step"] >= 30 and cut["hosts"] == ["r1h0"]
+    assert 10.0 <= ended["time"] - cut["time"] < 11.0
+    (p,) = s["partitions"]
+    assert p["restored"] and p["isolated_commits"] == [], p  # the cut-off side committed nothing
+    assert p["peer_commits"]["0"] >= 10, p  # the other side trained on
+    assert p["rejoined_at_step"] is not None, p  # replica 1 caught up after the restore
+    assert [e["replica"] for e in s["rejoins"]] == [1]
+    assert s["replicas"]["0"]["restarts"] == 0
+    digests = [{m["step"]: m["param_digest"] for m in run.metrics(r) if m.get("committed") and "param_digest" in m}
+               for r in (0, 1)]
+    both = set(digests[0]) & set(digests[1])
+    assert len(both) >= 30 and all(digests[0][n] == digests[1][n] for n in both)  # no split brain
+    _check_no_leftovers(run)
+    assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_process_and_deletes_every_namespace(launch, namespaces):
+    run = launch("--virtual-cluster", "--replicas", "2", "steps=100000")
+    run.wait_for(lambda e: e["event"] == "replica_started" and e["replica"] == 1, timeout=60)
+    assert len(_netns_of(run.proc.pid)) == 4  # the bridge's, the coordinator's, one per replica
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=120) == 128 + signal.SIGTERM, run.output()
+    _check_no_leftovers(run)
+
+
+# --- ftjax bench ftar --virtual-cluster ----------------------------------------------------------------
+def _bench(*args: str) -> dict:
+    proc = subprocess.Popen([*FTJAX, "bench", "ftar", "--virtual-cluster", "--world", "2", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out
+    assert _netns_of(proc.pid) == []  # the bench deleted the namespaces it made
+    return json.loads(lines[0])
+
+
+@pytest.mark.slow
+def test_bench_ftar_between_two_virtual_hosts_reports_busbw_against_raw_tcp(namespaces):
+    rec = _bench("--mib", "8", "--rounds", "2", "--iters", "2")
+    assert rec["virtual_cluster"] is True and rec["world"] == 2
+    assert rec["busbw_gbps"] > 0 and rec["link_gbps"] > 0
+    assert rec["ratio"] == pytest.approx(rec["busbw_gbps"] / rec["link_gbps"], rel=0.01)
+    assert rec["shm_links"] == 0  # two hosts: the shared-memory offer is declined, the links are TCP
+    capped = _bench("--mib", "2", "--rounds", "1", "--iters", "1", "--bandwidth-mbit", "100")
+    assert capped["link_gbps"] < 1.2 * 100e6 / 8 / 1e9 and capped["busbw_gbps"] < 1.2 * 100e6 / 8 / 1e9, capped
