@@ -38,6 +38,7 @@ class ReplicaEvent(StrEnum):
     POSITION_KEPT = "position_kept"  # the coordinator said a lower data position: its own is kept
     COMMIT_FAILURE = "commit_failure"  # a host's FTAR failed: step `step` is discarded and retried
     PEER_UNREACHABLE = "peer_unreachable"  # every attempt for `seconds` failed on `peer` (replica, host); on stderr too
+    REPORT_UNDELIVERED = "report_undelivered"  # a failure report of `replica` did not reach the coordinator (`error`)
     PROGRESS_TIMEOUT = "progress_timeout"  # the watchdog saw no progress in `phase`: the process leaves the job
     DRAIN_TIMEOUT = "drain_timeout"  # trained every step; gave up waiting for healing peers after drain_timeout_s
 

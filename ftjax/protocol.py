@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from ftjax.coordinator.client import QuorumResult, decode_quorum, encode_quorum
+from ftjax.coordinator.client import CoordinatorError, QuorumResult, decode_quorum, encode_quorum
 from ftjax.coordinator.quorum import Participant
 from ftjax.catchup import CatchupTransport, FetchResult, SnapshotFetch
 from ftjax.events import ReplicaEvent as E
@@ -225,8 +225,12 @@ class StepProtocol:
         if self.leader:
             for f in failed:
                 p = by_address.get(f["peer"], (None, 0))[0]
-                if p is not None and p.replica_id != self.replica_id:
+                if p is None or p.replica_id == self.replica_id:
+                    continue
+                try:
                     self.quorums.report_failure(q.quorum_id, p.replica_id, p.incarnation, f["error"][:200])
+                except CoordinatorError as e:  # best effort: a dead peer also times out its heartbeats
+                    self.log.event(E.REPORT_UNDELIVERED, step=q.step + 1, replica=p.replica_id, error=str(e)[:200])
         newly = self.unreachable.failed({f["peer"] for f in failed}, self._attempt_began, time.monotonic())
         for peer, seconds, attempts in newly if self.leader else ():
             p, host = by_address.get(peer, (None, 0))

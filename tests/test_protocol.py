@@ -203,3 +203,25 @@ def test_the_quorum_travels_to_the_other_hosts_as_the_coordinators_message():
     assert decode_quorum(encode_quorum(q)) == q
     for order in (HealOrder(), HealOrder(drop=True, fetch_min_step=3), HealOrder(install=True)):
         assert _decode_agreement(_encode_agreement(q, order)) == (q, order)
+
+
+def test_a_failure_report_that_cannot_reach_the_coordinator_is_logged_not_fatal(tmp_path):
+    # A replica cut off from the coordinator (a partition) fails its FTAR and reports the peer: the
+    # report times out; the step is still voted down and retried, the process lives on.
+    import grpc
+
+    from ftjax.coordinator.client import CoordinatorError
+
+    class Unreachable(FakeQuorums):
+        def report_failure(self, quorum_id, replica_id, incarnation, reason=""):
+            raise CoordinatorError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    a, b = participant("a", 3, 3), participant("b", 3, 3)
+    p = protocol(tmp_path, Unreachable([quorum(7, 3, [a, b], "a", position=3)]), FakeReducer(fail_steps={(7, 3)}))
+    p.ask(3, 3, True)
+    q = p.agree().quorum
+    update, error = p.average(q, np.ones(4, np.float32))
+    assert update is None and error["peer"] == "b-host:1"
+    assert p.vote(q, error) is False and p.commit_failures == 1
+    (kind, fields), = [e for e in p.log.events if e[0] == "report_undelivered"]
+    assert fields["replica"] == "b" and "DEADLINE_EXCEEDED" in fields["error"]
