@@ -107,7 +107,7 @@ class Trainer:
         self._ask()
         while self.step < self.stop:
             self._one_step()
-        if self.stop == self.cfg.steps:
+        if self.stop == self.cfg.steps and self.protocol.transport is not None:  # (a standalone run has no peer)
             with self.watchdog.exempt("drain"):
                 self._drain()
         return self._finish()

@@ -169,14 +169,7 @@ def _events(run, name, **match):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hosts", [
-    1,
-    pytest.param(2, marks=pytest.mark.xfail(strict=False, reason=(
-        "a restarted multi-host replica catches up through orbax's multi-process save and restore, which "
-        "needs one directory all hosts of a replica share; on a virtual cluster each host's /dev/shm is its "
-        "own (per-host catch-up over the network is being written); and the 2-host replica's steps on 2 "
-        "busy cores are noisy for the 1.5 x median + 0.5 s stall bound"))),
-])
+@pytest.mark.parametrize("hosts", [1, 2])
 def test_one_host_of_a_replica_killed_at_step_30_on_a_virtual_cluster(launch, namespaces, hosts):
     """Issue 14: 2 replicas x H hosts, 100 steps, one host of replica 1 killed at step 30 and its
     replica restarted: digests equal, every batch exactly once, the healthy replica's largest stall
