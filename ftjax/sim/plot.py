@@ -9,6 +9,7 @@ from typing import Any
 
 # Figure without pyplot renders with the Agg backend and keeps no global figure state.
 from matplotlib.figure import Figure
+from matplotlib.ticker import FormatStrFormatter
 
 _STYLE = {"sync": "o-", "ft-hsdp": "s-", "reduced-degree": "^-", "replication": "d-", "spare": "v-"}
 
@@ -39,6 +40,8 @@ def write_sweep(path: str | Path, knob: str, values: list[Any], series: dict[str
     for ax in (ettr_ax, ttt_ax):
         if log_x:
             ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+            ax.xaxis.set_minor_formatter(FormatStrFormatter(""))
         if not numeric:
             ax.set_xticks(xs, [str(v) for v in values])
         ax.set_xlabel(knob + (" (job-level MTBF scales as 1 / GPUs)" if knob == "gpus" else ""))
@@ -46,6 +49,8 @@ def write_sweep(path: str | Path, knob: str, values: list[Any], series: dict[str
     ettr_ax.set_ylim(0, 1)
     ettr_ax.set_ylabel("effective training time (productive / total GPU-time)")
     ttt_ax.set_yscale("log")
+    ttt_ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ttt_ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ttt_ax.set_ylabel("time to train / failure-free time (missing: not finished)")
     ettr_ax.legend(loc="best", fontsize=8)
     fig.suptitle(textwrap.fill(title, 140), fontsize=9)

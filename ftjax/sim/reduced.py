@@ -6,8 +6,8 @@ points), times ``1 + power_boost`` up to 1. Below ``min_degree`` it cannot run a
 
 With **packing** the failed GPUs of the whole job are gathered into as few replicas as possible
 (NTP places failed domains together at each restart): every reduced replica takes as many failures
-as it can while still running (G * (1 - min_degree), at least one... see :func:`pack`), so fewer
-replicas run reduced; it helps when the curve is below the linear share.
+as it can while still running (see :func:`pack`), so fewer replicas run reduced; it helps when the
+curve is below the linear share.
 """
 
 from __future__ import annotations

@@ -154,7 +154,8 @@ class Replication(_Shards):
     def _running(self) -> Running:
         out, slow = self._out_and_slow()
         useful = min(1.0 / self.r, 1.0 - out - slow)
-        return useful, (("units out", out), ("straggler", slow), ("redundant compute", 1.0 - useful - out - slow)), useful
+        losses = (("units out", out), ("straggler", slow), ("redundant compute", 1.0 - useful - out - slow))
+        return useful, losses, useful
 
 
 class Spare(_Shards):
@@ -170,7 +171,8 @@ class Spare(_Shards):
         out, slow = self._out_and_slow()
         n, k = self.units, len(self._back) + len(self._slow_units())
         useful = 1.0 / math.ceil(n / (n - k)) if k < n else 0.0
-        return useful, (("units out", out), ("straggler", slow), ("redundant compute", 1.0 - useful - out - slow)), useful
+        losses = (("units out", out), ("straggler", slow), ("redundant compute", 1.0 - useful - out - slow))
+        return useful, losses, useful
 
 
 class ReducedDegree(Recovery):
