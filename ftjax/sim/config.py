@@ -45,8 +45,10 @@ class SimConfig(BaseModel):
     step_scaling: tuple[tuple[float, float], ...] = Field(
         description="--train-for steps: step time vs the fraction of replicas taking part, relative to all "
                     "of them, points F:X,... (flat on a cluster; on one shared machine fewer replicas step faster)")
-    pause_fraction: float = Field(ge=0, lt=1, description="fraction of failure-free time lost to pauses "
-                                                          "unrelated to failures (logging, GC, jitter)")
+    pause_fraction: float = Field(ge=0, lt=1, description="fraction of time lost to pauses unrelated to "
+                                                          "failures (logging, GC, jitter) while no unit is out "
+                                                          "(with one out, a failure's stall holds the others' "
+                                                          "losses: how --from-run measures them)")
 
     # -- failures --
     mtbf_min: float = Field(gt=0, description="job-level mean time between failures at --gpus, minutes")

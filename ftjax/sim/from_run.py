@@ -8,21 +8,26 @@ exactly as in the summary. Measured, per replica death (`replica_down`):
 - **failure time** ``t_fail``: when the dying replica stopped being productive (its last step plus
   the median step it is credited for; the death itself if it was training);
 - **back** ``t_back``: its first step with its own batch after the death (restart delay, process
-  start and compile, catch-up): ``out_s = t_back - t_fail``, split at ``catchup_started`` into
-  ``restart_s`` and ``catchup_s``;
+  start and compile, catch-up), or its next death if that comes first: ``out_s = t_back - t_fail``,
+  split at ``catchup_started`` into ``restart_s`` and ``catchup_s``;
 - **stall per failure** ``stall_s``: the unproductive time of the *other* replicas in
   ``[t_fail, t_back + 5 median steps]`` (the quorum change at the death and at the rejoin, and any
-  slowdown while the restarted replica compiles), per other replica, less the pauses that window
-  would have had without the failure (``pause_fraction`` of it).
+  slowdown while the restarted replica compiles, and its ordinary pauses), per other replica.
 
 Outside those windows: ``pause_fraction``, the unproductive share of every replica's time (gaps
-beyond the stall rule, a replica done before the last step), and the job's mean step time.
+beyond the stall rule, a replica done before the last step), and the job's mean step time. The
+simulation charges pauses only while no replica is out, since inside a window the stall holds
+all of the others' losses (on one shared machine a replica alone pauses less: it contends with
+nobody). While replicas are out: the job's steps per second of out time less stall, as
+``step_scaling`` (a replica alone steps faster here).
 
 The simulation is one ft-hsdp job of R replicas trained for the window's steps
 (``--train-for steps``: a step counts whole however many replicas take part, as in ftjax), at the
 failure-free step time (mean step outside the windows, less its pauses), hit by the measured
-failures at their measured times (a --failure-trace), each stalling everyone ``stall_s`` (mean) and
-keeping its replica out ``out_s - stall_s`` (mean) more. With ``costs_from`` the costs (step time,
+failures at their measured times (a --failure-trace; a random kill no earlier than the previous
+killed replica is back with the mean out time, as the launcher fires them only while every replica
+trains), each stalling everyone ``stall_s`` (mean) and keeping its replica out ``out_s - stall_s``
+(mean) more. With ``costs_from`` the costs (step time,
 stall, out time, pauses) come from another run and only the failure times and the step count from
 RUN: a prediction across runs.
 """
@@ -35,9 +40,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftjax.events import EVENT, REPLICA, TIME, LauncherEvent as L, ReplicaEvent as E, StepField as F, is_own_step
+from ftjax.events import EVENT, REPLICA, TIME, LauncherEvent as L, ReplicaEvent as E, StepField as F
 from ftjax.launch.summary import Run, ettr, load_run, median_step, timeline, warm_time
-from ftjax.lifecycle import Phase, is_stall
+from ftjax.lifecycle import Phase
 from ftjax.sim.config import SimConfig
 from ftjax.sim.failures import Failure, write_trace
 from ftjax.sim.presets import NEUTRAL
@@ -59,6 +64,7 @@ class FailureCost:
     catchup_s: float     # catchup_started to t_back
     stall_s: float       # unproductive time of each other replica in the failure's window
     window_s: float      # the time of each other replica in that window
+    random_kill: bool    # an `--mtbf-s` kill: the launcher fires one only while every replica trains
 
 
 @dataclass
@@ -75,7 +81,7 @@ class Measured:
     mean_step_s: float           # job step time outside the failure windows, pauses included
     pause_fraction: float        # unproductive share of replica time outside the failure windows
     ettr: float                  # the summary's ETTR over the window
-    step_scaling: tuple[tuple[float, float], ...]  # (contributors / R, median step there / with all R)
+    step_scaling: tuple[tuple[float, float], ...]  # ((R - 1) / R, step time with one replica out / step_s)
     failures: list[FailureCost] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
 
@@ -144,9 +150,7 @@ def measure(run_dir: str | Path) -> Measured:
     steps_in = sorted(t for s, t in commits.items() if s > warm_step)
     steps_out = sum(1 for t in steps_in if not _inside(t, merged))
     mean_step = outside_s / steps_out if steps_out and outside_s > 0 else median
-    for c in costs:  # the pauses the window would have had anyway are charged as pauses, not stall
-        c.stall_s = max(0.0, (c.stall_s - pause * c.window_s) / (1.0 - pause))
-    scaling = _step_scaling(run, median, t_warm)
+    scaling = _step_scaling(run.replicas, costs, steps_in, t_warm, mean_step * (1.0 - pause))
     hosts = int(run.launch.get("hosts") or 1)
     devices = int(run.launch.get("devices") or 1)
     return Measured(
@@ -156,29 +160,23 @@ def measure(run_dir: str | Path) -> Measured:
         ignored=ignored)
 
 
-def _step_scaling(run: Run, median: float, t_warm: float) -> tuple[tuple[float, float], ...]:
-    """Median gap between own steps by the number of replicas that contributed to the later one,
-    relative to the gap with all of them (stalls left out; at least 5 gaps per count)."""
-    gaps: dict[int, list[float]] = {}
-    for r in range(run.replicas):
-        for inc in run.incarnations(r):
-            own = [s for s in inc.records if is_own_step(s) and s.get(F.COMMITTED) and s[TIME] >= t_warm]
-            for a, b in zip(own, own[1:]):
-                gap = b[TIME] - a[TIME]
-                if not is_stall(gap, median):
-                    gaps.setdefault(int(b.get(F.CONTRIBUTORS) or run.replicas), []).append(gap)
-    full = gaps.get(run.replicas)
-    if not full:
+def _step_scaling(replicas: int, costs: list[FailureCost], steps_in: list[float], t_warm: float,
+                  step_s: float) -> tuple[tuple[float, float], ...]:
+    """The step time while a replica is out, relative to ``step_s`` (all of them in, pauses left
+    out): what the simulation needs to step through the out time (less the stall) as the run did.
+    One point at (R - 1) / R: the launcher's random kills take one replica at a time."""
+    outs = _merge([(t_warm + c.t_fail_s, t_warm + c.t_fail_s + c.out_s) for c in costs])
+    steps = sum(1 for t in steps_in if _inside(t, outs))
+    moving = sum(b - a for a, b in outs) - sum(c.stall_s for c in costs)
+    if replicas < 2 or not steps or moving <= 0:
         return ((1.0, 1.0),)
-    base = statistics.median(full)
-    return tuple(sorted((k / run.replicas, round(statistics.median(g) / base, 4))
-                        for k, g in gaps.items() if len(g) >= 5 and 0 < k <= run.replicas))
+    return (((replicas - 1) / replicas, round(moving / (steps * step_s), 4)), (1.0, 1.0))
 
 
 def _failures(run: Run, segs: dict[int, list[tuple[float, float, str]]],
               clipped: dict[int, list[tuple[float, float, str]]], median: float, t_warm: float,
               t_end: float) -> tuple[list[FailureCost], list[tuple[float, float]], list[str]]:
-    found: list[tuple[int, float, float, float]] = []  # (replica, t_fail, t_catchup, t_back)
+    found: list[tuple[int, float, float, float, bool]] = []  # (replica, t_fail, t_catchup, t_back, random)
     ignored = []
     for e in run.events:
         if e[EVENT] == L.COORDINATOR_DOWN:
@@ -194,14 +192,20 @@ def _failures(run: Run, segs: dict[int, list[tuple[float, float, str]]],
         if not t_warm <= t_fail <= t_end:
             ignored.append(f"replica {r} death at {t_down - run.start:.1f} s (outside the window)")
             continue
+        # back at its first step with its own batch, or at its next death (a second failure before it
+        # was back is a failure of its own, out from then)
+        next_down = next((d[TIME] for d in run.events
+                          if d[EVENT] == L.REPLICA_DOWN and d.get(REPLICA) == r and d[TIME] > t_down), t_end)
         t_back = next((a for a, _, st in segs[r] if a > t_down and st == Phase.TRAINING.value), t_end)
+        t_back = min(t_back, next_down)
         t_catch = next((m[TIME] for m in run.metrics[r]
                         if m.get(EVENT) == E.CATCHUP_STARTED and t_down < m[TIME] <= t_back), t_back)
-        found.append((r, t_fail, t_catch, min(t_back, t_end)))
-    windows = [(t_fail, t_back + MARGIN_STEPS * median) for _, t_fail, _, t_back in found]
-    own = {r: [(t_fail, t_back) for rr, t_fail, _, t_back in found if rr == r] for r in range(run.replicas)}
+        random_kill = e.get("cause") == "random_kill"
+        found.append((r, t_fail, t_catch, min(t_back, t_end), random_kill))
+    windows = [(t_fail, t_back + MARGIN_STEPS * median) for _, t_fail, _, t_back, _ in found]
+    own = {r: [(t_fail, t_back) for rr, t_fail, _, t_back, _ in found if rr == r] for r in range(run.replicas)}
     costs = []
-    for i, (r, t_fail, t_catch, t_back) in enumerate(found):
+    for i, (r, t_fail, t_catch, t_back, random_kill) in enumerate(found):
         lo, hi = windows[i]
         lost, span = 0.0, 0.0
         for h in range(run.replicas):
@@ -216,7 +220,7 @@ def _failures(run: Run, segs: dict[int, list[tuple[float, float, str]]],
         others = max(1, run.replicas - 1)
         costs.append(FailureCost(replica=r, t_fail_s=t_fail - t_warm, out_s=t_back - t_fail,
                                  restart_s=t_catch - t_fail, catchup_s=t_back - t_catch,
-                                 stall_s=lost / others, window_s=span / others))
+                                 stall_s=lost / others, window_s=span / others, random_kill=random_kill))
     return costs, windows, ignored
 
 
@@ -251,19 +255,33 @@ def sim_inputs(target: Measured, costs: Measured, trace_path: str) -> dict[str, 
     }
 
 
+def replay_times(failures: list[FailureCost], out_s: float) -> list[float]:
+    """The failure times to replay (seconds from warm-up). The launcher fires a random kill only while
+    every replica trains, so with the mean out time a random kill falls no earlier than the
+    previous failed replica is back; any other failure keeps its measured time."""
+    times: list[float] = []
+    free = 0.0  # when the last replicated failure's replica is back
+    for f in failures:
+        t = max(f.t_fail_s, free) if f.random_kill else f.t_fail_s
+        times.append(t)
+        free = max(free, t + out_s)
+    return times
+
+
 def predict(run_dir: str | Path, costs_from: str | Path | None = None) -> dict[str, Any]:
     """Measure ``run_dir`` (and ``costs_from``), simulate it as ft-hsdp, and compare the ETTRs."""
     target = measure(run_dir)
     costs = measure(costs_from) if costs_from is not None else target
     if not costs.failures and target.failures:
         raise RunError(f"--costs-from: {costs.run} has no replica failure, so it measured no failure cost")
+    times = replay_times(target.failures, costs.mean("out_s"))
     with tempfile.TemporaryDirectory(prefix="ftjax-sim-") as tmp:
         trace = str(Path(tmp) / "trace.csv")
-        write_trace(trace, [Failure(f.t_fail_s / 60, f.replica * target.gpus_per_replica, target.gpus_per_replica,
-                                    False) for f in target.failures])
+        write_trace(trace, [Failure(t / 60, f.replica * target.gpus_per_replica, target.gpus_per_replica, False)
+                            for t, f in zip(times, target.failures)])
         inputs = sim_inputs(target, costs, trace)
         result = simulate(SimConfig.model_validate(inputs), ["ft-hsdp"])["ft-hsdp"]
-    inputs["failure_trace"] = [[round(f.t_fail_s, 3), f.replica] for f in target.failures]
+    inputs["failure_trace"] = [[round(t, 3), f.replica] for t, f in zip(times, target.failures)]
     return {
         "run": target.run,
         "costs_from": costs.run,

@@ -76,7 +76,7 @@ class Recovery:
             return Rates(0.0, ((self._stalls[0][1], 1.0),), 0.0, False)
         useful, losses, progress = self._running()
         pause = self.cfg.pause_fraction
-        if pause and useful > 0:
+        if pause and useful > 0 and not self._back:  # (with units out, see --pause-fraction)
             return Rates(useful * (1 - pause), (*losses, ("pauses", useful * pause)), progress * (1 - pause), True)
         return Rates(useful, losses, progress, True)
 
