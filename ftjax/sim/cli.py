@@ -1,14 +1,16 @@
 """`ftjax simulate`: goodput of fault-tolerant training at scale (see ftjax.sim).
 
-Every input of ftjax.sim.model.SimConfig is an option (``--field-name``) that overrides the preset.
-Output: a table, or with ``--json`` one JSON object keyed by strategy; ``--sweep PATH.png`` plots
-effective training time against GPU count (1K to 200K) instead.
+Every input of ftjax.sim.config.SimConfig is an option (``--field-name``) that overrides the preset.
+Output: a table, or with ``--json`` one JSON object keyed by strategy. ``--sweep PATH.png`` plots
+ETTR and time-to-train against one input instead (``--sweep-over``, GPU count by default).
+``--from-run RUN`` measures an `ftjax launch` run and predicts its ETTR.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import typing
 from pathlib import Path
@@ -18,9 +20,12 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from ftjax.sim.model import CATEGORIES, SimConfig
-from ftjax.sim.presets import PAPER_100K, PAPER_100K_ETTR, PRESETS, PresetError, preset_inputs
-from ftjax.sim.run import StrategyResult, simulate, sweep, sweep_gpu_counts
+from ftjax.sim.config import SimConfig
+from ftjax.sim.failures import TraceError
+from ftjax.sim.model import CATEGORIES
+from ftjax.sim.presets import PAPER_100K, PAPER_100K_ETTR, PRESET_STRATEGIES, PRESETS, PresetError, preset_inputs
+from ftjax.sim.run import at_value, simulate, sweep, sweep_values
+from ftjax.sim.strategies import STRATEGIES
 
 
 class UsageError(Exception):
@@ -36,24 +41,80 @@ def _option(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+# -- parsers of option values whose type argparse cannot take as it is --
+
+def _interval(text: str) -> float | str:
+    if text in ("young", "daly", "optimal"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number nor young | daly | optimal: {text!r}") from None
+
+
+def _curve(text: str) -> tuple[tuple[float, float], ...]:
+    try:
+        return tuple((float(f), float(t)) for f, t in (p.split(":") for p in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected points F:Y,F:Y,... (e.g. 0:0,0.5:0.4,1:1), got {text!r}") from None
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _type_of(name: str) -> tuple[Any, str]:
+    """(argparse type, metavar) of SimConfig field ``name``."""
+    special = {"checkpoint_interval_min": (_interval, "X|young|daly|optimal"), "reduced_curve": (_curve, "F:T,..."),
+               "step_scaling": (_curve, "F:X,..."),
+               "packing": (_bool, "true|false"), "failure_trace": (str, "CSV")}
+    if name in special:
+        return special[name]
+    annotation = SimConfig.model_fields[name].annotation
+    return annotation, "N" if annotation is int else "X"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(f"{f:g}:{t:g}" for f, t in value)
+    return str(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ftjax simulate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="ft-hsdp-100k", choices=list(PRESETS),
                         help="named inputs (ftjax.sim.presets; default ft-hsdp-100k)")
     parser.add_argument("--summary", help="summary.json of an `ftjax launch` run (for --preset launch)")
+    parser.add_argument("--strategies", help=f"comma-separated, from {', '.join(STRATEGIES)} (default: the preset's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--sweep", metavar="PATH.png", help="write a plot of ETTR vs GPU count (1K-200K)")
+    parser.add_argument("--sweep", metavar="PATH.png", help="write a plot of ETTR and time-to-train vs --sweep-over")
+    parser.add_argument("--sweep-over", default="gpus", metavar="FIELD",
+                        help="the input to sweep (a field name, e.g. mtbf_min; default gpus: 1K-200K)")
+    parser.add_argument("--sweep-values", metavar="V,V,...", help="its values (default: see ftjax.sim.run.sweep_values)")
+    parser.add_argument("--from-run", metavar="RUN", help="measure an `ftjax launch` run directory and predict its ETTR")
+    parser.add_argument("--costs-from", metavar="RUN", help="with --from-run: take the costs from this other run")
     for name, info in SimConfig.model_fields.items():
         # default None: an option overrides the preset only when given.
         kwargs: dict[str, Any] = {"dest": name, "default": None,
-                                  "help": f"{info.description} (ft-hsdp-100k: {PAPER_100K[name]})"}
+                                  "help": f"{info.description} (ft-hsdp-100k: {_show(PAPER_100K[name])})"}
         if typing.get_origin(info.annotation) is typing.Literal:
             kwargs["choices"] = list(typing.get_args(info.annotation))
         else:
-            kwargs["type"] = info.annotation
-            kwargs["metavar"] = "N" if info.annotation is int else "X"
+            kwargs["type"], kwargs["metavar"] = _type_of(name)
         parser.add_argument(_option(name), **kwargs)
     return parser
+
+
+def _validation_message(e: ValidationError) -> str:
+    problems = []
+    for err in e.errors():
+        msg = err["msg"].removeprefix("Value error, ")
+        problems.append(f"{_option(str(err['loc'][0]))}: {msg}" if err["loc"] else msg)
+    return "; ".join(problems)
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -64,30 +125,71 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     except PresetError as e:
         raise UsageError(str(e)) from e
     except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            msg = err["msg"].removeprefix("Value error, ")
-            problems.append(f"{_option(str(err['loc'][0]))}: {msg}" if err["loc"] else msg)
-        raise UsageError("; ".join(problems)) from e
+        raise UsageError(_validation_message(e)) from e
+
+
+def strategies_from_args(args: argparse.Namespace) -> list[str]:
+    if args.strategies is None:
+        return list(PRESET_STRATEGIES.get(args.preset, STRATEGIES))
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in names if s not in STRATEGIES]
+    if unknown or not names:
+        raise UsageError(f"--strategies: unknown {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(STRATEGIES)}")
+    return names
+
+
+def sweep_from_args(args: argparse.Namespace, cfg: SimConfig) -> tuple[str, list[Any]]:
+    knob = args.sweep_over.replace("-", "_").removeprefix("__")
+    if knob not in SimConfig.model_fields:
+        raise UsageError(f"--sweep-over: unknown input {args.sweep_over!r} (a field name, e.g. mtbf_min)")
+    if args.sweep_values is None:
+        try:
+            return knob, sweep_values(cfg, knob)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+    annotation = SimConfig.model_fields[knob].annotation
+    parse, _ = (str, "") if typing.get_origin(annotation) is typing.Literal else _type_of(knob)
+    values = []
+    for text in args.sweep_values.split(";" if knob in ("reduced_curve", "step_scaling") else ","):
+        try:
+            values.append(parse(text.strip()))
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            raise UsageError(f"--sweep-values: {text!r} is not a value of {_option(knob)}: {e}") from None
+    for v in values:
+        try:
+            at_value(cfg, knob, v)
+        except ValidationError as e:
+            raise UsageError(f"--sweep-values: {v!r}: {_validation_message(e)}") from None
+    return knob, values
 
 
 def _title(cfg: SimConfig, preset: str) -> str:
     return (f"{preset}: {cfg.gpus:,} GPUs = {cfg.replicas} replicas x {cfg.gpus // cfg.replicas:,}, "
-            f"MTBF {cfg.mtbf_min:.3g} min ({cfg.failure_dist}), sync stall {cfg.sync_stall_min:.3g} min, "
-            f"FT stall {cfg.ft_stall_min:.3g} + {cfg.replica_restart_min:.3g} min out, "
-            f"overlap={cfg.overlap}, {cfg.seeds} seeds")
+            f"MTBF {cfg.mtbf_min:.3g} min ({cfg.failure_level} {cfg.failure_dist}, {cfg.blast_radius}), "
+            f"restart {cfg.job_restart_min():.3g} min ({cfg.restart_policy}), "
+            f"FT stall {cfg.ft_stall_min:.3g} + {cfg.replica_restart_min:.3g} min out, {cfg.seeds} seeds")
 
 
-def _tables(cfg: SimConfig, preset: str, results: dict[str, StrategyResult]) -> list[Table]:
-    """The summary per strategy, and where the GPU-time goes (one column per strategy)."""
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    if x is None:
+        return "-"
+    return "inf" if math.isinf(x) else format(x, spec)
+
+
+def _tables(cfg: SimConfig, preset: str, results: dict) -> list[Table]:
+    """The summary per strategy, where the GPU-time goes, and the events by cause."""
     summary = Table(title=_title(cfg, preset), title_justify="left")
-    for col in ("strategy", "ETTR", "analytic", f"time to train {cfg.steps:,} steps", "failures"):
+    cols = ("strategy", "ETTR", "analytic", "availability", "time-to-train ratio",
+            f"time to train {cfg.steps:,} steps", "effective MTBF", "failures")
+    for col in cols:
         summary.add_column(col, justify="left" if col == "strategy" else "right")
     for name, r in results.items():
-        ttt = f"{r.time_to_train_h / 24:.1f} days" if r.time_to_train_h is not None else \
-            f"not done ({r.finished}/{r.seeds})"
-        summary.add_row(name, f"{r.ettr:.3f} ± {r.ettr_std:.3f}",
-                        "-" if r.ettr_analytic is None else f"{r.ettr_analytic:.3f}", ttt, f"{r.failures:.0f}")
+        done = r.finished == r.seeds
+        ttt = f"{r.time_to_train_h / 24:.1f} days" if done else f"not done ({r.finished}/{r.seeds})"
+        ratio = _fmt(r.ttt_ratio, ".2f") if done else f"> {r.ttt_ratio:.3g}"
+        summary.add_row(name, f"{r.ettr:.3f} ± {r.ettr_std:.3f}", _fmt(r.ettr_analytic), _fmt(r.availability),
+                        ratio, ttt, _fmt(r.effective_mtbf_min, ".3g") + " min", f"{r.failures:.0f}")
     breakdown = Table(title="GPU-time breakdown", title_justify="left")
     breakdown.add_column("")
     for name in results:
@@ -95,49 +197,119 @@ def _tables(cfg: SimConfig, preset: str, results: dict[str, StrategyResult]) -> 
     for c in CATEGORIES:
         if any(r.breakdown[c] > 5e-5 for r in results.values()):
             breakdown.add_row(c, *(f"{100 * r.breakdown[c]:.1f}%" for r in results.values()))
-    return [summary, breakdown]
+    counts = Table(title="events per run, by cause (mean over seeds)", title_justify="left")
+    counts.add_column("")
+    for name in results:
+        counts.add_column(name, justify="right")
+    keys = sorted({k for r in results.values() for k in r.counts})
+    for k in keys:
+        counts.add_row(k, *(f"{r.counts[k]:.4g}" if k in r.counts else "-" for r in results.values()))
+    tables = [summary, breakdown, counts]
+    notes = [f"{n}: {r.note}" for n, r in results.items() if r.note]
+    intervals = [f"{n}: {r.checkpoint_interval_min:.3g} min" for n, r in results.items()
+                 if r.checkpoint_interval_min is not None]
+    if notes or intervals:
+        extra = Table(show_header=False, box=None)
+        extra.add_column()
+        if intervals:
+            extra.add_row("checkpoint interval: " + "; ".join(intervals))
+        for note in notes:
+            extra.add_row("not finished: " + note)
+        tables.append(extra)
+    return tables
+
+
+def _console() -> Console:
+    """A terminal's width, or 160 columns in a pipe (rich's 80 would cut the column names)."""
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def _error(message: str) -> int:
+    print(f"ftjax simulate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _from_run(args: argparse.Namespace) -> int:
+    from ftjax.sim.from_run import RunError, predict
+
+    try:
+        out = predict(args.from_run, args.costs_from)
+    except RunError as e:
+        return _error(str(e))
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    table = Table(title=f"{out['run']}: ETTR measured vs predicted (costs from {out['costs_from']})",
+                  title_justify="left")
+    for col in ("failures", "measured ETTR", "predicted ETTR", "error", "window s (measured / simulated)"):
+        table.add_column(col, justify="right")
+    table.add_row(str(out["failures"]), f"{out['measured_ettr']:.3f}", f"{out['predicted_ettr']:.3f}",
+                  f"{out['error']:+.3f}", f"{out['window_s']:.1f} / {_fmt(out['predicted_window_s'], '.1f')}")
+    costs = Table(title="measured costs (seconds)", title_justify="left")
+    for k in out["costs"]:
+        costs.add_column(k, justify="right")
+    costs.add_row(*(f"{v:.4g}" if isinstance(v, float) else
+                    " ".join(f"{f:g}:{x:.3g}" for f, x in v) for v in out["costs"].values()))
+    console = _console()
+    console.print(table)
+    console.print(costs)
+    for note in out["ignored"]:
+        console.print(f"ignored: {note}")
+    return 0
 
 
 def main(argv: list[str]) -> int:
     """Entry point of `ftjax simulate`; returns the exit code (2 for bad options)."""
     try:
         args = build_parser().parse_args(argv)
+        if args.costs_from and not args.from_run:
+            raise UsageError("--costs-from needs --from-run")
+        if args.from_run:
+            return _from_run(args)
         cfg = config_from_args(args)
+        names = strategies_from_args(args)
+        sweep_spec = sweep_from_args(args, cfg) if args.sweep else None
     except UsageError as e:
-        print(f"ftjax simulate: error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     except SystemExit as e:  # --help
         return int(e.code or 0)
 
-    if args.sweep:
-        if not Path(args.sweep).resolve().parent.is_dir():
-            print(f"ftjax simulate: error: --sweep: no directory for {args.sweep}", file=sys.stderr)
-            return 2
-        from ftjax.sim.plot import write_sweep  # matplotlib is only needed here
-
-        counts = sweep_gpu_counts(cfg)
-        series = sweep(cfg, counts)
-        reference = PAPER_100K_ETTR if args.preset == "ft-hsdp-100k" else None
-        write_sweep(args.sweep, counts, series, title=_title(cfg, args.preset), reference=reference,
-                    reference_gpus=PRESETS["ft-hsdp-100k"]["gpus"])
-        if args.json:
-            print(json.dumps({"png": args.sweep, "gpus": counts,
-                              "ettr": {k: [round(v, 4) for v in vs] for k, vs in series.items()}}))
-        else:
-            table = Table(title=f"ETTR vs GPUs ({args.sweep})", title_justify="left")
-            table.add_column("GPUs", justify="right")
-            for name in series:
-                table.add_column(name, justify="right")
-            for i, gpus in enumerate(counts):
-                table.add_row(f"{gpus:,}", *(f"{vs[i]:.3f}" for vs in series.values()))
-            Console().print(table)
-        return 0
-
-    results = simulate(cfg)
+    try:
+        if sweep_spec is not None:
+            if not Path(args.sweep).resolve().parent.is_dir():
+                return _error(f"--sweep: no directory for {args.sweep}")
+            return _sweep(args, cfg, names, *sweep_spec)
+        results = simulate(cfg, names)
+    except TraceError as e:
+        return _error(str(e))
     if args.json:
         print(json.dumps({name: r.to_json() for name, r in results.items()}))
     else:
-        console = Console()
+        console = _console()
         for table in _tables(cfg, args.preset, results):
             console.print(table)
+    return 0
+
+
+def _sweep(args: argparse.Namespace, cfg: SimConfig, names: list[str], knob: str, values: list[Any]) -> int:
+    from ftjax.sim.plot import write_sweep  # matplotlib is only needed here
+
+    series = sweep(cfg, knob, values, names)
+    reference = PAPER_100K_ETTR if args.preset == "ft-hsdp-100k" and knob == "gpus" else None
+    write_sweep(args.sweep, knob, values, series, title=_title(cfg, args.preset), reference=reference,
+                reference_at=PRESETS["ft-hsdp-100k"]["gpus"])
+    shown = [v if isinstance(v, (bool, int, float, str)) else _show(v) for v in values]
+    if args.json:
+        print(json.dumps({"png": args.sweep, "over": knob, "values": shown, **{
+            metric: {k: [None if v is None else round(v, 4) for v in vs] for k, vs in by.items()}
+            for metric, by in series.items()}}))
+        return 0
+    table = Table(title=f"ETTR (time-to-train ratio) vs {knob} ({args.sweep})", title_justify="left")
+    table.add_column(knob, justify="right")
+    for name in names:
+        table.add_column(name, justify="right")
+    for i, v in enumerate(shown):
+        table.add_row(_show(v), *(f"{series['ettr'][n][i]:.3f} ({_fmt(series['ttt_ratio'][n][i], '.2f')})"
+                           for n in names))
+    _console().print(table)
     return 0

@@ -7,41 +7,49 @@ Notation: job failure rate ``lam = 1/mtbf``; a global stall ``S``; a unit restar
 
 from __future__ import annotations
 
+import functools
 import math
 
-from ftjax.sim.model import SimConfig
+from ftjax.sim.checkpoints import checkpoint_factor
+from ftjax.sim.config import SimConfig
+
+__all__ = ["checkpoint_factor", "sync_ettr", "units_out_ettr_restart", "units_out_stall_fraction",
+           "masked_failures_spare", "masked_failures_exact", "sync_availability", "lockstep_straggler_ettr",
+           "left_out_straggler_ettr", "spare_useful", "analytic_ettr"]
 
 
-def checkpoint_factor(lam: float, interval: float, cost: float) -> float:
-    """Durable fraction of the training time between two whole-job restarts.
-
-    The time to the next failure is Exp(lam) (memoryless); saves complete at n*(interval + cost), so
-    the durable work is interval * E[floor(T / c)] = interval * e^{-lam c} / (1 - e^{-lam c}) with
-    c = interval + cost, out of an expected 1/lam. ``interval = 0`` means no checkpoints (factor 1).
-    """
-    if interval == 0:
-        return 1.0
-    c = interval + cost
-    return lam * interval * math.exp(-lam * c) / -math.expm1(-lam * c)
-
-
-def sync_ettr(mtbf: float, stall: float, overlap: str, interval: float = 0.0, cost: float = 0.0) -> float:
-    """Sync: renewal-reward over (restart phase, training phase until the next failure).
+def sync_ettr(mtbf: float, stall: float, policy: str, interval: float = 0.0, cost: float = 0.0,
+              repair: float = 0.0) -> float:
+    """Sync: renewal-reward over (restart phase, training phase until the next failure); ``repair``
+    is a wait for hardware before each restart (every failure hardware, no spare).
 
     queue: the restart phase is an M/D/1 busy period, mean S / (1 - lam S), so ETTR = (1 - lam S) * f;
     restart: it ends at the first gap of S without failure, mean (e^{lam S} - 1) / lam, so
-    ETTR = e^{-lam S} * f; f is :func:`checkpoint_factor`.
+    ETTR = e^{-lam S} * f; absorb: it lasts S whatever fails, ETTR = f / (1 + lam S).
+    f is :func:`checkpoint_factor`. A repair wait adds to S in every case (queue and restart only
+    with ``repair = 0``: the wait would change the overlaps).
     """
     lam = 1.0 / mtbf
     f = checkpoint_factor(lam, interval, cost)
-    if overlap == "queue":
+    if policy == "absorb":
+        return f / (1.0 + lam * (stall + repair))
+    if repair:
+        raise ValueError("repair waits have a closed form under --restart-policy absorb only")
+    if policy == "queue":
         return max(0.0, 1.0 - lam * stall) * f
     return math.exp(-lam * stall) * f
 
 
+def sync_availability(mtbf: float, stall: float, policy: str) -> float:
+    """Fraction of wall time a sync job is not restarting (no checkpoint cost)."""
+    lam = 1.0 / mtbf
+    return {"absorb": 1.0 / (1.0 + lam * stall), "queue": max(0.0, 1.0 - lam * stall),
+            "restart": math.exp(-lam * stall)}[policy]
+
+
 def units_out_ettr_restart(mtbf: float, stall: float, restart: float, units: int) -> float:
-    """FT-HSDP (units = replicas) or reduced-degree (units = hosts), overlap="restart", no rejoin
-    stall, no checkpoints.
+    """FT-HSDP (units = replicas) or reduced-degree with a linear curve (units = failure domains),
+    overlap="restart", no rejoin stall, no checkpoints.
 
     A unit's failure stalls everyone only if the unit was in, i.e. had no failure in the previous L.
     Such stalling failures of one unit are more than L >= S apart, so at most one falls in any window
@@ -69,12 +77,33 @@ def units_out_stall_fraction(mtbf: float, stall: float, restart: float, units: i
     return 1.0 - (1.0 - mu * stall * in_prob) ** units
 
 
+def lockstep_straggler_ettr(mtbs: float, length: float, slowdown: float) -> float:
+    """Everyone steps together (sync): the job runs at 1/slowdown whenever any replica is slow.
+    Episodes start as a Poisson process of rate 1/mtbs and last ``length``; the job is slow at t iff
+    one started in (t - length, t]: probability 1 - e^{-length/mtbs}."""
+    p_slow = -math.expm1(-length / mtbs)
+    return 1.0 - p_slow + p_slow / slowdown
+
+
+def left_out_straggler_ettr(mtbs: float, length: float, units: int) -> float:
+    """FT-HSDP with --straggler-detect-min 0: a slow replica is left out at once, so the job trains at
+    (R - slow) / R; replica u is slow at t iff one of its episodes (rate 1/(mtbs R)) started in
+    (t - length, t]."""
+    return math.exp(-length / (mtbs * units))
+
+
+def spare_useful(groups: int, out: int) -> float:
+    """SPARe's early all-reduce with ``out`` of ``groups`` groups down: 1 / ceil(N / (N - k))."""
+    return 1.0 / math.ceil(groups / (groups - out)) if out < groups else 0.0
+
+
 def masked_failures_spare(groups: int, r: int) -> float:
     """SPARe's asymptotic mean number of failures masked before a shard loses all r copies:
     Gamma(1/r) * N^(1 - 1/r) / r (accurate for large N: within 1% at N = 4096, r = 2)."""
     return math.gamma(1.0 / r) * groups ** (1.0 - 1.0 / r) / r
 
 
+@functools.lru_cache(maxsize=64)
 def masked_failures_exact(groups: int, r: int) -> float:
     """Exact mean number of failures masked before a shard is lost, groups failing in uniformly
     random order without repair, shards placed cyclically (r consecutive groups per shard).
@@ -99,16 +128,27 @@ def masked_failures_exact(groups: int, r: int) -> float:
 def analytic_ettr(cfg: SimConfig, strategy: str) -> float | None:
     """The exact mean ETTR of ``strategy`` under ``cfg`` where this module has one, else None.
 
-    Exact only with exponential failures, no rejoin stall, and for the FT strategies overlap="restart"
-    without checkpoints; time-to-train effects at the start and end of a job are ignored.
+    Exact only with Poisson failures (exponential, drawn), software failures only (or infinite
+    spares), no slow replicas or pauses, no rejoin stall, and for the FT strategies
+    overlap="restart" without checkpoints; time-to-train effects at the start and end of a job are
+    ignored.
     """
-    if cfg.failure_dist != "exponential":
+    if (cfg.failure_dist != "exponential" or cfg.failure_trace is not None or not math.isinf(cfg.straggler_mtbs_min)
+            or cfg.pause_fraction or (cfg.hardware_share and not math.isinf(cfg.spare_hosts))
+            or isinstance(cfg.checkpoint_interval_min, str)):
         return None
+    stall = cfg.job_restart_min()
     if strategy == "sync":
-        return sync_ettr(cfg.mtbf_min, cfg.sync_stall_min, cfg.overlap,
-                         cfg.checkpoint_interval_min, cfg.checkpoint_cost_min)
-    if (strategy in ("ft-hsdp", "reduced-degree") and cfg.overlap == "restart"
-            and cfg.rejoin_stall_min == 0 and cfg.checkpoint_interval_min == 0):
-        units = cfg.replicas if strategy == "ft-hsdp" else cfg.hosts
-        return units_out_ettr_restart(cfg.mtbf_min, cfg.ft_stall_min, cfg.replica_restart_min, units)
+        return sync_ettr(cfg.mtbf_min, stall, cfg.restart_policy, cfg.checkpoint_interval_min,
+                         cfg.checkpoint_cost_min)
+    if cfg.overlap != "restart" or cfg.rejoin_stall_min or cfg.checkpoint_interval_min:
+        return None
+    if strategy == "ft-hsdp" and cfg.gpus_per_replica % cfg.blast_gpus == 0:
+        return units_out_ettr_restart(cfg.mtbf_min, cfg.ft_stall_min, cfg.unit_restart_min(cfg.gpus_per_replica),
+                                      cfg.replicas)
+    linear = all(abs(f - t) < 1e-12 for f, t in cfg.reduced_curve)
+    if (strategy == "reduced-degree" and cfg.reduced_recovery == "ft-stall" and linear and not cfg.power_boost
+            and cfg.min_degree == 0 and cfg.gpus_per_replica % cfg.blast_gpus == 0):
+        return units_out_ettr_restart(cfg.mtbf_min, cfg.ft_stall_min, cfg.unit_restart_min(cfg.blast_gpus),
+                                      cfg.gpus // cfg.blast_gpus)
     return None

@@ -1,38 +1,78 @@
 """Named sets of inputs for `ftjax simulate`, and the reader of an `ftjax launch` summary.
 
+Every preset gives every input; where each number comes from is in ``SOURCES`` (printed by the
+README's simulate section).
+
 ``ft-hsdp-100k`` is the job of the FT-HSDP paper (arXiv 2602.00277): 12 replicas x 8,192 GPUs,
 8 GPUs per server, a job-level MTBF of 18 minutes at ~100K GPUs, a 10-minute whole-job restart per
 failure for synchronous training, and for FT-HSDP a 3-minute stall of everyone then 7 minutes with
 the failed replica out. The paper's 10 minutes are read as the *whole* cost of a failure to sync
 training (so ``checkpoint_interval_min = 0``: no separate lost work), charged in full for every
-failure (``overlap = "queue"``), which is the paper's own accounting: (18 - 10) / 18 = 0.44 and
-(18 - 3 - 7/12) / 18 = 0.80. The step count and step time only set the time-to-train and the
-length of the simulated job; they are illustrative, not from the paper.
+failure (``restart_policy = overlap = "queue"``), which is the paper's own accounting:
+(18 - 10) / 18 = 0.44 and (18 - 3 - 7/12) / 18 = 0.80. The step count and step time only set the
+time-to-train and the length of the simulated job; they are illustrative, not from the paper.
 
-``launch`` is the same job with the FT-HSDP costs measured by a run of `ftjax launch`.
+``spare-600k`` is the setting of SPARe (arXiv 2603.00357): 600K GPUs, a job-level MTBF of 5 minutes,
+a 60-minute whole-job restart, shards replicated r = 3 (the paper sweeps 3-20), checkpoints at the
+optimal interval, failed groups not repaired before the next whole-job restart (the endurable-failure
+count of the paper). The group count (600 of 1,000 GPUs), the checkpoint cost (1 minute) and the job
+length are assumptions, not from the paper.
+
+``launch`` is ft-hsdp-100k with the FT-HSDP costs measured by a run of `ftjax launch`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+from ftjax.sim.config import DEFAULT_REDUCED_CURVE, INIT_EXPONENT
+
+# Inputs that change nothing unless set: no hardware repair, no slow replica, no pause, drawn failures.
+NEUTRAL: dict[str, Any] = {
+    "train_for": "tokens",
+    "step_scaling": ((1.0, 1.0),),
+    "pause_fraction": 0.0,
+    "failure_level": "domain",
+    "failure_dist": "exponential",
+    "weibull_shape": 0.7,
+    "failure_trace": None,
+    "blast_radius": "host",
+    "hosts_per_rack": 4,
+    "hardware_share": 0.0,
+    "repair_min": 3 * 24 * 60.0,
+    "spare_hosts": math.inf,
+    "init_min": 0.0,
+    "init_exponent": round(INIT_EXPONENT, 4),
+    "rejoin_stall_min": 0.0,
+    "reduced_recovery": "job-restart",
+    "reduced_curve": DEFAULT_REDUCED_CURVE,
+    "power_boost": 0.0,
+    "packing": True,
+    "min_degree": 0.5,
+    "straggler_mtbs_min": math.inf,
+    "straggler_min": 10.0,
+    "straggler_slowdown": 2.0,
+    "straggler_detect_min": 1.0,
+    "max_slowdown": 20.0,
+}
+
 PAPER_100K: dict[str, Any] = {
+    **NEUTRAL,
     "gpus": 98_304,
     "gpus_per_host": 8,
     "replicas": 12,
     "mtbf_min": 18.0,
-    "failure_dist": "exponential",
-    "weibull_shape": 0.7,
     "sync_stall_min": 10.0,
+    "restart_policy": "queue",
     "ft_stall_min": 3.0,
     "replica_restart_min": 7.0,
-    "rejoin_stall_min": 0.0,
+    "overlap": "queue",
     "checkpoint_interval_min": 0.0,
     "checkpoint_cost_min": 0.0,
     "redundancy": 2,
-    "overlap": "queue",
     "steps": 100_000,
     "step_s": 10.0,
     "seeds": 8,
@@ -42,8 +82,58 @@ PAPER_100K: dict[str, Any] = {
 # The paper's effective-training-time figures for its job, drawn on the sweep plot as references.
 PAPER_100K_ETTR = {"sync": 0.44, "ft-hsdp": 0.80}
 
-PRESETS: dict[str, dict[str, Any]] = {"ft-hsdp-100k": PAPER_100K, "launch": PAPER_100K}
+SPARE_600K: dict[str, Any] = {
+    **NEUTRAL,
+    "gpus": 600_000,
+    "gpus_per_host": 8,
+    "replicas": 600,
+    "mtbf_min": 5.0,
+    "sync_stall_min": 60.0,
+    "restart_policy": "absorb",
+    "ft_stall_min": 0.0,
+    "replica_restart_min": math.inf,
+    "overlap": "queue",
+    "checkpoint_interval_min": "optimal",
+    "checkpoint_cost_min": 1.0,
+    "redundancy": 3,
+    "steps": 10_000,
+    "step_s": 6.0,
+    "seeds": 4,
+    "seed": 0,
+    "max_slowdown": 100.0,
+}
 
+PRESETS: dict[str, dict[str, Any]] = {"ft-hsdp-100k": PAPER_100K, "spare-600k": SPARE_600K, "launch": PAPER_100K}
+
+# The strategies a preset runs unless --strategies says otherwise.
+PRESET_STRATEGIES: dict[str, tuple[str, ...]] = {
+    "ft-hsdp-100k": ("sync", "ft-hsdp", "reduced-degree", "replication", "spare"),
+    "spare-600k": ("sync", "replication", "spare"),
+    "launch": ("sync", "ft-hsdp", "reduced-degree", "replication", "spare"),
+}
+
+# Where each preset's numbers come from (the README prints these).
+SOURCES: dict[str, dict[str, str]] = {
+    "ft-hsdp-100k": {
+        "gpus, replicas, gpus_per_host": "FT-HSDP paper (arXiv 2602.00277): 98,304 = 12 x 8,192, 8 per server",
+        "mtbf_min": "FT-HSDP paper: 18 min at ~100K GPUs (2.3 interruptions / 1,000 servers / day at 32K)",
+        "sync_stall_min": "FT-HSDP paper: 10 min per failure, lost work included (checkpoint_interval_min 0)",
+        "ft_stall_min, replica_restart_min": "FT-HSDP paper: 3 min stall, 7 min out; measured by ftjax in "
+                                             "--preset launch / --from-run",
+        "restart_policy, overlap": "queue: the paper charges every failure its full cost",
+        "steps, step_s": "illustrative (set the time to train only)",
+        "reduced_*": "NTP (arXiv 2504.06095): job restart per failure, packing; the curve is illustrative",
+        "redundancy": "SPARe (arXiv 2603.00357): r = 2",
+    },
+    "spare-600k": {
+        "gpus, mtbf_min, sync_stall_min": "SPARe (arXiv 2603.00357): 600K GPUs, MTBF 5 min, 60 min restart",
+        "redundancy": "SPARe: r = 3 (the paper sweeps 3-20)",
+        "replica_restart_min": "SPARe's endurable-failure count: no repair before the next whole-job restart",
+        "checkpoint_interval_min": "SPARe optimises it jointly with r: here the availability optimum",
+        "replicas, checkpoint_cost_min, steps, step_s": "assumed: 600 groups of 1,000 GPUs, 1 min per save",
+        "restart_policy": "absorb (the README gives queue and restart too)",
+    },
+}
 
 class PresetError(ValueError):
     """A preset's inputs could not be read (e.g. a key missing from a launch summary)."""
@@ -119,8 +209,9 @@ def launch_inputs(summary_path: str | Path) -> dict[str, Any]:
 def preset_inputs(name: str, overrides: dict[str, Any], summary: str | None = None) -> dict[str, Any]:
     """The inputs of preset ``name`` with ``overrides`` applied (not yet validated).
 
-    When ``gpus`` is overridden and ``mtbf_min`` is not, the job-level MTBF scales inversely with the
-    GPU count (the per-host failure rate is what stays fixed).
+    When ``gpus`` is overridden, the job-level MTBF scales inversely with the GPU count (the rate per
+    failure domain is what stays fixed) and communicator init as GPUs^init_exponent, unless they are
+    overridden too.
     """
     if name not in PRESETS:
         raise PresetError(f"--preset: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
@@ -132,7 +223,11 @@ def preset_inputs(name: str, overrides: dict[str, Any], summary: str | None = No
     elif summary is not None:
         raise PresetError(f"--summary is only read by --preset launch, not --preset {name}")
     gpus = overrides.get("gpus")
-    if "mtbf_min" not in overrides and isinstance(gpus, int) and gpus > 0:
-        inputs["mtbf_min"] = inputs["mtbf_min"] * inputs["gpus"] / gpus
+    if isinstance(gpus, int) and gpus > 0 and not isinstance(gpus, bool):
+        scale = gpus / inputs["gpus"]
+        if "mtbf_min" not in overrides:
+            inputs["mtbf_min"] = inputs["mtbf_min"] / scale
+        if "init_min" not in overrides:
+            inputs["init_min"] = inputs["init_min"] * scale ** overrides.get("init_exponent", inputs["init_exponent"])
     inputs.update(overrides)
     return inputs
