@@ -342,3 +342,18 @@ def test_availability_time_to_train_and_effective_mtbf():
     assert ft.effective_mtbf_min == pytest.approx(1.0 / in_prob, rel=REL)
     assert ft.availability == pytest.approx(1 - cf.units_out_stall_fraction(1.0, 0.2, 1.5, 4, "restart"), rel=REL)
     assert set(ft.to_json()) >= {"ettr", "availability", "ttt_ratio", "effective_mtbf_min", "counts", "breakdown"}
+
+
+@pytest.mark.parametrize("global_batch, train_for, wall, data", [
+    # FT: 4 replicas, one out 8 min after a 2-min stall. Counting steps whole, elastic finishes
+    # 102 min in but its model lacks a quarter of 8 min of batches; constant trains them all, its
+    # steps taking 4/3 as long meanwhile: the same 104 min as counting tokens.
+    ("elastic", "steps", 102, 0.98),
+    ("constant", "steps", 104, 1.0),
+    ("elastic", "tokens", 104, 1.0),
+    ("constant", "tokens", 104, 1.0),
+])
+def test_a_constant_global_batch_trades_time_for_the_lost_data(tmp_path, global_batch, train_for, wall, data):
+    out = exact(tmp_path, [(50, 0)], "ft-hsdp", **FT, train_for=train_for, global_batch=global_batch)
+    assert out.wall_min == pytest.approx(wall)
+    assert out.data_trained == pytest.approx(data)

@@ -181,7 +181,7 @@ def _tables(cfg: SimConfig, preset: str, results: dict) -> list[Table]:
     """The summary per strategy, where the GPU-time goes, and the events by cause."""
     summary = Table(title=_title(cfg, preset), title_justify="left")
     cols = ("strategy", "ETTR", "analytic", "availability", "time-to-train ratio",
-            f"time to train {cfg.steps:,} steps", "effective MTBF", "failures")
+            f"time to train {cfg.steps:,} steps", "data trained", "effective MTBF", "failures")
     for col in cols:
         summary.add_column(col, justify="left" if col == "strategy" else "right")
     for name, r in results.items():
@@ -189,7 +189,8 @@ def _tables(cfg: SimConfig, preset: str, results: dict) -> list[Table]:
         ttt = f"{r.time_to_train_h / 24:.1f} days" if done else f"not done ({r.finished}/{r.seeds})"
         ratio = _fmt(r.ttt_ratio, ".2f") if done else f"> {r.ttt_ratio:.3g}"
         summary.add_row(name, f"{r.ettr:.3f} ± {r.ettr_std:.3f}", _fmt(r.ettr_analytic), _fmt(r.availability),
-                        ratio, ttt, _fmt(r.effective_mtbf_min, ".3g") + " min", f"{r.failures:.0f}")
+                        ratio, ttt, _fmt(r.data_trained), _fmt(r.effective_mtbf_min, ".3g") + " min",
+                        f"{r.failures:.0f}")
     breakdown = Table(title="GPU-time breakdown", title_justify="left")
     breakdown.add_column("")
     for name in results:

@@ -42,6 +42,10 @@ class SimConfig(BaseModel):
         description="tokens: the job ends when it has trained steps x the global batch (a step with k of R "
                     "replicas trains k/R of one; the FT-HSDP paper's GPU-time accounting); steps: it ends "
                     "after --steps steps however many replicas took part (what `ftjax launch` does)")
+    global_batch: Literal["elastic", "constant"] = Field(
+        description="ft-hsdp (ftjax's ft.global_batch): elastic: a step with k of R replicas trains k of the R "
+                    "batches (with --train-for steps, the others' data is lost to the model); constant: the k "
+                    "compute all R batches, so a step takes R/k as long and no data is lost")
     step_scaling: tuple[tuple[float, float], ...] = Field(
         description="--train-for steps: step time vs the fraction of replicas taking part, relative to all "
                     "of them, points F:X,... (flat on a cluster; on one shared machine fewer replicas step faster)")

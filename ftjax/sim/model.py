@@ -85,6 +85,12 @@ class Outcome:
         return self.minutes["productive"] / self.wall_min
 
     @property
+    def data_trained(self) -> float:
+        """Fraction of the job's planned batches in the trained model: below 1 when steps count whole
+        with replicas missing (elastic global batch, --train-for steps)."""
+        return min(1.0, self.minutes["productive"] / self.work_min) if self.finished else math.nan
+
+    @property
     def availability(self) -> float:
         """Fraction of wall time the job trained (was not stalled or restarting as a whole)."""
         return self.up_min / self.wall_min

@@ -33,6 +33,7 @@ from ftjax.sim.config import DEFAULT_REDUCED_CURVE, INIT_EXPONENT
 # Inputs that change nothing unless set: no hardware repair, no slow replica, no pause, drawn failures.
 NEUTRAL: dict[str, Any] = {
     "train_for": "tokens",
+    "global_batch": "elastic",
     "step_scaling": ((1.0, 1.0),),
     "pause_fraction": 0.0,
     "failure_level": "domain",

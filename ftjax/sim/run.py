@@ -32,6 +32,7 @@ class StrategyResult:
     availability: float               # mean fraction of wall time the job trained (not stalled or restarting)
     ttt_ratio: float                  # mean time to train / failure-free time (a lower bound if not finished)
     effective_mtbf_min: float         # wall time per interruption (failures that stalled or restarted the job)
+    data_trained: float | None        # mean fraction of the planned batches in the model (None if not finished)
     time_to_train_h: float | None     # mean wall time for cfg.steps; None if a seed did not finish
     finished: int                     # seeds that trained every step within the horizon
     seeds: int
@@ -49,6 +50,7 @@ class StrategyResult:
             "availability": _r(self.availability),
             "ttt_ratio": _r(self.ttt_ratio, 4),
             "effective_mtbf_min": _r(self.effective_mtbf_min, 3),
+            "data_trained": _r(self.data_trained, 4),
             "time_to_train_h": _r(self.time_to_train_h, 3),
             "finished": self.finished,
             "seeds": self.seeds,
@@ -93,6 +95,7 @@ def _aggregate(cfg: SimConfig, name: str, outcomes: list[Outcome], interval: flo
         availability=float(np.mean([o.availability for o in outcomes])),
         ttt_ratio=float(np.mean([o.ttt_ratio for o in outcomes])),
         effective_mtbf_min=sum(o.wall_min for o in outcomes) / interruptions if interruptions else math.inf,
+        data_trained=float(np.mean([o.data_trained for o in done])) if len(done) == len(outcomes) else None,
         time_to_train_h=float(np.mean([o.wall_min for o in done])) / 60 if len(done) == len(outcomes) else None,
         finished=len(done),
         seeds=len(outcomes),

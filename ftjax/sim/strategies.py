@@ -96,7 +96,9 @@ class FtHsdp(_Groups):
 
     def _running(self) -> Running:
         out = len(self._back) / self.units
-        steps = self.cfg.train_for == "steps"
+        # A constant global batch trains every step whole, at R/k the step time: a step's progress is
+        # its tokens' (the shared-machine --step-scaling does not apply: the survivors do all the work)
+        steps = self.cfg.train_for == "steps" and self.cfg.global_batch == "elastic"
         if not self._slow:
             live = 1.0 - out
             return live, (("units out", out),), ((1.0 / self.cfg.step_ratio(live) if live > 0 else 0.0)
