@@ -52,6 +52,12 @@ def assign(streams: int, rows: int, unit: int, contributors: Sequence[int]) -> d
     return out
 
 
+def for_others(work: Sequence[Sequence[int]], who: int) -> str:
+    """What replica `who` computes of other streams in a step's recorded work, for people:
+    "r1[0:4] r2[4:8]" (stream, rows), or "" when only its own batch."""
+    return " ".join(f"r{s}[{a}:{b}]" for c, s, a, b in work if c == who and s != who)
+
+
 def row_count(pieces: Sequence[Piece]) -> int:
     return sum(b - a for _, a, b in pieces)
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from ftjax.batches import assign, check_tiling
+from ftjax.batches import assign, check_tiling, for_others
 from ftjax.config import ConfigError, load_config
 from ftjax.ftar import FTAREndpoint, FTARError
 
@@ -44,6 +44,11 @@ def test_missing_batches_are_dealt_out_evenly_in_stream_order(streams, rows, uni
     assert check_tiling(streams, rows, work) is None
     loads = [sum(b - a for _, a, b in pieces) for pieces in got.values()]
     assert max(loads) - min(loads) <= unit  # as even as the units allow
+
+
+def test_who_computes_whose_rows_reads_for_people():
+    work = [[0, 0, 0, 8], [0, 1, 0, 4], [2, 2, 0, 8], [2, 1, 4, 8]]
+    assert (for_others(work, 0), for_others(work, 2), for_others(work, 1)) == ("r1[0:4]", "r1[4:8]", "")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -198,6 +203,8 @@ def test_kills_at_three_steps_and_phases_change_the_time_not_the_math(launch, tm
     assert (1, "5:forward") in downs and (2, "15:forward") in downs and (1, "30:ftar") in downs, downs
     assert any(e["event"] == "fault" and e.get("kind") == "kill_catchup" for e in chaos.events()), "no catch-up kill"
     assert s["constant_batch"]["steps_with_reassigned_rows"] > 10  # the others computed the missing batches
+    shown = (chaos.run_dir.parent / "chaos.out").read_text()  # the launcher's progress lines say who computes what
+    assert "+r1[" in shown or "+r2[" in shown, shown[-3000:]
 
     rows = 8
     ref = job_losses([free.run_dir / f"replica-{r}" / "metrics.jsonl" for r in range(3)], 3, rows)

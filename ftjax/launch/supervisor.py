@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftjax.batches import for_others
 from ftjax.events import EVENT, REPLICA, TIME, LauncherEvent as L, ReplicaEvent as E, StepField as F
 from ftjax.events import is_own_step, is_step
 from ftjax.faults import PHASES, parse_step_phase
@@ -301,6 +302,7 @@ class ReplicaStatus:
     step: int = 0
     loss: float | None = None
     participants: int = 0
+    computes: str = ""  # constant global batch: the other streams' rows it computes (ftjax.batches.for_others)
     incarnation: int = 0
     restarts: int = 0
     started_at: float = 0.0  # time.time() of the current incarnation's start
@@ -448,7 +450,7 @@ class Supervisor:
         s.started_at, s.restart_at = time.time(), None
         s.last_record = s.last_step = None
         s.trained, s.killed_as, s.injection = False, None, inj
-        s.step, s.loss, s.participants = 0, None, 0  # a new incarnation's row starts empty (the view shows it)
+        s.step, s.loss, s.participants, s.computes = 0, None, 0, ""  # a new incarnation's row starts empty
         s.gaps.clear()
         s.recent_steps.clear()
         self._log(L.REPLICA_STARTED, replica=r, incarnation=s.incarnation, pids=[p.pid for p in procs],
@@ -546,6 +548,7 @@ class Supervisor:
             s.recent_steps.popleft()
         s.step = int(rec[F.STEP])
         s.participants = int(rec.get(F.PARTICIPANTS) or 0)
+        s.computes = for_others(rec.get("work") or [], s.replica)
         if is_own_step(rec):
             s.loss = rec.get(F.LOSS)
             self._holds_state(s, now)

@@ -169,6 +169,7 @@ class PlainView:
         if job["steps"] and job["step"] * parts >= self._next * job["steps"]:
             self._next = job["step"] * parts // job["steps"] + 1
             cells = "  ".join(f"r{s.replica}:{s.state.value}@{s.step}" + (f" loss {s.loss:.3f}" if s.loss else "")
+                              + (f" +{s.computes}" if s.computes else "")
                               for s in replicas)
             self.console.print(f"  step {job['step']}/{job['steps']}  {cells}  [{self.probe.describe(job['coordinator'])}]",
                                markup=False, highlight=False, soft_wrap=True)
@@ -203,11 +204,13 @@ class LiveView:
         self.probe.address = job.get("coordinator_http")
         table = Table(title=f"ftjax launch: step {job['step']}/{job['steps']}  {self.probe.describe(job['coordinator'])}",
                       title_justify="left")
-        for col in ("replica", "state", "step", "loss", "participants", "restarts"):
-            table.add_column(col, justify="left" if col == "state" else "right")
+        others = any(s.computes for s in replicas)  # a constant global batch in an outage
+        for col in ("replica", "state", "step", "loss", "participants", "restarts") + (("also computes",) if others else ()):
+            table.add_column(col, justify="left" if col in ("state", "also computes") else "right")
         for s in replicas:
             table.add_row(str(s.replica), Text(s.state.value, style=_PHASE_STYLE[s.state]), str(s.step),
-                          f"{s.loss:.4f}" if s.loss is not None else "-", str(s.participants or "-"), str(s.restarts))
+                          f"{s.loss:.4f}" if s.loss is not None else "-", str(s.participants or "-"), str(s.restarts),
+                          *((s.computes or "-",) if others else ()))
         if job.get("coordinator_http"):
             table.caption = f"status page: http://{job['coordinator_http']}/"
         self.live.update(Group(table, Text("\n".join(self.events), style="dim")))
