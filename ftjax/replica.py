@@ -65,6 +65,8 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
     leader = group.rank == 0
     program = build_program(cfg)
     program.precompile()  # before joining: a late compile would stall every peer's FTAR
+    group.barrier("ftjax-compiled", cfg.ft.quorum_timeout_s)  # every host compiled: now run them
+    program.warm_up()
     stream = make_stream(cfg, replica=args.replica_id)
     log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}",
                      log_every=getattr(args, "log_every", None))

@@ -86,24 +86,27 @@ class ReplicaProgram:
         lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=shd.replicated(self.mesh))
         self.grads = self.grads.lower(st["params"], batch).compile()
         self.apply = self.apply.lower(st, st["params"], lr).compile()
-        rows = None
         if self.cfg.ft.global_batch == "constant":  # an outage must not wait for a compile
             rows = jax.ShapeDtypeStruct((self.cfg.micro_rows, batch.shape[1]), jnp.int32, sharding=self.batch_sharding)
             self.accumulate = self.accumulate.lower(st["params"], st["params"], rows).compile()
             self.zeros = self.zeros.lower().compile()
-        self._warm_up(st, batch, lr, rows)
 
-    def _warm_up(self, st: State, batch: jax.ShapeDtypeStruct, lr: jax.ShapeDtypeStruct,
-                 rows: jax.ShapeDtypeStruct | None) -> None:
-        """Run each executable once on zeros: a first run pays one-time costs (buffers, thread
-        pools) that would otherwise fall on the first step this replica contributes to, which
-        every peer waits for at its FTAR."""
+    def warm_up(self) -> None:
+        """Run each precompiled executable once on zeros: a first run pays one-time costs (buffers,
+        thread pools; on several hosts, the collectives' contexts) that would otherwise fall on the
+        first step this replica contributes to, which every peer waits for at its FTAR. Every host
+        of the replica calls it (the executables span them)."""
         def zeros(a):  # (a jit with out_shardings makes global arrays, on one host or several)
             return jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
 
+        st = self.abstract_state()
+        batch = jax.ShapeDtypeStruct((self.cfg.data.batch_size, self.cfg.model.seq_len + 1), jnp.int32,
+                                     sharding=self.batch_sharding)
+        lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=shd.replicated(self.mesh))
+        rows = batch.update(shape=(self.cfg.micro_rows, batch.shape[1]))
         state = jax.tree.map(zeros, st)
         _, g = self.grads(state["params"], zeros(batch))
-        if rows is not None:
+        if self.cfg.ft.global_batch == "constant":
             g, _ = self.accumulate(g, state["params"], zeros(rows))
         jax.block_until_ready(self.apply(state, g, zeros(lr)))
 
