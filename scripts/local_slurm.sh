@@ -43,10 +43,13 @@ install_packages() {
   command -v munged >/dev/null || missing+=(munge)
   [ ${#missing[@]} -eq 0 ] && return 0
   [ "$(id -u)" -eq 0 ] || die "missing ${missing[*]}: run as root, or install them (apt-get install ${missing[*]})"
-  log "installing ${missing[*]} (apt-get)"
+  log "installing ${missing[*]} (apt-get; output in $STATE/apt.log)"
+  mkdir -p "$STATE"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq >/dev/null
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >"$STATE/apt.log" 2>&1; then
+    tail -n 20 "$STATE/apt.log" >&2
+    die "could not install ${missing[*]}"
+  fi
 }
 
 write_conf() {

@@ -157,6 +157,7 @@ def validate(doc: dict, version: str) -> None:
 
 def _manifests(tmp_path, options: EmitOptions) -> dict[str, list[dict]]:
     files = emit("k8s", tmp_path / options.name, TINY, JOB, options=options)
+    assert not [p for p in files if re.search(r"[&*]id\d", p.read_text())]  # no YAML anchors or aliases
     return {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d] for p in files}
 
 

@@ -227,6 +227,17 @@ def emit(kind: str, out_dir: str | Path, config: str, overrides: list[str], *,
     return written
 
 
+class _Dumper(yaml.SafeDumper):
+    """YAML without anchors and aliases (`&id001`): a shared dict is written out each time."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def _yaml(*docs: dict) -> str:
+    return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False)
+
+
 def _config_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(), sort_keys=False)
 
@@ -537,7 +548,7 @@ def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
                   "ports": [{"name": "grpc", "port": COORDINATOR_PORT, "targetPort": "grpc"},
                             {"name": "http", "port": HTTP_PORT, "targetPort": "http"}]}},
     ]
-    files = {"coordinator.yaml": (yaml.safe_dump_all(objects, sort_keys=False), 0o644)}
+    files = {"coordinator.yaml": (_yaml(*objects), 0o644)}
 
     requests: dict[str, str] = {"cpu": str(o.cpus_per_host or 1), "memory": "2Gi"}
     limits: dict[str, str] = {}
@@ -583,5 +594,5 @@ def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
         }
         doc = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
                "metadata": {"name": jobset, "labels": labels}, "spec": spec}
-        files[f"replica-{r}.yaml"] = (yaml.safe_dump(doc, sort_keys=False), 0o644)
+        files[f"replica-{r}.yaml"] = (_yaml(doc), 0o644)
     return files
