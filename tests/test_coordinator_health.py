@@ -22,7 +22,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def _member(rid: str) -> MemberInfo:
-    return MemberInfo(rid, new_incarnation(), 1, ("127.0.0.1:20001",), "127.0.0.1:30001", "fp")
+    return MemberInfo(rid, new_incarnation(), 1, ("127.0.0.1:20001",), ("127.0.0.1:30001",), "fp")
 
 
 def test_health_service_answers_serving_without_the_token_and_nothing_else_opens():

@@ -50,13 +50,14 @@ K8S_VARIANTS = {
 
 
 # --- Slurm ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hosts", [1, 2])
 @pytest.mark.parametrize("variant", SLURM_VARIANTS)
-def test_emitted_slurm_scripts_pass_shellcheck(tmp_path, variant):
+def test_emitted_slurm_scripts_pass_shellcheck(tmp_path, variant, hosts):
     if shutil.which("shellcheck") is None:
         if CI:
             pytest.fail("shellcheck is not installed (apt-get install shellcheck; .ci/run does)")
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
-    files = emit("slurm", tmp_path / "job", TINY, JOB, options=SLURM_VARIANTS[variant])
+    files = emit("slurm", tmp_path / "job", TINY, [*JOB, f"mesh.hosts={hosts}"], options=SLURM_VARIANTS[variant])
     scripts = [str(p) for p in files if p.suffix in (".sbatch", ".sh")]
     assert len(scripts) == 6  # coordinator, 3 replicas, finish, submit
     r = subprocess.run(["shellcheck", "--severity=style", "--shell=bash", *scripts, str(Path(REPO, "scripts",
@@ -336,3 +337,34 @@ def test_the_dockerfile_installs_the_package_as_the_readme_says(tmp_path):
                    "ftjax/coordinator/lifetime.py"):
         assert needed in names
     assert "grpcio-health-checking" in Path(REPO, "pyproject.toml").read_text()
+
+
+def _job_over(script: str, run: Path, me: int, events: dict[int, list[str]]) -> bool:
+    """Run the replica script's `job_over` on replicas' event logs (the last event of each)."""
+    for r, names in events.items():
+        (run / f"replica-{r}").mkdir(parents=True, exist_ok=True)
+        (run / f"replica-{r}" / "slurm-events.jsonl").write_text(
+            "".join(f'{{"time": {i}, "event": "{n}", "replica": {r}}}\n' for i, n in enumerate(names)))
+    function = re.search(r"^job_over\(\) \{\n.*?^\}\n", script, re.M | re.S).group()
+    r = subprocess.run(["bash", "-c", f'{function}\nRUN_DIR="$1"; OUT="$1/replica-{me}"; job_over', "-", str(run)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode in (0, 1), r.stderr
+    return r.returncode == 0
+
+
+def test_a_replica_is_not_restarted_once_its_peers_finished(tmp_path):
+    """As `ftjax launch` does: with a peer finished and no other one running, nobody holds the state;
+    a restart (or a requeued job) would start the job over from the seed."""
+    emit("slurm", tmp_path / "job", TINY, JOB, options=EmitOptions(name="over"))
+    script = (tmp_path / "job" / "replica-1.sbatch").read_text()
+    started, down, done = "replica_started", "replica_down", "replica_done"
+    cases = [
+        ({0: [started, done], 1: [started, down]}, True),  # its one peer finished
+        ({0: [started], 1: [started, down]}, False),  # the peer still trains: catch up from it
+        ({0: [started, done], 1: [started, down], 2: [started, down, started]}, False),  # 2 runs again
+        ({0: [started, done], 1: [started, down], 2: [started, down]}, True),  # 2 is down too
+        ({0: [started, down], 1: [started, down]}, False),  # nobody finished: a job restart is fine
+        ({1: [started, down]}, False),  # peers still queued
+    ]
+    for i, (events, over) in enumerate(cases):
+        assert _job_over(script, tmp_path / f"run{i}", 1, events) is over, (i, events)

@@ -5,9 +5,11 @@ test` does not need Slurm).
 
 2 replicas x 2 hosts, submitted with the emitted submit.sh exactly as a user would. Mid-run one
 host process of replica 1 is SIGKILLed: srun ends the replica's step (--kill-on-bad-exit), the batch
-script starts the whole replica again, it catches up from replica 0, and the job ends with equal
-digests, every batch exactly once (the summary that finish.sbatch writes from run/, the same
-functions as for a local `ftjax launch`), and the coordinator job ending by itself."""
+script starts the whole replica again, and it catches up from replica 0. Then replica 0's job is
+requeued (`scontrol requeue`, what Slurm does to a --requeue job whose node died): it starts over
+from its batch script and catches up from replica 1. The job ends with equal digests, every batch
+exactly once (the summary that finish.sbatch writes from run/, the same functions as for a local
+`ftjax launch`), and the coordinator job ending by itself."""
 
 import json
 import os
@@ -28,7 +30,7 @@ from ftjax.launch.summary import build_summary
 from conftest import REPO
 
 TINY = f"{REPO}/configs/tiny.yaml"
-STEPS = 120
+STEPS = 200
 REQUIRED = os.environ.get("FTJAX_SLURM_TEST") == "1"
 SLURM_CONF = os.environ.get("SLURM_CONF") or "/tmp/ftjax-slurm/slurm.conf"
 
@@ -116,6 +118,22 @@ def test_emitted_job_survives_a_killed_host_on_a_real_slurm_cluster(job_dir):
         killed_at = time.monotonic()
         assert _committed(run / "replica-0" / "metrics.jsonl") < STEPS  # mid-run: replica 0 trains on
 
+        # once replica 1 is back (caught up, and a few steps of its own), replica 0's job is requeued
+        rejoined = _committed(run / "replica-1" / "metrics.jsonl") + 3
+        deadline = time.monotonic() + 300
+        while '"catchup_done"' not in (run / "replica-1" / "metrics.jsonl").read_text() \
+                or _committed(run / "replica-1" / "metrics.jsonl") < rejoined:
+            assert time.monotonic() < deadline, (_queue(env, ids), (run / "replica-1" / "host-0.log").read_text()[-3000:])
+            time.sleep(0.5)
+        _run(["scontrol", "requeue", ids[1]], env)
+        requeued_at = time.monotonic()
+        # Slurm starts a requeued job no sooner than 2 minutes later (as after a lost node); the
+        # test does not wait for that
+        while _queue(env, [ids[1]]) != [f"{ids[1]} PENDING"]:
+            assert time.monotonic() < deadline, _queue(env, ids)
+            time.sleep(0.2)
+        _run(["scontrol", "update", f"JobId={ids[1]}", "StartTime=now"], env)  # its BeginTime
+
         deadline = time.monotonic() + 420
         while _queue(env, ids):
             assert time.monotonic() < deadline, (_queue(env, ids), (run / "replica-1" / "host-0.log").read_text()[-3000:])
@@ -135,21 +153,24 @@ def test_emitted_job_survives_a_killed_host_on_a_real_slurm_cluster(job_dir):
     own_after = [m for m in (json.loads(line) for line in (run / "replica-1" / "metrics.jsonl").read_text().splitlines())
                  if m.get("committed") and not m.get("healing") and m["time"] > started[-1]["time"]]
     print(json.dumps({"elapsed_s": round(elapsed, 1), "killed_after_s": round(killed_at - t0, 1),
+                      "requeued_after_s": round(requeued_at - t0, 1),
                       "wall_s": summary["wall_s"], "median_step_s": summary["median_step_s"],
                       "restarts": [r0["restarts"], r1["restarts"]], "catchup_s": r1["catchup_s"],
                       "replica_1_steps_after_restart": len(own_after)}))
     assert summary["ok"], (summary, logs)
-    # the kill restarted replica 1 (on a machine this loaded, a replica may also fail at start up, in
-    # gloo's 30 s rendezvous between its hosts: restarted the same way, and reported)
-    assert r1["restarts"] >= 1 and (1, "exit") in [(e["replica"], e["cause"]) for e in summary["failure_events"]], \
-        (summary, logs)
+    # the kill restarted replica 1, the requeue replica 0: each caught up from the other
+    assert (1, "exit") in [(e["replica"], e["cause"]) for e in summary["failure_events"]], (summary, logs)
+    assert r0["restarts"] >= 1 and r1["restarts"] >= 1 and r0["catchups"] >= 1 and r1["catchups"] >= 1, summary
     assert summary["digests_equal"] and summary["exactly_once"], summary
-    assert max(r0["final_step"], r1["final_step"]) == STEPS and r1["catchups"] >= 1, summary
+    assert max(r0["final_step"], r1["final_step"]) == STEPS, summary
     # the coordinator's job ended by itself when the replicas had finished (not cancelled)
     (coordinator_log,) = [text for name, text in logs.items() if "-coordinator-" in name]
     assert f"the job is over: all 2 replicas reached step {STEPS} and left" in coordinator_log, coordinator_log
-    # the restarted replica: a new srun step in the same allocation, both hosts
-    assert [e["incarnation"] for e in started] == list(range(1, len(started) + 1)) and len(started) >= 2
-    assert len({e["slurm_job"] for e in started}) == 1
-    assert (run / "replica-1" / "host-1.log").read_text().count("--- attempt") == len(started)
+    # each restart: the same Slurm job (a new srun step in the same allocation, or the requeued job
+    # from the top of its script), both hosts, the attempts counted across the requeue
+    for r in (0, 1):
+        started = [e for e in events if e["event"] == "replica_started" and e["replica"] == r]
+        assert [e["incarnation"] for e in started] == list(range(1, len(started) + 1)) and len(started) >= 2
+        assert {e["slurm_job"] for e in started} == {ids[1 + r]}
+        assert (run / f"replica-{r}" / "host-1.log").read_text().count("--- attempt") == len(started)
     shutil.rmtree(job_dir.parent)

@@ -257,7 +257,9 @@ JOB_DIR=${FTJAX_JOB_DIR:-$SLURM_SUBMIT_DIR}
 RUN_DIR="$JOB_DIR/run"
 mkdir -p "$RUN_DIR"
 now() { date +%s.%N; }
-# the address Slurm reaches a node at (its NodeAddr; the node's name when they are the same)
+"""
+
+_NODE_ADDRESS = """# the address Slurm reaches a node at (its NodeAddr; the node's name when they are the same)
 node_address() {
   local addr
   addr=$(sinfo -h -N -n "$1" -o %o 2>/dev/null | head -n 1)
@@ -273,7 +275,7 @@ _SLURM_COORDINATOR = """#!/bin/bash
 # with the job: 0 once every replica reached the last step and left, 3 once no replica has been
 # alive for @IDLE@ s (finish.sbatch cancels it too).
 @PRELUDE@
-READY="$RUN_DIR/coordinator.json"
+@NODE_ADDRESS@READY="$RUN_DIR/coordinator.json"
 ADDRESS="$RUN_DIR/coordinator.address"
 if [ ! -s "$JOB_DIR/token" ]; then
   echo "ftjax: no job token in $JOB_DIR/token" >&2
@@ -331,43 +333,65 @@ event() {  # event NAME [FIELDS]: a record of ftjax's run directory (run/launche
   printf '{"time": %s, "event": "%s", "replica": %d%s}\\n' "$(now)" "$1" "$REPLICA" "${2:+, $2}" \\
     >> "$OUT/slurm-events.jsonl"
 }
+running=0
+# shellcheck disable=SC2317  # run by the trap
+on_term() {  # Slurm stops the job (scancel, a requeue, the time limit, a lost node); after srun ends
+  if [ "$running" -eq 1 ]; then event replica_down '"cause": "slurm", "codes": [143]'; fi
+  exit 143
+}
+trap on_term TERM
 # The coordinator's address, which coordinator.sbatch publishes once it serves (this job starts
-# after the coordinator's job started).
-waited=0
-until [ -s "$RUN_DIR/coordinator.address" ]; do
-  if [ -n "${FTJAX_COORDINATOR_JOB:-}" ] && [ -z "$(squeue -h -j "$FTJAX_COORDINATOR_JOB" -o %i 2>/dev/null)" ]; then
-    echo "ftjax: the coordinator's job $FTJAX_COORDINATOR_JOB has ended; no coordinator to join" >&2
-    exit 1
-  fi
-  if [ "$waited" -ge @WAIT_S@ ]; then
-    echo "ftjax: no coordinator address in $RUN_DIR/coordinator.address after @WAIT_S@ s" >&2
-    exit 1
-  fi
-  sleep 1
-  waited=$((waited + 1))
-done
-# host 0 (the first node, where this script runs) serves the replica's jax.distributed cluster
-LEADER=$(node_address "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)")
-FTJAX_PY=$(sed -n '1s/^#! *//p' "$(command -v ftjax)" 2>/dev/null || true)
-FTJAX_PY=${FTJAX_PY%% *}
-free_port() {
-  "${FTJAX_PY:-python3}" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])' \\
-    2>/dev/null || echo $((20000 + RANDOM % 20000))
+# after the coordinator's job started; a requeued coordinator publishes a new one).
+coordinator_address() {
+  local waited=0
+  until [ -s "$RUN_DIR/coordinator.address" ]; do
+    if [ -n "${FTJAX_COORDINATOR_JOB:-}" ] && [ -z "$(squeue -h -j "$FTJAX_COORDINATOR_JOB" -o %i 2>/dev/null)" ]; then
+      echo "ftjax: the coordinator's job $FTJAX_COORDINATOR_JOB has ended; no coordinator to join" >&2
+      return 1
+    fi
+    if [ "$waited" -ge @WAIT_S@ ]; then
+      echo "ftjax: no coordinator address in $RUN_DIR/coordinator.address after @WAIT_S@ s" >&2
+      return 1
+    fi
+    sleep 1
+    waited=$((waited + 1))
+  done
+  cat "$RUN_DIR/coordinator.address"
+}
+@LEADER@# A peer finished and no other one runs: nobody holds the job's state any more, and this replica
+# would only start the job over (`ftjax launch` does not restart it either).
+job_over() {
+  local f last finished=0 others=0
+  for f in "$RUN_DIR"/replica-*/slurm-events.jsonl; do
+    if [ "$f" = "$OUT/slurm-events.jsonl" ] || [ ! -s "$f" ]; then continue; fi
+    last=$(tail -n 1 "$f")
+    case $last in
+      *'"event": "replica_done"'*) finished=1 ;;
+      *'"event": "replica_started"'*) others=1 ;;
+    esac
+  done
+  [ "$finished" -eq 1 ] && [ "$others" -eq 0 ]
 }
 attempt=$(cat "$OUT/slurm-attempts" 2>/dev/null || echo 0)
 while [ "$attempt" -le @MAX_RESTARTS@ ]; do
+  if [ "$attempt" -gt 0 ] && job_over; then  # a restart, or this job requeued
+    event not_restarted '"cause": "job_over"'
+    echo "replica $REPLICA: not restarted: the job has finished, and no live peer holds its state" >&2
+    exit 1
+  fi
   attempt=$((attempt + 1))
   echo "$attempt" > "$OUT/slurm-attempts"
-  COORDINATOR=$(cat "$RUN_DIR/coordinator.address")
-  DIST="$LEADER:$(free_port)"
-  for h in $(seq 0 @LAST_HOST@); do echo "--- attempt $attempt of replica $REPLICA (Slurm job $SLURM_JOB_ID) at $(date)" >> "$OUT/host-$h.log"; done
+  COORDINATOR=$(coordinator_address) || exit 1
+@DIST@  for h in $(seq 0 @LAST_HOST@); do echo "--- attempt $attempt of replica $REPLICA (Slurm job $SLURM_JOB_ID) at $(date)" >> "$OUT/host-$h.log"; done
   event replica_started "\\"incarnation\\": $attempt, \\"slurm_job\\": \\"$SLURM_JOB_ID\\", \\"nodes\\": \\"$SLURM_JOB_NODELIST\\""
   code=0
+  running=1
   # shellcheck disable=SC2016  # $@ and $SLURM_PROCID are the task's own, expanded by its bash
   srun --kill-on-bad-exit=1 --nodes=@HOSTS@ --ntasks=@HOSTS@ --ntasks-per-node=1@SRUN@ \\
     --output="$OUT/host-%t.log" --open-mode=append \\
     bash -c 'exec "$@" --process-id "$SLURM_PROCID"' ftjax-host \\
     @COMMAND@ || code=$?
+  running=0
   if [ "$code" -eq 0 ]; then
     event replica_done
     exit 0
@@ -379,6 +403,16 @@ done
 event abandoned "\\"cause\\": \\"max_restarts\\""
 echo "replica $REPLICA: out of restarts (@MAX_RESTARTS@)" >&2
 exit 1
+"""
+
+_SLURM_LEADER = _NODE_ADDRESS + """# host 0 (the first node, where this script runs) serves the replica's jax.distributed cluster
+LEADER=$(node_address "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)")
+FTJAX_PY=$(sed -n '1s/^#! *//p' "$(command -v ftjax)" 2>/dev/null || true)
+FTJAX_PY=${FTJAX_PY%% *}
+free_port() {
+  "${FTJAX_PY:-python3}" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])' \\
+    2>/dev/null || echo $((20000 + RANDOM % 20000))
+}
 """
 
 _SLURM_FINISH = """#!/bin/bash
@@ -471,6 +505,7 @@ def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]
         "config.yaml": (_config_yaml(cfg), 0o644),
         "token": (secrets.token_hex(16) + "\n", 0o600),
         "coordinator.sbatch": (_fill(_SLURM_COORDINATOR, **common, idle=f"{o.idle_exit_s:g}", command=coordinator,
+                                     node_address=_NODE_ADDRESS,
                                      sbatch=_sbatch(f"{name}-coordinator", o, "--nodes=1", "--ntasks=1")), 0o755),
         "finish.sbatch": (_fill(_SLURM_FINISH, **common, sbatch=_sbatch(f"{name}-finish", o, "--nodes=1",
                                                                         "--ntasks=1")), 0o755),
@@ -483,7 +518,8 @@ def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]
                                         Shell('"$OUT"'), dist=Shell('"$DIST"') if hosts > 1 else None))
         files[f"replica-{r}.sbatch"] = (_fill(
             _SLURM_REPLICA, **common, replica=r, hosts=hosts, last_host=hosts - 1, delay=f"{o.restart_delay_s:g}", command=command,
-            srun=srun, wait_s=600,
+            srun=srun, wait_s=600, leader=_SLURM_LEADER if hosts > 1 else "",
+            dist='  DIST="$LEADER:$(free_port)"  # a new jax.distributed service each attempt\n' if hosts > 1 else "",
             sbatch=_sbatch(f"{name}-replica-{r}", o, f"--nodes={hosts}", "--ntasks-per-node=1", *resources)), 0o755)
     return files
 
@@ -573,7 +609,8 @@ def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
             "volumeMounts": [{"name": "config", "mountPath": "/config", "readOnly": True},
                              # on a shared claim, each job writes under its own name
                              {"name": "run", "mountPath": RUN_DIR, "subPath": name},
-                             # catch-up snapshots (ft.catchup_dir: /dev/shm), larger than the default 64 MiB
+                             # a memory-backed /dev/shm, larger than the container default of 64 MiB
+                             # (shared memory of the accelerator libraries)
                              {"name": "dshm", "mountPath": "/dev/shm"}],
         }
         spec = {
