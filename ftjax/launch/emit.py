@@ -49,8 +49,8 @@ HTTP_PORT = 29401
 DIST_PORT = 29500  # each replica's own jax.distributed service, on its host 0
 RUN_DIR = "/ftjax-run"  # k8s: where replicas write their outputs (a PVC with --pvc, else an emptyDir)
 MAX_NAME = 30  # a JobSet's pod hostnames, <name>-replica-R-host-0-H, must fit in 63 characters
-IDLE_EXIT_S = 900.0
-FS_GROUP = 1000  # k8s: volumes writable by the image's user (the Dockerfile's ftjax, uid and gid 1000)  # the coordinator ends when no replica has been alive this long
+IDLE_EXIT_S = 900.0  # the coordinator ends when no replica has been alive this long
+FS_GROUP = 1000  # k8s: volumes writable by the image's user (the Dockerfile's ftjax, uid and gid 1000)
 
 
 class EmitError(ValueError):
@@ -382,7 +382,9 @@ while [ "$attempt" -le @MAX_RESTARTS@ ]; do
   attempt=$((attempt + 1))
   echo "$attempt" > "$OUT/slurm-attempts"
   COORDINATOR=$(coordinator_address) || exit 1
-@DIST@  for h in $(seq 0 @LAST_HOST@); do echo "--- attempt $attempt of replica $REPLICA (Slurm job $SLURM_JOB_ID) at $(date)" >> "$OUT/host-$h.log"; done
+@DIST@  for h in $(seq 0 @LAST_HOST@); do
+    echo "--- attempt $attempt of replica $REPLICA (Slurm job $SLURM_JOB_ID) at $(date)" >> "$OUT/host-$h.log"
+  done
   event replica_started "\\"incarnation\\": $attempt, \\"slurm_job\\": \\"$SLURM_JOB_ID\\", \\"nodes\\": \\"$SLURM_JOB_NODELIST\\""
   code=0
   running=1
@@ -405,7 +407,8 @@ echo "replica $REPLICA: out of restarts (@MAX_RESTARTS@)" >&2
 exit 1
 """
 
-_SLURM_LEADER = _NODE_ADDRESS + """# host 0 (the first node, where this script runs) serves the replica's jax.distributed cluster
+_SLURM_LEADER = _NODE_ADDRESS + """# host 0 (the first node, where this script runs) serves the replica's
+# jax.distributed cluster
 LEADER=$(node_address "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)")
 FTJAX_PY=$(sed -n '1s/^#! *//p' "$(command -v ftjax)" 2>/dev/null || true)
 FTJAX_PY=${FTJAX_PY%% *}
@@ -517,7 +520,8 @@ def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]
         command = shell_join(train_args(Shell('"$JOB_DIR/config.yaml"'), r, Shell('"$COORDINATOR"'), hosts,
                                         Shell('"$OUT"'), dist=Shell('"$DIST"') if hosts > 1 else None))
         files[f"replica-{r}.sbatch"] = (_fill(
-            _SLURM_REPLICA, **common, replica=r, hosts=hosts, last_host=hosts - 1, delay=f"{o.restart_delay_s:g}", command=command,
+            _SLURM_REPLICA, **common, replica=r, hosts=hosts, last_host=hosts - 1, delay=f"{o.restart_delay_s:g}",
+            command=command,
             srun=srun, wait_s=600, leader=_SLURM_LEADER if hosts > 1 else "",
             dist='  DIST="$LEADER:$(free_port)"  # a new jax.distributed service each attempt\n' if hosts > 1 else "",
             sbatch=_sbatch(f"{name}-replica-{r}", o, f"--nodes={hosts}", "--ntasks-per-node=1", *resources)), 0o755)
