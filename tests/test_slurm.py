@@ -156,7 +156,8 @@ def test_emitted_job_survives_a_killed_host_on_a_real_slurm_cluster(job_dir):
                       "requeued_after_s": round(requeued_at - t0, 1),
                       "wall_s": summary["wall_s"], "median_step_s": summary["median_step_s"],
                       "restarts": [r0["restarts"], r1["restarts"]], "catchup_s": r1["catchup_s"],
-                      "replica_1_steps_after_restart": len(own_after)}))
+                      "replica_1_steps_after_restart": len(own_after),
+                      "failures": [(e["replica"], e["cause"], round(e["time_s"], 1)) for e in summary["failure_events"]]}))
     assert summary["ok"], (summary, logs)
     # the kill restarted replica 1, the requeue replica 0: each caught up from the other
     assert (1, "exit") in [(e["replica"], e["cause"]) for e in summary["failure_events"]], (summary, logs)
