@@ -1,9 +1,10 @@
 # The two commands a user needs: `make demo` and `make test`. Both set up .venv on first use.
+# `make slurm-test`: the cluster path on this one machine (a local Slurm cluster, as root).
 PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test clean proto
+.PHONY: venv demo test slurm-test clean proto
 
 venv: $(STAMP)
 
@@ -18,6 +19,13 @@ demo: venv
 
 test: venv
 	$(VENV)/bin/python -m pytest -q
+
+# A Slurm cluster of 4 nodes on this machine (scripts/local_slurm.sh: installs slurm and munge with
+# apt when missing), the job `ftjax launch --emit slurm` writes run on it with a host killed
+# mid-run (tests/test_slurm.py), and the cluster taken down again, whatever the outcome.
+slurm-test: venv
+	bash scripts/local_slurm.sh up && FTJAX_SLURM_TEST=1 $(VENV)/bin/python -m pytest -q tests/test_slurm.py; \
+	  code=$$?; bash scripts/local_slurm.sh down; exit $$code
 
 proto: venv
 	$(VENV)/bin/python scripts/gen_proto.py

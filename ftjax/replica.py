@@ -72,6 +72,7 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
                      log_every=getattr(args, "log_every", None))
     endpoint = FTAREndpoint(token, host=addrs.bind, advertise=addrs.advertise, timeout_s=cfg.ft.ftar_timeout_s,
                             shared_memory=cfg.ft.ftar_shared_memory)
+    group.meet("member-start")  # the first collective follows: every host is ready for it
     ftar_addresses = group.allgather(endpoint.address)
     transport = ShardTransport(token, rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps, timeout_s=cfg.ft.quorum_timeout_s,
                                host=addrs.bind, advertise=addrs.advertise)

@@ -15,10 +15,25 @@ import jax
 import numpy as np
 
 
+MEET_TIMEOUT_S = 600.0  # hosts of a replica meet before their first collective (jax.distributed gives 300 s to connect)
+
+
 class ReplicaComm:
     def __init__(self) -> None:
         self.hosts = jax.process_count()
         self.rank = jax.process_index()
+
+    def meet(self, name: str, timeout_s: float = MEET_TIMEOUT_S) -> None:
+        """Wait until every host of the replica is here, through jax.distributed's coordination
+        service (no gloo). Called before the first collective: gloo gives its hosts 30 s to meet
+        when it sets up its context, and the work before it (compiling, or reading the compilation
+        cache; opening the data) may differ by more between hosts, on a busy machine or when one
+        node's cache is cold. Names must not repeat within a process."""
+        if self.hosts == 1:
+            return
+        from jax._src import distributed
+
+        distributed.global_state.client.wait_at_barrier(f"ftjax/{name}", int(timeout_s * 1000))
 
     def broadcast(self, obj: Any) -> Any:
         """The leader's `obj` (JSON), on every host (others pass anything, e.g. None)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from ftjax.config import Config, ConfigError, load_config
@@ -116,6 +117,15 @@ def main(argv: list[str]) -> int:
     except CheckpointMismatch as e:  # another job's checkpoint: refuse it, without a traceback
         print(f"ftjax train: error: {e}", file=sys.stderr)
         return 2
+    except Exception:
+        if cfg.mesh.hosts == 1:
+            raise
+        # One host of a replica failed: exit now. A normal exit would wait in jax.distributed's
+        # shutdown barrier (up to 5 minutes) for hosts that wait for this one in a collective; this
+        # way they fail at once, and the launcher, or srun --kill-on-bad-exit, restarts the replica.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:

@@ -170,8 +170,8 @@ def _check_train_args(argv, config_file, replica, hosts=2):
 def test_emit_slurm(tmp_path):
     out = _emit(tmp_path, "slurm")
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["config.yaml", "coordinator.sbatch", "replica-0.sbatch", "replica-1.sbatch", "replica-2.sbatch",
-                     "submit.sh", "token"]
+    assert names == ["config.yaml", "coordinator.sbatch", "finish.sbatch", "replica-0.sbatch", "replica-1.sbatch",
+                     "replica-2.sbatch", "submit.sh", "token"]
     assert (out / "token").stat().st_mode & 0o077 == 0  # the job token is private
     for name in names:
         if name.endswith((".sbatch", ".sh")):
@@ -180,16 +180,17 @@ def test_emit_slurm(tmp_path):
     assert "#SBATCH --nodes=2" in text and "--kill-on-bad-exit=1" in text
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("ftjax train"))
     argv = shlex.split(line.replace('"$JOB_DIR/', '"/job/').replace('"$COORDINATOR"', "node1:29400")
-                       .replace('"$LEADER:', '"node0:').split(" && ")[0])
+                       .replace('"$DIST"', "node0:41234").replace('"$OUT"', "/job/run/replica-1").split(" || ")[0])
     _check_train_args(argv + ["--process-id", "1"], str(out / "config.yaml"), replica=1)
     coord = (out / "coordinator.sbatch").read_text()
-    assert "ftjax coordinator --port" in coord and "--token-file" in coord and "--host" not in coord
+    assert "ftjax coordinator --port" in coord and "--token-file" in coord and "--host " not in coord
+    assert "--expected-replicas 3" in coord and "--final-step 77" in coord
 
 
 def test_emit_k8s(tmp_path):
     out = _emit(tmp_path, "k8s", "--image", "registry.example/ftjax:1", "--max-restarts", "7")
     docs = list(yaml.safe_load_all((out / "coordinator.yaml").read_text()))
-    assert [d["kind"] for d in docs] == ["Secret", "ConfigMap", "Deployment", "Service"]
+    assert [d["kind"] for d in docs] == ["Secret", "ConfigMap", "Job", "Service"]
     config_file = tmp_path / "config.yaml"
     config_file.write_text(docs[1]["data"]["config.yaml"])
     for r in range(3):
@@ -203,7 +204,9 @@ def test_emit_k8s(tmp_path):
         argv = shlex.split(script)
         assert argv[0] == "exec"
         _check_train_args(argv[1:], str(config_file), replica=r)
-        assert f"ftjax-replica-{r}-host-0-0.ftjax-replica-{r}:" in script
+        name = js["metadata"]["name"]
+        assert name.startswith("ftjax-tiny-") and name.endswith(f"-replica-{r}")
+        assert f"{name}-host-0-0.{name}:" in script
 
 
 def test_emit_refuses_a_non_empty_directory(tmp_path, capsys):

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ftjax import net
 from ftjax.coordinator import TOKEN_METADATA_KEY
@@ -35,6 +36,7 @@ from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator.codec import QuorumEncoding
 from ftjax.coordinator.progress import StepFigures
 from ftjax.coordinator.http import Metrics, StatusHTTPServer
+from ftjax.coordinator.lifetime import JobEnd, watch
 from ftjax.coordinator.quorum import (
     MAX_HOSTS,
     MAX_REASON_BYTES,
@@ -53,6 +55,9 @@ from ftjax.env import TOKEN_ENV, read_token
 from ftjax.net import ADVERTISE_ENV, BIND_ENV
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+# The standard gRPC health service (grpc.health.v1.Health), for probes (Kubernetes' `grpc` probes,
+# grpc_health_probe): it answers without the job token, and says SERVING for "" and SERVICE.
+HEALTH_PREFIX = f"/{health.SERVICE_NAME}/"
 MAX_MESSAGE_BYTES = 1 << 20  # a Member is at most ~270 KB (1024 addresses of 256 bytes)
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -337,6 +342,8 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
         self._on_reject = on_reject
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        if details.method.startswith(HEALTH_PREFIX):  # probes carry no token; the answer says nothing
+            return await continuation(details)
         given = b""
         for key, value in details.invocation_metadata or ():
             if key == TOKEN_METADATA_KEY:
@@ -442,11 +449,16 @@ class CoordinatorServer:
                 service.report_failure, request_deserializer=pb.FailureReport.FromString,
                 response_serializer=pb.FailureVerdict.SerializeToString),
         }),))
+        probes = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(probes, server)
         port = server.add_insecure_port(net.grpc_bind(self._host, self._port))
         await server.start()
+        for name in ("", SERVICE):
+            await probes.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.address = net.format_address(self._advertise, port)
         self._ready.set()
         await self._stop.wait()
+        await probes.enter_graceful_shutdown()  # NOT_SERVING to anyone watching
         await server.stop(grace=None)
 
     def stop(self) -> None:
@@ -535,6 +547,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="listen this long before forming the first quorum (default: the heartbeat timeout)")
     p.add_argument("--token-file", default=None, help=f"file holding the job token (default: ${TOKEN_ENV})")
     p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving")
+    p.add_argument("--final-step", type=int, default=None,
+                   help="the job's last step: exit 0 once every expected replica reached it and none is alive "
+                        "(a coordinator on a cluster ends with its job)")
+    p.add_argument("--idle-exit-s", type=float, default=None,
+                   help="exit 3 when no replica has been alive for this long after one joined (the job is gone)")
     return p
 
 
@@ -552,7 +569,14 @@ def main(argv: list[str]) -> int:
     server = CoordinatorServer(settings, token, host=host, port=args.port, advertise=advertise,
                                http_port=None if args.http_port < 0 else args.http_port,
                                startup_grace=args.startup_grace_s)
+    if args.final_step is not None and (args.final_step < 1 or args.expected_replicas < 1):
+        print("ftjax coordinator: --final-step needs a step >= 1 and --expected-replicas", file=sys.stderr)
+        return 2
+    if args.idle_exit_s is not None and not args.idle_exit_s > 0:
+        print(f"ftjax coordinator: --idle-exit-s must be > 0 (got {args.idle_exit_s})", file=sys.stderr)
+        return 2
     stop = threading.Event()
+    ended: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
@@ -566,9 +590,17 @@ def main(argv: list[str]) -> int:
     print(line, flush=True)
     if args.ready_file:
         write_ready_file(args.ready_file, {"grpc": server.address, "http": server.http_address})
+    if args.final_step is not None or args.idle_exit_s is not None:
+        def end(code: int, why: str) -> None:
+            print(f"ftjax coordinator: {why}; exiting with {code}", flush=True)
+            ended.append(code)
+            stop.set()
+
+        watch(JobEnd(args.expected_replicas, args.final_step, args.idle_exit_s), server.state.snapshot, end,
+              stop=stop)
     stop.wait()
     server.stop()
-    return 0
+    return ended[0] if ended else 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from ftjax.config import Config, ConfigError, load_config
+from ftjax.launch import emit as cluster
 from ftjax.launch.supervisor import (FaultPlan, LaunchError, check_seconds, parse_bandwidth, parse_hang, parse_kill,
                                      parse_kill_host, parse_partition, parse_seconds)
 
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("cluster job files")
     e.add_argument("--emit", nargs=2, metavar=("slurm|k8s", "DIR"), default=None,
                    help="write job files for this job to DIR instead of running it")
-    e.add_argument("--image", default="ftjax:latest", help="container image (k8s)")
+    cluster.add_arguments(e)
     return p
 
 
@@ -108,13 +109,15 @@ def check_options(args: argparse.Namespace) -> None:
                        ("--compile-cache", None if args.compile_cache == "none" else args.compile_cache)):
         if path is not None:
             check_directory(flag, path)
-    if not args.image:
-        raise UsageError("--image: empty name")
     for flag, given in (("--partition", args.partition), ("--bandwidth-mbit", args.bandwidth_mbit)):
         if given and not args.virtual_cluster:
             raise UsageError(f"{flag}: needs --virtual-cluster (the links it acts on are the virtual cluster's)")
     if args.virtual_cluster and args.emit is not None:
         raise UsageError("--virtual-cluster: runs the job on this machine; --emit writes job files for a real cluster")
+    try:
+        cluster.options_from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def check_directory(flag: str, path: str) -> None:
@@ -221,8 +224,8 @@ def main(argv: list[str]) -> int:
 
         kind, where = args.emit
         try:
-            written = emit(kind, where, args.config, [*overrides, f"ft.replicas={replicas}"], image=args.image,
-                           max_restarts=args.max_restarts, restart_delay_s=args.restart_delay_s)
+            written = emit(kind, where, args.config, [*overrides, f"ft.replicas={replicas}"],
+                           options=cluster.options_from_args(args))
         except EmitError as e:
             print(f"ftjax launch: error: {e}", file=sys.stderr)
             return 2

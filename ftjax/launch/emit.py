@@ -2,20 +2,26 @@
 
 One job per replica (its H hosts are the job's H tasks/pods) and the coordinator as a job of its
 own, so that the cluster's scheduler plays the launcher's supervisor: a replica whose host dies is
-restarted as a whole, and only that replica.
+restarted as a whole, and only that replica. Every name derives from the job's name (`--name`,
+default `ftjax-<config>-<4 hex digits>`), so that two jobs share a Slurm account or a Kubernetes
+namespace. The coordinator is told how many replicas to wait for at job start
+(`--expected-replicas`), and ends with the job: it exits 0 once every replica has reached the last
+step and left, and 3 when no replica has been alive for `--idle-exit-s` (ftjax/coordinator/lifetime.py).
 
-- **slurm**: `DIR/coordinator.sbatch`, `DIR/replica-R.sbatch`, `DIR/submit.sh`, the resolved
-  `DIR/config.yaml` and a fresh job token `DIR/token` (mode 600). A replica's batch script runs its
-  hosts with `srun --kill-on-bad-exit=1` (one dead task ends the step) in a loop that starts the
-  replica again after a delay, up to --max-restarts times. The coordinator writes its address to
-  `DIR/coordinator.address` (DIR must be on a filesystem shared by the nodes) and is restarted on
-  its node if it dies; `submit.sh` submits everything and a last job that cancels the coordinator
-  once every replica has ended.
-- **k8s**: `DIR/coordinator.yaml` (the token Secret, the config ConfigMap, a Deployment and a
-  Service for the coordinator) and `DIR/replica-R.yaml`: one JobSet per replica (the JobSet
-  controller, kubernetes-sigs/jobset, must be installed), whose failure policy recreates all of the
-  replica's pods when one fails, up to --max-restarts times. Pods reach their replica's leader by
-  the JobSet's DNS hostnames. Apply with `kubectl apply -f DIR/`.
+- **slurm** (see `_slurm`): `DIR/submit.sh` submits `coordinator.sbatch`, one `replica-R.sbatch`
+  per replica (started once the coordinator runs: `--dependency=after`), and `finish.sbatch` (once
+  every replica ended: `afterany`). No fixed port: the coordinator and each replica's
+  `jax.distributed` service take free ports and publish them. Jobs are `--requeue`able (a dead node
+  sends the job back to the queue) and restart their replica whole after a failed step, up to
+  --max-restarts times in all. DIR must be on a filesystem the nodes share; the run directory is
+  `DIR/run`, laid out like `ftjax launch`'s, so `ftjax.launch.summary` reads it (finish.sbatch
+  writes `run/launcher.jsonl` and `run/summary.json`).
+- **k8s** (see `_k8s`): `DIR/coordinator.yaml` (the token Secret, the config ConfigMap, optionally
+  the PersistentVolumeClaim for the outputs, the coordinator's Job and Service) and one JobSet per
+  replica in `DIR/replica-R.yaml` (the JobSet controller, kubernetes-sigs/jobset, must be
+  installed): a failed pod fails its Job, and the JobSet recreates that replica's pods, all of them,
+  up to --max-restarts times. The coordinator serves `grpc.health.v1` for its readiness and
+  liveness probes. Apply with `kubectl apply -f DIR/`, remove with `kubectl delete -f DIR/`.
 
 The replica command is `ftjax train` exactly as `LocalJob` runs it, with the config resolved (every
 override applied) so the cluster runs what was validated here.
@@ -23,9 +29,13 @@ override applied) so the cluster runs what was validated here.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import re
 import secrets
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -33,14 +43,18 @@ import yaml
 from ftjax.config import Config, load_config
 from ftjax.env import TOKEN_ENV
 
+# Kubernetes: a pod has the node's ports to itself, so the ports are fixed there. Slurm: none is.
 COORDINATOR_PORT = 29400
 HTTP_PORT = 29401
 DIST_PORT = 29500  # each replica's own jax.distributed service, on its host 0
-RUN_DIR = "/ftjax-run"  # k8s: where replicas write metrics (an emptyDir; mount a volume to keep them)
+RUN_DIR = "/ftjax-run"  # k8s: where replicas write their outputs (a PVC with --pvc, else an emptyDir)
+MAX_NAME = 30  # a JobSet's pod hostnames, <name>-replica-R-host-0-H, must fit in 63 characters
+IDLE_EXIT_S = 900.0  # the coordinator ends when no replica has been alive this long
+FS_GROUP = 1000  # k8s: volumes writable by the image's user (the Dockerfile's ftjax, uid and gid 1000)
 
 
 class EmitError(ValueError):
-    """Files that cannot be written (unknown kind, DIR not empty); nothing was written."""
+    """Files that cannot be written (unknown kind, DIR not empty, a bad option); nothing was written."""
 
 
 class Shell(str):
@@ -51,6 +65,121 @@ def shell_join(args: list[str]) -> str:
     return " ".join(a if isinstance(a, Shell) else shlex.quote(a) for a in args)
 
 
+# --- options ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EmitOptions:
+    """What the cluster files ask of the cluster. Slurm-only: time, partition, account, exclusive.
+    Kubernetes-only: image, gpu_resource, pvc, pvc_size, storage_class."""
+
+    name: str | None = None  # default: ftjax-<config stem>-<4 hex digits>
+    image: str = "ftjax:latest"
+    max_restarts: int = 10
+    restart_delay_s: float = 1.0
+    gpus_per_host: int = 0
+    gpu_resource: str = "nvidia.com/gpu"
+    cpus_per_host: int | None = None
+    mem_per_host_gib: float | None = None
+    time: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    exclusive: bool = False
+    pvc: str | None = None
+    pvc_size: str | None = None
+    storage_class: str | None = None
+    idle_exit_s: float = IDLE_EXIT_S
+
+
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_QUANTITY = re.compile(r"\d+(\.\d+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+_SLURM_TIME = re.compile(r"\d+(-\d+)?(:\d+){0,2}")  # minutes, m:s, h:m:s, d-h, d-h:m, d-h:m:s
+_SLURM_WORD = re.compile(r"[A-Za-z0-9_.,-]+")
+_RESOURCE = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9._]*[a-z0-9])?")
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    """The options of `ftjax launch --emit` (besides --max-restarts and --restart-delay-s)."""
+    group.add_argument("--name", default=None,
+                       help=f"the job's name: every job, resource and file name derives from it (a DNS label of "
+                            f"at most {MAX_NAME} characters; default: ftjax-<config>-<4 hex digits>)")
+    group.add_argument("--image", default="ftjax:latest", help="container image (k8s; see the Dockerfile)")
+    group.add_argument("--gpus-per-host", type=int, default=0, metavar="G",
+                       help="GPUs of each replica host (slurm: --gpus-per-node; k8s: a limit of --gpu-resource)")
+    group.add_argument("--gpu-resource", default="nvidia.com/gpu", help="k8s: the GPUs' resource name")
+    group.add_argument("--cpus-per-host", type=int, default=None, metavar="C",
+                       help="CPUs of each replica host (slurm: --cpus-per-task; k8s: a request)")
+    group.add_argument("--mem-per-host-gib", type=float, default=None, metavar="GIB",
+                       help="memory of each replica host (slurm: --mem; k8s: a request and a limit)")
+    group.add_argument("--slurm-time", default=None, metavar="TIME",
+                       help="slurm: each job's time limit (sbatch --time: MINUTES, H:M:S, D-H:M:S)")
+    group.add_argument("--slurm-partition", default=None, metavar="P", help="slurm: the partition(s) (sbatch --partition)")
+    group.add_argument("--slurm-account", default=None, metavar="A", help="slurm: the account to charge (sbatch --account)")
+    group.add_argument("--slurm-exclusive", action="store_true", help="slurm: replica jobs take their nodes whole")
+    group.add_argument("--pvc", default=None, metavar="CLAIM",
+                       help="k8s: write the outputs (metrics, checkpoints) to this PersistentVolumeClaim "
+                            "(ReadWriteMany), under <name>/; default: an emptyDir, lost with the pod")
+    group.add_argument("--pvc-size", default=None, metavar="SIZE",
+                       help="k8s: also create the --pvc claim, of this size (e.g. 100Gi)")
+    group.add_argument("--storage-class", default=None, help="k8s: the storage class of the claim --pvc-size creates")
+    group.add_argument("--idle-exit-s", type=float, default=IDLE_EXIT_S, metavar="S",
+                       help=f"the coordinator ends when no replica has been alive this long ({IDLE_EXIT_S:g})")
+
+
+def options_from_args(args: argparse.Namespace) -> EmitOptions:
+    """EmitOptions from `ftjax launch`'s arguments; EmitError naming the option if one is bad."""
+    options = EmitOptions(
+        name=args.name, image=args.image, max_restarts=args.max_restarts, restart_delay_s=args.restart_delay_s,
+        gpus_per_host=args.gpus_per_host, gpu_resource=args.gpu_resource, cpus_per_host=args.cpus_per_host,
+        mem_per_host_gib=args.mem_per_host_gib, time=args.slurm_time, partition=args.slurm_partition,
+        account=args.slurm_account, exclusive=args.slurm_exclusive, pvc=args.pvc, pvc_size=args.pvc_size, storage_class=args.storage_class,
+        idle_exit_s=args.idle_exit_s)
+    check_options(options)
+    return options
+
+
+def check_options(o: EmitOptions) -> None:
+    def bad(flag: str, value, why: str) -> EmitError:
+        return EmitError(f"{flag}: {why} (got {value!r})")
+
+    if o.name is not None and (len(o.name) > MAX_NAME or not _DNS_LABEL.fullmatch(o.name)):
+        raise bad("--name", o.name, f"must be a DNS label of at most {MAX_NAME} characters "
+                                    "(lower-case letters, digits and '-', starting with a letter)")
+    if not o.image or any(c.isspace() for c in o.image):
+        raise bad("--image", o.image, "must be an image name")
+    if o.gpus_per_host < 0:
+        raise bad("--gpus-per-host", o.gpus_per_host, "must be >= 0")
+    if not _RESOURCE.fullmatch(o.gpu_resource):
+        raise bad("--gpu-resource", o.gpu_resource, "must be a resource name like nvidia.com/gpu")
+    if o.cpus_per_host is not None and o.cpus_per_host < 1:
+        raise bad("--cpus-per-host", o.cpus_per_host, "must be >= 1")
+    if o.mem_per_host_gib is not None and not (0 < o.mem_per_host_gib < float("inf")):
+        raise bad("--mem-per-host-gib", o.mem_per_host_gib, "must be > 0")
+    if o.time is not None and not _SLURM_TIME.fullmatch(o.time):
+        raise bad("--slurm-time", o.time, "must be a Slurm time: MINUTES, H:M:S or D-H:M:S")
+    for flag, value in (("--slurm-partition", o.partition), ("--slurm-account", o.account)):
+        if value is not None and not _SLURM_WORD.fullmatch(value):
+            raise bad(flag, value, "must be a Slurm name")
+    for flag, value in (("--pvc", o.pvc), ("--storage-class", o.storage_class)):
+        if value is not None and (len(value) > 253 or not _DNS_SUBDOMAIN.fullmatch(value)):
+            raise bad(flag, value, "must be a Kubernetes object name")
+    if o.pvc_size is not None:
+        if o.pvc is None:
+            raise bad("--pvc-size", o.pvc_size, "needs --pvc, the claim's name")
+        if not _QUANTITY.fullmatch(o.pvc_size):
+            raise bad("--pvc-size", o.pvc_size, "must be a Kubernetes quantity like 100Gi")
+    if o.storage_class is not None and o.pvc_size is None:
+        raise bad("--storage-class", o.storage_class, "applies to the claim --pvc-size creates")
+    if not (0 < o.idle_exit_s < float("inf")):
+        raise bad("--idle-exit-s", o.idle_exit_s, "must be > 0")
+
+
+def default_name(config: str) -> str:
+    stem = re.sub(r"[^a-z0-9]+", "-", Path(config).stem.lower()).strip("-") or "job"
+    suffix = secrets.token_hex(2)
+    return f"ftjax-{stem[:MAX_NAME - len('ftjax--') - len(suffix)].strip('-')}-{suffix}"
+
+
+# --- the commands --------------------------------------------------------------------------------------
 def train_args(config: str, replica: int, coordinator: str, hosts: int, out: str, process_id: str | None = None,
                dist: str | None = None) -> list[str]:
     """`ftjax train` arguments of one host of a replica (the same as LocalJob.start_replica)."""
@@ -60,173 +189,451 @@ def train_args(config: str, replica: int, coordinator: str, hosts: int, out: str
     return args + (["--dist-address", dist] if dist else [])
 
 
-def coordinator_args(cfg: Config, token_file: str | None = None) -> list[str]:
-    """`ftjax coordinator` arguments with the config's `coordinator:` settings and fixed ports. It
-    binds every interface (IPv6 and IPv4); replicas dial it by its node's or its Service's name."""
-    args = ["ftjax", "coordinator", "--port", str(COORDINATOR_PORT), "--http-port", str(HTTP_PORT),
-            *cfg.coordinator.flags()]
+def coordinator_args(cfg: Config, *, port: int | str, http_port: int | str, idle_exit_s: float,
+                     token_file: str | None = None) -> list[str]:
+    """`ftjax coordinator` arguments: the config's `coordinator:` settings, the replicas to wait for
+    at job start, the job's last step (it ends with the job). It binds every interface (IPv6 and
+    IPv4); replicas dial it by its node's address (Slurm) or its Service's name (k8s)."""
+    port, http_port = (p if isinstance(p, str) else str(p) for p in (port, http_port))  # keep a Shell a Shell
+    args = ["ftjax", "coordinator", "--port", port, "--http-port", http_port, *cfg.coordinator.flags(),
+            "--expected-replicas", str(cfg.ft.replicas), "--final-step", str(cfg.steps),
+            "--idle-exit-s", f"{idle_exit_s:g}"]
     return args + (["--token-file", token_file] if token_file else [])
 
 
-def emit(kind: str, out_dir: str | Path, config: str, overrides: list[str], *, image: str = "ftjax:latest",
-         max_restarts: int = 10, restart_delay_s: float = 1.0) -> list[Path]:
+def emit(kind: str, out_dir: str | Path, config: str, overrides: list[str], *,
+         options: EmitOptions | None = None) -> list[Path]:
     """Write the job files of `kind` (slurm | k8s) into `out_dir`; returns the paths written."""
     if kind not in ("slurm", "k8s"):
         raise EmitError(f"--emit: unknown kind {kind!r}; choose slurm or k8s")
+    options = options or EmitOptions()
+    check_options(options)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise EmitError(f"--emit: {out} is not empty")
     cfg = load_config(config, overrides)
-    files = (_slurm if kind == "slurm" else _k8s)(cfg, image=image, max_restarts=max_restarts,
-                                                  restart_delay_s=restart_delay_s)
+    if options.gpus_per_host and options.gpus_per_host < cfg.mesh.devices_per_host:
+        raise EmitError(f"--gpus-per-host {options.gpus_per_host}: fewer than mesh.devices_per_host "
+                        f"({cfg.mesh.devices_per_host}), the devices each host trains on")
+    name = options.name or default_name(config)
+    files = (_slurm if kind == "slurm" else _k8s)(cfg, name, options)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, (text, mode) in files.items():
-        path = out / name
+    for file, (text, mode) in files.items():
+        path = out / file
         path.write_text(text)
         os.chmod(path, mode)
         written.append(path)
     return written
 
 
+class _Dumper(yaml.SafeDumper):
+    """YAML without anchors and aliases (`&id001`): a shared dict is written out each time."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def _yaml(*docs: dict) -> str:
+    return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False)
+
+
 def _config_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(), sort_keys=False)
 
 
+def _fill(template: str, **values) -> str:
+    """`template` with each @KEY@ replaced (bash keeps its own braces and percent signs)."""
+    for key, value in values.items():
+        template = template.replace(f"@{key.upper()}@", str(value))
+    left = re.search(r"@[A-Z_]+@", template)
+    assert left is None, f"placeholder {left.group()} not filled"
+    return template
+
+
 # --- SLURM ------------------------------------------------------------------------------------------
-_SLURM_COORDINATOR = """#!/bin/bash
-#SBATCH --job-name=ftjax-coordinator
-#SBATCH --nodes=1
-#SBATCH --ntasks=1
-#SBATCH --output=%x-%j.log
-# The job's coordinator: soft state only, so it is simply restarted on its node if it dies.
-set -uo pipefail
-JOB_DIR=${{FTJAX_JOB_DIR:-$SLURM_SUBMIT_DIR}}
-rm -f "$JOB_DIR/coordinator.address" "$JOB_DIR/coordinator.json"
-while true; do
-  {command} --ready-file "$JOB_DIR/coordinator.json" &
-  pid=$!
-  while [ ! -s "$JOB_DIR/coordinator.json" ] && kill -0 "$pid" 2>/dev/null; do sleep 0.5; done
-  echo "$(hostname):{port}" > "$JOB_DIR/coordinator.address.tmp" && mv "$JOB_DIR/coordinator.address.tmp" "$JOB_DIR/coordinator.address"
-  wait "$pid"
-  echo "coordinator exited with $?; restarting" >&2
-  rm -f "$JOB_DIR/coordinator.json"
-  sleep 1
-done
+_SLURM_PRELUDE = """set -euo pipefail
+JOB_DIR=${FTJAX_JOB_DIR:-$SLURM_SUBMIT_DIR}
+RUN_DIR="$JOB_DIR/run"
+mkdir -p "$RUN_DIR"
+now() { date +%s.%N; }
 """
 
-_SLURM_REPLICA = """#!/bin/bash
-#SBATCH --job-name=ftjax-replica-{replica}
-#SBATCH --nodes={hosts}
-#SBATCH --ntasks-per-node=1
-#SBATCH --output=%x-%j.log
-# Replica {replica}: {hosts} host(s). One dead host ends the srun step (--kill-on-bad-exit), and the
-# loop starts the whole replica again: it catches up from a live peer. Only this replica restarts.
-set -uo pipefail
-JOB_DIR=${{FTJAX_JOB_DIR:-$SLURM_SUBMIT_DIR}}
-export FTJAX_TOKEN="$(cat "$JOB_DIR/token")"
-until [ -s "$JOB_DIR/coordinator.address" ]; do sleep 1; done
-LEADER="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"
-for attempt in $(seq 0 {max_restarts}); do
-  COORDINATOR="$(cat "$JOB_DIR/coordinator.address")"
-  srun --kill-on-bad-exit=1 --nodes={hosts} --ntasks={hosts} --ntasks-per-node=1 \\
-    bash -c 'exec "$@" --process-id "$SLURM_PROCID"' ftjax-host \\
-    {command}{dist} && exit 0
-  echo "replica {replica}: attempt $attempt failed; restarting the whole replica in {delay} s" >&2
-  sleep {delay}
+_NODE_ADDRESS = """# the address Slurm reaches a node at (its NodeAddr; the node's name when they are the same)
+node_address() {
+  local addr
+  addr=$(sinfo -h -N -n "$1" -o %o 2>/dev/null | head -n 1)
+  addr=${addr:-$1}
+  case $addr in *:*) echo "[$addr]" ;; *) echo "$addr" ;; esac
+}
+"""
+
+_SLURM_COORDINATOR = """#!/bin/bash
+@SBATCH@
+# The coordinator of job @NAME@. Its state is soft: if it dies it is started again here, on the
+# same ports; if its node dies, Slurm requeues this job and it publishes its new address. It ends
+# with the job: 0 once every replica reached the last step and left, 3 once no replica has been
+# alive for @IDLE@ s (finish.sbatch cancels it too).
+@PRELUDE@
+@NODE_ADDRESS@READY="$RUN_DIR/coordinator.json"
+ADDRESS="$RUN_DIR/coordinator.address"
+if [ ! -s "$JOB_DIR/token" ]; then
+  echo "ftjax: no job token in $JOB_DIR/token" >&2
+  exit 2
+fi
+HOST=$(node_address "$SLURMD_NODENAME")
+rm -f "$ADDRESS" "$READY"
+port=0
+http_port=0
+for attempt in $(seq 0 @MAX_RESTARTS@); do
+  @COMMAND@ --advertise-host "$HOST" --ready-file "$READY" &
+  pid=$!
+  while [ ! -s "$READY" ] && kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
+  if [ -s "$READY" ]; then
+    grpc=$(sed -n 's/.*"grpc": *"\\([^"]*\\)".*/\\1/p' "$READY")
+    http=$(sed -n 's/.*"http": *"\\([^"]*\\)".*/\\1/p' "$READY")
+    port=${grpc##*:}
+    http_port=${http##*:}
+    echo "$grpc" > "$ADDRESS.tmp" && mv "$ADDRESS.tmp" "$ADDRESS"
+    printf '{"time": %s, "event": "coordinator_started", "grpc": "%s", "http": "%s", "slurm_job": "%s"}\\n' \\
+      "$(now)" "$grpc" "$http" "$SLURM_JOB_ID" >> "$RUN_DIR/coordinator-events.jsonl"
+    echo "coordinator of @NAME@ at $grpc (attempt $attempt); status page http://$http/" >&2
+  fi
+  code=0
+  wait "$pid" || code=$?
+  case $code in
+    0) exit 0 ;;  # every replica finished
+    2 | 3) exit "$code" ;;  # a bad option or token; or the job is gone
+  esac
+  printf '{"time": %s, "event": "coordinator_down", "cause": "exit %s"}\\n' "$(now)" "$code" \\
+    >> "$RUN_DIR/coordinator-events.jsonl"
+  echo "coordinator exited with $code; restarting it on port $port" >&2
+  rm -f "$READY"
+  sleep 1
 done
 exit 1
 """
 
+_SLURM_REPLICA = """#!/bin/bash
+@SBATCH@
+# Replica @REPLICA@ of job @NAME@: @HOSTS@ host(s), one task each. One dead host ends the srun step
+# (--kill-on-bad-exit) and the loop starts the whole replica again, after @DELAY@ s: it catches up
+# from a live peer. A dead node ends the allocation: Slurm requeues the job (--requeue) and it
+# starts over here. Only this replica restarts; @MAX_RESTARTS@ restarts in all, requeues included.
+@PRELUDE@
+REPLICA=@REPLICA@
+OUT="$RUN_DIR/replica-$REPLICA"
+mkdir -p "$OUT"
+if ! FTJAX_TOKEN=$(cat "$JOB_DIR/token") || [ -z "$FTJAX_TOKEN" ]; then
+  echo "ftjax: no job token in $JOB_DIR/token" >&2
+  exit 2
+fi
+export FTJAX_TOKEN
+event() {  # event NAME [FIELDS]: a record of ftjax's run directory (run/launcher.jsonl, by finish.sbatch)
+  printf '{"time": %s, "event": "%s", "replica": %d%s}\\n' "$(now)" "$1" "$REPLICA" "${2:+, $2}" \\
+    >> "$OUT/slurm-events.jsonl"
+}
+running=0
+# shellcheck disable=SC2317  # run by the trap
+on_term() {  # Slurm stops the job (scancel, a requeue, the time limit, a lost node); after srun ends
+  if [ "$running" -eq 1 ]; then event replica_down '"cause": "slurm", "codes": [143]'; fi
+  exit 143
+}
+trap on_term TERM
+# The coordinator's address, which coordinator.sbatch publishes once it serves (this job starts
+# after the coordinator's job started; a requeued coordinator publishes a new one).
+coordinator_address() {
+  local waited=0
+  until [ -s "$RUN_DIR/coordinator.address" ]; do
+    if [ -n "${FTJAX_COORDINATOR_JOB:-}" ] && [ -z "$(squeue -h -j "$FTJAX_COORDINATOR_JOB" -o %i 2>/dev/null)" ]; then
+      echo "ftjax: the coordinator's job $FTJAX_COORDINATOR_JOB has ended; no coordinator to join" >&2
+      return 1
+    fi
+    if [ "$waited" -ge @WAIT_S@ ]; then
+      echo "ftjax: no coordinator address in $RUN_DIR/coordinator.address after @WAIT_S@ s" >&2
+      return 1
+    fi
+    sleep 1
+    waited=$((waited + 1))
+  done
+  cat "$RUN_DIR/coordinator.address"
+}
+@LEADER@# A peer finished and no other one runs: nobody holds the job's state any more, and this replica
+# would only start the job over (`ftjax launch` does not restart it either).
+job_over() {
+  local f last finished=0 others=0
+  for f in "$RUN_DIR"/replica-*/slurm-events.jsonl; do
+    if [ "$f" = "$OUT/slurm-events.jsonl" ] || [ ! -s "$f" ]; then continue; fi
+    last=$(tail -n 1 "$f")
+    case $last in
+      *'"event": "replica_done"'*) finished=1 ;;
+      *'"event": "replica_started"'*) others=1 ;;
+    esac
+  done
+  [ "$finished" -eq 1 ] && [ "$others" -eq 0 ]
+}
+attempt=$(cat "$OUT/slurm-attempts" 2>/dev/null || echo 0)
+while [ "$attempt" -le @MAX_RESTARTS@ ]; do
+  if [ "$attempt" -gt 0 ] && job_over; then  # a restart, or this job requeued
+    event not_restarted '"cause": "job_over"'
+    echo "replica $REPLICA: not restarted: the job has finished, and no live peer holds its state" >&2
+    exit 1
+  fi
+  attempt=$((attempt + 1))
+  echo "$attempt" > "$OUT/slurm-attempts"
+  COORDINATOR=$(coordinator_address) || exit 1
+@DIST@  for h in $(seq 0 @LAST_HOST@); do
+    echo "--- attempt $attempt of replica $REPLICA (Slurm job $SLURM_JOB_ID) at $(date)" >> "$OUT/host-$h.log"
+  done
+  event replica_started "\\"incarnation\\": $attempt, \\"slurm_job\\": \\"$SLURM_JOB_ID\\", \\"nodes\\": \\"$SLURM_JOB_NODELIST\\""
+  code=0
+  running=1
+  # shellcheck disable=SC2016  # $@ and $SLURM_PROCID are the task's own, expanded by its bash
+  srun --kill-on-bad-exit=1 --nodes=@HOSTS@ --ntasks=@HOSTS@ --ntasks-per-node=1@SRUN@ \\
+    --output="$OUT/host-%t.log" --open-mode=append \\
+    bash -c 'exec "$@" --process-id "$SLURM_PROCID"' ftjax-host \\
+    @COMMAND@ || code=$?
+  running=0
+  if [ "$code" -eq 0 ]; then
+    event replica_done
+    exit 0
+  fi
+  event replica_down "\\"cause\\": \\"exit\\", \\"codes\\": [$code]"
+  echo "replica $REPLICA: attempt $attempt ended with $code; restarting the whole replica in @DELAY@ s" >&2
+  sleep @DELAY@
+done
+event abandoned "\\"cause\\": \\"max_restarts\\""
+echo "replica $REPLICA: out of restarts (@MAX_RESTARTS@)" >&2
+exit 1
+"""
+
+_SLURM_LEADER = _NODE_ADDRESS + """# host 0 (the first node, where this script runs) serves the replica's
+# jax.distributed cluster
+LEADER=$(node_address "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)")
+FTJAX_PY=$(sed -n '1s/^#! *//p' "$(command -v ftjax)" 2>/dev/null || true)
+FTJAX_PY=${FTJAX_PY%% *}
+free_port() {
+  "${FTJAX_PY:-python3}" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])' \\
+    2>/dev/null || echo $((20000 + RANDOM % 20000))
+}
+"""
+
+_SLURM_FINISH = """#!/bin/bash
+@SBATCH@
+# After every replica job of @NAME@ ended (afterany): stop the coordinator if it still runs, and
+# write run/launcher.jsonl (the replicas' and the coordinator's records, in time order) and
+# run/summary.json, as `ftjax launch` does for a local run.
+@PRELUDE@
+if [ -n "${FTJAX_COORDINATOR_JOB:-}" ]; then
+  scancel "$FTJAX_COORDINATOR_JOB" 2>/dev/null || true
+fi
+ok=true
+for r in $(seq 0 @LAST@); do
+  grep -q '"event": "replica_done"' "$RUN_DIR/replica-$r/slurm-events.jsonl" 2>/dev/null || ok=false
+done
+{
+  cat "$RUN_DIR/launch.jsonl"
+  cat "$RUN_DIR"/replica-*/slurm-events.jsonl "$RUN_DIR/coordinator-events.jsonl" 2>/dev/null | sort -t ' ' -k 2,2n || true
+  printf '{"time": %s, "event": "end", "ok": %s}\\n' "$(now)" "$ok"
+} > "$RUN_DIR/launcher.jsonl.tmp"
+mv "$RUN_DIR/launcher.jsonl.tmp" "$RUN_DIR/launcher.jsonl"
+FTJAX_PY=$(sed -n '1s/^#! *//p' "$(command -v ftjax)" 2>/dev/null || true)
+FTJAX_PY=${FTJAX_PY%% *}
+"${FTJAX_PY:-python3}" -c 'import sys; from ftjax.launch.summary import write_summary; write_summary(sys.argv[1])' \\
+  "$RUN_DIR" || echo "ftjax: no summary of $RUN_DIR" >&2
+echo "job @NAME@ ended (ok: $ok); see $RUN_DIR/summary.json" >&2
+"""
+
 _SLURM_SUBMIT = """#!/bin/bash
-# Submit the coordinator, the {replicas} replicas, and a job that cancels the coordinator at the end.
+# Submit job @NAME@: its coordinator, @REPLICAS@ replica(s) once the coordinator runs, and
+# finish.sbatch once every replica has ended. This directory must be on a filesystem the nodes
+# share; the nodes run the `ftjax` on PATH, with this environment (sbatch passes it on).
 set -euo pipefail
 cd "$(dirname "$0")"
+JOB_DIR=$(pwd -P)
+if [ -e run/launch.jsonl ]; then
+  echo "submit.sh: $JOB_DIR/run holds an earlier submission; move it away first" >&2
+  exit 2
+fi
+if [ ! -s token ]; then
+  echo "submit.sh: no job token in $JOB_DIR/token" >&2
+  exit 2
+fi
+mkdir -p run
+printf '{"time": %s, %s}\\n' "$(date +%s.%N)" '@LAUNCH@' > run/launch.jsonl
+export FTJAX_JOB_DIR="$JOB_DIR"
 coordinator=$(sbatch --parsable coordinator.sbatch)
+coordinator=${coordinator%%;*}
+export FTJAX_COORDINATOR_JOB="$coordinator"
 replicas=""
-for r in $(seq 0 {last}); do
-  replicas="$replicas:$(sbatch --parsable "replica-$r.sbatch")"
+for r in $(seq 0 @LAST@); do
+  id=$(sbatch --parsable --dependency="after:$coordinator" --kill-on-invalid-dep=yes "replica-$r.sbatch")
+  replicas="$replicas:${id%%;*}"
 done
-sbatch --parsable --job-name=ftjax-cleanup --dependency="afterany$replicas" --wrap "scancel $coordinator" >/dev/null
-echo "coordinator job $coordinator, replica jobs ${{replicas#:}}"
+finish=$(sbatch --parsable --dependency="afterany$replicas" finish.sbatch)
+echo "job @NAME@: coordinator $coordinator, replicas ${replicas#:}, finish ${finish%%;*}"
+echo "run directory: $JOB_DIR/run (the coordinator's address: run/coordinator.address)"
 """
 
 
-def _slurm(cfg: Config, *, image: str, max_restarts: int, restart_delay_s: float) -> dict[str, tuple[str, int]]:
-    del image  # SLURM runs the installed `ftjax` of the nodes
+def _sbatch(name: str, o: EmitOptions, *lines: str) -> str:
+    lines = (f"--job-name={name}", *lines, *([f"--time={o.time}"] if o.time else []),
+             *([f"--partition={o.partition}"] if o.partition else []),
+             *([f"--account={o.account}"] if o.account else []),
+             "--requeue", "--open-mode=append", "--output=slurm-%x-%j.out")
+    return "\n".join(f"#SBATCH {line}" for line in lines)
+
+
+def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
     hosts = cfg.mesh.hosts
+    last = cfg.ft.replicas - 1
+    coordinator = shell_join(coordinator_args(cfg, port=Shell('"$port"'), http_port=Shell('"$http_port"'),
+                                              idle_exit_s=o.idle_exit_s, token_file=Shell('"$JOB_DIR/token"')))
+    resources, srun = [], ""
+    if o.cpus_per_host:
+        resources.append(f"--cpus-per-task={o.cpus_per_host}")
+        srun += f" --cpus-per-task={o.cpus_per_host}"  # srun does not inherit it from sbatch
+    if o.mem_per_host_gib:
+        resources.append(f"--mem={max(1, round(o.mem_per_host_gib * 1024))}M")
+    if o.gpus_per_host:
+        resources.append(f"--gpus-per-node={o.gpus_per_host}")
+    if o.exclusive:
+        resources.append("--exclusive")
+    launch = {"event": "launch", "config": "config.yaml", "overrides": [], "out": "run", "replicas": cfg.ft.replicas,
+              "hosts": hosts, "devices": cfg.mesh.devices_per_host, "steps": cfg.steps, "scheduler": "slurm",
+              "name": name, "max_restarts": o.max_restarts, "restart_delay_s": o.restart_delay_s}
+    common = {"name": name, "prelude": _SLURM_PRELUDE.rstrip("\n"), "max_restarts": o.max_restarts,
+              "last": last}
     files = {
         "config.yaml": (_config_yaml(cfg), 0o644),
         "token": (secrets.token_hex(16) + "\n", 0o600),
-        "coordinator.sbatch": (_SLURM_COORDINATOR.format(
-            command=shell_join(coordinator_args(cfg, Shell('"$JOB_DIR/token"'))), port=COORDINATOR_PORT),
-            0o755),
-        "submit.sh": (_SLURM_SUBMIT.format(replicas=cfg.ft.replicas, last=cfg.ft.replicas - 1), 0o755),
+        "coordinator.sbatch": (_fill(_SLURM_COORDINATOR, **common, idle=f"{o.idle_exit_s:g}", command=coordinator,
+                                     node_address=_NODE_ADDRESS,
+                                     sbatch=_sbatch(f"{name}-coordinator", o, "--nodes=1", "--ntasks=1")), 0o755),
+        "finish.sbatch": (_fill(_SLURM_FINISH, **common, sbatch=_sbatch(f"{name}-finish", o, "--nodes=1",
+                                                                        "--ntasks=1")), 0o755),
+        "submit.sh": (_fill(_SLURM_SUBMIT, **common, replicas=cfg.ft.replicas,
+                            launch=json.dumps(launch)[1:-1]), 0o755),
     }
     for r in range(cfg.ft.replicas):
         # the process id is appended per task (the `bash -c` above): only srun knows it
         command = shell_join(train_args(Shell('"$JOB_DIR/config.yaml"'), r, Shell('"$COORDINATOR"'), hosts,
-                                        Shell(f'"$JOB_DIR/run/replica-{r}"')))
-        dist = f' --dist-address "$LEADER:{DIST_PORT}"' if hosts > 1 else ""
-        files[f"replica-{r}.sbatch"] = (_SLURM_REPLICA.format(
-            replica=r, hosts=hosts, max_restarts=max_restarts, delay=restart_delay_s, command=command, dist=dist),
-            0o755)
+                                        Shell('"$OUT"'), dist=Shell('"$DIST"') if hosts > 1 else None))
+        files[f"replica-{r}.sbatch"] = (_fill(
+            _SLURM_REPLICA, **common, replica=r, hosts=hosts, last_host=hosts - 1, delay=f"{o.restart_delay_s:g}",
+            command=command,
+            srun=srun, wait_s=600, leader=_SLURM_LEADER if hosts > 1 else "",
+            dist='  DIST="$LEADER:$(free_port)"  # a new jax.distributed service each attempt\n' if hosts > 1 else "",
+            sbatch=_sbatch(f"{name}-replica-{r}", o, f"--nodes={hosts}", "--ntasks-per-node=1", *resources)), 0o755)
     return files
 
 
 # --- Kubernetes -------------------------------------------------------------------------------------
-def _k8s(cfg: Config, *, image: str, max_restarts: int, restart_delay_s: float) -> dict[str, tuple[str, int]]:
-    del restart_delay_s  # the JobSet controller restarts at once
-    token_env = {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": "ftjax-token", "key": "token"}}}
+def _labels(name: str, component: str, **extra: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "ftjax", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/component": component, **extra}
+
+
+def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
+    token_env = {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}}
     # each pod advertises its own IP to its peers (ftjax/net.py): the route to the coordinator's
     # Service would name the same address, this is explicit
     pod_ip_env = {"name": "FTJAX_ADVERTISE_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-    config_volume = {"name": "config", "configMap": {"name": "ftjax-config"}}
-    coordinator = [
-        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "ftjax-token"}, "type": "Opaque",
-         "stringData": {"token": secrets.token_hex(16)}},
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "ftjax-config"},
+    coordinator_labels = _labels(name, "coordinator")
+    health = {"grpc": {"port": COORDINATOR_PORT}}
+    coordinator_pod = {
+        "metadata": {"labels": coordinator_labels},
+        "spec": {
+            "restartPolicy": "Never",  # a failed pod is replaced by the Job (its state is soft)
+            "securityContext": {"fsGroup": FS_GROUP},
+            "containers": [{
+                "name": "coordinator", "image": o.image, "env": [token_env],
+                "command": coordinator_args(cfg, port=COORDINATOR_PORT, http_port=HTTP_PORT,
+                                            idle_exit_s=o.idle_exit_s),
+                "ports": [{"name": "grpc", "containerPort": COORDINATOR_PORT},
+                          {"name": "http", "containerPort": HTTP_PORT}],
+                "readinessProbe": {**health, "periodSeconds": 5},
+                "livenessProbe": {**health, "initialDelaySeconds": 10, "periodSeconds": 10, "failureThreshold": 6},
+                "resources": {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "4Gi"}},
+            }],
+        },
+    }
+    objects: list[dict] = [
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-token", "labels": _labels(name, "token")},
+         "type": "Opaque", "stringData": {"token": secrets.token_hex(16)}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config", "labels": _labels(name, "config")},
          "data": {"config.yaml": _config_yaml(cfg)}},
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "ftjax-coordinator"},
-         "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "ftjax-coordinator"}},
-                  "template": {"metadata": {"labels": {"app": "ftjax-coordinator"}},
-                               "spec": {"containers": [{
-                                   "name": "coordinator", "image": image, "env": [token_env],
-                                   "command": coordinator_args(cfg),
-                                   "ports": [{"name": "grpc", "containerPort": COORDINATOR_PORT},
-                                             {"name": "http", "containerPort": HTTP_PORT}]}]}}}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "ftjax-coordinator"},
-         "spec": {"selector": {"app": "ftjax-coordinator"},
-                  "ports": [{"name": "grpc", "port": COORDINATOR_PORT}, {"name": "http", "port": HTTP_PORT}]}},
     ]
-    files = {"coordinator.yaml": (yaml.safe_dump_all(coordinator, sort_keys=False), 0o644)}
+    if o.pvc_size:
+        objects.append({
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": o.pvc, "labels": _labels(name, "outputs")},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": o.pvc_size}},
+                     **({"storageClassName": o.storage_class} if o.storage_class else {})}})
+    objects += [
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{name}-coordinator", "labels": coordinator_labels},
+         "spec": {
+             # A failed pod is replaced; it ends with the job: 0 once every replica finished (the Job
+             # completes), 3 once no replica has been alive for --idle-exit-s, 2 on a bad option or
+             # token (the Job fails). An evicted or preempted pod does not count as a failure.
+             "backoffLimit": max(o.max_restarts, 1),
+             "podFailurePolicy": {"rules": [
+                 {"action": "FailJob", "onExitCodes": {"containerName": "coordinator", "operator": "In",
+                                                       "values": [2, 3]}},
+                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+             ]},
+             "template": coordinator_pod}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{name}-coordinator", "labels": coordinator_labels},
+         "spec": {"selector": coordinator_labels,
+                  "ports": [{"name": "grpc", "port": COORDINATOR_PORT, "targetPort": "grpc"},
+                            {"name": "http", "port": HTTP_PORT, "targetPort": "http"}]}},
+    ]
+    files = {"coordinator.yaml": (_yaml(*objects), 0o644)}
+
+    requests: dict[str, str] = {"cpu": str(o.cpus_per_host or 1), "memory": "2Gi"}
+    limits: dict[str, str] = {}
+    if o.mem_per_host_gib:
+        requests["memory"] = limits["memory"] = f"{max(1, round(o.mem_per_host_gib * 1024))}Mi"
+    if o.gpus_per_host:
+        limits[o.gpu_resource] = str(o.gpus_per_host)
+    outputs = ({"name": "run", "persistentVolumeClaim": {"claimName": o.pvc}} if o.pvc
+               else {"name": "run", "emptyDir": {}})
     hosts = cfg.mesh.hosts
     for r in range(cfg.ft.replicas):
-        name = f"ftjax-replica-{r}"
+        jobset = f"{name}-replica-{r}"
+        labels = _labels(name, "replica", **{"ftjax-replica": str(r)})
         # JobSet pod hostnames: <jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain = jobset>
-        dist = f"{name}-host-0-0.{name}:{DIST_PORT}" if hosts > 1 else None
-        args = train_args("/config/config.yaml", r, f"ftjax-coordinator:{COORDINATOR_PORT}", hosts,
+        dist = f"{jobset}-host-0-0.{jobset}:{DIST_PORT}" if hosts > 1 else None
+        args = train_args("/config/config.yaml", r, f"{name}-coordinator:{COORDINATOR_PORT}", hosts,
                           f"{RUN_DIR}/replica-{r}", Shell('"$JOB_COMPLETION_INDEX"'), dist)
-        script = "exec " + shell_join(args)
-        jobset = {
-            "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {"name": name},
-            "spec": {
-                # any failed pod fails its Job (backoffLimit 0), and the JobSet recreates every Job:
-                # the whole replica restarts, and catches up from a live peer
-                "failurePolicy": {"maxRestarts": max_restarts},
-                "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-                "replicatedJobs": [{
-                    "name": "host", "replicas": 1,
-                    "template": {"spec": {
-                        "completionMode": "Indexed", "completions": hosts, "parallelism": hosts, "backoffLimit": 0,
-                        "template": {"spec": {
-                            "restartPolicy": "Never",
-                            "containers": [{"name": "train", "image": image, "command": ["/bin/sh", "-c", script],
-                                            "env": [token_env, pod_ip_env],
-                                            "volumeMounts": [{"name": "config", "mountPath": "/config"},
-                                                             {"name": "run", "mountPath": RUN_DIR}]}],
-                            "volumes": [config_volume, {"name": "run", "emptyDir": {}}]}}}}}],
-            },
+        container = {
+            "name": "train", "image": o.image, "command": ["/bin/sh", "-c", "exec " + shell_join(args)],
+            "env": [token_env, pod_ip_env],
+            "resources": {"requests": requests, **({"limits": limits} if limits else {})},
+            "volumeMounts": [{"name": "config", "mountPath": "/config", "readOnly": True},
+                             # on a shared claim, each job writes under its own name
+                             {"name": "run", "mountPath": RUN_DIR, "subPath": name},
+                             # a memory-backed /dev/shm, larger than the container default of 64 MiB
+                             # (shared memory of the accelerator libraries)
+                             {"name": "dshm", "mountPath": "/dev/shm"}],
         }
-        files[f"replica-{r}.yaml"] = (yaml.safe_dump(jobset, sort_keys=False), 0o644)
+        spec = {
+            # any failed pod fails its Job (backoffLimit 0), and the JobSet recreates the Job: the
+            # whole replica restarts, and catches up from a live peer; the other replicas go on
+            "failurePolicy": {"maxRestarts": o.max_restarts},
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            "replicatedJobs": [{
+                "name": "host", "replicas": 1,
+                "template": {"metadata": {"labels": labels}, "spec": {
+                    "completionMode": "Indexed", "completions": hosts, "parallelism": hosts, "backoffLimit": 0,
+                    "template": {"metadata": {"labels": labels}, "spec": {
+                        "restartPolicy": "Never",
+                        "securityContext": {"fsGroup": FS_GROUP},
+                        "containers": [container],
+                        "volumes": [{"name": "config", "configMap": {"name": f"{name}-config"}}, outputs,
+                                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}}}}],
+        }
+        doc = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+               "metadata": {"name": jobset, "labels": labels}, "spec": spec}
+        files[f"replica-{r}.yaml"] = (_yaml(doc), 0o644)
     return files
