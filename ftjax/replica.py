@@ -65,14 +65,13 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
     leader = group.rank == 0
     program = build_program(cfg)
     program.precompile()  # before joining: a late compile would stall every peer's FTAR
-    group.barrier("ftjax-compiled", cfg.ft.quorum_timeout_s)  # every host compiled: now run them
+    group.meet("compiled")  # the first collective follows (warm_up): every host is ready for it
     program.warm_up()
     stream = make_stream(cfg, replica=args.replica_id)
     log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}",
                      log_every=getattr(args, "log_every", None))
     endpoint = FTAREndpoint(token, host=addrs.bind, advertise=addrs.advertise, timeout_s=cfg.ft.ftar_timeout_s,
                             shared_memory=cfg.ft.ftar_shared_memory)
-    group.meet("member-start")  # the first collective follows: every host is ready for it
     ftar_addresses = group.allgather(endpoint.address)
     transport = ShardTransport(token, rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps, timeout_s=cfg.ft.quorum_timeout_s,
                                host=addrs.bind, advertise=addrs.advertise)

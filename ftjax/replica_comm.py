@@ -54,16 +54,6 @@ class ReplicaComm:
             buf[:] = mine
         return bytes(np.asarray(mh.broadcast_one_to_all(buf)))
 
-    def barrier(self, name: str, timeout_s: float) -> None:
-        """Wait until every host of the replica gets here. Through the jax.distributed service's
-        key-value store, not a collective: a collective's first use sets up the CPU collectives'
-        context under a fixed 30 s deadline, which a host still compiling on a busy machine misses."""
-        if self.hosts == 1:
-            return
-        from jax._src import distributed  # (the client has no public accessor)
-
-        distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
-
     def allgather(self, obj: Any) -> list[Any]:
         """Every host's `obj`, in host order."""
         if self.hosts == 1:
