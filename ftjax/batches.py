@@ -14,16 +14,22 @@ before the step, and it is recorded with each step, whoever computed what.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 Piece = tuple[int, int, int]  # (stream, first row, end row) of that stream's batch of the step
 
 
-def assign(streams: int, rows: int, unit: int, contributors: Sequence[int]) -> dict[int, tuple[Piece, ...]]:
+def assign(streams: int, rows: int, unit: int, contributors: Sequence[int],
+           own_rows: Mapping[int, int] | None = None) -> dict[int, tuple[Piece, ...]]:
     """For each contributor (a stream id: replica r contributes stream r), the pieces of the step's
-    batches it computes. Its own batch comes first, whole. Then the `unit`-row micro-batches of the
-    orphan streams, in stream and row order: the first `U mod C` contributors (by id) take
-    `U // C + 1` consecutive units, the others `U // C` (U units in all, C contributors).
+    batches it computes. Its own batch comes first: whole, or for a reduced-degree replica the first
+    `own_rows[c]` rows (its share, in proportion to its devices). Then the `unit`-row micro-batches
+    nobody owns (the batches of the streams that do not contribute, the rest of a reduced replica's
+    batch), in stream and row order, dealt out in consecutive runs, contributor after contributor,
+    in counts that even out the work per device: each unit in turn goes to the contributor that
+    would then have the fewest rows per unit of capacity (its own rows / `rows`), ties to the lower
+    id. With full replicas only, the first `U mod C` contributors (by id) take `U // C + 1` units,
+    the others `U // C` (U units in all, C contributors).
 
     Raises ValueError naming the argument at fault."""
     if streams < 1 or rows < 1:
@@ -35,20 +41,41 @@ def assign(streams: int, rows: int, unit: int, contributors: Sequence[int]) -> d
         raise ValueError("contributors: none (a step needs one at least)")
     if cs[0] < 0 or cs[-1] >= streams:
         raise ValueError(f"contributors: {cs} are not all streams of 0..{streams - 1}")
-    units = [(s, a) for s in range(streams) if s not in cs for a in range(0, rows, unit)]
-    share, extra = divmod(len(units), len(cs))
+    own = {c: rows if own_rows is None else own_rows.get(c, rows) for c in cs}
+    for c, n in own.items():
+        if not 0 < n <= rows or n % unit:
+            raise ValueError(f"own_rows: contributor {c} computes {n} rows of its batch of {rows}: "
+                             f"not a positive multiple of the unit ({unit} rows)")
+    units = [(s, a) for s in range(streams) for a in range(0, rows, unit) if s not in cs or a >= own[s]]
+    load = dict(own)
+    counts = dict.fromkeys(cs, 0)
+    for _ in units:  # the counts only: who takes which units follows, in runs
+        c = min(cs, key=lambda c: ((load[c] + unit) * rows / own[c], c))
+        load[c] += unit
+        counts[c] += 1
     out: dict[int, tuple[Piece, ...]] = {}
     start = 0
-    for i, c in enumerate(cs):
-        take = share + (1 if i < extra else 0)
-        pieces = [(c, 0, rows)]
-        for s, a in units[start:start + take]:
+    for c in cs:
+        pieces = [(c, 0, own[c])]
+        for s, a in units[start:start + counts[c]]:
             if pieces[-1][0] == s and pieces[-1][2] == a and len(pieces) > 1:
                 pieces[-1] = (s, pieces[-1][1], a + unit)  # a run of one stream's units: one piece
             else:
                 pieces.append((s, a, a + unit))
         out[c] = tuple(pieces)
-        start += take
+        start += counts[c]
+    return out
+
+
+def chunk_sizes(rows: int, sizes: Sequence[int]) -> list[int]:
+    """`rows` cut into calls of the given sizes, largest first: as many of the largest as fit, then
+    of the next (the smallest must divide what is left)."""
+    out = []
+    for size in sorted(sizes, reverse=True):
+        out += [size] * (rows // size)
+        rows %= size
+    if rows:
+        raise ValueError(f"{rows} rows left over: not a multiple of {min(sizes)}")
     return out
 
 

@@ -13,6 +13,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "step": ("ftjax_bench.step:main", "FT-HSDP step time against synchronous HSDP and a standalone replica"),
     "catchup": ("ftjax_bench.catchup:main", "catch-up transfer rate against the raw link"),
     "outage": ("ftjax_bench.outage:main", "step time in an outage against healthy, elastic and constant batch"),
+    "reduced": ("ftjax_bench.reduced:main", "a reduced-degree replica's step rate against the full replica's"),
 }
 
 

@@ -7,7 +7,8 @@ state's buffers). Each host serves its copy over HTTP, only to requests that car
 and only while the quorum still lists that peer as healing (`keep_only` drops the others).
 
 Newcomer side (`SnapshotFetch`, on every host of the healing replica): in a background thread, host
-h downloads host h's shards from host h of its source. `HostShards.to_state` then places them on
+h downloads the shards of the source's hosts that hold its own (`source_hosts`: host h of the same
+degree; both hosts of a full source for the one host of a reduced-degree newcomer). `HostShards.to_state` then places them on
 this host's devices in the newcomer's own shardings. When a region that the newcomer needs is not
 one of the source's shards, it is assembled from the pieces that cover it. A single-host source
 holds every region, so the newcomer's device count may differ. Meanwhile the newcomer keeps taking
@@ -28,7 +29,6 @@ from __future__ import annotations
 import hmac
 import http.client
 import json
-import math
 import threading
 import time
 from collections import defaultdict
@@ -42,31 +42,12 @@ import numpy as np
 from ftjax import net
 from ftjax.coordinator.http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPServer
 from ftjax.coordinator.quorum import split_address
+from ftjax.regions import LayoutMismatch, Piece, Region, assemble, region_of
 
 TOKEN_HEADER = "X-Ftjax-Token"
 _CHUNK = 4 << 20
 _MAX_HEADER = 64 << 10
 
-Region = tuple[tuple[int, int], ...]  # [start, stop) in each dimension of a leaf's global shape
-
-
-class LayoutMismatch(ValueError):
-    """The source's shards do not make the state that the newcomer needs (the message names the leaf)."""
-
-
-def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-
-
-def _size(region: Region) -> int:
-    return math.prod(b - a for a, b in region)
-
-
-@dataclass(frozen=True)
-class Piece:
-    leaf: str          # the leaf's tree path (jax.tree_util.keystr)
-    region: Region
-    data: np.ndarray   # the region's values, C-contiguous
 
 
 @dataclass
@@ -91,7 +72,7 @@ class HostShards:
             leaves[name] = (tuple(arr.shape), arr.dtype.name)
             seen: set[Region] = set()
             for shard in arr.addressable_shards:
-                region = _region(shard.index, arr.shape)
+                region = region_of(shard.index, arr.shape)
                 if region not in seen:
                     seen.add(region)
                     pending.append((name, region, shard.data))
@@ -119,31 +100,10 @@ class HostShards:
             if self.leaves[name] != (tuple(a.shape), jnp.dtype(a.dtype).name):
                 raise LayoutMismatch(f"{name}: the source has shape/dtype {self.leaves[name]}, "
                                      f"this replica {(tuple(a.shape), jnp.dtype(a.dtype).name)}")
-            on_devices = [jax.device_put(_assemble(by_leaf[name], _region(index, a.shape), a.dtype, name), device)
+            on_devices = [jax.device_put(assemble(by_leaf[name], region_of(index, a.shape), a.dtype, name, "the source's hosts"), device)
                           for device, index in a.sharding.addressable_devices_indices_map(a.shape).items()]
             arrays.append(jax.make_array_from_single_device_arrays(a.shape, a.sharding, on_devices))
         return jax.tree_util.tree_unflatten(treedef, arrays)
-
-
-def _assemble(pieces: list[Piece], region: Region, dtype: Any, leaf: str) -> np.ndarray:
-    """The values of `region`: the piece that is exactly it, or the parts of the pieces that
-    overlap it (the distinct shards of one sharding never overlap each other)."""
-    for p in pieces:
-        if p.region == region:
-            return p.data
-    out = np.empty([b - a for a, b in region], dtype)
-    covered = 0
-    for p in pieces:
-        overlap = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(region, p.region))
-        if any(lo >= hi for lo, hi in overlap):
-            continue
-        out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, region))] = \
-            p.data[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, p.region))]
-        covered += _size(overlap)
-    if covered != _size(region):
-        raise LayoutMismatch(f"{leaf}: this host needs region {list(region)}, of which the source's host "
-                             f"sent {covered} of {_size(region)} elements (do the replicas' layouts differ?)")
-    return out
 
 
 @dataclass
@@ -327,12 +287,22 @@ class FetchResult:
     shards: HostShards = field(repr=False, compare=False)
 
 
-class SnapshotFetch:
-    """Downloads this host's part of a peer's snapshot in a background thread (newcomer side)."""
+def source_hosts(host: int, hosts: int, source_hosts: int) -> list[int]:
+    """The hosts of a source replica of `source_hosts` hosts whose shards overlap those of host
+    `host` of a replica of `hosts`: each host holds a contiguous 1/hosts of every sharded leaf
+    (ftjax/sharding.py), so these are the source hosts whose slice meets this host's. A reduced
+    newcomer's host fetches from several; a full newcomer from a reduced source shares one."""
+    return [k for k in range(source_hosts) if host * source_hosts < (k + 1) * hosts and k * hosts < (host + 1) * source_hosts]
 
-    def __init__(self, address: str, key: str, token: str, *, source: str, min_step: int = 0,
+
+class SnapshotFetch:
+    """Downloads this host's part of a peer's snapshot in a background thread (newcomer side): from
+    each of `addresses` in turn (the source's hosts that hold this host's shards), into one result."""
+
+    def __init__(self, addresses: str | list[str], key: str, token: str, *, source: str, min_step: int = 0,
                  timeout_s: float = 120.0):
-        self.address, self.key, self.source = address, key, source
+        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        self.key, self.source = key, source
         self.result: FetchResult | None = None
         self.error: str | None = None
         self.done = threading.Event()
@@ -340,28 +310,35 @@ class SnapshotFetch:
         threading.Thread(target=self._run, name="snapshot-fetch", daemon=True).start()
 
     def _run(self) -> None:
-        token, min_step, timeout_s = self._args
         try:
-            if not self.address:
-                raise ValueError(f"source {self.source} gave no catch-up address for this host "
-                                 "(do the replicas have different host counts?)")
-            host, port = split_address(self.address)
-            conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-            conn.request("GET", f"/snapshot?key={quote(self.key)}&min_step={min_step}",
-                         headers={TOKEN_HEADER: token})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise RuntimeError(f"source {self.source} ({self.address}) answered {resp.status}: {resp.reason}")
-            t0 = time.monotonic()
-            shards = _recv_shards(resp)
-            conn.close()
-            self.result = FetchResult(int(resp.getheader("X-Ftjax-Step")), json.loads(resp.getheader("X-Ftjax-Meta")
-                                                                                      or "{}"),
-                                      shards.nbytes, time.monotonic() - t0, self.source, shards)
+            if not any(self.addresses):
+                raise ValueError(f"source {self.source} gave no catch-up address for this host")
+            parts = [self._one(address) for address in self.addresses]
+            steps = {step for step, *_ in parts}
+            if len(steps) > 1:
+                raise RuntimeError(f"source {self.source}'s hosts served snapshots of different steps {sorted(steps)}")
+            shards = HostShards({k: v for *_, sh, _ in parts for k, v in sh.leaves.items()},
+                                [p for *_, sh, _ in parts for p in sh.pieces])
+            self.result = FetchResult(parts[0][0], parts[0][1], shards.nbytes, sum(t for *_, t in parts),
+                                      self.source, shards)
         except Exception as e:  # noqa: BLE001 - the protocol asks the next quorum for another source
             self.error = f"{type(e).__name__}: {e}"
         finally:
             self.done.set()
+
+    def _one(self, address: str) -> tuple[int, dict, HostShards, float]:
+        token, min_step, timeout_s = self._args
+        host, port = split_address(address)
+        conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+        conn.request("GET", f"/snapshot?key={quote(self.key)}&min_step={min_step}", headers={TOKEN_HEADER: token})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"source {self.source} ({address}) answered {resp.status}: {resp.reason}")
+        t0 = time.monotonic()
+        shards = _recv_shards(resp)
+        conn.close()
+        return (int(resp.getheader("X-Ftjax-Step")), json.loads(resp.getheader("X-Ftjax-Meta") or "{}"), shards,
+                time.monotonic() - t0)
 
 
 class CatchupTransport(Protocol):
@@ -373,7 +350,7 @@ class CatchupTransport(Protocol):
     def offer(self, key: str, state: Any, step: int, meta: dict) -> None: ...  # every host of the source
     def offered(self, key: str) -> bool: ...
     def keep_only(self, keys: set[str]) -> None: ...
-    def fetch(self, address: str, key: str, *, source: str, min_step: int) -> SnapshotFetch: ...  # every host
+    def fetch(self, addresses: list[str], key: str, *, source: str, min_step: int) -> SnapshotFetch: ...  # every host
     def load(self, fetched: FetchResult, abstract_state: Any) -> Any: ...  # every host of the newcomer
     def close(self) -> None: ...
 
@@ -397,8 +374,8 @@ class ShardTransport:
     def keep_only(self, keys: set[str]) -> None:
         self.server.keep_only(keys)
 
-    def fetch(self, address: str, key: str, *, source: str, min_step: int) -> SnapshotFetch:
-        return SnapshotFetch(address, key, self.token, source=source, min_step=min_step, timeout_s=self.timeout_s)
+    def fetch(self, addresses: list[str], key: str, *, source: str, min_step: int) -> SnapshotFetch:
+        return SnapshotFetch(addresses, key, self.token, source=source, min_step=min_step, timeout_s=self.timeout_s)
 
     def load(self, fetched: FetchResult, abstract_state: Any) -> Any:
         return fetched.shards.to_state(abstract_state)

@@ -54,10 +54,30 @@ class MeshConfig(_Strict):
     hosts: int = Field(1, gt=0, description="processes (hosts) in one replica")
     devices_per_host: int = Field(1, gt=0, description="devices each process uses: the first of its "
                                   "accelerators, or on platform cpu that many simulated CPU devices")
+    live_hosts: int | None = Field(None, gt=0, description="a reduced-degree replica: the hosts it runs on now "
+                                   "(a divisor of hosts; set by the launcher, docs/design.md 'Reduced-degree "
+                                   "replicas'); default: hosts")
 
     @property
     def num_devices(self) -> int:
+        """The devices of a full replica: the job's layout (gradient lanes, batch divisibility)."""
         return self.hosts * self.devices_per_host
+
+    @property
+    def live(self) -> int:
+        """The hosts this replica runs on: `hosts`, or fewer in a reduced-degree replica."""
+        return self.hosts if self.live_hosts is None else self.live_hosts
+
+    @property
+    def live_devices(self) -> int:
+        return self.live * self.devices_per_host
+
+    @model_validator(mode="after")
+    def _live_divides(self) -> "MeshConfig":
+        # Each live host serves whole gradient lanes (ftjax/lanes.py): hosts / live_hosts of them.
+        if self.live_hosts is not None and (self.live_hosts > self.hosts or self.hosts % self.live_hosts):
+            raise ValueError(f"live_hosts ({self.live_hosts}) must divide hosts ({self.hosts})")
+        return self
 
 
 class OptimConfig(_Strict):
@@ -133,6 +153,12 @@ class FTConfig(_Strict):
     catchup_rate_limit_mbps: float | None = Field(None, gt=0, description="test knob: slow snapshot transfers")
     drain_timeout_s: float = Field(60.0, ge=0, description="a finished replica serves its state this long "
                                    "at most, until every replica of the job has caught up")
+    on_host_loss: Literal["restart", "reduce"] = Field(
+        "restart", description="restart: a replica that loses a host restarts whole once the host is back; "
+        "reduce: its surviving hosts go on at once as a reduced-degree replica (constant global batch only), "
+        "and it returns to full degree when the host is back")
+    reduced_min_fraction: float = Field(0.5, gt=0, le=1, description="reduce: a replica left with fewer than "
+                                        "this fraction of mesh.hosts restarts whole instead")
 
     @model_validator(mode="after")
     def _progress_after_ftar(self) -> "FTConfig":
@@ -199,7 +225,25 @@ class Config(_Strict):
         if m is not None and (self.data.batch_size % m or m % n):
             raise ValueError(f"ft.micro_batch_rows ({m}) must divide data.batch_size ({self.data.batch_size}) "
                              f"and be a multiple of the replica's {n} devices")
+        if self.ft.global_batch != "constant":
+            # Rows a reduced replica does not compute go to the others, exactly once; elastic mode
+            # has nobody to give them to (its batch n of stream r is trained by replica r or never).
+            for key, on in (("ft.on_host_loss", self.ft.on_host_loss == "reduce"),
+                            ("mesh.live_hosts", self.mesh.live < self.mesh.hosts)):
+                if on:
+                    raise ValueError(f"{key}: a reduced-degree replica needs ft.global_batch=constant "
+                                     "(the rows it no longer computes are dealt to the other replicas)")
+        if self.mesh.live < self.mesh.hosts and self.own_rows % self.micro_rows:
+            raise ValueError(f"mesh.live_hosts ({self.mesh.live}): its share of the batch ({self.own_rows} of "
+                             f"{self.data.batch_size} rows) is not a whole number of micro-batches "
+                             f"({self.micro_rows} rows, ft.micro_batch_rows)")
         return self
+
+    @property
+    def own_rows(self) -> int:
+        """Rows of its own batch a replica computes: all, or a reduced replica's share, in proportion
+        to its devices."""
+        return self.data.batch_size * self.mesh.live // self.mesh.hosts
 
     @property
     def micro_rows(self) -> int:

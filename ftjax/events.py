@@ -19,6 +19,10 @@ EVENT = "event"  # an event record: its name (a ReplicaEvent or a LauncherEvent)
 REPLICA = "replica"  # a launcher event about one replica: its index R
 
 
+EXIT_NO_PROGRESS = 75  # the progress watchdog ended the process (a restart may help: EX_TEMPFAIL)
+EXIT_LEFT = 76  # the replica left the job when asked (SIGTERM), at a step boundary: not finished, not failed
+
+
 class ReplicaEvent(StrEnum):
     """A replica's events in `replica-R/metrics.jsonl` (written by its leader process)."""
 
@@ -41,6 +45,7 @@ class ReplicaEvent(StrEnum):
     REPORT_UNDELIVERED = "report_undelivered"  # a failure report of `replica` did not reach the coordinator (`error`)
     PROGRESS_TIMEOUT = "progress_timeout"  # the watchdog saw no progress in `phase`: the process leaves the job
     DRAIN_TIMEOUT = "drain_timeout"  # trained every step; gave up waiting for healing peers after drain_timeout_s
+    LEFT = "left"  # asked to (SIGTERM: `reason`), the replica left the job at a step boundary (`step`); exit 76
 
 
 class LauncherEvent(StrEnum):
@@ -58,6 +63,8 @@ class LauncherEvent(StrEnum):
     FAULT = "fault"  # an injected fault fired (kind: kill_catchup, kill_coordinator, hang, random_kill, partition)
     PARTITION_ENDED = "partition_ended"  # the links a partition cut (replica R, host, hosts) are restored
     KILL_MISSED = "kill_missed"  # the incarnation finished before its --kill point
+    HOST_BACK = "host_back"  # host H of replica R is back from repair (--host-repair-s)
+    BACK_TO_FULL_DEGREE = "back_to_full_degree"  # reduced replica R is asked to leave (SIGTERM) to restart whole
     REJOINED = "rejoined"  # a restarted replica R caught up (its catchup_done: at_step, catchup_s, source)
     CAUGHT_UP = "caught_up"  # a first incarnation caught up (it joined late)
     COMMIT_FAILURE = "commit_failure"  # replica R's commit_failure, copied (step, errors: how many)

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from ftjax.coordinator.client import CoordinatorError, QuorumResult, decode_quorum, encode_quorum
 from ftjax.coordinator.quorum import Participant
-from ftjax.catchup import CatchupTransport, FetchResult, SnapshotFetch
+from ftjax.catchup import CatchupTransport, FetchResult, SnapshotFetch, source_hosts
 from ftjax.events import ReplicaEvent as E
 from ftjax.ftar import FTARError
 from ftjax.net import ADVERTISE_ENV, is_loopback
@@ -67,8 +67,9 @@ class Agreement:
     """What a host of the replica knows before the step: the quorum (the same on every host), and
     the snapshot to install now (this host's part of it, fetched from the same host of the source)."""
 
-    quorum: QuorumResult
+    quorum: QuorumResult | None  # None: the replica leaves the job instead (`leave` says why)
     install: FetchResult | None = None
+    leave: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class HealOrder:
     drop: bool = False
     install: bool = False
     fetch_min_step: int | None = None
+    leave: str | None = None  # the replica leaves the job at this step boundary (no quorum was asked)
 
 
 class LocalQuorum:
@@ -174,11 +176,15 @@ class StepProtocol:
         self.unreachable = UnreachablePeers(unreachable_after_s)
         self.fetch: SnapshotFetch | None = None
         self.heal_started: float | None = None
+        self.leaving: str | None = None  # leader: leave at the next step boundary (why)
 
     # --- the quorum ---------------------------------------------------------------------------
     def ask(self, step: int, position: int, has_state: bool) -> None:
         """Start the leader's request for the quorum of the next step (answered in `agree`)."""
-        if self.leader:
+        if self.leader and self.leaving is not None:  # no request: the coordinator drops us now
+            self._pending = None
+            self.leave(self.leaving)
+        elif self.leader:
             self._pending = self.quorums.quorum_async(step, position, has_state, self.commit_failures)
 
     def agree(self) -> Agreement:
@@ -188,6 +194,11 @@ class StepProtocol:
             fetches = self._fetch_states()
             if not self.leader:
                 return self._carry_out(*_decode_agreement(self.group.broadcast_bytes(b"")))
+            if self._pending is None:  # leaving: every host ends at this step boundary
+                order = HealOrder(leave=self.leaving)
+                if self.group.hosts > 1:
+                    self.group.broadcast_bytes(_encode_agreement(None, order))
+                return Agreement(None, leave=order.leave)
             q = self._pending.result()
         order = self._heal_bookkeeping(q, fetches) if (q.healing or self.fetch is not None) else HealOrder()
         if not q.no_state:
@@ -221,7 +232,9 @@ class StepProtocol:
         self.commit_failures += 1
         self.total_commit_failures += 1
         self.log.event(E.COMMIT_FAILURE, step=q.step + 1, quorum_id=q.quorum_id, errors=failed)
-        by_address = {a: (p, h) for p in q.participants for h, a in enumerate(p.ftar_addresses)}
+        # (lane l of a replica of H hosts is served by its host l * H // lanes: ftjax/lanes.py)
+        by_address = {a: (p, lane * len(p.catchup_addresses) // len(p.ftar_addresses))
+                      for p in q.participants for lane, a in enumerate(p.ftar_addresses)}
         if self.leader:
             for f in failed:
                 p = by_address.get(f["peer"], (None, 0))[0]
@@ -365,6 +378,8 @@ class StepProtocol:
 
     def _carry_out(self, q: QuorumResult, order: HealOrder) -> Agreement:
         """Every host: what the leader decided of catch-up for this step."""
+        if order.leave is not None:
+            return Agreement(None, leave=order.leave)
         install = None
         if order.install:
             install = self.fetch.result
@@ -372,8 +387,8 @@ class StepProtocol:
             self.fetch = None
         if order.fetch_min_step is not None:
             me, addresses = q.participants[q.rank], q.heal_source_addresses
-            self.fetch = self.transport.fetch(addresses[self.group.rank] if self.group.rank < len(addresses) else "",
-                                              f"{me.replica_id}/{me.incarnation}", source=q.heal_source,
+            needed = [addresses[k] for k in source_hosts(self.group.rank, self.group.hosts, len(addresses))]
+            self.fetch = self.transport.fetch(needed, f"{me.replica_id}/{me.incarnation}", source=q.heal_source,
                                               min_step=order.fetch_min_step)
         return Agreement(q, install)
 
@@ -392,12 +407,13 @@ class StepProtocol:
         self.buffer.clear()
 
 
-def _encode_agreement(q: QuorumResult, order: HealOrder) -> bytes:
-    """The quorum as the coordinator's protobuf message, then the catch-up order (JSON)."""
-    data = encode_quorum(q)
+def _encode_agreement(q: QuorumResult | None, order: HealOrder) -> bytes:
+    """The quorum as the coordinator's protobuf message (none when leaving), then the catch-up
+    order (JSON)."""
+    data = encode_quorum(q) if q is not None else b""
     return len(data).to_bytes(8, "little") + data + json.dumps(asdict(order)).encode()
 
 
-def _decode_agreement(data: bytes) -> tuple[QuorumResult, HealOrder]:
+def _decode_agreement(data: bytes) -> tuple[QuorumResult | None, HealOrder]:
     n = int.from_bytes(data[:8], "little")
-    return decode_quorum(data[8:8 + n]), HealOrder(**json.loads(data[8 + n:]))
+    return decode_quorum(data[8:8 + n]) if n else None, HealOrder(**json.loads(data[8 + n:]))

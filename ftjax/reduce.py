@@ -1,43 +1,65 @@
 """How a replica's update is averaged over the quorum (the step protocol's `reducer`).
 
-`FTARReducer`: this host's gradient shards, as one flat host buffer, go through FTAR with host
-rank h of every participant; the average is over the contributors (a healing member relays
-zeros). `LocalReducer`: the average over a quorum of one is the update itself, so a standalone
-run trains through the same loop and protocol as a fault-tolerant one, with no host copy.
+`FTARReducer`: the gradient lanes this host serves (`ftjax.lanes`: one in a full replica, several
+on a host of a reduced-degree one), each a flat host buffer, go through FTAR with the host that
+serves the same lane in every participant; the average is over the contributors (a healing member
+relays zeros). `LocalReducer`: the average over a quorum of one is the update itself, so a
+standalone run trains through the same loop and protocol as a fault-tolerant one, with no host copy.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ftjax.coordinator.client import QuorumResult
-from ftjax.flat import HostFlattener
 from ftjax.ftar import FTAREndpoint
+from ftjax.lanes import LaneFlattener
 
 
 class FTARReducer:
-    """`divisor`: None averages over the contributors (elastic global batch); the job's batch count
-    R divides the contributors' sums in constant-batch mode, whoever computed the R batches."""
+    """`endpoints`: one per lane this host serves (`flat.served`, in that order). `divisor`: None
+    averages over the contributors (elastic global batch); the job's batch count R divides the
+    contributors' sums in constant-batch mode, whoever computed the R batches."""
 
-    def __init__(self, endpoint: FTAREndpoint, flat: HostFlattener, host: int, divisor: int | None = None):
-        self.endpoint, self.flat, self.host, self.divisor = endpoint, flat, host, divisor
-        self._zeros = np.zeros(flat.size, np.float32)
+    def __init__(self, endpoints: list[FTAREndpoint], flat: LaneFlattener, divisor: int | None = None):
+        if len(endpoints) != len(flat.served):
+            raise ValueError(f"{len(endpoints)} FTAR endpoints for {len(flat.served)} lanes")
+        self.endpoints, self.flat, self.divisor = endpoints, flat, divisor
+        self._zeros = [np.zeros(flat.size, np.float32) for _ in flat.served]
+        # lanes after the first run beside it, each on its own endpoint (one call at a time each)
+        self._pool = ThreadPoolExecutor(len(endpoints) - 1, "ftar-lane") if len(endpoints) > 1 else None
 
     def average(self, q: QuorumResult, grads: Any | None) -> np.ndarray:
-        """The average of this host's flat buffer (raises FTARError naming the peer)."""
-        buf = self.flat.flatten(grads) if grads is not None else self._zeros
-        return self.endpoint.allreduce(buf, quorum_id=q.quorum_id, step=q.step,
-                                       members=[p.ftar_addresses[self.host] for p in q.participants],
-                                       rank=q.rank, contributors=[not p.healing for p in q.participants],
-                                       divisor=self.divisor)
+        """The averages of this host's lanes, end to end in one buffer (raises FTARError naming the
+        peer, once every lane's call has ended)."""
+        bufs = self.flat.flatten(grads) if grads is not None else self._zeros
+        contributors = [not p.healing for p in q.participants]
+
+        def lane(i: int) -> np.ndarray:
+            return self.endpoints[i].allreduce(
+                bufs[i], quorum_id=q.quorum_id, step=q.step, rank=q.rank, contributors=contributors,
+                members=[p.ftar_addresses[self.flat.served[i]] for p in q.participants], divisor=self.divisor)
+
+        others = [self._pool.submit(lane, i) for i in range(1, len(bufs))] if self._pool else []
+        try:
+            first = lane(0)
+        finally:
+            errors = [f.exception() for f in others]
+        if any(errors):
+            raise next(e for e in errors if e is not None)
+        return np.concatenate([first, *(f.result() for f in others)]) if others else first
 
     def tree(self, update: np.ndarray) -> Any:
-        return self.flat.unflatten(update)
+        return self.flat.unflatten(np.split(update, len(self.flat.served)))
 
     def close(self) -> None:
-        self.endpoint.close()
+        for e in self.endpoints:
+            e.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 class LocalReducer:

@@ -9,6 +9,7 @@ loop with a quorum of one and the identity reducer.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from functools import partial
 from pathlib import Path
@@ -24,7 +25,7 @@ from ftjax.config import Config
 from ftjax.data import make_stream
 from ftjax.env import read_token
 from ftjax.faults import InjectedFaults, parse_die_at
-from ftjax.flat import HostFlattener
+from ftjax.lanes import LaneFlattener
 from ftjax.ftar import FTAREndpoint
 from ftjax.metrics import MetricsLog
 from ftjax.protocol import LocalQuorum, StepProtocol
@@ -70,15 +71,18 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
     stream = make_stream(cfg, replica=args.replica_id)
     log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}",
                      log_every=getattr(args, "log_every", None))
-    endpoint = FTAREndpoint(token, host=addrs.bind, advertise=addrs.advertise, timeout_s=cfg.ft.ftar_timeout_s,
-                            shared_memory=cfg.ft.ftar_shared_memory)
-    ftar_addresses = group.allgather(endpoint.address)
+    # one FTAR endpoint per gradient lane this host serves: one, or several on a reduced replica's host
+    k = cfg.mesh.hosts // cfg.mesh.live
+    served = list(range(group.rank * k, (group.rank + 1) * k))
+    endpoints = [FTAREndpoint(token, host=addrs.bind, advertise=addrs.advertise, timeout_s=cfg.ft.ftar_timeout_s,
+                              shared_memory=cfg.ft.ftar_shared_memory) for _ in served]
+    ftar_addresses = [a for host in group.allgather([e.address for e in endpoints]) for a in host]  # lane order
     transport = ShardTransport(token, rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps, timeout_s=cfg.ft.quorum_timeout_s,
                                host=addrs.bind, advertise=addrs.advertise)
     catchup_addresses = group.allgather(transport.address)
     print(f"ftjax train: replica {args.replica_id} host {group.rank}: peers reach this process at "
           f"{addrs.advertise} (chosen by {addrs.why}; ${net.ADVERTISE_ENV} or net.advertise_host to change): "
-          f"FTAR {endpoint.address}, catch-up {transport.address}; listening on {net.describe_bind(addrs.bind)}", file=sys.stderr, flush=True)
+          f"FTAR {' '.join(e.address for e in endpoints)}, catch-up {transport.address}; listening on {net.describe_bind(addrs.bind)}", file=sys.stderr, flush=True)
     incarnation = group.broadcast(new_incarnation() if leader else None)
     client = None
     if leader:
@@ -91,14 +95,17 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
         log.listeners.append(partial(client.report_step, target_steps=cfg.steps, replicas=cfg.ft.replicas))
     buffer = ReplayBuffer(out / f"replay-host{group.rank}", int(cfg.ft.catchup_buffer_mib * 2**20))
     protocol = StepProtocol(replica_id=str(args.replica_id), incarnation=incarnation, group=group,
-                            reducer=FTARReducer(endpoint, HostFlattener(program.abstract_state()["params"],
-                                                                        program.grad_shardings), group.rank,
-                                                divisor=_divisor(cfg)),
+                            reducer=FTARReducer(endpoints, LaneFlattener(
+                                program.abstract_state()["params"], program.grad_shardings, lanes=cfg.mesh.hosts,
+                                devices_per_host=cfg.mesh.devices_per_host, served=served), divisor=_divisor(cfg)),
                             transport=transport, quorums=client, buffer=buffer, log=log)
     trainer = Trainer(cfg, program, stream, protocol, log=log, ckpt=_checkpoints(cfg, args, out, stream),
                       faults=_faults(args), watchdog=NoWatchdog(), replica_id=str(args.replica_id),
                       restore_durable=True)
     trainer.watchdog = protocol.watchdog = ProgressWatchdog(cfg.ft.progress_timeout_s, trainer.no_progress)
+    # SIGTERM (a launcher taking the replica back to full degree, a scheduler's preemption): leave
+    # the job at the next step boundary, so that no peer's step fails; exit EXIT_LEFT
+    signal.signal(signal.SIGTERM, lambda *_: trainer.request_leave("SIGTERM"))
     return trainer
 
 
@@ -125,7 +132,7 @@ def _run(trainer: Trainer, cfg: Config) -> int:
         trainer.watchdog.close()
         trainer.protocol.close()
         trainer.log.close()
-    if cfg.mesh.hosts > 1:
+    if cfg.mesh.live > 1:
         jax.distributed.shutdown()
     return code
 

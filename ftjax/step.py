@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import flax
@@ -64,6 +64,18 @@ class ReplicaProgram:
     train_step: Any    # (State, batch, lr_scale) -> (State, loss)  (donates State)
     accumulate: Any    # (acc, params, rows) -> (acc + grads of rows' loss sum / batch_size, row losses)
     zeros: Any         # () -> gradients of zeros, in the gradients' shardings
+    compiled_accumulate: dict = field(default_factory=dict)  # rows -> `accumulate` compiled for them
+
+    def accumulate_rows(self, acc, params, rows):
+        """`accumulate`, through the executable compiled for this many rows if there is one."""
+        return self.compiled_accumulate.get(rows.shape[0], self.accumulate)(acc, params, rows)
+
+    @property
+    def chunk_rows(self) -> tuple[int, ...]:
+        """The micro-batch sizes a share of rows is computed in: whole batches, then micro-batches
+        (fewer calls than micro-batches alone: each call of a multi-host replica all-gathers the
+        parameters)."""
+        return tuple(sorted({self.cfg.data.batch_size, self.cfg.micro_rows}, reverse=True))
 
     @property
     def grad_shardings(self):
@@ -87,8 +99,9 @@ class ReplicaProgram:
         self.grads = self.grads.lower(st["params"], batch).compile()
         self.apply = self.apply.lower(st, st["params"], lr).compile()
         if self.cfg.ft.global_batch == "constant":  # an outage must not wait for a compile
-            rows = jax.ShapeDtypeStruct((self.cfg.micro_rows, batch.shape[1]), jnp.int32, sharding=self.batch_sharding)
-            self.accumulate = self.accumulate.lower(st["params"], st["params"], rows).compile()
+            for n in self.chunk_rows:
+                rows = batch.update(shape=(n, batch.shape[1]))
+                self.compiled_accumulate[n] = self.accumulate.lower(st["params"], st["params"], rows).compile()
             self.zeros = self.zeros.lower().compile()
 
     def warm_up(self) -> None:
@@ -103,16 +116,19 @@ class ReplicaProgram:
         batch = jax.ShapeDtypeStruct((self.cfg.data.batch_size, self.cfg.model.seq_len + 1), jnp.int32,
                                      sharding=self.batch_sharding)
         lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=shd.replicated(self.mesh))
-        rows = batch.update(shape=(self.cfg.micro_rows, batch.shape[1]))
         state = jax.tree.map(zeros, st)
         _, g = self.grads(state["params"], zeros(batch))
         if self.cfg.ft.global_batch == "constant":
-            g, _ = self.accumulate(g, state["params"], zeros(rows))
+            for n in self.chunk_rows:
+                g, _ = self.accumulate_rows(g, state["params"], zeros(batch.update(shape=(n, batch.shape[1]))))
         jax.block_until_ready(self.apply(state, g, zeros(lr)))
 
     def topology(self) -> str:
-        """Mesh shape and shard layout: replicas may exchange gradients only if these agree."""
-        return f"devices={self.mesh.devices.size} hosts={self.cfg.mesh.hosts}\n" + shd.describe(self.state_shardings)
+        """Gradient lanes and shard layout: replicas may exchange gradients only if these agree. A
+        reduced-degree replica (fewer hosts, fewer devices) has the same: its hosts serve the same
+        lanes (ftjax/lanes.py)."""
+        lanes = f"lanes={self.cfg.mesh.hosts} devices_per_lane={self.cfg.mesh.devices_per_host}"
+        return lanes + "\n" + shd.describe(self.state_shardings)
 
 
 def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> ReplicaProgram:
@@ -120,8 +136,8 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> Replica
     synchronous baseline of `ftjax bench step` passes a (replica, fsdp) mesh instead)."""
     if mesh is None:
         # jax.devices() is global (every process's devices); a replica uses the first
-        # hosts x devices_per_host of them, which lets tests build several meshes in one process.
-        devices = jax.devices()[: cfg.mesh.num_devices]
+        # live hosts x devices_per_host of them, which lets tests build several meshes in one process.
+        devices = jax.devices()[: cfg.mesh.live_devices]
         mesh = shd.replica_mesh(devices)
     tx = make_optimizer(cfg.optim, cfg.steps)
 

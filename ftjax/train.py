@@ -60,10 +60,10 @@ def parse_config(args: argparse.Namespace) -> Config:
                 split_address(value)
             except ValueError as e:
                 raise ConfigError(f"{flag}: {e} (an IPv6 host goes in brackets: [fd00::1]:29400)") from None
-    if cfg.mesh.hosts > 1 and not args.dist_address:
-        raise ConfigError(f"mesh.hosts={cfg.mesh.hosts} needs --dist-address HOST:PORT for the replica's processes")
-    if not 0 <= args.process_id < cfg.mesh.hosts:
-        raise ConfigError(f"--process-id: {args.process_id} is not in [0, {cfg.mesh.hosts})")
+    if cfg.mesh.live > 1 and not args.dist_address:
+        raise ConfigError(f"mesh.hosts={cfg.mesh.live} needs --dist-address HOST:PORT for the replica's processes")
+    if not 0 <= args.process_id < cfg.mesh.live:  # a reduced-degree replica runs on mesh.live_hosts
+        raise ConfigError(f"--process-id: {args.process_id} is not in [0, {cfg.mesh.live})")
     if args.log_every is not None and args.log_every < 1:
         raise ConfigError(f"--log-every: must be >= 1 (got {args.log_every})")
     if not 0 <= args.replica_id < cfg.ft.replicas:
@@ -86,9 +86,9 @@ def init_distributed(cfg: Config, args: argparse.Namespace) -> None:
     """Form the replica's own jax.distributed cluster (CPU collectives over gloo)."""
     import jax
 
-    if cfg.mesh.hosts > 1:
+    if cfg.mesh.live > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=args.dist_address, num_processes=cfg.mesh.hosts,
+        jax.distributed.initialize(coordinator_address=args.dist_address, num_processes=cfg.mesh.live,
                                    process_id=args.process_id,
                                    coordinator_bind_address=dist_bind_address(cfg, args.dist_address))
 

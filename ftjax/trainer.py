@@ -20,17 +20,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from ftjax.batches import Piece, assign, row_count
+from ftjax.batches import Piece, assign, chunk_sizes, row_count
 from ftjax.coordinator.client import QuorumResult
 from ftjax.catchup import FetchResult
 from ftjax.data import make_stream
-from ftjax.events import ReplicaEvent as E
+from ftjax.events import EXIT_LEFT, EXIT_NO_PROGRESS, ReplicaEvent as E
 from ftjax.config import Config
 from ftjax.digest import state_digest
 from ftjax.protocol import StepProtocol
 from ftjax.step import device_batch, param_count, topology_fingerprint
 
-EXIT_NO_PROGRESS = 75  # the progress watchdog ended the process (a restart may help: EX_TEMPFAIL)
+
+
+class _Left(Exception):
+    """The leader's leave order reached this host: end the loop (the reason is the message)."""
 
 
 class JobStateLost(RuntimeError):
@@ -85,7 +88,8 @@ class Trainer:
             raise ValueError(f"ft.global_batch=constant: replica id {replica_id!r} is not a stream of "
                              f"0..{cfg.ft.replicas - 1} (ft.replicas={cfg.ft.replicas})")
         self.own_work: tuple[Piece, ...] = ((self.own, 0, cfg.data.batch_size),)
-        self.work = self.own_work          # this replica's share of the latest quorum's step
+        # this replica's share of the latest quorum's step (a reduced-degree replica: part of its batch)
+        self.work = self.own_work if cfg.own_rows == cfg.data.batch_size else ((self.own, 0, cfg.own_rows),)
         self.step_work: list[list[int]] | None = None  # constant: the whole step's [who, stream, a, b]
         self._streams = {self.own: stream}
 
@@ -105,12 +109,21 @@ class Trainer:
                        topology=topology_fingerprint(self.program), data_fingerprint=self.stream.fingerprint,
                        hosts=jax.process_count(), devices=int(self.program.mesh.devices.size), pid=os.getpid())
         self._ask()
-        while self.step < self.stop:
-            self._one_step()
-        if self.stop == self.cfg.steps and self.protocol.transport is not None:  # (a standalone run has no peer)
-            with self.watchdog.exempt("drain"):
-                self._drain()
+        try:
+            while self.step < self.stop:
+                self._one_step()
+            if self.stop == self.cfg.steps and self.protocol.transport is not None:  # (a standalone run has no peer)
+                with self.watchdog.exempt("drain"):
+                    self._drain()
+        except _Left as e:
+            self.log.event(E.LEFT, reason=str(e), step=self.step)
+            return EXIT_LEFT
         return self._finish()
+
+    def request_leave(self, reason: str) -> None:
+        """Leave the job at the next step boundary (a signal handler may call it): the leader asks
+        no further quorum, and tells its hosts with the next step's agreement; nobody's step fails."""
+        self.protocol.leaving = reason
 
     def _one_step(self) -> None:
         self.watchdog.beat("forward")
@@ -118,6 +131,8 @@ class Trainer:
         computed = self._compute(self.work) if self.has_state and self.protocol.heal_started is None else None
         timing.compute = time.perf_counter()
         agreement = self.protocol.agree()
+        if agreement.leave is not None:
+            raise _Left(agreement.leave)
         q = agreement.quorum
         timing.quorum = time.perf_counter()
         if q.no_state:  # nobody has state: the latest durable checkpoint (or an init), then ask again
@@ -146,8 +161,13 @@ class Trainer:
         share of the step's R batches (constant; the whole step's assignment is kept for the record)."""
         if not self.constant:
             return self.own_work
-        shares = assign(self.cfg.ft.replicas, self.cfg.data.batch_size, self.cfg.micro_rows,
-                        [int(p.replica_id) for p in q.participants if not p.healing])
+        b, hosts = self.cfg.data.batch_size, self.cfg.mesh.hosts
+        contributors = [p for p in q.participants if not p.healing]
+        # a reduced-degree replica (fewer hosts: catch-up addresses) computes its share in
+        # proportion to its devices; the rest of its batch is dealt to the others like an orphan's
+        shares = assign(self.cfg.ft.replicas, b, self.cfg.micro_rows, [int(p.replica_id) for p in contributors],
+                        own_rows={int(p.replica_id): b * (len(p.catchup_addresses) or hosts) // hosts
+                                  for p in contributors})
         self.step_work = [[c, *piece] for c, pieces in sorted(shares.items()) for piece in pieces]
         return shares[self.own]
 
@@ -162,10 +182,12 @@ class Trainer:
             jax.block_until_ready(grads)
             return Computed(loss, grads, self.position, work)
         rows = np.concatenate([self._stream(s).batch(self.position)[a:b] for s, a, b in work])
-        m, grads, per_row = self.cfg.micro_rows, self.program.zeros(), []
-        for i in range(0, len(rows), m):
-            grads, losses = self.program.accumulate(grads, self.state["params"], device_batch(self.program, rows[i:i + m]))
+        grads, per_row, start = self.program.zeros(), [], 0
+        for n in chunk_sizes(len(rows), self.program.chunk_rows):
+            chunk = device_batch(self.program, rows[start:start + n])
+            grads, losses = self.program.accumulate_rows(grads, self.state["params"], chunk)
             per_row.append(losses)
+            start += n
         jax.block_until_ready(grads)
         per_row = np.concatenate([np.asarray(x) for x in per_row])
         ends = np.cumsum([b - a for _, a, b in work])
@@ -292,7 +314,10 @@ class Trainer:
         killed near the end would find nobody to catch up from."""
         deadline = time.monotonic() + self.cfg.ft.drain_timeout_s
         while True:
-            q = self.protocol.agree().quorum
+            agreement = self.protocol.agree()
+            if agreement.leave is not None:
+                raise _Left(agreement.leave)
+            q = agreement.quorum
             if self.protocol.transport is not None:
                 self.protocol.serve(q, self.state, self.step, self._meta())
             everyone = len(q.participants) >= self.cfg.ft.replicas and not any(p.healing for p in q.participants)

@@ -6,4 +6,5 @@ packages, which never import it: `ftjax.bench` (the dispatcher) imports these mo
     step.py           FT-HSDP step against synchronous HSDP (sync_baseline.py) and a standalone replica
     catchup.py        catch-up transfer rate against the raw link
     outage.py         step time during an outage against healthy, elastic vs constant global batch
+    reduced.py        a reduced-degree replica's step rate against the same replica at full degree
 """

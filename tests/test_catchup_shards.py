@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ftjax.catchup import HostShards, LayoutMismatch, ShardTransport
+from ftjax.catchup import HostShards, LayoutMismatch, ShardTransport, source_hosts
 from ftjax.events import ReplicaEvent as E
 from ftjax.protocol import HealOrder, StepProtocol
 from ftjax.replay import ReplayBuffer
@@ -72,6 +72,57 @@ def test_the_newcomer_may_have_another_device_count():
         got = HostShards.take(src).to_state(into)
         assert_same(got, src)
         assert got["params"]["w"].sharding == into["params"]["w"].sharding
+
+
+SOURCE_HOSTS = {  # (this host, its replica's hosts, the source's hosts) -> the source hosts it fetches from
+    "same degree": ((1, 2, 2), [1]),
+    "a reduced newcomer: every host of a full source": ((0, 1, 2), [0, 1]),
+    "a full newcomer from a reduced source": ((1, 2, 1), [0]),
+    "4 hosts from 2": ((3, 4, 2), [1]),
+    "2 hosts from 3 (slices that straddle)": ((1, 2, 3), [1, 2]),
+}
+
+
+@pytest.mark.parametrize("args,want", SOURCE_HOSTS.values(), ids=SOURCE_HOSTS.keys())
+def test_source_hosts(args, want):
+    assert source_hosts(*args) == want
+
+
+def _host_part(state, host: int, hosts: int) -> dict:
+    """What host `host` of `hosts` holds of a state laid out over this process's devices."""
+    whole = HostShards.take(state)
+    n = len(jax.devices()[:4]) // hosts
+    keep = []
+    for leaf, region_shape in whole.leaves.items():
+        shape = region_shape[0]
+        for p in (p for p in whole.pieces if p.leaf == leaf):
+            # a sharded dimension is cut in 4 (the devices); host h holds blocks h*n .. h*n + n - 1
+            cut = [i for i, ((a, b), d) in enumerate(zip(p.region, shape)) if b - a != d]
+            if not cut or host * n <= p.region[cut[0]][0] * 4 // shape[cut[0]] < (host + 1) * n:
+                keep.append(p)
+    return HostShards(whole.leaves, keep)
+
+
+def test_a_reduced_newcomer_fetches_from_every_host_of_its_source_over_the_network():
+    src = state_on(mesh(4))
+    servers = [ShardTransport(TOKEN, rate_limit_mbps=None, timeout_s=30) for _ in range(2)]
+    client = ShardTransport(TOKEN, rate_limit_mbps=None, timeout_s=30)
+    try:
+        from ftjax.catchup import _Snapshot
+
+        for h, server in enumerate(servers):  # host h of a 2-host source serves its half
+            server.server.publish(_Snapshot("b/1", 12, {"step": 12}, _host_part(src, h, 2)))
+        fetch = client.fetch([servers[k].address for k in source_hosts(0, 1, 2)], "b/1", source="a", min_step=12)
+        assert fetch.done.wait(30) and fetch.error is None, fetch.error
+        assert fetch.result.nbytes >= sum(a.nbytes for a in jax.tree.leaves(src))  # both halves came
+        assert_same(client.load(fetch.result, abstract(src, mesh(2))), src)
+        one = client.fetch([servers[0].address], "b/1", source="a", min_step=12)  # half is not enough
+        assert one.done.wait(30)
+        with pytest.raises(LayoutMismatch, match=r"this host needs region .* of which the source's hosts sent"):
+            client.load(one.result, abstract(src, mesh(2)))
+    finally:
+        for t in (*servers, client):
+            t.close()
 
 
 def test_a_host_that_lacks_a_region_it_needs_is_an_error_naming_the_leaf():
@@ -143,6 +194,6 @@ def test_every_host_fetches_from_the_same_host_of_the_source(tmp_path):
     q = healing_quorum()
     q = type(q)(**{**q.__dict__, "heal_source_addresses": ("a-host0:2", "a-host1:2")})
     assert p._carry_out(q, HealOrder(fetch_min_step=7)).install is None
-    assert asked == [("a-host1:2", "me/me-inc", "a", 7)]
+    assert asked == [(["a-host1:2"], "me/me-inc", "a", 7)]
     fetched = p.fetch.result = object()
     assert p._carry_out(q, HealOrder(install=True)).install is fetched and p.fetch is None

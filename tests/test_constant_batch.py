@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from ftjax.batches import assign, check_tiling, for_others
+from ftjax.batches import assign, check_tiling, chunk_sizes, for_others
 from ftjax.config import ConfigError, load_config
 from ftjax.ftar import FTAREndpoint, FTARError
 
@@ -44,6 +44,36 @@ def test_missing_batches_are_dealt_out_evenly_in_stream_order(streams, rows, uni
     assert check_tiling(streams, rows, work) is None
     loads = [sum(b - a for _, a, b in pieces) for pieces in got.values()]
     assert max(loads) - min(loads) <= unit  # as even as the units allow
+
+
+REDUCED = {  # (streams, rows, unit, contributors, own rows) -> assignment
+    # a reduced replica (1 of 2 hosts) computes half its batch; the full one takes the other half
+    "2 replicas, one at half degree": (2, 8, 2, [0, 1], {1: 4}, {0: ((0, 0, 8), (1, 4, 8)), 1: ((1, 0, 4),)}),
+    # the orphan's units go where the work per device is least: 2 / 1 to the full / the reduced
+    "one away, one reduced": (3, 8, 2, [0, 1], {1: 4},
+                              {0: ((0, 0, 8), (1, 4, 8), (2, 0, 4)), 1: ((1, 0, 4), (2, 4, 8))}),
+    "a reduced replica alone computes everything": (2, 8, 2, [1], {1: 4}, {1: ((1, 0, 4), (0, 0, 8), (1, 4, 8))}),
+    "quarter degree": (2, 8, 2, [0, 1], {1: 2}, {0: ((0, 0, 8), (1, 2, 8)), 1: ((1, 0, 2),)}),
+}
+
+
+@pytest.mark.parametrize("streams, rows, unit, contributors, own, expected", REDUCED.values(), ids=REDUCED.keys())
+def test_a_reduced_replica_computes_its_share_and_the_rest_is_dealt_out(streams, rows, unit, contributors, own,
+                                                                       expected):
+    got = assign(streams, rows, unit, contributors, own_rows=own)
+    assert got == expected
+    assert check_tiling(streams, rows, [[c, *p] for c, pieces in got.items() for p in pieces]) is None
+
+
+def test_a_reduced_share_must_be_whole_units():
+    with pytest.raises(ValueError, match="own_rows: contributor 1 computes 3 rows"):
+        assign(2, 8, 2, [0, 1], own_rows={1: 3})
+
+
+@pytest.mark.parametrize("rows, sizes, want", [(16, (8, 2), [8, 8]), (12, (8, 2), [8, 2, 2]), (4, (8, 2), [2, 2]),
+                                               (8, (8,), [8]), (0, (8, 2), [])])
+def test_a_share_is_computed_in_whole_batches_then_micro_batches(rows, sizes, want):
+    assert chunk_sizes(rows, sizes) == want
 
 
 def test_who_computes_whose_rows_reads_for_people():

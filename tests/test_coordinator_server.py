@@ -330,7 +330,7 @@ BAD_QUORUM_REQUESTS = [
                                                      timeout_ms=1000)),
     ("member.num_hosts", pb.QuorumRequest(member=member_proto(num_hosts=2000, ftar_addresses=["h:1"] * 2000),
                                           timeout_ms=1000)),
-    ("member.ftar_addresses", pb.QuorumRequest(member=member_proto(num_hosts=2), timeout_ms=1000)),
+    ("member.catchup_addresses", pb.QuorumRequest(member=member_proto(num_hosts=2), timeout_ms=1000)),
     ("member.ftar_addresses[0]", pb.QuorumRequest(member=member_proto(ftar_addresses=["no-port"]), timeout_ms=1000)),
     ("member", pb.QuorumRequest(timeout_ms=1000)),
     ("timeout_ms", pb.QuorumRequest(member=member_proto(), timeout_ms=0)),

@@ -43,7 +43,7 @@ class FakeQuorums:
         return True
 
     def leave(self, reason):
-        pass
+        self.left = reason
 
     def close(self):
         pass
@@ -173,7 +173,7 @@ def test_a_newcomer_heals_and_replays_the_updates_it_kept(tmp_path):
     p.ask(0, 0, False)
     agreement = p.agree()
     q = agreement.quorum
-    assert agreement.install is None and transport.fetches == [("b-host:2", "a/a-inc", "b", 5)]
+    assert agreement.install is None and transport.fetches == [(["b-host:2"], "a/a-inc", "b", 5)]
     p.healing(q, stale_step=None)
     update, error = p.average(q, None)  # a healing member relays zeros
     assert error is None and p.vote(q, error)
@@ -203,6 +203,39 @@ def test_the_quorum_travels_to_the_other_hosts_as_the_coordinators_message():
     assert decode_quorum(encode_quorum(q)) == q
     for order in (HealOrder(), HealOrder(drop=True, fetch_min_step=3), HealOrder(install=True)):
         assert _decode_agreement(_encode_agreement(q, order)) == (q, order)
+    leave = HealOrder(leave="SIGTERM")  # a leave order carries no quorum
+    assert _decode_agreement(_encode_agreement(None, leave)) == (None, leave)
+
+
+class TwoHosts(OneHost):
+    """The leader of a 2-host replica: what it broadcasts to its other host is kept."""
+
+    hosts = 2
+
+    def __init__(self):
+        self.sent = []
+
+    def broadcast_bytes(self, data):
+        self.sent.append(data)
+        return data
+
+    def allgather(self, obj):
+        return [obj, obj]
+
+
+def test_a_replica_asked_to_leave_asks_no_quorum_and_every_host_leaves_at_the_boundary(tmp_path):
+    a, b = participant("a", 3, 3), participant("b", 3, 3)
+    quorums = FakeQuorums([quorum(1, 3, [a, b], "a")])
+    p = StepProtocol(replica_id="a", incarnation="a-inc", group=TwoHosts(), reducer=FakeReducer(),
+                     transport=FakeTransport(), quorums=quorums, buffer=ReplayBuffer(tmp_path / "r", 8), log=Events())
+    p.ask(3, 3, True)
+    p.leaving = "SIGTERM"  # arrives while a quorum is under way: that step is trained first
+    assert p.agree().quorum.quorum_id == 1
+    p.ask(4, 4, True)
+    assert len(quorums.asked) == 1 and quorums.left == "SIGTERM"  # no request; the coordinator drops us now
+    agreement = p.agree()
+    assert agreement.quorum is None and agreement.leave == "SIGTERM"
+    assert _decode_agreement(p.group.sent[-1]) == (None, HealOrder(leave="SIGTERM"))  # what the other host gets
 
 
 def test_a_failure_report_that_cannot_reach_the_coordinator_is_logged_not_fatal(tmp_path):

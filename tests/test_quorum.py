@@ -231,8 +231,10 @@ BAD_FIELDS = [
     ("member.step", dict(step=-1)),
     ("member.data_position", dict(data_position=-5)),
     ("member.commit_failures", dict(commit_failures=-1)),
-    ("member.num_hosts", dict(ftar_addresses=())),
-    ("member.num_hosts", dict(ftar_addresses=("h:1",) * 1025)),
+    ("member.num_hosts", dict(catchup_addresses=())),
+    ("member.num_hosts", dict(catchup_addresses=("h:1",) * 1025)),
+    ("member.lanes", dict(ftar_addresses=())),
+    ("member.lanes", dict(ftar_addresses=("h:1",) * 1025)),
     ("member.ftar_addresses[1]", dict(ftar_addresses=("h:1", "nohostport"))),
     ("member.ftar_addresses[0]", dict(ftar_addresses=("h:70000",))),
     ("member.ftar_addresses[0]", dict(ftar_addresses=("h" * 300 + ":1",))),
@@ -254,9 +256,13 @@ def test_valid_report_and_ipv6_address_pass():
                          catchup_addresses=("[::1]:5001", "host-2.example:6001")).validate()
 
 
-def test_a_catchup_address_per_host():
-    with pytest.raises(InvalidField, match="member.catchup_addresses: 1 addresses for 2 hosts"):
-        report("a")._replace(ftar_addresses=("h1:5000", "h2:5000")).validate()
+def test_each_host_serves_the_same_number_of_lanes():
+    two_hosts = ("h1:5001", "h2:5001")
+    with pytest.raises(InvalidField, match="member.ftar_addresses: 3 lanes for 2 hosts"):
+        report("a")._replace(ftar_addresses=("h1:5000", "h2:5000", "h3:5000"), catchup_addresses=two_hosts).validate()
+    # a reduced-degree replica: one host serves both lanes of a job of 2-host replicas
+    report("a")._replace(ftar_addresses=("h1:5000", "h1:5002"), catchup_addresses=("h1:5001",)).validate()
+    report("a")._replace(ftar_addresses=("h1:5000", "h2:5000"), catchup_addresses=two_hosts).validate()
 
 
 def test_settings_are_checked():

@@ -45,8 +45,9 @@ class _Job:
 
     def __init__(self, root, replicas):
         self.root, self.replicas = root, replicas
-        self.cfg = SimpleNamespace(steps=10_000, ft=SimpleNamespace(ftar_timeout_s=T / 2))
-        self.hosts = {}
+        self.cfg = SimpleNamespace(steps=10_000, mesh=SimpleNamespace(hosts=1), ft=SimpleNamespace(ftar_timeout_s=T / 2, on_host_loss="restart",
+                                                                  reduced_min_fraction=0.5))
+        self.hosts, self.placement = {}, {}
 
     def replica_dir(self, r):
         return self.root / f"replica-{r}"
@@ -123,3 +124,19 @@ def test_a_restarted_replicas_row_starts_empty(tmp_path):
     supervisor._start(1)
     assert (s.step, s.loss, s.participants, s.incarnation) == (0, None, 0, 1)
     assert supervisor.job_view()["step"] == 5  # the job's step is its other replica's
+
+
+@pytest.mark.parametrize("hosts, up, min_fraction, live", [
+    (2, 1, 0.5, 1),    # issue 18's case: a 2-host replica goes on with its surviving host
+    (2, 1, 0.75, None),  # below the minimum fraction: it waits to restart whole
+    (2, 2, 0.5, None),  # every host up: nothing to reduce
+    (4, 3, 0.5, 2),    # 3 hosts up: the largest divisor of 4 they cover (each host serves 2 lanes)
+    (4, 1, 0.5, None),  # 1 of 4 is below half
+    (4, 1, 0.25, 1),
+    (6, 5, 0.5, 3),
+    (3, 2, 0.3, 1),    # 2 does not divide 3: one host serves all three lanes
+    (1, 0, 0.0, None),  # nothing up
+])
+def test_reduced_degree_is_the_largest_divisor_the_surviving_hosts_cover(hosts, up, min_fraction, live):
+    from ftjax.launch.supervisor import reduced_degree
+    assert reduced_degree(hosts, up, min_fraction) == live

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from ftjax.launch.summary import load_run, median_step, warm_time
 from ftjax.launch.supervisor import BandwidthCap, FaultPlan, Partition, parse_bandwidth, parse_partition
 
 from conftest import FTJAX, REPO, need_namespaces
@@ -192,6 +193,54 @@ def test_one_host_of_a_replica_killed_at_step_30_on_a_virtual_cluster(launch, na
     _check_no_leftovers(run)
     assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
     assert s["max_healthy_stall_s"] <= 1.5 * s["median_step_s"] + 0.5, s
+
+
+@pytest.mark.slow
+def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_whole(launch, namespaces):
+    """Issue 18: 2 replicas x 2 hosts, constant global batch, `ft.on_host_loss: reduce`. Host 1 of
+    replica 1 is killed at step 30 and not repaired for 20 s: replica 1 goes on as a 1-host replica
+    within seconds (its surviving host serves both gradient lanes and computes a quarter of the
+    step's rows); replica 0 never stalls more than 1.5 x its median step + 0.5 s (a stall: a gap
+    less the rows it computed for replica 1, see ftjax/launch/summary.py); the host returns, replica 1
+    leaves at a step boundary and comes back with 2 hosts; both end bitwise equal, every row of every
+    step exactly once."""
+    run = launch("--virtual-cluster", "--replicas", "2", "--hosts-per-replica", "2", "--kill-host", "1@30:1",
+                 "--host-repair-s", "20", "ft.global_batch=constant", "ft.on_host_loss=reduce", "steps=160")
+    code = run.wait(timeout=600)
+    s = run.summary()
+    assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
+    down, = _events(run, "replica_down", replica=1, cause="kill_host")
+    reduced, = _events(run, "replica_started", replica=1, reduced=True)
+    assert reduced["hosts"] == [0] and len(reduced["pids"]) == 1
+    assert reduced["time"] - down["time"] < 5.0  # at once on the surviving host: no wait for the repair
+    rejoins = _events(run, "rejoined", replica=1)
+    assert len(rejoins) == 2, rejoins  # reduced, then whole
+    assert rejoins[0]["time"] - down["time"] < 60.0  # start + compile + catch-up on a busy 2-core machine
+    # the reduced incarnation trained: its steps computed a quarter of the rows (1 of 4 devices)
+    reduced_steps = [m for m in run.metrics(1) if m.get("committed") and m.get("work")
+                     and m["time"] > rejoins[0]["time"] and m["time"] < _events(run, "host_back")[0]["time"]]
+    assert reduced_steps, "the reduced replica committed no step of its own"
+    for m in reduced_steps:
+        mine = sum(b - a for who, _, a, b in m["work"] if who == 1)
+        assert mine in (0, 4), m["work"]  # 4 of the step's 16 rows (0: a step it healed into)
+    assert any(sum(b - a for who, _, a, b in m["work"] if who == 1) == 4 for m in reduced_steps)
+    # back at full degree: a 2-host incarnation, started after the reduced one left, trains to the end
+    left, = _events(run, "replica_down", replica=1, cause="left")
+    assert left["codes"] == [76]  # EXIT_LEFT: it left at a step boundary when asked
+    whole = _events(run, "replica_started", replica=1, reduced=False)[-1]
+    assert whole["hosts"] == [0, 1] and whole["time"] >= left["time"] and rejoins[1]["time"] > whole["time"]
+    last = [m for m in run.metrics(1) if m.get("committed") and m.get("work")][-1]
+    assert last["step"] == 160 and sum(b - a for who, _, a, b in last["work"] if who == 1) == 8
+    assert s["replicas"]["0"]["restarts"] == 0
+    # replica 0's stalls while replica 1 goes reduced and trains reduced, to the host's return. (The
+    # whole incarnation's join afterwards is a restart's join, issue 14's test; on a 2-core machine
+    # its catch-up competes with replica 0 for cores and can exceed the bound: docs/design.md.)
+    median, gaps = median_step(load_run(run.run_dir), warm_time(load_run(run.run_dir)))
+    back = _events(run, "host_back")[0]["time"]
+    during = [(t, stall) for t, _, stall in gaps if down["time"] <= t <= back]
+    assert len(during) >= 20 and round(median, 4) == s["median_step_s"]
+    assert max(stall for _, stall in during) <= 1.5 * median + 0.5, (during, s)
+    _check_no_leftovers(run)
 
 
 @pytest.mark.slow

@@ -70,16 +70,17 @@ class MemberInfo:
 
     replica_id: str
     incarnation: str
-    num_hosts: int
-    ftar_addresses: tuple[str, ...]
+    num_hosts: int  # the hosts it runs on now (fewer than the job's in a reduced-degree replica)
+    ftar_addresses: tuple[str, ...]  # one per gradient lane (ftjax/lanes.py): the job's mesh.hosts
     catchup_addresses: tuple[str, ...]  # one per host rank: where host h serves its part of the state
     topology_fingerprint: str
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ftar_addresses", tuple(self.ftar_addresses))
         object.__setattr__(self, "catchup_addresses", tuple(self.catchup_addresses))
-        if len(self.ftar_addresses) != self.num_hosts:
-            raise ValueError(f"ftar_addresses: {len(self.ftar_addresses)} addresses for num_hosts={self.num_hosts}")
+        if len(self.catchup_addresses) != self.num_hosts or len(self.ftar_addresses) % self.num_hosts:
+            raise ValueError(f"{len(self.catchup_addresses)} catch-up and {len(self.ftar_addresses)} FTAR addresses for "
+                             f"num_hosts={self.num_hosts} (one per host; one per lane, a multiple of the hosts)")
         MemberReport(self.replica_id, self.incarnation, ftar_addresses=self.ftar_addresses,
                      catchup_addresses=self.catchup_addresses,
                      topology_fingerprint=self.topology_fingerprint).validate("member_info")

@@ -108,8 +108,8 @@ class MemberReport(NamedTuple):
     step: int = 0
     data_position: int = 0
     has_state: bool = True
-    ftar_addresses: tuple[str, ...] = ()
-    catchup_addresses: tuple[str, ...] = ()  # one per host rank, like ftar_addresses
+    ftar_addresses: tuple[str, ...] = ()  # one per gradient lane (the job's mesh.hosts)
+    catchup_addresses: tuple[str, ...] = ()  # one per host rank (fewer in a reduced-degree replica)
     topology_fingerprint: str = ""
     commit_failures: int = 0
     known_quorum_id: int = 0  # the quorum id whose membership the member holds (0: none)
@@ -132,12 +132,13 @@ class MemberReport(NamedTuple):
             return
         check_id(f"{prefix}.replica_id", self.replica_id)
         check_id(f"{prefix}.incarnation", self.incarnation)
-        check_int(f"{prefix}.num_hosts", len(self.ftar_addresses), 1, MAX_HOSTS)
+        check_int(f"{prefix}.num_hosts", len(self.catchup_addresses), 1, MAX_HOSTS)
+        check_int(f"{prefix}.lanes", len(self.ftar_addresses), 1, MAX_HOSTS)
         for i, address in enumerate(self.ftar_addresses):
             check_address(f"{prefix}.ftar_addresses[{i}]", address)
-        if len(self.catchup_addresses) != len(self.ftar_addresses):
-            raise InvalidField(f"{prefix}.catchup_addresses",
-                               f"{len(self.catchup_addresses)} addresses for {len(self.ftar_addresses)} hosts")
+        if len(self.ftar_addresses) % len(self.catchup_addresses):
+            raise InvalidField(f"{prefix}.ftar_addresses", f"{len(self.ftar_addresses)} lanes for "
+                               f"{len(self.catchup_addresses)} hosts: each host serves the same number of lanes")
         for i, address in enumerate(self.catchup_addresses):
             check_address(f"{prefix}.catchup_addresses[{i}]", address)
         check_text(f"{prefix}.topology_fingerprint", self.topology_fingerprint)

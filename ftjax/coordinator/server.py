@@ -82,9 +82,9 @@ class MemberDecoder:
     def __call__(self, member: pb.Member, known_quorum_id: int = 0, prefix: str = "member") -> MemberReport:
         """Raise InvalidField naming the bad field."""
         check_int(f"{prefix}.num_hosts", member.num_hosts, 1, MAX_HOSTS)
-        if len(member.ftar_addresses) != member.num_hosts:
-            raise InvalidField(f"{prefix}.ftar_addresses",
-                               f"{len(member.ftar_addresses)} addresses for num_hosts={member.num_hosts}")
+        if len(member.catchup_addresses) != member.num_hosts:
+            raise InvalidField(f"{prefix}.catchup_addresses",
+                               f"{len(member.catchup_addresses)} addresses for num_hosts={member.num_hosts}")
         report = MemberReport(
             member.replica_id, member.incarnation, member.step, member.data_position, member.has_state,
             tuple(member.ftar_addresses), tuple(member.catchup_addresses), member.topology_fingerprint,

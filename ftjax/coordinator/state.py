@@ -583,7 +583,7 @@ class CoordinatorState:
                 return {
                     "replica_id": r.replica_id, "incarnation": r.incarnation, "step": r.step,
                     "data_position": max(r.data_position, self.ledger.position(r.replica_id)),
-                    "has_state": r.has_state, "num_hosts": len(r.ftar_addresses),
+                    "has_state": r.has_state, "num_hosts": len(r.catchup_addresses),
                     "heartbeat_age_s": round(now - m.last_seen, 3), "alive": alive,
                     "requesting": m.requested_at is not None, "suspected": m.suspected_at is not None,
                     "departed_because": why,

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replica R SIGKILLs itself at STEP in PHASE: forward (default) | ftar | commit | catchup "
                         "(catchup: killed at STEP, then killed again while its new incarnation catches up)")
     f.add_argument("--kill-host", action="append", default=[], metavar="R@STEP:HOST",
-                   help="only host HOST of replica R dies at STEP; the whole replica restarts")
+                   help="only host HOST of replica R dies at STEP; the whole replica restarts, or with "
+                        "ft.on_host_loss=reduce its other hosts go on as a reduced-degree replica")
     f.add_argument("--mtbf-s", type=float, default=None, metavar="S",
                    help="random whole-replica kills, exponential intervals of mean S seconds")
     f.add_argument("--seed", type=int, default=0, help="seed of the random kills (default 0)")
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("supervision")
     s.add_argument("--restart-delay-s", type=float, default=1.0, help="delay before a dead replica restarts (1.0)")
     s.add_argument("--max-restarts", type=int, default=10, help="per replica; one more failure ends the job (10)")
+    s.add_argument("--host-repair-s", type=float, default=None, metavar="S",
+                   help="a host whose process died (--kill-host, a crash of one host) is back S seconds later: "
+                        "its replica restarts whole then, or goes on reduced meanwhile with "
+                        "ft.on_host_loss=reduce (default: back at once, with the restart)")
     s.add_argument("--hang-timeout-s", type=float, default=None,
                    help="silence that makes a replica hung while peers train (default: 2 x ft.ftar_timeout_s)")
     s.add_argument("--startup-timeout-s", type=float, default=300.0, help="first step of an incarnation due within (300)")
@@ -100,6 +105,7 @@ def check_options(args: argparse.Namespace) -> None:
     try:
         check_seconds("--restart-delay-s", args.restart_delay_s)
         for flag, value in (("--mtbf-s", args.mtbf_s), ("--hang-timeout-s", args.hang_timeout_s),
+                            ("--host-repair-s", args.host_repair_s),
                             ("--startup-timeout-s", args.startup_timeout_s), ("--timeout-s", args.timeout_s)):
             if value is not None:  # None: the default, derived from the config
                 check_seconds(flag, value, positive=True)
@@ -266,12 +272,13 @@ def run(args: argparse.Namespace, cfg: Config, overrides: list[str], replicas: i
             log = RunLog(out / "launcher.jsonl", listener=view.event)
             log.event("launch", config=args.config, overrides=overrides, out=str(out), replicas=replicas,
                       hosts=cfg.mesh.hosts, devices=cfg.mesh.devices_per_host, steps=cfg.steps,
-                      restart_delay_s=args.restart_delay_s, faults=asdict(plan),
+                      restart_delay_s=args.restart_delay_s, host_repair_s=args.host_repair_s, faults=asdict(plan),
                       virtual_cluster=None if cluster is None else
                       {name: {"address": h.ipv4, "netns": h.netns} for name, h in cluster.hosts.items()})
             supervisor = Supervisor(job, plan, log, restart_delay_s=args.restart_delay_s,
                                     hang_timeout_s=args.hang_timeout_s, startup_timeout_s=args.startup_timeout_s,
-                                    max_restarts=args.max_restarts, timeout_s=args.timeout_s, on_poll=view.poll)
+                                    max_restarts=args.max_restarts, timeout_s=args.timeout_s, on_poll=view.poll,
+                                    host_repair_s=args.host_repair_s)
             view.start()
             code = 0 if supervisor.run() else 1
         except LaunchError as e:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -67,7 +68,8 @@ class LocalJob:
         self.coordinator: subprocess.Popen | None = None
         self.coordinator_address: str | None = None
         self.coordinator_http: str | None = None
-        self.hosts: dict[int, list[subprocess.Popen]] = {}
+        self.hosts: dict[int, list[subprocess.Popen]] = {}  # replica -> its processes, by process id
+        self.placement: dict[int, list[int]] = {}  # replica -> the host each of its processes runs on
         self.incarnations: dict[int, int] = {}
         self.cluster = cluster  # a virtual cluster (every process on a host of its own), or None: this machine
 
@@ -128,32 +130,42 @@ class LocalJob:
         return self.out / f"replica-{r}"
 
     def start_replica(self, r: int, *, die_at: str | None = None, die_host: int = 0,
-                      extra_args: list[str] | None = None) -> list[subprocess.Popen]:
-        """Start replica r's H host processes (a new incarnation)."""
+                      extra_args: list[str] | None = None, on_hosts: list[int] | None = None) -> list[subprocess.Popen]:
+        """Start replica r's host processes (a new incarnation): one on each of its H hosts, or on
+        `on_hosts` only, a reduced-degree replica (`mesh.live_hosts`, docs/design.md). Process i
+        runs on host `on_hosts[i]`; `die_host` names a process."""
         if self.coordinator_address is None:
             raise RuntimeError("start the coordinator first")
         hosts = self.cfg.mesh.hosts
+        on_hosts = list(range(hosts)) if on_hosts is None else list(on_hosts)
+        reduced = [f"mesh.live_hosts={len(on_hosts)}"] if len(on_hosts) < hosts else []
         rdir = self.replica_dir(r)
         rdir.mkdir(parents=True, exist_ok=True)
-        # the replica's jax.distributed service: on its host 0
-        leader = self.cluster.address(host_name(r, 0)) if self.cluster is not None else "127.0.0.1"
-        dist = ["--dist-address", format_address(leader, free_port())] if hosts > 1 else []
+        # the replica's jax.distributed service: on its process 0
+        leader = self.cluster.address(host_name(r, on_hosts[0])) if self.cluster is not None else "127.0.0.1"
+        dist = ["--dist-address", format_address(leader, free_port())] if len(on_hosts) > 1 else []
         self.incarnations[r] = self.incarnations.get(r, 0) + 1
         children = []
-        for h in range(hosts):
-            args = [sys.executable, "-m", "ftjax", "train", self.config_path, *self.overrides,
+        for i, h in enumerate(on_hosts):
+            args = [sys.executable, "-m", "ftjax", "train", self.config_path, *self.overrides, *reduced,
                     "--out", str(rdir), "--replica-id", str(r), "--coordinator", self.coordinator_address,
-                    "--num-processes", str(hosts), "--process-id", str(h), *dist, *(extra_args or [])]
-            if die_at and h == die_host:
+                    "--num-processes", str(hosts), "--process-id", str(i), *dist, *(extra_args or [])]
+            if die_at and i == die_host:
                 args += ["--die-at", die_at]
             log = open(rdir / f"host-{h}.log", "a")
-            log.write(f"--- incarnation {self.incarnations[r]} host {h} at {time.time():.3f}\n")
+            log.write(f"--- incarnation {self.incarnations[r]} host {h} (process {i} of {len(on_hosts)}) "
+                      f"at {time.time():.3f}\n")
             log.flush()
             children.append(self.procs.start(self._on(host_name(r, h), args), env=self.env,
                                              device_count=self.cfg.mesh.devices_per_host, stdout=log,
                                              stderr=subprocess.STDOUT))
-        self.hosts[r] = children
+        self.hosts[r], self.placement[r] = children, on_hosts
         return children
+
+    def terminate_replica(self, r: int) -> None:
+        """SIGTERM every process of replica r: it leaves the job at its next step boundary."""
+        for p in self.hosts.get(r, []):
+            self.procs.kill(p, signal.SIGTERM)
 
     def replica_exit_codes(self, r: int) -> list[int | None]:
         return [p.poll() for p in self.hosts.get(r, [])]

@@ -13,8 +13,12 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   run, or a fault was aimed at it: a `--hang` stop shorter than the hang timeout is never detected
   nor killed, yet the gap it leaves is the replica's own freeze, not a wait for a peer.
   `median_step_s` is the median of the gaps of the replicas that never failed (of all replicas
-  when every one failed); `max_healthy_stall_s` the largest gap of a replica that never failed
-  (null when every one failed): how long a failure elsewhere made a healthy replica wait.
+  when every one failed); `max_healthy_stall_s` the largest stall of a replica that never failed
+  (null when every one failed): how long a failure elsewhere made a healthy replica wait. A stall
+  is a gap, less the time its step spent computing rows of other replicas' batches (a constant
+  global batch: the survivors compute an absent peer's rows, `work`), counted at the median rate
+  of one batch (median_step_s / the batch's rows): that is work, not waiting. In an elastic run
+  a stall is the gap. `max_healthy_gap_s` is the largest gap itself.
 - **timeline**: each replica's lifecycle segments (`ftjax.lifecycle`, the fold the launcher's live
   view uses too) over its records and the launcher's events about it: `starting` (process started,
   no own step yet), `training`, `stalled` (a gap between its own steps that breaks the stall rule:
@@ -155,22 +159,40 @@ def failed_replicas(run: Run) -> set[int]:
             if e[EVENT] in (L.REPLICA_DOWN, L.HANG_DETECTED) or (e[EVENT] == L.FAULT and REPLICA in e)}
 
 
-def step_gaps(run: Run, r: int, t_warm: float) -> list[float]:
-    """Gaps between consecutive committed steps of one incarnation of replica r, after warm-up."""
+def step_gaps(run: Run, r: int, t_warm: float) -> list[tuple[float, float, int]]:
+    """Gaps between consecutive committed steps of one incarnation of replica r, after warm-up: (the
+    later step's time, the gap, the rows of other replicas' batches r computed in that step:
+    a survivor computes an absent peer's rows with a constant global batch; 0 in an elastic run)."""
     gaps = []
     for inc in run.incarnations(r):
-        times = [s[TIME] for s in _steps(inc.records) if s.get(F.COMMITTED) and s[TIME] >= t_warm]
-        gaps += [b - a for a, b in zip(times, times[1:])]
+        steps = [s for s in _steps(inc.records) if s.get(F.COMMITTED) and s[TIME] >= t_warm]
+        gaps += [(b[TIME], b[TIME] - a[TIME], taken_over(b, r)) for a, b in zip(steps, steps[1:])]
     return gaps
 
 
-def median_step(run: Run, t_warm: float | None) -> tuple[float | None, list[float]]:
-    """`median_step_s` (None: no gap) and the gaps of the replicas that never failed (see the module
-    docstring)."""
+def taken_over(step: dict, r: int) -> int:
+    """Rows of other replicas' batches that replica r computed in this step record."""
+    return sum(int(b) - int(a) for who, stream, a, b in step.get("work") or () if who == r and stream != r)
+
+
+def median_step(run: Run, t_warm: float | None) -> tuple[float | None, list[tuple[float, float, float]]]:
+    """`median_step_s` (None: no gap) and the gaps of the replicas that never failed, each as (the
+    time it ended, the gap, the stall: the gap less the time to compute the rows taken over from
+    other replicas at the median rate); see the module docstring."""
     healthy = [r for r in range(run.replicas) if r not in failed_replicas(run)]
     gaps = {r: step_gaps(run, r, t_warm) if t_warm is not None else [] for r in range(run.replicas)}
-    pool = [g for r in (healthy or range(run.replicas)) for g in gaps[r]]
-    return (statistics.median(pool) if pool else None), [g for r in healthy for g in gaps[r]]
+    pool = [g for r in (healthy or range(run.replicas)) for _, g, _ in gaps[r]]
+    if not pool:
+        return None, []
+    median = statistics.median(pool)
+    per_row = median / batch_rows(run) if batch_rows(run) else 0.0
+    return median, [(t, g, g - extra * per_row) for r in healthy for t, g, extra in gaps[r]]
+
+
+def batch_rows(run: Run) -> int:
+    """Rows of one replica's batch, from the steps' `work` (0: an elastic run records none)."""
+    return max((int(b) for r in range(run.replicas) for s in _steps(run.metrics[r])
+                for _, _, _, b in s.get("work") or ()), default=0)
 
 
 def exactly_once(run: Run, r: int) -> tuple[bool, str]:
@@ -303,7 +325,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
     """The summary of a run directory (see the module docstring for every definition)."""
     run = load_run(run_dir)
     t_warm = warm_time(run)
-    median_s, healthy_gaps = median_step(run, t_warm)
+    median_s, healthy = median_step(run, t_warm)
     committed_times = [s[TIME] for r in range(run.replicas) for s in _steps(run.metrics[r]) if s.get(F.COMMITTED)]
     t_end = max(committed_times) if committed_times else run.end
     segments = timeline(run, median_s)
@@ -365,7 +387,8 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "partitions": partitions(run),
         "ettr": round(ettr_value, 4) if ettr_value is not None else None,
         "median_step_s": round(median_s, 4) if median_s is not None else None,
-        "max_healthy_stall_s": round(max(healthy_gaps), 4) if healthy_gaps else None,
+        "max_healthy_stall_s": round(max(stall for _, _, stall in healthy), 4) if healthy else None,
+        "max_healthy_gap_s": round(max(gap for _, gap, _ in healthy), 4) if healthy else None,
         "final_loss": round(loss, 5) if loss is not None else None,
         "digests_equal": len(set(digests)) == 1 and None not in digests,
         "digests_missing": [rid for rid, rec in replicas.items() if rec["param_digest"] is None],

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from ftjax.batches import for_others
-from ftjax.events import EVENT, REPLICA, TIME, LauncherEvent as L, ReplicaEvent as E, StepField as F
+from ftjax.events import EVENT, EXIT_LEFT, REPLICA, TIME, LauncherEvent as L, ReplicaEvent as E, StepField as F
 from ftjax.events import is_own_step, is_step
 from ftjax.faults import PHASES, parse_step_phase
 from ftjax.jsonl import parse_jsonl
@@ -318,6 +318,10 @@ class ReplicaStatus:
     quiet_until: float | None = None  # the hang rule counts its silence from here (see _restore_links)
     gaps: deque = field(default_factory=lambda: deque(maxlen=50))
     recent_steps: deque = field(default_factory=deque)  # its step times of the last hang_timeout_s
+    on_hosts: list[int] | None = None  # the hosts its incarnation runs on (None: all; fewer: reduced degree)
+    restart_on: list[int] | None = None  # the hosts its next incarnation runs on (None: all)
+    hosts_down: dict[int, float] = field(default_factory=dict)  # host -> when it is back (--host-repair-s)
+    leaving_since: float | None = None  # SIGTERMed to come back at full degree: it leaves at a step boundary
 
     @property
     def alive(self) -> bool:
@@ -326,6 +330,14 @@ class ReplicaStatus:
     def feed(self, record: dict) -> None:
         """The next record of its lifecycle: one of its own, or a launcher event about it."""
         self.state = self.lifecycle.feed(record)
+
+
+def reduced_degree(hosts: int, up: int, min_fraction: float) -> int | None:
+    """The hosts a reduced-degree replica runs on when `up` of its `hosts` are up: the largest
+    divisor of `hosts` (each live host serves whole gradient lanes, ftjax/lanes.py) that they cover,
+    if it is at least `min_fraction` of `hosts`; else None (the replica waits to restart whole)."""
+    fits = [d for d in range(1, up + 1) if hosts % d == 0 and d >= min_fraction * hosts - 1e-9]
+    return max(fits) if fits and up < hosts else None
 
 
 def is_hung(now: float, last: float | None, peers_steps: list[Sequence[float]], timeout_s: float) -> bool:
@@ -364,9 +376,13 @@ class Supervisor:
 
     def __init__(self, job: LocalJob, plan: FaultPlan, log: RunLog, *, restart_delay_s: float = 1.0,
                  hang_timeout_s: float | None = None, startup_timeout_s: float = 300.0, max_restarts: int = 10,
-                 timeout_s: float = 3600.0, on_poll: Callable[[list[ReplicaStatus], dict], None] | None = None):
+                 timeout_s: float = 3600.0, on_poll: Callable[[list[ReplicaStatus], dict], None] | None = None,
+                 host_repair_s: float | None = None):
         self.job, self.plan, self.log = job, plan, log
         self.restart_delay_s = restart_delay_s
+        # a host whose process died is back after this (None: at once, with the replica's restart)
+        self.host_repair_s = host_repair_s
+        self.reduce = job.cfg.ft.on_host_loss == "reduce"
         # A hung peer blocks the others for up to one FTAR timeout; after that they move on.
         self.hang_timeout_s = hang_timeout_s if hang_timeout_s is not None else 2 * job.cfg.ft.ftar_timeout_s
         self.startup_timeout_s = startup_timeout_s
@@ -408,6 +424,7 @@ class Supervisor:
             self._check_coordinator(now)
             self._check_replicas(now)
             self._fire_faults(now)
+            self._hosts_back(now)
             self._restart_due(now)
             if self.on_poll is not None:
                 self.on_poll(self.status, self.job_view())
@@ -445,7 +462,10 @@ class Supervisor:
     def _start(self, r: int) -> None:
         s = self.status[r]
         inj = self.pending[r][0] if self.pending[r] else None
-        procs = self.job.start_replica(r, die_at=inj.die_at if inj else None, die_host=inj.host if inj else 0)
+        on_hosts, s.restart_on = s.restart_on, None
+        procs = self.job.start_replica(r, die_at=inj.die_at if inj else None, die_host=inj.host if inj else 0,
+                                       on_hosts=on_hosts)
+        s.on_hosts, s.leaving_since = on_hosts, None
         s.incarnation += 1
         s.started_at, s.restart_at = time.time(), None
         s.last_record = s.last_step = None
@@ -454,7 +474,8 @@ class Supervisor:
         s.gaps.clear()
         s.recent_steps.clear()
         self._log(L.REPLICA_STARTED, replica=r, incarnation=s.incarnation, pids=[p.pid for p in procs],
-                  die_at=inj.die_at if inj else None, die_host=inj.host if inj else None)
+                  die_at=inj.die_at if inj else None, die_host=inj.host if inj else None,
+                  hosts=on_hosts or list(range(self.job.cfg.mesh.hosts)), reduced=on_hosts is not None)
 
     def _kill(self, r: int, kind: str) -> None:
         self.status[r].killed_as = kind
@@ -467,25 +488,63 @@ class Supervisor:
             p.wait(10)
         self._consume(r, self.tails[r].read(), now)  # what the incarnation wrote before it died
         codes = [p.returncode for p in self.job.hosts.get(r, [])]
-        inj, cause = s.injection, s.killed_as
-        if cause is None:
+        placement = self.job.placement.get(r, list(range(len(codes))))
+        inj, cause, dead_host = s.injection, s.killed_as, None
+        if cause is None and s.leaving_since is not None and all(c in (0, EXIT_LEFT) for c in codes):
+            cause = "left"  # asked to (the host it lacked is back): it returns at full degree
+        elif cause is None:
             dead = [h for h, c in enumerate(codes) if c not in (0, -signal.SIGKILL)]
             if inj is not None and codes[inj.host] == -signal.SIGKILL:
                 cause = inj.kind
                 self.pending[r].pop(0)
                 s.kill_on_catchup = inj.phase == "catchup"
+                dead_host = placement[inj.host] if inj.kind == "kill_host" else None
             elif dead:
-                cause = f"crash (host {dead[0]} exit {codes[dead[0]]})"
+                cause = f"crash (host {placement[dead[0]]} exit {codes[dead[0]]})"
+                dead_host = placement[dead[0]] if len(dead) < len(codes) else None
             else:
                 cause = "killed (SIGKILL from outside)"
-        s.restarts += 1
+        if cause != "left":
+            s.restarts += 1
         self._log(L.REPLICA_DOWN, replica=r, incarnation=s.incarnation, cause=cause, codes=codes,
                   step=s.step, at=inj.die_at if cause in ("kill", "kill_host") and inj else None,
-                  host=inj.host if cause == "kill_host" and inj else None)
+                  host=dead_host)
         if s.restarts > self.max_restarts:
             raise LaunchError(f"replica {r} failed {s.restarts} times (--max-restarts {self.max_restarts}); "
                               f"see {self.job.replica_dir(r)}")
-        s.restart_at = now + self.restart_delay_s
+        if dead_host is not None and self.host_repair_s is not None:
+            s.hosts_down[dead_host] = now + self.host_repair_s
+        self._plan_restart(s, now, left=cause == "left")
+
+    def _plan_restart(self, s: ReplicaStatus, now: float, left: bool = False) -> None:
+        """When and on which hosts replica `s` starts again: at once on the hosts that are up, at a
+        reduced degree, when `ft.on_host_loss` is reduce and enough are (the largest divisor of
+        mesh.hosts that they cover, at least `ft.reduced_min_fraction` of it); else whole, once
+        every host is back and `restart_delay_s` has passed. A replica that left to come back at
+        full degree starts at once."""
+        hosts = self.job.cfg.mesh.hosts
+        up = [h for h in range(hosts) if h not in s.hosts_down]
+        live = reduced_degree(hosts, len(up), self.job.cfg.ft.reduced_min_fraction) if self.reduce else None
+        if s.hosts_down and live is not None:
+            s.restart_at, s.restart_on = now, up[:live]
+        else:
+            s.restart_at = now if left else max([now + self.restart_delay_s, *s.hosts_down.values()])
+
+    def _hosts_back(self, now: float) -> None:
+        """Repaired hosts return; a reduced replica whose hosts are all back is asked to leave at a
+        step boundary (SIGTERM) and starts again whole (killed if it does not leave in time)."""
+        for s in self.status:
+            for h in [h for h, t in s.hosts_down.items() if t <= now]:
+                del s.hosts_down[h]
+                self._log(L.HOST_BACK, replica=s.replica, host=h)
+            if s.on_hosts is None or s.hosts_down or not s.alive:
+                continue
+            if s.leaving_since is None and s.state is Phase.TRAINING:
+                s.leaving_since = now
+                self._log(L.BACK_TO_FULL_DEGREE, replica=s.replica, hosts=s.on_hosts)
+                self.job.terminate_replica(s.replica)
+            elif s.leaving_since is not None and now - s.leaving_since > self.job.cfg.ft.progress_timeout_s:
+                self._kill(s.replica, "did not leave")
 
     def _restart_due(self, now: float) -> None:
         for s in self.status:

@@ -1,0 +1,83 @@
+"""`ftjax bench reduced CONFIG`: the step rate of a reduced-degree replica against the same replica
+at full degree, same machine, same rows per step (docs/design.md, "Reduced-degree replicas").
+
+Two one-replica jobs with a constant global batch, one after the other: (a) the replica on all its
+`--hosts` hosts; (b) the same replica on `--live` of them (`mesh.live_hosts`, as the launcher
+restarts it after a host loss), each live host serving hosts/live gradient lanes. A one-replica
+job has no peer to hand rows to: (b) computes the whole batch, on fewer devices, so the two step
+times compare the same work. Prints one JSON line: both median steps, `fraction` F = live/hosts of
+the devices alive, `throughput` T = full step / reduced step (the reduced replica's step rate as
+a fraction of the full one's), `efficiency` = T / F (1: linear), and `curve` "F:T" for
+`ftjax simulate --reduced-curve`. On a CPU machine with fewer cores than hosts, the full replica's
+processes share cores and T overstates what separate machines would give: see `cores` in the line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from ftjax.config import ConfigError, load_config
+from ftjax.launch.job import LocalJob
+from ftjax.metrics import read_metrics
+from ftjax.procs import ProcessGroup
+
+
+def run(config: str, overrides: list[str], out: Path, live: int | None, timeout: float, warmup: int) -> float:
+    """Median step time of one one-replica job, on `live` of its hosts (None: all)."""
+    with ProcessGroup() as procs:
+        job = LocalJob(config, overrides, out, replicas=1, procs=procs)
+        job.start_coordinator()
+        job.start_replica(0, on_hosts=None if live is None else list(range(live)))
+        codes = job.wait(timeout=timeout)
+        if any(c != 0 for cs in codes.values() for c in cs):
+            raise RuntimeError(f"{out.name} run failed {codes}:\n{job.log_tail(0)}")
+    times = [r["step_time_s"] for r in read_metrics(job.replica_dir(0) / "metrics.jsonl")
+             if r.get("committed") and r["step"] > warmup]
+    if len(times) < 3:
+        raise RuntimeError(f"{out}: too few steps after the {warmup} warm-up steps")
+    return statistics.median(times)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ftjax bench reduced", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", default="tiny")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--hosts", type=int, default=2, help="hosts of the full replica (2)")
+    p.add_argument("--live", type=int, default=None, help="hosts of the reduced one (default: hosts / 2)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
+    p.add_argument("--timeout", type=float, default=540.0)
+    args = p.parse_intermixed_args(argv)
+    live = args.live if args.live is not None else args.hosts // 2
+    if args.steps <= args.warmup + 3:
+        p.error("--steps must exceed --warmup + 3")
+    overrides = [*args.overrides, f"steps={args.steps}", f"mesh.hosts={args.hosts}", "ft.global_batch=constant",
+                 "ft.digest_every=0", "checkpoint.every=0"]
+    try:
+        load_config(args.config, [*overrides, "ft.replicas=1", f"mesh.live_hosts={live}"])
+    except ConfigError as e:
+        print(f"ftjax bench reduced: config error: {e}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="ftjax-bench-reduced-") as tmp:
+        out = Path(args.out or tmp)
+        full = run(args.config, overrides, out / "full", None, args.timeout, args.warmup)
+        reduced = run(args.config, overrides, out / "reduced", live, args.timeout, args.warmup)
+    fraction, throughput = live / args.hosts, full / reduced
+    print(json.dumps({"bench": "reduced", "config": args.config, "overrides": args.overrides, "hosts": args.hosts,
+                      "live_hosts": live, "cores": os.cpu_count(), "steps": args.steps, "warmup": args.warmup,
+                      "full_step_s": round(full, 5), "reduced_step_s": round(reduced, 5),
+                      "fraction": fraction, "throughput": round(throughput, 4),
+                      "efficiency": round(throughput / fraction, 4), "curve": f"{fraction:g}:{throughput:.3f}"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
