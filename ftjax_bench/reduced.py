@@ -1,15 +1,22 @@
 """`ftjax bench reduced CONFIG`: the step rate of a reduced-degree replica against the same replica
 at full degree, same machine, same rows per step (docs/design.md, "Reduced-degree replicas").
 
-Two one-replica jobs with a constant global batch, one after the other: (a) the replica on all its
-`--hosts` hosts; (b) the same replica on `--live` of them (`mesh.live_hosts`, as the launcher
-restarts it after a host loss), each live host serving hosts/live gradient lanes. A one-replica
-job has no peer to hand rows to: (b) computes the whole batch, on fewer devices, so the two step
-times compare the same work. Prints one JSON line: both median steps, `fraction` F = live/hosts of
-the devices alive, `throughput` T = full step / reduced step (the reduced replica's step rate as
-a fraction of the full one's), `efficiency` = T / F (1: linear), and `curve` "F:T" for
-`ftjax simulate --reduced-curve`. On a CPU machine with fewer cores than hosts, the full replica's
-processes share cores and T overstates what separate machines would give: see `cores` in the line.
+Three one-replica jobs with a constant global batch, one after the other, the same rows per step:
+(a) the replica on all its `--hosts` hosts; (b) the same replica on `--live` of them
+(`mesh.live_hosts`, as the launcher restarts it after a host loss), each live host serving
+hosts/live gradient lanes; (c) a replica built for `--live` hosts from the start (`mesh.hosts=live`:
+one lane per host, its own batch through `grads`), on the same hardware as (b). A one-replica job
+has no peer to hand rows to: (b) computes the whole batch on fewer devices.
+
+Prints one JSON line: the three median steps; `fraction` F = live/hosts; `throughput` T = (a) / (b),
+the reduced replica's step rate as a fraction of the full one's on this machine; and
+`mode_efficiency` = (c) / (b), what the reduced mode itself costs against a replica of that size
+(more lanes per host, the batch in chunks through `accumulate`), which carries over to other
+hardware. T does not: it also holds how the full replica's step scales with its hosts here, and on
+CPU the collectives between a replica's processes (gloo, inside every layer of an FSDP step) cost
+more than the compute they split, so T exceeds F. `curve` "F:X" for `ftjax simulate
+--reduced-curve` is X = F x min(1, mode_efficiency): linear in the devices alive, as FSDP compute
+scales on accelerators, times the measured cost of the mode.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from ftjax.procs import ProcessGroup
 
 
 def run(config: str, overrides: list[str], out: Path, live: int | None, timeout: float, warmup: int) -> float:
-    """Median step time of one one-replica job, on `live` of its hosts (None: all)."""
+    """Median step time of one one-replica job, on `live` of its hosts (None: all of them)."""
     with ProcessGroup() as procs:
         job = LocalJob(config, overrides, out, replicas=1, procs=procs)
         job.start_coordinator()
@@ -70,12 +77,14 @@ def main(argv: list[str]) -> int:
         out = Path(args.out or tmp)
         full = run(args.config, overrides, out / "full", None, args.timeout, args.warmup)
         reduced = run(args.config, overrides, out / "reduced", live, args.timeout, args.warmup)
-    fraction, throughput = live / args.hosts, full / reduced
+        alike = run(args.config, [*overrides, f"mesh.hosts={live}"], out / "same-size", None, args.timeout,
+                    args.warmup)
+    fraction, throughput, mode = live / args.hosts, full / reduced, alike / reduced
     print(json.dumps({"bench": "reduced", "config": args.config, "overrides": args.overrides, "hosts": args.hosts,
                       "live_hosts": live, "cores": os.cpu_count(), "steps": args.steps, "warmup": args.warmup,
                       "full_step_s": round(full, 5), "reduced_step_s": round(reduced, 5),
-                      "fraction": fraction, "throughput": round(throughput, 4),
-                      "efficiency": round(throughput / fraction, 4), "curve": f"{fraction:g}:{throughput:.3f}"}))
+                      "same_size_step_s": round(alike, 5), "fraction": fraction, "throughput": round(throughput, 4),
+                      "mode_efficiency": round(mode, 4), "curve": f"{fraction:g}:{fraction * min(1.0, mode):.3f}"}))
     return 0
 
 

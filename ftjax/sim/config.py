@@ -14,12 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 CheckpointRule = Literal["young", "daly", "optimal"]
 
 # Reduced-degree throughput of a replica against the fraction of its GPUs alive (piecewise linear).
-# ILLUSTRATIVE, not measured: ftjax has no reduced-degree benchmark yet. NTP (arXiv 2504.06095)
-# reports that a replica at reduced TP degree contributes at best its share of live GPUs, and less
-# unless power-boosted (a lower TP degree moves more of each layer's work onto fewer GPUs); this
-# curve loses 10-20% of the share. Replace it with `--reduced-curve` from a measurement.
-DEFAULT_REDUCED_CURVE: tuple[tuple[float, float], ...] = (
-    (0.0, 0.0), (0.5, 0.4), (0.75, 0.65), (0.875, 0.8), (1.0, 1.0))
+# Measured by `ftjax bench reduced tiny data.batch_size=256` (README, "Performance"): a replica on
+# half its hosts runs the same rows at 0.956 of the rate of a replica built for that size (the
+# reduced mode's own cost: two lanes per host, the batch through `accumulate`), so 0.5 x 0.956 at
+# half the GPUs, linear in the GPUs alive otherwise (FSDP compute on accelerators). Measured on CPU
+# at one point; `--reduced-curve` replaces it (NTP, arXiv 2504.06095, reports 10-20% below the
+# live share at reduced TP degree without power boost).
+DEFAULT_REDUCED_CURVE: tuple[tuple[float, float], ...] = ((0.0, 0.0), (0.5, 0.478), (1.0, 1.0))
 
 # NCCL communicator init grows with the GPU count: ~17 s at 16K GPUs, ~200 s at 98K (figures quoted
 # in issue 19): 200/17 = (98/16)^a gives a = 1.36.

@@ -123,7 +123,7 @@ SOURCES: dict[str, dict[str, str]] = {
                                              "--preset launch / --from-run",
         "restart_policy, overlap": "queue: the paper charges every failure its full cost",
         "steps, step_s": "illustrative (set the time to train only)",
-        "reduced_*": "NTP (arXiv 2504.06095): job restart per failure, packing; the curve is illustrative",
+        "reduced_*": "NTP (arXiv 2504.06095): job restart per failure, packing; the curve measured by `ftjax bench reduced`",
         "redundancy": "SPARe (arXiv 2603.00357): r = 2",
     },
     "spare-600k": {
