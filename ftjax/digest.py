@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 
-def host_value(x: Any) -> np.ndarray:
-    """The full value of a (possibly multi-process sharded) array, on this host."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
+def host_values(leaves: list[Any]) -> list[np.ndarray]:
+    """The full values of `leaves`, on this host. The multi-process sharded ones are gathered by
+    one compiled program (an identity whose outputs are replicated: XLA all-gathers them), not one
+    per leaf as `process_allgather` does: a replica's hosts digest every step, and each program's
+    first call compiles. Collective when some leaf is sharded across processes."""
+    sharded = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    out = [None if i in sharded else np.asarray(jax.device_get(x)) for i, x in enumerate(leaves)]
+    if sharded:
+        xs = [leaves[i] for i in sharded]
+        gathered = _replicate(tuple(x.sharding.update(spec=P()) for x in xs))(xs)
+        for i, v in zip(sharded, gathered):
+            out[i] = np.asarray(v.addressable_data(0))
+    return out
 
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
+
+@functools.lru_cache(maxsize=8)
+def _replicate(shardings: tuple) -> Any:
+    return jax.jit(lambda xs: xs, out_shardings=list(shardings))
 
 
 def tree_digest(tree: Any) -> str:
@@ -23,8 +36,8 @@ def tree_digest(tree: Any) -> str:
 
     Collective in multi-process replicas (every process must call it)."""
     h = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        v = host_value(leaf)
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for (path, _), v in zip(flat, host_values([leaf for _, leaf in flat])):
         h.update(f"{jax.tree_util.keystr(path)}|{v.dtype}|{v.shape}|".encode())
         h.update(np.ascontiguousarray(v).tobytes())
     return h.hexdigest()[:16]

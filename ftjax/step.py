@@ -28,6 +28,7 @@ from flax import nnx
 from ftjax import models
 from ftjax import sharding as shd
 from ftjax.config import Config
+from ftjax.digest import state_digest
 from ftjax.optim import make_optimizer
 
 # Variables are created unsharded and placed by jit's out_shardings, from the logical names.
@@ -121,7 +122,9 @@ class ReplicaProgram:
         if self.cfg.ft.global_batch == "constant":
             for n in self.chunk_rows:
                 g, _ = self.accumulate_rows(g, state["params"], zeros(batch.update(shape=(n, batch.shape[1]))))
-        jax.block_until_ready(self.apply(state, g, zeros(lr)))
+        state = jax.block_until_ready(self.apply(state, g, zeros(lr)))  # (donates the old one)
+        if self.cfg.ft.digest_every and jax.process_count() > 1:  # its gather compiles on first use
+            state_digest(state)
 
     def topology(self) -> str:
         """Gradient lanes and shard layout: replicas may exchange gradients only if these agree. A

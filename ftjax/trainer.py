@@ -147,7 +147,7 @@ class Trainer:
         if contributes:
             self.work = self._share(q)
         if contributes and (computed is None or (computed.position, computed.work) != (self.position, self.work)):
-            computed = self._compute(self.work)  # (rare) our rows changed: a new quorum, or we were behind
+            computed = self._compute(self.work, computed)  # (rare) our rows changed: a new quorum, or we were behind
         self.faults.point(q.step + 1, "ftar")
         update, error = self.protocol.average(q, computed.grads if contributes else None)
         timing.ftar = time.perf_counter()
@@ -171,18 +171,28 @@ class Trainer:
         self.step_work = [[c, *piece] for c, pieces in sorted(shares.items()) for piece in pieces]
         return shares[self.own]
 
-    def _compute(self, work: tuple[Piece, ...]) -> Computed:
+    def _compute(self, work: tuple[Piece, ...], done: Computed | None = None) -> Computed:
         """The gradients of `work`, the rows of this replica's share at the next data position. Its
         own batch alone goes through `grads`, the same program in both modes; a larger share is
-        summed in micro-batches inside `accumulate`."""
+        summed in micro-batches inside `accumulate`, on top of the own batch's `grads` when the
+        share holds the whole own batch. So when a failure adds rows to a step whose own batch
+        `done` already computed, only the added rows are computed, and the result is the same as
+        computing the share from scratch."""
         self.faults.point(self.step + 1, "forward")
         if work == self.own_work:
             batch = device_batch(self.program, self.stream.batch(self.position))
             loss, grads = self.program.grads(self.state["params"], batch)
             jax.block_until_ready(grads)
             return Computed(loss, grads, self.position, work)
-        rows = np.concatenate([self._stream(s).batch(self.position)[a:b] for s, a, b in work])
-        grads, per_row, start = self.program.zeros(), [], 0
+        rest = tuple(p for p in work if p != self.own_work[0])
+        if len(rest) < len(work):  # the whole own batch, through `grads` (once per step)
+            if done is None or (done.position, done.work) != (self.position, self.own_work):
+                done = self._compute(self.own_work)
+            grads, sums = done.grads, [[*self.own_work[0], float(done.loss) * self.cfg.data.batch_size]]
+        else:
+            grads, sums = self.program.zeros(), []
+        rows = np.concatenate([self._stream(s).batch(self.position)[a:b] for s, a, b in rest])
+        per_row, start = [], 0
         for n in chunk_sizes(len(rows), self.program.chunk_rows):
             chunk = device_batch(self.program, rows[start:start + n])
             grads, losses = self.program.accumulate_rows(grads, self.state["params"], chunk)
@@ -190,9 +200,9 @@ class Trainer:
             start += n
         jax.block_until_ready(grads)
         per_row = np.concatenate([np.asarray(x) for x in per_row])
-        ends = np.cumsum([b - a for _, a, b in work])
-        sums = [[s, a, b, float(per_row[end - (b - a):end].sum())] for (s, a, b), end in zip(work, ends)]
-        return Computed(float(per_row.mean()), grads, self.position, work, sums)
+        ends = np.cumsum([b - a for _, a, b in rest])
+        sums += [[s, a, b, float(per_row[end - (b - a):end].sum())] for (s, a, b), end in zip(rest, ends)]
+        return Computed(sum(x[3] for x in sums) / row_count(work), grads, self.position, work, sums)
 
     def _stream(self, s: int):
         if s not in self._streams:

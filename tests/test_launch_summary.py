@@ -204,3 +204,26 @@ def test_a_frozen_replica_is_not_healthy(tmp_path):
     assert s["failures"] == 0 and s["replicas"]["1"]["restarts"] == 0
     assert s["max_healthy_stall_s"] == 1.9  # replica 0's wait for the frozen one
     assert s["median_step_s"] == 0.1
+
+
+def test_a_constant_batch_stall_does_not_count_the_rows_taken_over_from_an_absent_peer(tmp_path):
+    """With a constant global batch, replica 0 computes replica 1's rows while it is away: that
+    longer step is work, not a wait. Its stall is the gap less those rows at the median rate of one
+    batch (median step / rows of a batch); `max_healthy_gap_s` keeps the gap itself."""
+    from ftjax.launch.summary import median_step, warm_time
+
+    run_dir = make_run(tmp_path)
+    path = run_dir / "replica-0" / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for rec in records:
+        if "step" in rec:  # step 6 (the 0.6 s gap): replica 0 also computed all 8 rows of stream 1
+            rec["work"] = [[0, 0, 0, 8], [0 if rec["step"] == 6 else 1, 1, 0, 8]]
+    _write(path, records)
+    run = load_run(run_dir)
+    median, gaps = median_step(run, warm_time(run))
+    assert median == pytest.approx(0.1)
+    by_time = {round(t, 2): (gap, stall) for t, gap, stall in gaps}
+    assert by_time[111.1] == (pytest.approx(0.6), pytest.approx(0.6 - 8 * 0.1 / 8))
+    assert all(stall == gap for t, (gap, stall) in by_time.items() if t != 111.1)  # its own rows only
+    s = build_summary(run_dir)
+    assert s["max_healthy_stall_s"] == pytest.approx(0.5) and s["max_healthy_gap_s"] == pytest.approx(0.6)

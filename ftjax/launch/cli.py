@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -248,7 +249,7 @@ def main(argv: list[str]) -> int:
 
 def run(args: argparse.Namespace, cfg: Config, overrides: list[str], replicas: int, plan: FaultPlan, out: Path,
         console: Console) -> int:
-    from ftjax.launch.job import LocalJob
+    from ftjax.launch.job import COORDINATOR_HOST, LocalJob
     from ftjax.launch.supervisor import RunLog, Supervisor
     from ftjax.launch.view import make_view
     from ftjax.procs import ProcessGroup
@@ -267,6 +268,7 @@ def run(args: argparse.Namespace, cfg: Config, overrides: list[str], replicas: i
                 except VirtualClusterError as e:
                     raise LaunchError(f"--virtual-cluster: {e}") from None
                 procs.on_close(cluster.close)  # after every child is killed: the namespaces go too
+                view.probe.in_thread = partial(cluster.enter, COORDINATOR_HOST)  # its status page is there
             job = LocalJob(args.config, overrides, out, replicas=replicas, procs=procs,
                            extra_env=compile_cache_env(args.compile_cache, out), cluster=cluster)
             log = RunLog(out / "launcher.jsonl", listener=view.event)

@@ -314,6 +314,12 @@ class VirtualCluster:
             wrap += ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script, f"ftjax-{name}"]
         return [*wrap, *argv]
 
+    def enter(self, name: str) -> None:
+        """Move the calling thread, and only it, into host `name`'s network namespace: the sockets
+        it opens from now on are that host's (the launcher's view reads the coordinator's status
+        page this way; the launcher itself stays outside the cluster's network)."""
+        enter_network_namespace(self.host(name).netns)
+
     # --- faults -------------------------------------------------------------------------------------
     def cut(self, names: Iterable[str]) -> None:
         """Cut the hosts' links: their packets go nowhere until `restore` (see the module docstring)."""
@@ -343,3 +349,22 @@ class VirtualCluster:
                 _run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf", "rate", rate, "burst", str(burst),
                       "latency", "50ms"])
                 self._limited.add((ns, dev))
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def enter_network_namespace(netns: str) -> None:
+    """setns(2) the calling thread into the named network namespace (`ip netns` names it under
+    /var/run/netns). A thread's network namespace is its own: the process's other threads stay
+    where they were. (os.setns arrives with Python 3.12; ctypes until then.)"""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise VirtualClusterError(f"setns into {netns}: {os.strerror(err)}")
+    finally:
+        os.close(fd)

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 from collections import deque
+from typing import Callable
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -84,6 +85,9 @@ class CoordinatorProbe:
 
     def __init__(self, every_s: float = 1.0, timeout_s: float = 1.0) -> None:
         self.address: str | None = None
+        # called first in the probe's thread: a virtual cluster moves it into the coordinator's
+        # network (VirtualCluster.enter), where the coordinator's address is reachable
+        self.in_thread: Callable[[], None] | None = None
         self.every_s, self.timeout_s = every_s, timeout_s
         self.status: dict | None = None
         self.answered_at: float | None = None  # time.monotonic() of the latest answer
@@ -100,6 +104,8 @@ class CoordinatorProbe:
         self._stop.set()
 
     def _loop(self) -> None:
+        if self.in_thread is not None:
+            self.in_thread()
         while not self._stop.is_set():
             address = self.address
             if address:
