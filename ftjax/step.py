@@ -65,6 +65,7 @@ class ReplicaProgram:
     train_step: Any    # (State, batch, lr_scale) -> (State, loss)  (donates State)
     accumulate: Any    # (acc, params, rows) -> (acc + grads of rows' loss sum / batch_size, row losses)
     zeros: Any         # () -> gradients of zeros, in the gradients' shardings
+    add: Any           # (a, b) -> a + b, gradients (neither donated)
     compiled_accumulate: dict = field(default_factory=dict)  # rows -> `accumulate` compiled for them
 
     def accumulate_rows(self, acc, params, rows):
@@ -104,6 +105,7 @@ class ReplicaProgram:
                 rows = batch.update(shape=(n, batch.shape[1]))
                 self.compiled_accumulate[n] = self.accumulate.lower(st["params"], st["params"], rows).compile()
             self.zeros = self.zeros.lower().compile()
+            self.add = self.add.lower(st["params"], st["params"]).compile()
 
     def warm_up(self) -> None:
         """Run each precompiled executable once on zeros: a first run pays one-time costs (buffers,
@@ -122,6 +124,7 @@ class ReplicaProgram:
         if self.cfg.ft.global_batch == "constant":
             for n in self.chunk_rows:
                 g, _ = self.accumulate_rows(g, state["params"], zeros(batch.update(shape=(n, batch.shape[1]))))
+            g = self.add(g, self.zeros())
         state = jax.block_until_ready(self.apply(state, g, zeros(lr)))  # (donates the old one)
         if self.cfg.ft.digest_every and jax.process_count() > 1:  # its gather compiles on first use
             state_digest(state)
@@ -198,6 +201,7 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> Replica
         accumulate=jax.jit(accumulate, in_shardings=(p_shard, p_shard, b_shard), out_shardings=(p_shard, rep),
                            donate_argnums=0),
         zeros=jax.jit(zeros, out_shardings=p_shard),
+        add=jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), in_shardings=(p_shard, p_shard), out_shardings=p_shard),
     )
 
 

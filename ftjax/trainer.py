@@ -55,6 +55,7 @@ class Computed:
     position: int              # the data position they are for
     work: tuple[Piece, ...]    # the rows computed: (stream, first row, end row)
     loss_sums: list | None = None  # constant batch: [stream, first row, end row, sum of row losses] per piece
+    own: "Computed | None" = None  # constant batch: the own batch's `grads`, which this share adds to
 
 
 @dataclass
@@ -63,6 +64,7 @@ class _Timing:
     compute: float = 0.0
     quorum: float = 0.0
     ftar: float = 0.0
+    shared: float = 0.0  # seconds computing the rest of the share, once the quorum said what it is
 
 
 class Trainer:
@@ -128,7 +130,11 @@ class Trainer:
     def _one_step(self) -> None:
         self.watchdog.beat("forward")
         timing = _Timing(time.perf_counter())
-        computed = self._compute(self.work) if self.has_state and self.protocol.heal_started is None else None
+        # Before the quorum answers: the own batch (nearly always part of the share; the same
+        # program in both modes), or the whole share of a replica that has no whole own batch.
+        # Rows of absent peers wait for the quorum: it may bring them back.
+        ahead = self.own_work if self.own_work[0] in self.work else self.work
+        computed = self._compute(ahead) if self.has_state and self.protocol.heal_started is None else None
         timing.compute = time.perf_counter()
         agreement = self.protocol.agree()
         if agreement.leave is not None:
@@ -147,7 +153,9 @@ class Trainer:
         if contributes:
             self.work = self._share(q)
         if contributes and (computed is None or (computed.position, computed.work) != (self.position, self.work)):
-            computed = self._compute(self.work, computed)  # (rare) our rows changed: a new quorum, or we were behind
+            began = time.perf_counter()  # the rest of the share, or all of it if we were behind
+            computed = self._compute(self.work, computed)
+            timing.shared = time.perf_counter() - began
         self.faults.point(q.step + 1, "ftar")
         update, error = self.protocol.average(q, computed.grads if contributes else None)
         timing.ftar = time.perf_counter()
@@ -173,11 +181,11 @@ class Trainer:
 
     def _compute(self, work: tuple[Piece, ...], done: Computed | None = None) -> Computed:
         """The gradients of `work`, the rows of this replica's share at the next data position. Its
-        own batch alone goes through `grads`, the same program in both modes; a larger share is
-        summed in micro-batches inside `accumulate`, on top of the own batch's `grads` when the
-        share holds the whole own batch. So when a failure adds rows to a step whose own batch
-        `done` already computed, only the added rows are computed, and the result is the same as
-        computing the share from scratch."""
+        own batch alone goes through `grads`, the same program in both modes; other rows are summed
+        in micro-batches inside `accumulate`, and added to the own batch's `grads` when the share
+        holds it. So when the quorum changes a share whose own batch `done` already computed (a
+        peer fails, or returns), only the other rows are computed again, and the result is the one
+        a computation from scratch gives."""
         self.faults.point(self.step + 1, "forward")
         if work == self.own_work:
             batch = device_batch(self.program, self.stream.batch(self.position))
@@ -185,24 +193,27 @@ class Trainer:
             jax.block_until_ready(grads)
             return Computed(loss, grads, self.position, work)
         rest = tuple(p for p in work if p != self.own_work[0])
+        own = None
         if len(rest) < len(work):  # the whole own batch, through `grads` (once per step)
-            if done is None or (done.position, done.work) != (self.position, self.own_work):
-                done = self._compute(self.own_work)
-            grads, sums = done.grads, [[*self.own_work[0], float(done.loss) * self.cfg.data.batch_size]]
-        else:
-            grads, sums = self.program.zeros(), []
+            own = done.own if done is not None and done.own is not None else done
+            if own is None or (own.position, own.work) != (self.position, self.own_work):
+                own = self._compute(self.own_work)
         rows = np.concatenate([self._stream(s).batch(self.position)[a:b] for s, a, b in rest])
-        per_row, start = [], 0
+        grads, per_row, start = self.program.zeros(), [], 0
         for n in chunk_sizes(len(rows), self.program.chunk_rows):
             chunk = device_batch(self.program, rows[start:start + n])
             grads, losses = self.program.accumulate_rows(grads, self.state["params"], chunk)
             per_row.append(losses)
             start += n
+        sums = []
+        if own is not None:
+            grads = self.program.add(own.grads, grads)
+            sums = [[*self.own_work[0], float(own.loss) * self.cfg.data.batch_size]]
         jax.block_until_ready(grads)
         per_row = np.concatenate([np.asarray(x) for x in per_row])
         ends = np.cumsum([b - a for _, a, b in rest])
         sums += [[s, a, b, float(per_row[end - (b - a):end].sum())] for (s, a, b), end in zip(rest, ends)]
-        return Computed(sum(x[3] for x in sums) / row_count(work), grads, self.position, work, sums)
+        return Computed(sum(x[3] for x in sums) / row_count(work), grads, self.position, work, sums, own)
 
     def _stream(self, s: int):
         if s not in self._streams:
@@ -258,8 +269,8 @@ class Trainer:
             "loss": float(computed.loss) if computed is not None else None, "tokens": rows * self.cfg.model.seq_len,
             "batch_id": batch_id, "data_position": self.position, "quorum_id": q.quorum_id,
             "participants": len(q.participants), "contributors": q.num_contributors, "lr_scale": scale,
-            "step_time_s": t5 - timing.t0, "compute_s": timing.compute - timing.t0,
-            "quorum_wait_s": timing.quorum - timing.compute, "ftar_s": timing.ftar - timing.quorum,
+            "step_time_s": t5 - timing.t0, "compute_s": timing.compute - timing.t0 + timing.shared,
+            "quorum_wait_s": timing.quorum - timing.compute, "ftar_s": timing.ftar - timing.quorum - timing.shared,
             "commit_s": t5 - timing.ftar, "commit_failures": self.protocol.total_commit_failures,
         }
         if self.constant:  # who computed which rows of the step's R batches (ftjax/batches.py)
