@@ -85,6 +85,12 @@ def for_others(work: Sequence[Sequence[int]], who: int) -> str:
     return " ".join(f"r{s}[{a}:{b}]" for c, s, a, b in work if c == who and s != who)
 
 
+def share_rows(batch: int, live: int, hosts: int) -> int:
+    """Rows of its own batch a replica of `live` of its `hosts` hosts computes: in proportion to its
+    devices (all of them at full degree; docs/design.md, "Reduced-degree replicas")."""
+    return batch * live // hosts
+
+
 def row_count(pieces: Sequence[Piece]) -> int:
     return sum(b - a for _, a, b in pieces)
 

@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ftjax.batches import share_rows
 from ftjax.net import is_all_interfaces, normalize_host
 
 
@@ -243,7 +244,7 @@ class Config(_Strict):
     def own_rows(self) -> int:
         """Rows of its own batch a replica computes: all, or a reduced replica's share, in proportion
         to its devices."""
-        return self.data.batch_size * self.mesh.live // self.mesh.hosts
+        return share_rows(self.data.batch_size, self.mesh.live, self.mesh.hosts)
 
     @property
     def micro_rows(self) -> int:

@@ -29,6 +29,17 @@ from ftjax.regions import Piece, Region, assemble, contains, region_of, size, wi
 from ftjax.sharding import FSDP
 
 
+def served_lanes(host: int, live: int, lanes: int) -> list[int]:
+    """The lanes host `host` of a replica of `live` hosts serves: lanes / live consecutive ones."""
+    k = lanes // live
+    return list(range(host * k, (host + 1) * k))
+
+
+def lane_host(lane: int, live: int, lanes: int) -> int:
+    """The host of a replica of `live` hosts that serves `lane` (the inverse of `served_lanes`)."""
+    return lane * live // lanes
+
+
 def lane_regions(shape: tuple[int, ...], spec: Sequence, lanes: int, devices_per_host: int) -> list[list[Region]]:
     """For each lane, the distinct regions of a leaf of `shape` and partition `spec` that host l of
     a full replica holds, in device order. Only the FSDP axis may shard a dimension."""

@@ -34,6 +34,7 @@ from ftjax.coordinator.quorum import Participant
 from ftjax.catchup import CatchupTransport, FetchResult, SnapshotFetch, source_hosts
 from ftjax.events import ReplicaEvent as E
 from ftjax.ftar import FTARError
+from ftjax.lanes import lane_host
 from ftjax.net import ADVERTISE_ENV, is_loopback
 from ftjax.replay import ReplayBuffer
 from ftjax.watchdog import NoWatchdog
@@ -232,8 +233,7 @@ class StepProtocol:
         self.commit_failures += 1
         self.total_commit_failures += 1
         self.log.event(E.COMMIT_FAILURE, step=q.step + 1, quorum_id=q.quorum_id, errors=failed)
-        # (lane l of a replica of H hosts is served by its host l * H // lanes: ftjax/lanes.py)
-        by_address = {a: (p, lane * len(p.catchup_addresses) // len(p.ftar_addresses))
+        by_address = {a: (p, lane_host(lane, len(p.catchup_addresses), len(p.ftar_addresses)))
                       for p in q.participants for lane, a in enumerate(p.ftar_addresses)}
         if self.leader:
             for f in failed:

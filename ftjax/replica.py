@@ -25,7 +25,7 @@ from ftjax.config import Config
 from ftjax.data import make_stream
 from ftjax.env import read_token
 from ftjax.faults import InjectedFaults, parse_die_at
-from ftjax.lanes import LaneFlattener
+from ftjax.lanes import LaneFlattener, served_lanes
 from ftjax.ftar import FTAREndpoint
 from ftjax.metrics import MetricsLog
 from ftjax.protocol import LocalQuorum, StepProtocol
@@ -72,8 +72,7 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
     log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}",
                      log_every=getattr(args, "log_every", None))
     # one FTAR endpoint per gradient lane this host serves: one, or several on a reduced replica's host
-    k = cfg.mesh.hosts // cfg.mesh.live
-    served = list(range(group.rank * k, (group.rank + 1) * k))
+    served = served_lanes(group.rank, cfg.mesh.live, cfg.mesh.hosts)
     endpoints = [FTAREndpoint(token, host=addrs.bind, advertise=addrs.advertise, timeout_s=cfg.ft.ftar_timeout_s,
                               shared_memory=cfg.ft.ftar_shared_memory) for _ in served]
     ftar_addresses = [a for host in group.allgather([e.address for e in endpoints]) for a in host]  # lane order

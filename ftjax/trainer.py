@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ftjax.batches import Piece, assign, chunk_sizes, row_count
+from ftjax.batches import Piece, assign, chunk_sizes, row_count, share_rows
 from ftjax.coordinator.client import QuorumResult
 from ftjax.catchup import FetchResult
 from ftjax.data import make_stream
@@ -29,7 +29,6 @@ from ftjax.config import Config
 from ftjax.digest import state_digest
 from ftjax.protocol import StepProtocol
 from ftjax.step import device_batch, param_count, topology_fingerprint
-
 
 
 class _Left(Exception):
@@ -174,7 +173,7 @@ class Trainer:
         # a reduced-degree replica (fewer hosts: catch-up addresses) computes its share in
         # proportion to its devices; the rest of its batch is dealt to the others like an orphan's
         shares = assign(self.cfg.ft.replicas, b, self.cfg.micro_rows, [int(p.replica_id) for p in contributors],
-                        own_rows={int(p.replica_id): b * (len(p.catchup_addresses) or hosts) // hosts
+                        own_rows={int(p.replica_id): share_rows(b, len(p.catchup_addresses) or hosts, hosts)
                                   for p in contributors})
         self.step_work = [[c, *piece] for c, pieces in sorted(shares.items()) for piece in pieces]
         return shares[self.own]

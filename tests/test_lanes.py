@@ -113,3 +113,11 @@ def test_a_full_and_a_reduced_replica_average_as_one_replica_on_both_sample_sets
     for got_full, got_red, w in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(got_full), np.asarray(got_red))  # bitwise, every member
         np.testing.assert_allclose(np.asarray(got_full), np.asarray(w), rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("live, lanes, served", [(1, 1, [[0]]), (2, 2, [[0], [1]]), (1, 2, [[0, 1]]),
+                                                  (2, 4, [[0, 1], [2, 3]]), (3, 6, [[0, 1], [2, 3], [4, 5]])])
+def test_each_lane_is_served_by_exactly_one_host_and_lane_host_finds_it(live, lanes, served):
+    from ftjax.lanes import lane_host, served_lanes
+    assert [served_lanes(h, live, lanes) for h in range(live)] == served
+    assert [lane_host(lane, live, lanes) for lane in range(lanes)] == [h for h in range(live) for _ in served[h]]
