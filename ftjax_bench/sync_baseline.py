@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--num-processes", type=int, required=True, help="processes, one replica each (sets mesh.hosts)")
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--dist-address", required=True, help="HOST:PORT of the jax.distributed service")
-    p.set_defaults(replica_id=0)
+    p.set_defaults(replica_id=0, coordinator=None, log_every=None)  # the `ftjax train` options it lacks
     args = p.parse_intermixed_args(argv)
     try:
         cfg = parse_config(args)

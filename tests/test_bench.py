@@ -1,0 +1,73 @@
+"""Every `ftjax bench` subcommand runs here at a tiny size, so none can silently break.
+
+Each prints one JSON line comparing two things measured in the same run; these tests check that it
+runs to the end and that its comparison is a finite, positive ratio, never the figure itself (timings
+are benchmark results, not assertions). `bench coordinator` is run by test_coordinator_procs.py and
+`bench ftar --virtual-cluster` by test_vcluster.py; the others are here."""
+
+import json
+import math
+import subprocess
+
+import pytest
+
+from conftest import FTJAX, REPO
+
+TINY = f"{REPO}/configs/tiny.yaml"
+
+
+def _bench(*args: str, timeout: float = 280) -> dict:
+    done = subprocess.run([*FTJAX, "bench", *args], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, done.stdout
+    return json.loads(lines[0])
+
+
+def _ratio(value) -> None:
+    assert isinstance(value, float) and math.isfinite(value) and value > 0, value
+
+
+def test_every_benchmark_has_a_test_here_or_is_named_where_it_runs():
+    from ftjax.bench import BENCHES
+
+    tested = {"step", "catchup", "outage", "reduced", "ftar", "coordinator"}
+    assert set(BENCHES) == tested, f"add a tiny run of {set(BENCHES) - tested} to tests/test_bench.py"
+
+
+@pytest.mark.slow
+def test_bench_step_compares_ft_with_sync_hsdp_and_standalone():
+    # it crashed before it trained anything (`ftjax_bench.sync_baseline` built a namespace that
+    # `parse_config` could not read): no figure of the README's step table could be reproduced
+    out = _bench("step", TINY, "--steps", "4", "--warmup", "1")
+    assert out["bench"] == "step" and out["steps"] == 4
+    _ratio(out["ratio"]), _ratio(out["ft_vs_standalone"])
+
+
+@pytest.mark.slow
+def test_bench_catchup_compares_the_transfer_with_the_raw_link():
+    out = _bench("catchup", TINY, "--rounds", "1")
+    assert out["bench"] == "catchup" and out["snapshot_mb"] > 0
+    _ratio(out["ratio"])
+
+
+def test_bench_ftar_on_loopback_compares_busbw_with_raw_tcp():
+    out = _bench("ftar", "--world", "2", "--mib", "1", "--iters", "2", "--rounds", "1", timeout=120)
+    assert out["bench"] == "ftar" and out["world"] == 2
+    _ratio(out["ratio"]), _ratio(out["ratio_tcp"])
+
+
+@pytest.mark.slow
+def test_bench_outage_compares_both_batch_modes_in_one_run():
+    out = _bench("outage", "tiny", "data.batch_size=16", "steps=30", "--kill-at", "10")
+    for mode in ("elastic", "constant"):
+        assert out[mode]["outage_steps"] >= 3
+        _ratio(out[mode]["ratio"])
+    _ratio(out["outage_constant_vs_elastic"]["step"])
+
+
+@pytest.mark.slow
+def test_bench_reduced_compares_a_reduced_replica_with_the_full_one():
+    out = _bench("reduced", "tiny", "--steps", "10", "--warmup", "3")
+    assert out["bench"] == "reduced" and out["live_hosts"] == 1
+    _ratio(out["throughput"]), _ratio(out["mode_efficiency"])
