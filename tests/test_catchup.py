@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from ftjax.events import EXIT_LEFT
 from ftjax.launch import LocalJob
 
 from conftest import REPO
@@ -13,6 +14,7 @@ TINY = f"{REPO}/configs/tiny.yaml"
 # bigger batches than tiny.yaml's: steps long enough (~0.1 s) that a restarted process (import,
 # compile from the cache) is back while the job still runs
 BASE = ["data.batch_size=32", "coordinator.min_replicas=1", "coordinator.heartbeat_timeout_s=2"]
+UNBOUNDED = 100_000  # a step count no test reaches: the test ends the job (_run_until_in_step)
 
 
 def _wait_for_event(job, r, kind, timeout=120.0, after=0.0):
@@ -31,6 +33,25 @@ def _restart_when_dead(job, r, timeout=120.0):
     job.hosts[r][0].wait(timeout)
     assert job.replica_exit_codes(r) == [-9]
     return job.start_replica(r)
+
+
+def _run_until_in_step(job, survivor, newcomer, after, commits=5, timeout=300.0):
+    """The job runs until the newcomer's incarnation started after `after` has caught up and then
+    committed `commits` steps, and is then stopped: SIGTERM, each replica leaves at a step boundary
+    (exit 76). Its length follows these events, not the machine's speed: with a fixed step count
+    a quiet machine finished the job before a rate-limited catch-up did, and the newcomer had no
+    step left to commit in step. Returns the newcomer's catchup_done event."""
+    done = _wait_for_event(job, newcomer, "catchup_done", timeout=timeout, after=after)
+    deadline = time.monotonic() + timeout
+    while len([s for s in records(job.replica_dir(newcomer))[0]
+               if s["committed"] and s["time"] > done["time"]]) < commits:
+        assert time.monotonic() < deadline, f"no {commits} steps committed after the catch-up:\n{job.log_tail(newcomer)}"
+        assert all(c is None for r in (survivor, newcomer) for c in job.replica_exit_codes(r)), job.log_tail(newcomer)
+        time.sleep(0.2)
+    for r in (survivor, newcomer):
+        job.terminate_replica(r)
+    assert job.wait([survivor, newcomer], timeout=120) == {survivor: [EXIT_LEFT], newcomer: [EXIT_LEFT]}
+    return done
 
 
 def _assert_in_step(job, survivor, newcomer, start_after):
@@ -70,13 +91,15 @@ def test_restarted_replica_catches_up_without_stalling_the_other(tmp_path, procs
 @pytest.mark.slow
 def test_slow_transfer_replays_buffered_updates(tmp_path, procs):
     # 1.6 MB of state at 0.4 MB/s: the transfer spans several seconds, i.e. dozens of steps
-    job = LocalJob(TINY, [*BASE, "steps=120", "ft.catchup_rate_limit_mbps=0.4"], tmp_path, replicas=2, procs=procs)
+    # (steps: more than the test ever runs; it stops the job once the newcomer is in step)
+    job = LocalJob(TINY, [*BASE, f"steps={UNBOUNDED}", "ft.catchup_rate_limit_mbps=0.4"], tmp_path, replicas=2,
+                   procs=procs)
     job.start_coordinator()
     job.start_replica(0)
     job.start_replica(1, die_at="5:forward")
+    t0 = time.time()
     _restart_when_dead(job, 1)
-    assert job.wait(timeout=400) == {0: [0], 1: [0]}, job.log_tail(1)
-    done = _wait_for_event(job, 1, "catchup_done", timeout=1)
+    done = _run_until_in_step(job, 0, 1, after=t0)
     assert done["replayed"] >= 3 and done["transfer_s"] >= 2.0, done
     _assert_in_step(job, 0, 1, start_after=5)
 
@@ -87,14 +110,14 @@ def test_catchup_longer_than_the_ram_buffer_spills_to_disk_and_completes(tmp_pat
     # 0.3 MB/s) spans dozens of steps. An older design evicted the oldest updates past a fixed count,
     # so every snapshot arrived already too old to be replayed and the newcomer never caught up.
     ram_mib = 1
-    job = LocalJob(TINY, [*BASE, "steps=150", "ft.catchup_rate_limit_mbps=0.3", f"ft.catchup_buffer_mib={ram_mib}"],
-                   tmp_path, replicas=2, procs=procs)
+    job = LocalJob(TINY, [*BASE, f"steps={UNBOUNDED}", "ft.catchup_rate_limit_mbps=0.3",
+                          f"ft.catchup_buffer_mib={ram_mib}"], tmp_path, replicas=2, procs=procs)
     job.start_coordinator()
     job.start_replica(0)
     job.start_replica(1, die_at="5:forward")
     _restart_when_dead(job, 1)
     t0 = time.time()  # the new incarnation's records are the ones after this
-    assert job.wait(timeout=400) == {0: [0], 1: [0]}, job.log_tail(1)
+    _run_until_in_step(job, 0, 1, after=t0)
     events = [e for e in records(job.replica_dir(1))[1] if e["time"] > t0]
     done = [e for e in events if e["event"] == "catchup_done"]
     assert len(done) == 1, [e["event"] for e in events]
