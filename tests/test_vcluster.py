@@ -242,7 +242,12 @@ def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_wh
     back = _events(run, "host_back")[0]["time"]
     during = [(t, stall) for t, _, stall in gaps if down["time"] <= t <= back]
     assert len(during) >= 20 and round(median, 4) == s["median_step_s"]
-    assert max(stall for _, stall in during) <= 1.5 * median + 0.5, (during, s)
+    # What replica 0 waited for its peer in each such step: the gap less its own compute and commit.
+    # (On this 2-core machine the restarting replica's import and compile take a core from replica
+    # 0, so its compute slows too: that is load, not waiting, and the margin must hold under load.)
+    own = {m["time"]: m["compute_s"] + m["commit_s"] for m in run.metrics(0) if m.get("committed")}
+    waited = [(t, round(gap - own[t], 3)) for t, gap, _ in gaps if down["time"] <= t <= back and t in own]
+    assert len(waited) == len(during) and max(w for _, w in waited) <= 1.5 * median + 0.5, (waited, s)
     _check_no_leftovers(run)
 
 
