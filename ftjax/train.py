@@ -108,13 +108,13 @@ def main(argv: list[str]) -> int:
     except RuntimeError as e:
         print(f"ftjax train: {e}", file=sys.stderr)
         return 2
-    from ftjax.checkpoint import CheckpointMismatch
+    from ftjax.checkpoint import CheckpointError
 
     try:
         if args.coordinator:
             return run_member(cfg, args, out)
         return run_standalone(cfg, args, out)
-    except CheckpointMismatch as e:  # another job's checkpoint: refuse it, without a traceback
+    except CheckpointError as e:  # another job's checkpoint, or none intact: refuse it, without a traceback
         print(f"ftjax train: error: {e}", file=sys.stderr)
         return 2
     except Exception:
