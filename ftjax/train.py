@@ -109,6 +109,7 @@ def main(argv: list[str]) -> int:
         print(f"ftjax train: {e}", file=sys.stderr)
         return 2
     from ftjax.checkpoint import CheckpointError
+    from ftjax.replay import SpillError
 
     try:
         if args.coordinator:
@@ -117,6 +118,11 @@ def main(argv: list[str]) -> int:
     except CheckpointError as e:  # another job's checkpoint, or none intact: refuse it, without a traceback
         print(f"ftjax train: error: {e}", file=sys.stderr)
         return 2
+    except SpillError as e:  # a full disk under the replay buffer: one line that names it
+        print(f"ftjax train: error: {e}", file=sys.stderr, flush=True)
+        if cfg.mesh.hosts > 1:
+            os._exit(1)  # (as below: not into jax.distributed's shutdown barrier)
+        return 1
     except Exception:
         if cfg.mesh.hosts == 1:
             raise
