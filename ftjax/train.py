@@ -109,6 +109,7 @@ def main(argv: list[str]) -> int:
         print(f"ftjax train: {e}", file=sys.stderr)
         return 2
     from ftjax.checkpoint import CheckpointError
+    from ftjax.coordinator.client import CoordinatorError
     from ftjax.replay import SpillError
 
     try:
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> int:
     except CheckpointError as e:  # another job's checkpoint, or none intact: refuse it, without a traceback
         print(f"ftjax train: error: {e}", file=sys.stderr)
         return 2
-    except SpillError as e:  # a full disk under the replay buffer: one line that names it
+    except (SpillError, CoordinatorError) as e:  # a full disk, the coordinator unreachable: one line
         print(f"ftjax train: error: {e}", file=sys.stderr, flush=True)
         if cfg.mesh.hosts > 1:
             os._exit(1)  # (as below: not into jax.distributed's shutdown barrier)
