@@ -116,14 +116,14 @@ def main(argv: list[str]) -> int:
         if args.coordinator:
             return run_member(cfg, args, out)
         return run_standalone(cfg, args, out)
-    except CheckpointError as e:  # another job's checkpoint, or none intact: refuse it, without a traceback
-        print(f"ftjax train: error: {e}", file=sys.stderr)
-        return 2
-    except (SpillError, CoordinatorError) as e:  # a full disk, the coordinator unreachable: one line
+    except (CheckpointError, SpillError, CoordinatorError) as e:
+        # another job's checkpoint or none intact (2); a full disk, the coordinator unreachable (1):
+        # one line, no traceback
+        code = 2 if isinstance(e, CheckpointError) else 1
         print(f"ftjax train: error: {e}", file=sys.stderr, flush=True)
         if cfg.mesh.hosts > 1:
-            os._exit(1)  # (as below: not into jax.distributed's shutdown barrier)
-        return 1
+            os._exit(code)  # (as below: not into jax.distributed's shutdown barrier)
+        return code
     except Exception:
         if cfg.mesh.hosts == 1:
             raise
