@@ -9,7 +9,7 @@ earlier run in the same directory with another seed, corpus, model or optimizer)
 
 Each finished checkpoint is sealed with the size and SHA-256 of every file it holds (CHECKSUMS in the
 step's directory; orbax records no checksum of the array data), written once orbax has committed the
-step. A restore verifies them first: a flipped, truncated, missing or extra-garbage file, or a
+step. A restore verifies them first: a flipped, truncated or missing file, or a
 checkpoint whose save never finished (no CHECKSUMS), raises :class:`CorruptCheckpoint` naming the step
 and the file, and :meth:`DurableCheckpoints.restore_intact` falls back to the newest intact one.
 """
@@ -69,11 +69,13 @@ def seal(step_dir: Path) -> None:
 def verify(step_dir: Path, step: int) -> None:
     """Raise CorruptCheckpoint naming the first file that differs from the checkpoint's seal."""
     try:
-        recorded = json.loads((step_dir / CHECKSUMS).read_text())
+        text = (step_dir / CHECKSUMS).read_text()
     except FileNotFoundError:
         raise CorruptCheckpoint(step, str(step_dir / CHECKSUMS), "missing: the save did not finish "
                                 "(or the checkpoint predates checksums)") from None
-    except ValueError as e:
+    try:
+        recorded = {str(name): (int(size), str(digest)) for name, (size, digest) in json.loads(text).items()}
+    except (ValueError, TypeError, AttributeError) as e:
         raise CorruptCheckpoint(step, str(step_dir / CHECKSUMS), f"unreadable ({e})") from None
     for name, (size, digest) in recorded.items():
         path = step_dir / name
