@@ -6,19 +6,98 @@ position, which make `--resume` continue the exact batch sequence, and the ident
 wrote it (:func:`job_identity`). A checkpoint is restored only into the same job: another one's (an
 earlier run in the same directory with another seed, corpus, model or optimizer) raises
 :class:`CheckpointMismatch` instead of being trained on silently.
+
+Each finished checkpoint is sealed with the size and SHA-256 of every file it holds (CHECKSUMS in the
+step's directory; orbax records no checksum of the array data), written once orbax has committed the
+step. A restore verifies them first: a flipped, truncated or missing file, or a
+checkpoint whose save never finished (no CHECKSUMS), raises :class:`CorruptCheckpoint` naming the step
+and the file, and :meth:`DurableCheckpoints.restore_intact` falls back to the newest intact one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import jax
 import orbax.checkpoint as ocp
 
 
-class CheckpointMismatch(ValueError):
+CHECKSUMS = "ftjax_checksums.json"  # in each step's directory: {relative path: [size, sha256]}
+
+
+class CheckpointError(ValueError):
+    """A durable checkpoint cannot be used (the message says why and what to do)."""
+
+
+class CheckpointMismatch(CheckpointError):
     """The checkpoint was written by another job (or by one that did not record its identity)."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint's files differ from the checksums recorded when it was saved (or it has none)."""
+
+    def __init__(self, step: int, file: str, problem: str):
+        super().__init__(f"checkpoint step {step} is corrupt or incomplete: {file}: {problem}")
+        self.step, self.file, self.problem = step, file, problem
+        self.moved_to: Path | None = None  # where restore_intact put it aside
+
+
+class NoIntactCheckpoint(CheckpointError):
+    """Every checkpoint in the directory is corrupt or incomplete."""
+
+
+def _checksums(step_dir: Path) -> dict[str, list]:
+    out = {}
+    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS):
+        with open(path, "rb") as f:
+            out[str(path.relative_to(step_dir))] = [path.stat().st_size, hashlib.file_digest(f, "sha256").hexdigest()]
+    return out
+
+
+def seal(step_dir: Path) -> None:
+    """Record the checksums of a committed checkpoint's files (written to a temporary name and
+    renamed, so that a crash leaves no half-written record)."""
+    tmp = step_dir / (CHECKSUMS + ".tmp")
+    tmp.write_text(json.dumps(_checksums(step_dir)))
+    tmp.rename(step_dir / CHECKSUMS)
+
+
+def verify(step_dir: Path, step: int) -> None:
+    """Raise CorruptCheckpoint naming the first file that differs from the checkpoint's seal."""
+    try:
+        text = (step_dir / CHECKSUMS).read_text()
+    except FileNotFoundError:
+        raise CorruptCheckpoint(step, str(step_dir / CHECKSUMS), "missing: the save did not finish "
+                                "(or the checkpoint predates checksums)") from None
+    try:
+        recorded = {str(name): (int(size), str(digest)) for name, (size, digest) in json.loads(text).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CorruptCheckpoint(step, str(step_dir / CHECKSUMS), f"unreadable ({e})") from None
+    for name, (size, digest) in recorded.items():
+        path = step_dir / name
+        if not path.is_file():
+            raise CorruptCheckpoint(step, str(path), "missing")
+        if path.stat().st_size != size:
+            raise CorruptCheckpoint(step, str(path), f"{path.stat().st_size} bytes, {size} when saved")
+        with open(path, "rb") as f:
+            if hashlib.file_digest(f, "sha256").hexdigest() != digest:
+                raise CorruptCheckpoint(step, str(path), "content differs from its checksum")
+
+
+class _SealingManager(ocp.CheckpointManager):
+    """Seals each checkpoint once orbax has committed it: `_finalize_checkpoint` runs after the
+    step's files are final, on the save's finalize thread (async) or in `save` (sync). A private
+    hook; tests/test_checkpoint_integrity.py fails if an orbax upgrade stops calling it."""
+
+    def _finalize_checkpoint(self, step: int):
+        super()._finalize_checkpoint(step)
+        step_dir = Path(self.directory) / str(step)
+        if jax.process_index() == 0 and step_dir.is_dir() and not (step_dir / CHECKSUMS).exists():
+            seal(step_dir)
 
 
 def job_identity(cfg, data_fingerprint: str) -> dict[str, Any]:
@@ -62,7 +141,7 @@ class DurableCheckpoints:
             max_to_keep=keep, save_interval_steps=max(every, 1), enable_async_checkpointing=async_save,
             create=True,
         )
-        self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+        self.manager = _SealingManager(Path(directory).absolute(), options=options)
 
     @classmethod
     def from_config(cls, cfg, run_dir: str | Path, *, data_fingerprint: str) -> "DurableCheckpoints":
@@ -91,16 +170,44 @@ class DurableCheckpoints:
     def restore(self, abstract_state: dict, step: int | None = None) -> tuple[dict, dict]:
         """(state, meta) of `step` (default: latest), placed with `abstract_state`'s shardings.
 
-        Raises CheckpointMismatch, before reading the state, if the checkpoint is not this job's."""
+        Raises CorruptCheckpoint if its files differ from their checksums, and CheckpointMismatch if
+        it is not this job's, both before reading the state."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.manager.directory}")
+        verify(Path(self.manager.directory) / str(step), step)
         if self.identity is not None:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             self._check(step, meta)
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
+
+    def restore_intact(self, abstract_state: dict,
+                       on_corrupt: Callable[[CorruptCheckpoint], None]) -> tuple[dict, dict]:
+        """(state, meta) of the newest checkpoint that verifies; each corrupt one newer than it is
+        passed to `on_corrupt`. Raises NoIntactCheckpoint when none verifies."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        for step in steps:
+            try:
+                return self.restore(abstract_state, step)
+            except CorruptCheckpoint as e:
+                e.moved_to = self._quarantine(step)
+                on_corrupt(e)
+        raise NoIntactCheckpoint(
+            f"no intact checkpoint in {self.manager.directory}: steps {', '.join(map(str, steps))} are all corrupt "
+            f"or incomplete (each reported above). Restore the directory from a backup, or remove it "
+            f"(rm -r {self.manager.directory}) and drop --resume to start the job afresh.")
+
+    def _quarantine(self, step: int) -> Path:
+        """Move a corrupt step out of orbax's sight (kept for inspection, in DIR/corrupt/): orbax
+        would otherwise take it for the latest step, and refuse to save that step or any below it."""
+        target = Path(self.manager.directory) / "corrupt" / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
+        if jax.process_index() == 0:
+            target.parent.mkdir(exist_ok=True)
+            (Path(self.manager.directory) / str(step)).rename(target)
+        self.manager.reload()
+        return target
 
     def _check(self, step: int, meta: dict[str, Any]) -> None:
         where = f"checkpoint {self.manager.directory} (step {step})"

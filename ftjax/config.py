@@ -22,6 +22,9 @@ from ftjax.net import is_all_interfaces, normalize_host
 M = TypeVar("M", bound=BaseModel)
 
 
+MAX_TOKENS_PER_DEVICE = 2**22  # data.batch_size x model.seq_len per device and step (Config._batch_fits)
+
+
 class ConfigError(ValueError):
     """A config that cannot be run. ``str()`` names the field(s) at fault."""
 
@@ -238,6 +241,20 @@ class Config(_Strict):
             raise ValueError(f"mesh.live_hosts ({self.mesh.live}): its share of the batch ({self.own_rows} of "
                              f"{self.data.batch_size} rows) is not a whole number of micro-batches "
                              f"({self.micro_rows} rows, ft.micro_batch_rows)")
+        return self
+
+    @model_validator(mode="after")
+    def _batch_fits(self) -> "Config":
+        # An absurd batch otherwise gets as far as the data pipeline and grows the process until the
+        # OS kills it. The bound is far above any batch that fits an accelerator's memory (2**22
+        # tokens make 4 GiB of float32 logits per device even at a byte vocabulary).
+        n, tokens = self.mesh.num_devices, self.data.batch_size * self.model.seq_len
+        if tokens > MAX_TOKENS_PER_DEVICE * n:
+            raise ValueError(
+                f"data.batch_size ({self.data.batch_size}) x model.seq_len ({self.model.seq_len}) = {tokens:,} "
+                f"tokens per step, over the limit of {MAX_TOKENS_PER_DEVICE:,} per device x {n} devices "
+                f"(the step's activations would not fit in memory): lower data.batch_size, or add replicas "
+                f"(ft.replicas) or devices (mesh.devices_per_host) for a larger global batch")
         return self
 
     @property

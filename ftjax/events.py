@@ -29,6 +29,7 @@ class ReplicaEvent(StrEnum):
     START = "start"  # the process is up and about to join; the fields say who (replica, incarnation, pid, ...)
     INIT = "init"  # fresh weights from the seed: nobody had state at the start of the job
     RESTORE = "restore"  # the state came from the latest durable checkpoint (restored_step, data_position)
+    CHECKPOINT_CORRUPT = "checkpoint_corrupt"  # durable checkpoint `step` failed its checksums (file, problem)
     STATE_UNAVAILABLE = "state_unavailable"  # the job has trained, yet no peer holds its state nor a checkpoint
     STALE_STATE = "stale_state"  # this replica's state is behind the job (step < job_step): it heals
     CATCHUP_STARTED = "catchup_started"  # the fetch of a snapshot from `source` began (at_step, min_step)

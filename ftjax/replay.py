@@ -20,6 +20,10 @@ from pathlib import Path
 import numpy as np
 
 
+class SpillError(OSError):
+    """The replay buffer could not write a spilled update to local disk (the message says where)."""
+
+
 class ReplayBuffer:
     def __init__(self, spill_dir: str | Path, ram_bytes: int):
         self.spill_dir = Path(spill_dir)
@@ -56,8 +60,16 @@ class ReplayBuffer:
     def _spill(self, step: int) -> None:
         # The oldest first: they are replayed first, and the newest stay hot in RAM.
         update = self._ram.pop(step)
-        self.spill_dir.mkdir(parents=True, exist_ok=True)
-        np.save(self._path(step), update, allow_pickle=False)
+        try:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            np.save(self._path(step), update, allow_pickle=False)
+        except OSError as e:  # a full or read-only disk: say where, and which setting spills there
+            self._path(step).unlink(missing_ok=True)
+            raise SpillError(
+                f"replay buffer: cannot spill the update of step {step} ({update.nbytes:,} bytes) to "
+                f"{self.spill_dir}: {e}. The updates a healing replica keeps beyond ft.catchup_buffer_mib "
+                f"({self.ram_bytes / 2**20:g} MiB of RAM) go to that directory: free space there, give the "
+                f"run another --out on a larger disk, or raise ft.catchup_buffer_mib") from None
         self._on_disk.add(step)
         self._ram_used -= update.nbytes
         self.spilled_bytes += update.nbytes

@@ -108,15 +108,22 @@ def main(argv: list[str]) -> int:
     except RuntimeError as e:
         print(f"ftjax train: {e}", file=sys.stderr)
         return 2
-    from ftjax.checkpoint import CheckpointMismatch
+    from ftjax.checkpoint import CheckpointError
+    from ftjax.coordinator.client import CoordinatorError
+    from ftjax.replay import SpillError
 
     try:
         if args.coordinator:
             return run_member(cfg, args, out)
         return run_standalone(cfg, args, out)
-    except CheckpointMismatch as e:  # another job's checkpoint: refuse it, without a traceback
-        print(f"ftjax train: error: {e}", file=sys.stderr)
-        return 2
+    except (CheckpointError, SpillError, CoordinatorError) as e:
+        # another job's checkpoint or none intact (2); a full disk, the coordinator unreachable (1):
+        # one line, no traceback
+        code = 2 if isinstance(e, CheckpointError) else 1
+        print(f"ftjax train: error: {e}", file=sys.stderr, flush=True)
+        if cfg.mesh.hosts > 1:
+            os._exit(code)  # (as below: not into jax.distributed's shutdown barrier)
+        return code
     except Exception:
         if cfg.mesh.hosts == 1:
             raise

@@ -287,7 +287,8 @@ class Trainer:
         would silently restart training: it keeps asking for a peer to heal from instead, and gives
         up with an error after `ft.quorum_timeout_s`."""
         if self.restore_durable and self.ckpt is not None and self.ckpt.latest_step() is not None:
-            self.state, meta = self.ckpt.restore(self.abstract)  # CheckpointMismatch if another job's
+            # the newest checkpoint that verifies (CheckpointMismatch if another job's)
+            self.state, meta = self.ckpt.restore_intact(self.abstract, self._corrupt_checkpoint)
             self.step, self.position = int(meta["step"]), int(meta["data_position"])
             self.protocol.forget_positions()
             self.log.event(E.RESTORE, restored_step=self.step, data_position=self.position, source="durable")
@@ -297,6 +298,12 @@ class Trainer:
             self.log.event(E.INIT, seed=self.cfg.seed)
         else:
             self._wait_for_a_source()
+
+    def _corrupt_checkpoint(self, e: Any) -> None:
+        """A durable checkpoint failed its checksums: one event and one stderr line; the restore goes
+        on with the next older one."""
+        self.log.event(E.CHECKPOINT_CORRUPT, step=e.step, file=e.file, problem=e.problem, moved_to=str(e.moved_to))
+        print(f"ftjax train: {e}; moved to {e.moved_to}, trying an older checkpoint", file=sys.stderr, flush=True)
 
     def _wait_for_a_source(self) -> None:
         now = time.monotonic()

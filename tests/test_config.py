@@ -30,11 +30,21 @@ def test_defaults_and_overrides():
     (["log_every=5"], "log_every: unknown key (removed"),
     (["coordinator.heartbeat_timeout_s=0"], "coordinator.heartbeat_timeout_s: Input should be greater than 0"),
     (["coordinator.suspect_window_s=2"], "coordinator: suspect_window_s (2) must be shorter than heartbeat_timeout_s (2)"),
+    # issue 26 item 9a: was accepted, and the process grew until the OS killed it
+    (["data.batch_size=100000000"], "data.batch_size (100000000) x model.seq_len (64) = 6,400,000,000 tokens"),
 ])
 def test_bad_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:
         load_config(f"{REPO}/configs/tiny.yaml", overrides)
     assert field in str(e.value)
+
+
+def test_the_batch_bound_scales_with_the_devices():
+    limit = 2**22 // 64  # rows of 64 tokens per device
+    load_config(f"{REPO}/configs/tiny.yaml", [f"data.batch_size={limit}"])
+    with pytest.raises(ConfigError, match="lower data.batch_size"):
+        load_config(f"{REPO}/configs/tiny.yaml", [f"data.batch_size={2 * limit}"])
+    load_config(f"{REPO}/configs/tiny.yaml", [f"data.batch_size={2 * limit}", "mesh.devices_per_host=2"])
 
 
 def test_unknown_top_level_section():

@@ -165,7 +165,8 @@ def _manifests(tmp_path, options: EmitOptions) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("variant", K8S_VARIANTS)
 def test_every_emitted_manifest_validates_strictly(tmp_path, variant):
     manifests = _manifests(tmp_path, K8S_VARIANTS[variant])
-    assert sorted(manifests) == ["coordinator.yaml", "replica-0.yaml", "replica-1.yaml", "replica-2.yaml"]
+    assert sorted(manifests) == ["coordinator.yaml", "replica-0.yaml", "replica-1.yaml", "replica-2.yaml",
+                                 "token.yaml"]
     kinds = [d["kind"] for docs in manifests.values() for d in docs]
     assert kinds.count("JobSet") == 3 and {"Secret", "ConfigMap", "Job", "Service"} <= set(kinds)
     for version in K8S_VERSIONS:
@@ -180,7 +181,7 @@ TYPOS = [
     ("coordinator.yaml", ("Job", "spec", "template", "spec", "containers", 0), "readinessProbe"),
     ("coordinator.yaml", ("Job", "spec", "template", "spec", "containers", 0, "livenessProbe"), "grpc"),
     ("coordinator.yaml", ("Service", "spec"), "selector"),
-    ("coordinator.yaml", ("Secret",), "stringData"),
+    ("token.yaml", ("Secret",), "stringData"),
     ("replica-1.yaml", ("JobSet", "spec"), "failurePolicy"),
     ("replica-1.yaml", ("JobSet", "spec", "network"), "enableDNSHostnames"),
     ("replica-1.yaml", ("JobSet", "metadata"), "labels"),
@@ -227,6 +228,26 @@ def test_two_jobs_share_no_name_in_a_namespace(tmp_path):
     c, d = (emit("k8s", tmp_path / x, TINY, JOB) for x in ("c", "d"))
     default_names = {yaml.safe_load(p.read_text())["metadata"]["name"] for p in c + d if p.name == "replica-0.yaml"}
     assert len(default_names) == 2 and all(re.fullmatch(r"ftjax-tiny-[0-9a-f]{4}-replica-0", n) for n in default_names)
+
+
+def test_the_token_is_only_in_a_file_its_owner_alone_reads(tmp_path):
+    """Issue 26 item 9d: it was in plain text in a world-readable coordinator.yaml."""
+    files = {p.name: p for p in emit("k8s", tmp_path / "job", TINY, JOB, options=EmitOptions(name="job"))}
+    (secret,) = yaml.safe_load_all(files["token.yaml"].read_text())
+    token = secret["stringData"]["token"]
+    assert secret["kind"] == "Secret" and len(token) == 32
+    assert files["token.yaml"].stat().st_mode & 0o777 == 0o600
+    for name, path in files.items():
+        assert name == "token.yaml" or token not in path.read_text(), name
+    # every pod takes it from the Secret
+    manifests = _manifests(tmp_path, EmitOptions(name="job2"))
+    (job,) = [d for d in manifests["coordinator.yaml"] if d["kind"] == "Job"]
+    containers = [job["spec"]["template"]["spec"]["containers"][0],
+                  *(d["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+                    for r in range(3) for d in manifests[f"replica-{r}.yaml"])]
+    for c in containers:
+        (env,) = [e for e in c["env"] if e["name"] == "FTJAX_TOKEN"]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "job2-token", "key": "token"}
 
 
 def test_coordinator_probes_requests_lifetime_and_outputs(tmp_path):

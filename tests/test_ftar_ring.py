@@ -517,3 +517,33 @@ def test_member_gone_between_steps_is_named_at_once_on_the_next_step():
     finally:
         for ep in eps:
             ep.close()
+
+
+def test_idle_connections_are_capped_and_a_ring_still_works():
+    """Issue 26 item 9c: 3000 idle connections to an FTAR port made 1293 threads. Connections in
+    their handshake are capped (MAX_HANDSHAKES): past it the oldest that said nothing is closed."""
+    from ftjax.ftar import endpoint
+
+    cap = endpoint.MAX_HANDSHAKES
+    eps = [FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES) for _ in range(2)]
+    base, peak, idle = threading.active_count(), 0, []
+    try:
+        for _ in range(4 * cap):
+            idle.append(socket.create_connection(wire.parse_address(eps[0].address), timeout=30))
+            peak = max(peak, threading.active_count())
+        deadline = time.monotonic() + 60  # until the listener has taken them all in
+        while eps[0].stats.get("evicted", 0) < 3 * cap and time.monotonic() < deadline:
+            peak = max(peak, threading.active_count())
+            time.sleep(0.01)
+        assert peak <= base + cap + 4, (peak, base)
+        for s in idle[:3 * cap]:  # the oldest were closed by the listener
+            assert s.recv(1) == b""
+        # the newest idle ones still hold every slot: a peer's link evicts one and the ring works
+        results, errors = run_ring(eps, [np.full(50, r, np.float32) for r in range(2)])
+        assert errors == [None, None]
+        np.testing.assert_array_equal(results[1], np.full(50, 0.5, np.float32))
+    finally:
+        for s in idle:
+            s.close()
+        for ep in eps:
+            ep.close()

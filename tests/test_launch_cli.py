@@ -190,9 +190,10 @@ def test_emit_slurm(tmp_path):
 def test_emit_k8s(tmp_path):
     out = _emit(tmp_path, "k8s", "--image", "registry.example/ftjax:1", "--max-restarts", "7")
     docs = list(yaml.safe_load_all((out / "coordinator.yaml").read_text()))
-    assert [d["kind"] for d in docs] == ["Secret", "ConfigMap", "Job", "Service"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Job", "Service"]
+    assert yaml.safe_load((out / "token.yaml").read_text())["kind"] == "Secret"
     config_file = tmp_path / "config.yaml"
-    config_file.write_text(docs[1]["data"]["config.yaml"])
+    config_file.write_text(docs[0]["data"]["config.yaml"])
     for r in range(3):
         js = yaml.safe_load((out / f"replica-{r}.yaml").read_text())
         assert js["kind"] == "JobSet" and js["spec"]["failurePolicy"]["maxRestarts"] == 7

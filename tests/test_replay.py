@@ -1,8 +1,9 @@
 """The healing replica's replay buffer: bounded RAM, spill to disk, nothing dropped."""
 
 import numpy as np
+import pytest
 
-from ftjax.replay import ReplayBuffer
+from ftjax.replay import ReplayBuffer, SpillError
 
 
 def _update(step: int, n: int = 1000) -> np.ndarray:
@@ -38,3 +39,16 @@ def test_zero_ram_keeps_everything_on_disk(tmp_path):
     buf = ReplayBuffer(tmp_path / "spill", ram_bytes=0)
     buf.put(5, _update(5), 1.0)
     assert buf.ram_used == 0 and 5 in buf and np.array_equal(buf.get(5)[0], _update(5))
+
+
+def test_a_full_spill_disk_names_the_directory_and_the_setting(tmp_path):
+    """Issue 26 item 9b: it was `OSError: 137216 requested and 123872 written`, nothing else."""
+    buf = ReplayBuffer(tmp_path / "replay", ram_bytes=0)
+    (tmp_path / "replay").mkdir()
+    (tmp_path / "replay" / "update-3.npy").symlink_to("/dev/full")  # writes fail: no space left on device
+    with pytest.raises(SpillError) as e:
+        buf.put(3, np.ones(4096, np.float32), 1.0)
+    msg = str(e.value)
+    assert str(tmp_path / "replay") in msg and "ft.catchup_buffer_mib" in msg and "step 3" in msg, msg
+    assert "No space left" in msg and "free space" in msg, msg
+    assert isinstance(e.value, OSError) and not (tmp_path / "replay" / "update-3.npy").exists()

@@ -250,6 +250,21 @@ def _get(address: str, path: str) -> str:
         return r.read().decode()
 
 
+def test_the_read_only_pages_need_no_token_and_never_show_it(server):
+    """By design (README, "Security"): /, /status and /metrics answer without the token, and
+    nothing on them is the token."""
+    a, b = _client(server, "a"), _client(server, "b")
+    try:
+        _steps([a, b], 3)
+        pages = {path: _get(server.http_address, path) for path in ("/", "/status", "/metrics")}
+    finally:
+        a.close()
+        b.close()
+    assert json.loads(pages["/status"])["replicas"] and "ftjax_job_committed_steps 3.0" in pages["/metrics"]
+    for path, text in pages.items():
+        assert TOKEN not in text, path
+
+
 def test_metrics_pass_promtool_and_have_per_replica_series(server, tmp_path):
     promtool = tool("promtool", "prometheus")
     a, b = _client(server, "a"), _client(server, "b")

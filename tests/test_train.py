@@ -1,6 +1,7 @@
 """One replica trains for real: loss falls, sharding changes no numbers, resume is bitwise."""
 
 import json
+import os
 import subprocess
 
 import numpy as np
@@ -90,3 +91,16 @@ def test_resume_is_bitwise(tmp_path):
     assert [r["batch_id"] for r in recs] == list(range(30))  # the data stream resumed where it stopped
     assert resumed["param_digest"] == straight["param_digest"]
     assert resumed["final_loss"] == straight["final_loss"]
+
+
+def test_a_wrong_coordinator_address_is_one_clear_error(tmp_path):
+    """Issue 26 item 9e: a raw traceback after ft.quorum_timeout_s (120 s by default)."""
+    address = f"127.0.0.1:{free_port()}"  # nobody listens there
+    r = subprocess.run([*FTJAX, "train", "configs/tiny.yaml", "--replica-id", "0", "--coordinator", address,
+                        "--out", str(tmp_path), "ft.quorum_timeout_s=2"],
+                       cwd=REPO, env={**os.environ, "FTJAX_TOKEN": "t0ken"}, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and f"{address} (--coordinator)" in errors[0], r.stderr[-3000:]
+    assert "ft.quorum_timeout_s" in errors[0] and "Traceback" not in r.stderr, r.stderr[-3000:]

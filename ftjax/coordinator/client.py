@@ -21,6 +21,7 @@ import os
 import queue
 import random
 import secrets
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -31,7 +32,7 @@ import grpc
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
 from ftjax.coordinator.codec import QuorumEncoding
-from ftjax.coordinator.quorum import MAX_REASON_BYTES, MemberReport, Participant
+from ftjax.coordinator.quorum import MAX_REASON_BYTES, MemberReport, Participant, split_address
 from ftjax.coordinator import TOKEN_METADATA_KEY
 
 log = logging.getLogger(__name__)
@@ -328,8 +329,7 @@ class CoordinatorClient:
                 raise CoordinatorError(grpc.StatusCode.CANCELLED, "the client was closed")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise CoordinatorError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                       f"no quorum within {self.quorum_timeout_s} s (last error: {last_error})")
+                raise CoordinatorError(grpc.StatusCode.DEADLINE_EXCEEDED, self._timeout_message(last_error))
             known_id, members = self._membership
             request = pb.QuorumRequest(member=member, timeout_ms=max(1, int(remaining * 1000)),
                                        known_quorum_id=known_id)
@@ -354,6 +354,16 @@ class CoordinatorClient:
                 raise CoordinatorError(grpc.StatusCode.INTERNAL,
                                        f"quorum {response.quorum_id} came without its membership")
             return result_from_proto(response, members)
+
+    def _timeout_message(self, last_error: str) -> str:
+        try:  # (a dropped packet and a refusal both fail this; a coordinator with no quorum does not)
+            socket.create_connection(split_address(self.address), timeout=self.rpc_timeout_s).close()
+            return f"no quorum within {self.quorum_timeout_s:g} s (last error: {last_error})"
+        except (OSError, ValueError):
+            pass  # most likely a wrong --coordinator, or a coordinator that is not running
+        return (f"cannot reach the coordinator at {self.address} (--coordinator): no answer in "
+                f"{self.quorum_timeout_s:g} s (ft.quorum_timeout_s; last error: {last_error}). Check the "
+                f"address that `ftjax coordinator` printed, that it runs, and that this machine reaches it")
 
     def _open_stream(self, needed_s: float) -> _QuorumStream:
         stream = self._stream

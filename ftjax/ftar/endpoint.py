@@ -43,6 +43,10 @@ log = logging.getLogger("ftjax.ftar")
 DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 DEFAULT_CHUNK_BYTES = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not finish its hello in time is dropped
+# Connections still in their handshake, each on its own thread: at most this many. Past it the oldest
+# unauthenticated one is closed (a peer's hello arrives at once; a connection that says nothing is
+# the one to drop), so idle connections cannot make threads without bound nor lock peers out.
+MAX_HANDSHAKES = 64
 LIVENESS_PROBE_S = 0.5  # how often a member waiting for its left neighbour's link checks it is alive
 
 
@@ -89,7 +93,10 @@ class FTAREndpoint:
         self._scratch: np.ndarray | None = None  # see _scratch_for
         # counters, for metrics and tests: links dialled, links accepted, hellos refused, and of
         # those links, the ones whose payloads go through shared memory (dialled / accepted)
-        self.stats = {"dials": 0, "accepted": 0, "refused": 0, "shm_dials": 0, "shm_accepted": 0}
+        # and connections closed unheard to make room for newer ones (MAX_HANDSHAKES)
+        self.stats = {"dials": 0, "accepted": 0, "refused": 0, "shm_dials": 0, "shm_accepted": 0, "evicted": 0}
+        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)  # one per handshake thread
+        self._unheard: dict[socket.socket, None] = {}  # in their handshake, no hello yet: oldest first
 
         self._acceptor = threading.Thread(target=self._accept_loop, daemon=True, name=f"ftar-accept-{self._address}")
         self._acceptor.start()
@@ -350,15 +357,46 @@ class FTAREndpoint:
                 log.exception("ftar %s: accept failed", self._address)
                 time.sleep(0.1)  # e.g. out of descriptors: do not spin
                 continue
+            self._admit(conn)
             threading.Thread(target=self._handshake, args=(conn,), daemon=True, name="ftar-hello").start()
 
+    def _admit(self, conn: socket.socket) -> None:
+        """Take a handshake slot for `conn`, closing the oldest unheard connection while none is free."""
+        while not self._slots.acquire(blocking=False):
+            with self._cv:
+                oldest = next(iter(self._unheard), None)
+                if oldest is not None:
+                    del self._unheard[oldest]
+                    self.stats["evicted"] += 1
+            if oldest is not None:
+                try:  # wakes its thread (recv returns), which closes it and frees the slot
+                    oldest.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # its thread closed it meanwhile
+            if self._slots.acquire(timeout=1.0):
+                break
+        with self._cv:
+            self._unheard[conn] = None
+
     def _handshake(self, conn: socket.socket) -> None:
+        try:
+            self._handshake_once(conn)
+        finally:
+            self._heard(conn)
+            self._slots.release()
+
+    def _heard(self, conn: socket.socket) -> None:
+        with self._cv:
+            self._unheard.pop(conn, None)
+
+    def _handshake_once(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
             if not conn.recv(1, socket.MSG_PEEK):  # a liveness probe (see _link_in): no word, closed
                 conn.close()
                 return
             hello = wire.read_hello(conn, self._token)
+            self._heard(conn)  # authenticated: never evicted
         except wire.HelloRefused as exc:
             self._refuse(conn, exc.status, f"a connection from {_peername(conn)}: {exc}")
             return

@@ -16,8 +16,9 @@ step and left, and 3 when no replica has been alive for `--idle-exit-s` (ftjax/c
   --max-restarts times in all. DIR must be on a filesystem the nodes share; the run directory is
   `DIR/run`, laid out like `ftjax launch`'s, so `ftjax.launch.summary` reads it (finish.sbatch
   writes `run/launcher.jsonl` and `run/summary.json`).
-- **k8s** (see `_k8s`): `DIR/coordinator.yaml` (the token Secret, the config ConfigMap, optionally
-  the PersistentVolumeClaim for the outputs, the coordinator's Job and Service) and one JobSet per
+- **k8s** (see `_k8s`): `DIR/token.yaml` (the token Secret, mode 600), `DIR/coordinator.yaml` (the
+  config ConfigMap, optionally the PersistentVolumeClaim for the outputs, the coordinator's Job and
+  Service) and one JobSet per
   replica in `DIR/replica-R.yaml` (the JobSet controller, kubernetes-sigs/jobset, must be
   installed): a failed pod fails its Job, and the JobSet recreates that replica's pods, all of them,
   up to --max-restarts times. The coordinator serves `grpc.health.v1` for its readiness and
@@ -221,8 +222,10 @@ def emit(kind: str, out_dir: str | Path, config: str, overrides: list[str], *,
     written = []
     for file, (text, mode) in files.items():
         path = out / file
-        path.write_text(text)
-        os.chmod(path, mode)
+        # created with its mode (a token file is never readable by others, not even for a moment)
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "w") as f:
+            os.fchmod(f.fileno(), mode)  # (not narrowed by the umask)
+            f.write(text)
         written.append(path)
     return written
 
@@ -558,9 +561,11 @@ def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
             }],
         },
     }
+    # The token's Secret has a file of its own, readable by its owner only; the pods read it
+    # through secretKeyRef, and every other manifest may be shared.
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-token", "labels": _labels(name, "token")},
+              "type": "Opaque", "stringData": {"token": secrets.token_hex(16)}}
     objects: list[dict] = [
-        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-token", "labels": _labels(name, "token")},
-         "type": "Opaque", "stringData": {"token": secrets.token_hex(16)}},
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config", "labels": _labels(name, "config")},
          "data": {"config.yaml": _config_yaml(cfg)}},
     ]
@@ -636,4 +641,5 @@ def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
         doc = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
                "metadata": {"name": jobset, "labels": labels}, "spec": spec}
         files[f"replica-{r}.yaml"] = (_yaml(doc), 0o644)
+    files["token.yaml"] = (_yaml(secret), 0o600)
     return files
