@@ -72,7 +72,7 @@ def block_norm(shardings: Any, blocks: int, mesh: Mesh) -> Callable[[Any], jax.A
             n = local[name]
             stacked = jnp.moveaxis(x.reshape(x.shape[:a] + (n, x.shape[a] // n) + x.shape[a + 1:]), a, 0)
             sums.append(jax.lax.all_gather(jax.lax.map(_sum_squares, stacked), name, tiled=True))
-        return jnp.sqrt(jnp.sum(jnp.concatenate(sums)))
+        return jnp.sqrt(jnp.sum(jax.lax.optimization_barrier(jnp.concatenate(sums))))  # (same shape everywhere)
 
     def norm(tree: Any) -> jax.Array:
         leaves = jax.tree.leaves(tree)

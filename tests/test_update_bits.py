@@ -20,7 +20,8 @@ def _adversarial_gradient(shapes, specs):
     """Zeros except the first leaf sharded over FSDP: 4096 at the start of its first block, 1 in
     every element of the other blocks."""
     out, done = [], False
-    for shape, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))):
+    shardings = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
+    for shape, spec in zip(jax.tree.leaves(shapes), shardings):
         g = np.zeros(shape.shape, np.float32)
         axes = [i for i, name in enumerate(spec.spec) if name is not None]
         if axes and not done:

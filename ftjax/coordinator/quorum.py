@@ -29,7 +29,8 @@ The rules (torchft's lighthouse rules, plus fast failure exclusion):
 - a participant at the max step whose state digest of that step differs from the one the quorum
   keeps (the most common among those reported; a tie keeps the digest of the first replica id) has
   *diverged*: it heals too, from a participant that kept the digest (`diverged_members`).
-  If no participant has state the quorum still forms with `no_state` set and nobody healing: they restore a durable checkpoint.
+  If no participant has state the quorum still forms with `no_state` set and nobody healing: they
+  restore a durable checkpoint.
 """
 
 from __future__ import annotations
