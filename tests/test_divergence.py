@@ -34,12 +34,14 @@ def test_a_flipped_bit_is_detected_at_the_next_quorum_and_healed_from_the_kept_s
     assert (incident["digest"], incident["majority_digest"]) == (d1[FLIP], d0[FLIP])
     assert not [e for e in records(job.replica_dir(0))[1] if e["event"] == "diverged"]
     # detected at the very next quorum: replica 1 applied no step after the flipped one before it
-    # healed, and every step it committed after the heal has replica 0's bits
-    after = sorted(s for s in d1 if s > FLIP)
-    assert after and after[-1] == steps, d1
-    assert all(d1[s] == d0[s] for s in after), [(s, d1[s], d0[s]) for s in after if d1[s] != d0[s]]
+    # healed, every step it committed after the heal has replica 0's bits, and so has its end
     [done] = [e for e in records(job.replica_dir(1))[1] if e["event"] == "catchup_done"]
-    assert done["source"] == "0" and done["at_step"] < after[0]
+    assert done["source"] == "0"
+    after = sorted(s for s in d1 if s > FLIP)
+    assert all(s > done["at_step"] for s in after), (after, done)
+    assert all(d1[s] == d0[s] for s in after), [(s, d1[s], d0[s]) for s in after if d1[s] != d0[s]]
+    final = [json.loads((job.replica_dir(r) / "summary.json").read_text())["param_digest"] for r in (0, 1)]
+    assert final[0] == final[1] == d0[steps]
 
     # the job's summary (the launcher's record of this run: it ended well) lists the incident
     (tmp_path / "launcher.jsonl").write_text("".join(json.dumps(e) + "\n" for e in (
