@@ -46,6 +46,7 @@ class ReplicaEvent(StrEnum):
     REPORT_UNDELIVERED = "report_undelivered"  # a failure report of `replica` did not reach the coordinator (`error`)
     PROGRESS_TIMEOUT = "progress_timeout"  # the watchdog saw no progress in `phase`: the process leaves the job
     DRAIN_TIMEOUT = "drain_timeout"  # trained every step; gave up waiting for healing peers after drain_timeout_s
+    DIVERGED = "diverged"  # its state's digest of `step` differed from the quorum's (majority_digest): it heals from `source`
     LEFT = "left"  # asked to (SIGTERM: `reason`), the replica left the job at a step boundary (`step`); exit 76
 
 

@@ -43,7 +43,8 @@ from ftjax.watchdog import NoWatchdog
 class QuorumSource(Protocol):
     known_positions: dict[str, int]
 
-    def quorum_async(self, step: int, data_position: int, has_state: bool, commit_failures: int = 0) -> Future: ...
+    def quorum_async(self, step: int, data_position: int, has_state: bool, commit_failures: int = 0,
+                     digest: str = "") -> Future: ...
     def report_failure(self, quorum_id: int, replica_id: str, incarnation: str, reason: str = "") -> bool: ...
     def leave(self, reason: str) -> None: ...
     def close(self) -> None: ...
@@ -93,7 +94,8 @@ class LocalQuorum:
         self.replica_id = replica_id
         self.known_positions: dict[str, int] = {}
 
-    def quorum_async(self, step: int, data_position: int, has_state: bool, commit_failures: int = 0) -> Future:
+    def quorum_async(self, step: int, data_position: int, has_state: bool, commit_failures: int = 0,
+                     digest: str = "") -> Future:
         me = Participant(self.replica_id, "local", step, data_position, (), "", False, "")
         future: Future = Future()
         future.set_result(QuorumResult(quorum_id=1, step=step, participants=(me,), rank=0, healing=False,
@@ -180,13 +182,14 @@ class StepProtocol:
         self.leaving: str | None = None  # leader: leave at the next step boundary (why)
 
     # --- the quorum ---------------------------------------------------------------------------
-    def ask(self, step: int, position: int, has_state: bool) -> None:
-        """Start the leader's request for the quorum of the next step (answered in `agree`)."""
+    def ask(self, step: int, position: int, has_state: bool, digest: str = "") -> None:
+        """Start the leader's request for the quorum of the next step (answered in `agree`);
+        `digest`: of the state at `step`, when this step computed one (the coordinator compares)."""
         if self.leader and self.leaving is not None:  # no request: the coordinator drops us now
             self._pending = None
             self.leave(self.leaving)
         elif self.leader:
-            self._pending = self.quorums.quorum_async(step, position, has_state, self.commit_failures)
+            self._pending = self.quorums.quorum_async(step, position, has_state, self.commit_failures, digest)
 
     def agree(self) -> Agreement:
         """Wait for the quorum the leader asked for; every host gets it, and the leader's catch-up

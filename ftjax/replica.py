@@ -24,7 +24,7 @@ from ftjax.checkpoint import DurableCheckpoints
 from ftjax.config import Config
 from ftjax.data import make_stream
 from ftjax.env import read_token
-from ftjax.faults import InjectedFaults, parse_die_at
+from ftjax.faults import InjectedFaults, parse_die_at, parse_flip_at
 from ftjax.lanes import LaneFlattener, served_lanes
 from ftjax.ftar import FTAREndpoint
 from ftjax.metrics import MetricsLog
@@ -45,7 +45,8 @@ def _checkpoints(cfg: Config, args: argparse.Namespace, out: Path, stream) -> Du
 
 def _faults(args: argparse.Namespace) -> InjectedFaults:
     return InjectedFaults(parse_die_at(getattr(args, "die_at", None)),
-                     parse_die_at(getattr(args, "hang_at", None), "--hang-at"))
+                          parse_die_at(getattr(args, "hang_at", None), "--hang-at"),
+                          parse_flip_at(getattr(args, "flip_bit_at", None)))
 
 
 def _divisor(cfg: Config) -> int | None:

@@ -29,7 +29,7 @@ from ftjax import models
 from ftjax import sharding as shd
 from ftjax.config import Config
 from ftjax.digest import state_digest
-from ftjax.optim import make_optimizer
+from ftjax.optim import block_norm, make_optimizer
 
 # Variables are created unsharded and placed by jit's out_shardings, from the logical names.
 flax.config.update("flax_always_shard_variable", False)
@@ -145,12 +145,13 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> Replica
         # live hosts x devices_per_host of them, which lets tests build several meshes in one process.
         devices = jax.devices()[: cfg.mesh.live_devices]
         mesh = shd.replica_mesh(devices)
-    tx = make_optimizer(cfg.optim, cfg.steps)
-
     abstract_model = nnx.eval_shape(lambda: models.build(cfg.model, nnx.Rngs(0)))
     graphdef, abstract_vars = nnx.split(abstract_model)
     logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_vars))
     p_shard = shd.param_shardings(logical, mesh)
+    # the clip's norm in blocks of a full replica's shards: the same bits on every degree
+    full_devices = cfg.mesh.hosts * cfg.mesh.devices_per_host
+    tx = make_optimizer(cfg.optim, cfg.steps, norm=block_norm(p_shard, full_devices, mesh))
 
     def _init_params(seed):
         return nnx.to_pure_dict(nnx.state(models.build(cfg.model, nnx.Rngs(jax.random.key(seed)))))

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(forward|ftar|commit|catchup)")
     p.add_argument("--hang-at", default=None, metavar="STEP:PHASE",
                    help="fault injection: block the training thread forever at that step and phase")
+    p.add_argument("--flip-bit-at", default=None, metavar="STEP",
+                   help="fault injection: flip one bit of one parameter after applying that step (a silent "
+                        "divergence, which the coordinator detects from the digests and heals)")
     p.add_argument("--log-every", type=int, default=None, metavar="N",
                    help="when stdout is not a terminal (a file, a pipe), print a plain line every N steps "
                         "(default: about 20 lines per run), besides one per event and the end of the run")

@@ -78,6 +78,7 @@ class Trainer:
         self.abstract = program.abstract_state()
         self.state = None
         self.step = 0        # steps committed (the state's step when it has one)
+        self.digest = ""     # the latest digest of the state (ft.digest_every)
         self.position = 0    # next batch of this replica's own stream
         self.job_step = 0    # the highest step of a quorum with state this process has seen
         self.state_lost_since: float | None = None
@@ -101,8 +102,8 @@ class Trainer:
     def _meta(self) -> dict:
         return {"step": self.step, "data_position": self.position, "data_fingerprint": self.stream.fingerprint}
 
-    def _ask(self) -> None:
-        self.protocol.ask(self.step, self.position, self.has_state)
+    def _ask(self, digest: str = "") -> None:
+        self.protocol.ask(self.step, self.position, self.has_state, digest)
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -223,6 +224,10 @@ class Trainer:
         """Take in what the quorum says of this replica: a snapshot to install, whether it heals,
         where its data stream resumes; a source serves its peers."""
         self.job_step, self.state_lost_since = max(self.job_step, q.step), None
+        if q.majority_digest and self.has_state:  # our state is not the one the quorum kept: heal
+            self.log.event(E.DIVERGED, step=self.step, digest=self.digest, majority_digest=q.majority_digest,
+                           source=q.heal_source)
+            self.state = None  # (from here on, the heal of a restarted replica)
         if install is not None:  # replaces a stale state, if we kept one
             installed = self.protocol.install(install, q, self.abstract, self._apply)
             if installed is not None:
@@ -245,22 +250,26 @@ class Trainer:
         applied = self.has_state and self.step == q.step
         self.protocol.committed(q, applied)
         batch_id = None
+        digest = ""
         if applied:
             self.state = self._apply(self.state, self.protocol.reducer.tree(update), scale)
+            self.state = self.faults.corrupt(self.step + 1, self.state)
             self.step += 1
             if contributes:
                 batch_id = self.stream.batch_id(self.position)
                 self.position += 1
+            if self.cfg.ft.digest_every and self.step % self.cfg.ft.digest_every == 0:
+                digest = self.digest = state_digest(self.state)  # (the coordinator compares them)
         else:  # healing: keep the update for the replay
             self.protocol.keep(q, update, scale)
-        self._ask()  # the next quorum is requested while this step finishes
+        self._ask(digest)  # the next quorum is requested while this step finishes
         if self.ckpt is not None and applied:
             self.ckpt.maybe_save(self.step, self.state, self._meta(), force=self.step == self.stop)
-        self._record(q, applied, computed, batch_id, scale, timing)
+        self._record(q, applied, computed, batch_id, scale, timing, digest)
         self.watchdog.arm()  # a step is done: from now on this process must make progress
 
     def _record(self, q: QuorumResult, applied: bool, computed: Computed | None, batch_id: int | None,
-                scale: float, timing: _Timing) -> None:
+                scale: float, timing: _Timing, digest: str = "") -> None:
         t5 = time.perf_counter()
         rows = row_count(computed.work) if computed is not None else 0
         record = {
@@ -276,8 +285,8 @@ class Trainer:
             record["work"] = self.step_work
             record["loss_sums"] = (computed.loss_sums or [[*computed.work[0], float(computed.loss) * rows]]
                                    if computed is not None else None)
-        if applied and self.cfg.ft.digest_every and self.step % self.cfg.ft.digest_every == 0:
-            record["param_digest"] = state_digest(self.state)
+        if digest:
+            record["param_digest"] = digest
         self.log.log(record)
 
     # --- state from elsewhere -------------------------------------------------------------------

@@ -93,3 +93,32 @@ def test_no_process_survives_an_error_or_sigterm(launch, how):
             assert "no digest for any replica" in run.output() and "DIFFER" not in run.output(), run.output()
     assert len(run.pids()) == 5  # the coordinator and 2 x 2 hosts were running
     assert run.leftovers() == []
+
+
+@pytest.mark.slow
+def test_a_reduced_degree_replica_updates_with_the_full_replicas_bits(launch):
+    """Issue 26: host 1 of replica 1 dies for good and the replica trains on at half degree (1 of
+    its 2 devices). The clip's norm scales every update (clip_norm far below the gradients' norm),
+    and a norm summed in another order would give other bits: every step both replicas committed
+    has one digest, and no divergence had to be healed. (The job runs until 10 steps of the reduced
+    replica are in, then Ctrl-C: a fixed step count could end before a loaded machine starts it.)"""
+    run = launch("--replicas", "2", "--hosts-per-replica", "2", "ft.global_batch=constant",
+                 "ft.on_host_loss=reduce", "--kill-host", "1@5:1", "--host-repair-s", "100000",
+                 "optim.clip_norm=0.01", "steps=100000")
+    reduced = run.wait_for(lambda e: e["event"] == "replica_started" and e.get("reduced"), timeout=400)
+
+    def reduced_steps():
+        return [m["step"] for m in run.metrics(1) if m.get("committed") and m["time"] > reduced["time"]]
+
+    deadline = time.monotonic() + 300
+    while len(reduced_steps()) < 10:
+        assert time.monotonic() < deadline, run.output()
+        time.sleep(0.2)
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(timeout=60) == 130
+    digests = [{m["step"]: m["param_digest"] for m in run.metrics(r) if m.get("committed") and "param_digest" in m}
+               for r in (0, 1)]
+    both = [n for n in reduced_steps() if n in digests[0] and n in digests[1]]
+    assert len(both) >= 10, both
+    assert [n for n in both if digests[0][n] != digests[1][n]] == []
+    assert run.summary()["divergences"] == []

@@ -126,6 +126,27 @@ def test_different_digests_are_reported(tmp_path):
     assert not build_summary(tmp_path)["digests_equal"]
 
 
+def test_replicas_that_end_with_different_digests_make_the_launch_fail(tmp_path):
+    from ftjax.launch.summary import exit_code
+
+    make_run(tmp_path)
+    assert exit_code(build_summary(tmp_path), 0) == (0, "")
+    (tmp_path / "replica-1" / "summary.json").write_text(json.dumps({"param_digest": "xyz", "data_position": 7}))
+    code, why = exit_code(build_summary(tmp_path), 0)
+    assert code == 1 and "replica 0 abc, replica 1 xyz" in why
+    (tmp_path / "replica-1" / "summary.json").unlink()  # a missing digest is no difference
+    assert exit_code(build_summary(tmp_path), 0) == (0, "")
+
+
+def test_a_divergence_incident_is_in_the_summary(tmp_path):
+    make_run(tmp_path)
+    with open(tmp_path / "replica-1" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"time": 111.32, "event": "diverged", "step": 8, "digest": "bad",
+                            "majority_digest": "good", "source": "0"}) + "\n")
+    assert build_summary(tmp_path)["divergences"] == [
+        {"time_s": 11.32, "replica": 1, "step": 8, "digest": "bad", "majority_digest": "good", "source": "0"}]
+
+
 def test_a_replica_without_a_digest_is_no_difference(tmp_path):
     """A run ended by --timeout-s before any replica finished has no digest at all: the summary says
     so instead of "DIFFER"; with one replica missing it names it and judges the others."""

@@ -279,7 +279,7 @@ class _Quorums:
         self.members = (Participant("0", "inc0", 0, 0, (me,), "", False, ""),
                         Participant("1", "inc1", 0, 0, (peer,), "", False, ""))
 
-    def quorum_async(self, step, data_position, has_state, commit_failures=0):
+    def quorum_async(self, step, data_position, has_state, commit_failures=0, digest=""):
         from concurrent.futures import Future
 
         from ftjax.coordinator.client import QuorumResult

@@ -32,7 +32,7 @@ class FakeQuorums:
     def __init__(self, answers):
         self.answers, self.asked, self.reports, self.known_positions = list(answers), [], [], {}
 
-    def quorum_async(self, step, data_position, has_state, commit_failures=0):
+    def quorum_async(self, step, data_position, has_state, commit_failures=0, digest=""):
         self.asked.append((step, data_position, has_state, commit_failures))
         future = Future()
         future.set_result(self.answers.pop(0))

@@ -173,6 +173,38 @@ def test_healing(name, replicas, healing, step, no_state):
     assert q.num_contributors == len(replicas) - len(healing)
 
 
+# (replica: (step, digest)) -> expected {healer: source}, {diverged: digest kept}
+DIVERGENCE = [
+    ("the minority heals from the majority", {"a": (5, "x"), "b": (5, "y"), "c": (5, "y")}, {"a": "b"}, {"a": "y"}),
+    ("a tie keeps the first replica id's digest", {"a": (5, "x"), "b": (5, "y")}, {"b": "a"}, {"b": "x"}),
+    ("one without a digest of this step is no vote", {"a": (5, "x"), "b": (5, ""), "c": (5, "x")}, {}, {}),
+    ("a digest of an older step is no vote", {"a": (5, "x"), "b": (4, "y"), "c": (5, "x")}, {"b": "a"}, {}),
+    ("two minorities heal, from the majority only",
+     {"a": (5, "x"), "b": (5, "y"), "c": (5, "z"), "d": (5, "y"), "e": (3, "")},
+     {"a": "b", "c": "d", "e": "b"}, {"a": "y", "c": "y"}),
+]
+
+
+@pytest.mark.parametrize("name,replicas,healing,diverged", DIVERGENCE, ids=[c[0] for c in DIVERGENCE])
+def test_a_replica_whose_digest_differs_from_the_majority_heals_from_it(name, replicas, healing, diverged):
+    members = table(*(MemberState(report(r, step=s)._replace(digest=d), NOW - 0.05, NOW - 0.1)
+                      for r, (s, d) in replicas.items()))
+    q = compute_quorum(None, members, NOW, S).quorum
+    assert {p.replica_id: p.heal_source for p in q.participants if p.healing} == healing
+    assert dict(q.diverged) == diverged
+
+
+def test_the_diverged_replica_is_told_the_digest_kept_and_its_peers_are_not():
+    from ftjax.coordinator.client import decode_quorum
+    from ftjax.coordinator.codec import QuorumEncoding
+
+    members = table(*(MemberState(report(r)._replace(digest=d), NOW - 0.05, NOW - 0.1) for r, d in zip("ab", "xy")))
+    enc = QuorumEncoding(compute_quorum(None, members, NOW, S).quorum)
+    a, b = (decode_quorum(enc.for_member(rank, 0)) for rank in (0, 1))
+    assert (a.majority_digest, a.healing) == ("", False)
+    assert (b.majority_digest, b.healing, b.heal_source) == ("x", True, "a")
+
+
 def test_participants_carry_the_ledgers_position_when_it_is_ahead():
     members = table(member("a", pos=10), member("b", pos=3, state=False, step=0))
     q = compute_quorum(None, members, NOW, S, positions={"a": 4, "b": 8}).quorum

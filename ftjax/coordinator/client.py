@@ -87,12 +87,12 @@ class MemberInfo:
                      topology_fingerprint=self.topology_fingerprint).validate("member_info")
 
     def to_proto(self, step: int = 0, data_position: int = 0, has_state: bool = True,
-                 commit_failures: int = 0) -> pb.Member:
+                 commit_failures: int = 0, digest: str = "") -> pb.Member:
         return pb.Member(
             replica_id=self.replica_id, incarnation=self.incarnation, step=step, data_position=data_position,
             has_state=has_state, num_hosts=self.num_hosts, ftar_addresses=self.ftar_addresses,
             catchup_addresses=self.catchup_addresses, topology_fingerprint=self.topology_fingerprint,
-            commit_failures=commit_failures,
+            commit_failures=commit_failures, digest=digest,
         )
 
 
@@ -110,6 +110,12 @@ class QuorumResult:
     num_contributors: int  # participants not healing: the divisor of the gradient average
     data_position: int  # where this replica's data stream resumes
     no_state: bool  # nobody has state: restore the latest durable checkpoint
+    majority_digest: str = ""  # set: this replica's state diverged from it; it heals from heal_source
+
+    @property
+    def diverged(self) -> dict[str, str]:
+        """As the coordinator's Quorum has it (replica_id -> the digest kept), for this replica only."""
+        return {self.participants[self.rank].replica_id: self.majority_digest} if self.majority_digest else {}
 
     @property
     def replica_ids(self) -> tuple[str, ...]:
@@ -141,6 +147,7 @@ def result_from_proto(r: pb.QuorumResponse, members: tuple[pb.MemberAddress, ...
         quorum_id=r.quorum_id, step=r.step, participants=participants, rank=r.rank, healing=r.healing,
         heal_source=r.heal_source, heal_source_addresses=tuple(r.heal_source_addresses),
         num_contributors=r.num_contributors, data_position=r.data_position, no_state=r.no_state,
+        majority_digest=r.majority_digest,
     )
 
 
@@ -273,14 +280,15 @@ class CoordinatorClient:
     # -- quorum -------------------------------------------------------------------------------
 
     def quorum_async(self, step: int, data_position: int, has_state: bool,
-                     commit_failures: int = 0) -> Future:
+                     commit_failures: int = 0, digest: str = "") -> Future:
         """Ask for the quorum of `step` in the background; the Future yields a QuorumResult.
+        `digest`: of the state at `step`, when computed (the coordinator compares them).
 
         Requests are served one at a time, in order (one per training step)."""
         if self._closed.is_set():
             raise CoordinatorError(grpc.StatusCode.CANCELLED, "the client is closed")
         future: Future = Future()
-        self._requests.put(((step, data_position, has_state, commit_failures), future))
+        self._requests.put(((step, data_position, has_state, commit_failures, digest), future))
         with self._lock:
             if self._quorum_thread is None:
                 self._quorum_thread = threading.Thread(target=self._quorum_loop, daemon=True,
@@ -301,9 +309,10 @@ class CoordinatorClient:
             step_time_s=max(0.0, float(record.get("step_time_s") or 0.0)), tokens=int(record.get("tokens") or 0),
             target_steps=target_steps, replicas=replicas)
 
-    def quorum(self, step: int, data_position: int, has_state: bool, commit_failures: int = 0) -> QuorumResult:
+    def quorum(self, step: int, data_position: int, has_state: bool, commit_failures: int = 0,
+               digest: str = "") -> QuorumResult:
         """Blocking `quorum_async`."""
-        return self.quorum_async(step, data_position, has_state, commit_failures).result()
+        return self.quorum_async(step, data_position, has_state, commit_failures, digest).result()
 
     def _quorum_loop(self) -> None:
         while True:
@@ -318,9 +327,10 @@ class CoordinatorClient:
             except BaseException as e:  # handed to the caller through the future
                 future.set_exception(e)
 
-    def _request_quorum(self, step: int, data_position: int, has_state: bool, commit_failures: int) -> QuorumResult:
+    def _request_quorum(self, step: int, data_position: int, has_state: bool, commit_failures: int,
+                        digest: str = "") -> QuorumResult:
         self._progress = (step, data_position, has_state)
-        member = self.member.to_proto(step, data_position, has_state, commit_failures)
+        member = self.member.to_proto(step, data_position, has_state, commit_failures, digest)
         deadline = time.monotonic() + self.quorum_timeout_s
         backoff = _Backoff()
         last_error = "none"

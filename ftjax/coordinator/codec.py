@@ -49,7 +49,8 @@ class QuorumEncoding:
         if p.healing:
             source = self.q.participants[self._index[p.heal_source]]
             own = pb.QuorumResponse(rank=rank, healing=True, heal_source=p.heal_source,
-                                    heal_source_addresses=source.catchup_addresses, data_position=p.data_position)
+                                    heal_source_addresses=source.catchup_addresses, data_position=p.data_position,
+                                    majority_digest=self.q.diverged.get(p.replica_id, ""))
         else:
             own = pb.QuorumResponse(rank=rank, data_position=p.data_position)
         own = own.SerializeToString()

@@ -25,14 +25,19 @@ The rules (torchft's lighthouse rules, plus fast failure exclusion):
 - the quorum id changes only when the participant set (replica id, incarnation) changes, a
   participant reports commit failures, or a failure report was accepted since the last quorum;
 - a participant heals if it has no state or is behind the max step; the up-to-date participants
-  are its sources, assigned round-robin in replica-id order. If no participant has state the
-  quorum still forms with `no_state` set and nobody healing: they restore a durable checkpoint.
+  are its sources, assigned round-robin in replica-id order;
+- a participant at the max step whose state digest of that step differs from the one the quorum
+  keeps (the most common among those reported; a tie keeps the digest of the first replica id) has
+  *diverged*: it heals too, from a participant that kept the digest (`diverged_members`).
+  If no participant has state the quorum still forms with `no_state` set and nobody healing: they
+  restore a durable checkpoint.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -113,6 +118,7 @@ class MemberReport(NamedTuple):
     topology_fingerprint: str = ""
     commit_failures: int = 0
     known_quorum_id: int = 0  # the quorum id whose membership the member holds (0: none)
+    digest: str = ""  # the digest of its state at `step` (empty: not computed at this step)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -128,6 +134,7 @@ class MemberReport(NamedTuple):
         check_int(f"{prefix}.step", self.step, 0, MAX_STEP)
         check_int(f"{prefix}.data_position", self.data_position, 0, MAX_STEP)
         check_int(f"{prefix}.commit_failures", self.commit_failures, 0, MAX_STEP)
+        check_text(f"{prefix}.digest", self.digest)
         if not static:
             return
         check_id(f"{prefix}.replica_id", self.replica_id)
@@ -216,6 +223,7 @@ class Quorum:
     no_state: bool = False  # no participant has state: nobody heals, all restore a checkpoint
     failure_epoch: int = 0  # accepted failure reports counted when it formed
     reason: str = ""  # fast_path | all_joined | join_timeout
+    diverged: Mapping[str, str] = field(default_factory=dict)  # replica_id -> the digest kept (it heals)
     # (replica_id, incarnation) of each participant: computed once, compared on every formation
     members: tuple[tuple[str, str], ...] = field(init=False, repr=False, compare=False)
 
@@ -331,10 +339,11 @@ def _form(
     with_state = [r for r in reports if r.has_state]
     no_state = not with_state
     step = max(r.step for r in (reports if no_state else with_state))
-    sources = [r.replica_id for r in with_state if r.step == step]
+    diverged = diverged_members(with_state, step) if not no_state else {}
+    sources = [r.replica_id for r in with_state if r.step == step and r.replica_id not in diverged]
     heal_source: dict[str, str] = {}
     if not no_state:
-        healers = [r.replica_id for r in reports if not r.has_state or r.step < step]
+        healers = [r.replica_id for r in reports if not r.has_state or r.step < step or r.replica_id in diverged]
         heal_source = {rid: sources[i % len(sources)] for i, rid in enumerate(healers)}
     # One lookup of the heal source per member (healing is having one): this runs for every member
     # on every step, on the path between the last request and the first answer.
@@ -357,4 +366,17 @@ def _form(
         # the coordinator (which forgets its previous quorum but hears the members' ids).
         floor = max([prev.quorum_id if prev else 0] + [r.known_quorum_id for r in reports])
         quorum_id = floor + 1
-    return Quorum(quorum_id, step, participants, no_state, failure_epoch, reason)
+    return Quorum(quorum_id, step, participants, no_state, failure_epoch, reason, diverged)
+
+
+def diverged_members(reports: Sequence[MemberReport], step: int) -> dict[str, str]:
+    """replica_id -> the digest kept, for each member of `reports` (in replica-id order) whose digest
+    of `step` differs from the kept one: the most common digest of the members at `step` that sent
+    one; of two equally common, the first member's (a deterministic rule: with two replicas there is
+    no majority, and nothing says which state is right). Empty when they all agree."""
+    digests = {r.replica_id: r.digest for r in reports if r.digest and r.step == step}
+    if len(set(digests.values())) < 2:
+        return {}
+    counts = Counter(digests.values())
+    kept = max(digests.values(), key=counts.__getitem__)  # (max keeps the first of equals)
+    return {rid: kept for rid, d in digests.items() if d != kept}

@@ -88,7 +88,7 @@ class MemberDecoder:
         report = MemberReport(
             member.replica_id, member.incarnation, member.step, member.data_position, member.has_state,
             tuple(member.ftar_addresses), tuple(member.catchup_addresses), member.topology_fingerprint,
-            member.commit_failures, known_quorum_id,
+            member.commit_failures, known_quorum_id, member.digest,
         )
         static = (report.replica_id, report.incarnation, *report.static_fields())
         known = static in self._valid

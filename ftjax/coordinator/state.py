@@ -313,7 +313,8 @@ class CoordinatorState:
             if keep:
                 old = m.report
                 report = report._replace(step=old.step, data_position=old.data_position, has_state=old.has_state,
-                                         commit_failures=old.commit_failures, known_quorum_id=old.known_quorum_id)
+                                         commit_failures=old.commit_failures, known_quorum_id=old.known_quorum_id,
+                                         digest=old.digest)
             _, replaced = self._upsert(report, now, requesting=None)
             if known_positions:  # after every check: a refused registration changes nothing
                 self.ledger.merge(known_positions)

@@ -308,7 +308,7 @@ def run(args: argparse.Namespace, cfg: Config, overrides: list[str], replicas: i
 def _report(out: Path, console: Console, code: int) -> int:
     """Write summary.json and the plots, print the summary table."""
     from ftjax.launch.plots import write_loss, write_timeline
-    from ftjax.launch.summary import load_run, write_summary
+    from ftjax.launch.summary import exit_code, load_run, write_summary
     from ftjax.launch.view import print_summary
 
     summary = write_summary(out)
@@ -316,4 +316,7 @@ def _report(out: Path, console: Console, code: int) -> int:
     write_loss(run, out / "loss.png")
     write_timeline(run, out / "timeline.png", summary["median_step_s"] or 0.0)
     print_summary(console, summary, str(out))
+    code, why = exit_code(summary, code)
+    if why:
+        console.print(f"[red]ftjax launch: {why}[/]")
     return code

@@ -53,6 +53,9 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   `isolated_commits` every other step the cut-off replica committed (none, or there was a split
   brain), `peer_commits` how many steps each other replica committed meanwhile (it trains on), and
   `rejoined_at_step` where the cut-off replica caught up afterwards (null: it did not).
+- **divergences**: every incident in which the coordinator found a replica's state digest of a
+  step different from the one it kept (the majority's) and made it heal (`diverged` events).
+  Replicas that end with different digests make `ftjax launch` exit 1 (`exit_code`).
 - **final_loss**: the mean training loss of every contribution in the last 5% of the steps (at
   least the last step), over all replicas: a single batch's loss is too noisy to compare runs.
 """
@@ -313,6 +316,24 @@ def partitions(run: Run) -> list[dict[str, Any]]:
     return out
 
 
+def divergences(run: Run) -> list[dict[str, Any]]:
+    """Each `diverged` event of a replica: its digest and the kept one, the step, its source."""
+    return [{"time_s": round(e[TIME] - run.start, 3), "replica": r, "step": e.get("step"), "digest": e.get("digest"),
+             "majority_digest": e.get("majority_digest"), "source": e.get("source")}
+            for r in range(run.replicas) for e in run.metrics[r] if e.get(EVENT) == E.DIVERGED]
+
+
+def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
+    """The launcher's exit code given the supervisor's `code` (0: every replica finished), and why
+    it is not 0: replicas that finished with different digests hold different models, whatever
+    else went right."""
+    final = {rid: rec["param_digest"] for rid, rec in summary["replicas"].items() if rec["param_digest"]}
+    if len(set(final.values())) > 1:
+        return code or 1, "the replicas ended with different states: " + ", ".join(
+            f"replica {rid} {d}" for rid, d in sorted(final.items()))
+    return code, ""
+
+
 def final_loss(run: Run) -> float | None:
     k = max(1, run.steps // 20)
     losses = [s[F.LOSS] for r in range(run.replicas) for s in run.metrics[r]
@@ -393,6 +414,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "digests_equal": len(set(digests)) == 1 and None not in digests,
         "digests_missing": [rid for rid, rec in replicas.items() if rec["param_digest"] is None],
         "exactly_once": all(rec["exactly_once"] for rec in replicas.values()),
+        "divergences": divergences(run),
         **({"constant_batch": constant} if constant is not None else {}),
     }
 
