@@ -133,17 +133,18 @@ esac""",
 
 
 def _run_replica_script(tmp_path, overrides: list[str], steps: list[str], *, restarts: int = 0,
-                        events: str = "", attempts: int = 0) -> tuple[list[dict], list[list[str]], str]:
-    """Replica 0's script of a 2-host job, run against the fake Slurm: its events, each srun's
-    arguments, and its stderr."""
+                        events: str = "", attempts: int = 0, hosts: int = 2) -> tuple[list[dict], list[list[str]], str]:
+    """Replica 0's script of a job of `hosts`-host replicas, run against the fake Slurm: its events,
+    each srun's arguments, and its stderr."""
     job, stub = tmp_path / "job", tmp_path / "stub"
-    emit("slurm", job, TINY, ["ft.replicas=2", "mesh.hosts=2", *overrides],
+    nodes = ",".join(f"n{k}" for k in range(1, hosts + 1))
+    emit("slurm", job, TINY, ["ft.replicas=2", f"mesh.hosts={hosts}", "data.batch_size=16", *overrides],
          options=EmitOptions(name="fake", restart_delay_s=0))
     stub.mkdir()
     for command, body in _FAKE_SLURM.items():
         (stub / command).write_text("#!/bin/bash\n" + body + "\n")
         (stub / command).chmod(0o755)
-    (stub / "allocation").write_text("n1,n2\n")
+    (stub / "allocation").write_text(nodes + "\n")
     (stub / "steps").write_text("\n".join(steps) + "\n")
     out = job / "run" / "replica-0"
     out.mkdir(parents=True)
@@ -152,7 +153,7 @@ def _run_replica_script(tmp_path, overrides: list[str], steps: list[str], *, res
     if attempts:
         (out / "slurm-attempts").write_text(f"{attempts}\n")
     env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "STUB": str(stub), "FTJAX_JOB_DIR": str(job),
-           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1,n2", "SLURM_RESTART_COUNT": str(restarts)}
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": nodes, "SLURM_RESTART_COUNT": str(restarts)}
     r = subprocess.run(["bash", str(job / "replica-0.sbatch")], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     calls = int((stub / "calls").read_text())
@@ -187,9 +188,19 @@ def test_a_slurm_replica_that_loses_a_node_goes_on_at_reduced_degree_then_whole(
     assert "#SBATCH --no-kill" in script and "DEGREE=(0 1 2)" in script
 
 
-def test_a_slurm_replica_left_too_few_nodes_asks_for_a_new_allocation(tmp_path):
-    """4 hosts, ft.reduced_min_fraction 0.75: with 2 up no reduced degree fits; a node has left the
-    (--no-kill) allocation, so the job requeues itself for a whole one."""
+@pytest.mark.parametrize("fraction,second", [("0.5", ("n1,n3", ["mesh.live_hosts=2"])), ("0.75", ("n1,n2,n3,n4", []))])
+def test_a_4_host_slurm_replica_runs_on_the_first_hosts_up_of_the_reduced_degree(tmp_path, fraction, second):
+    """Host 1 of 4 lost: 3 up, the largest divisor of 4 they cover is 2 (hosts 0 and 2); with
+    ft.reduced_min_fraction 0.75 that is too few, and the replica restarts whole, as with restart."""
+    events, sruns, _ = _run_replica_script(tmp_path, [*REDUCE, f"ft.reduced_min_fraction={fraction}"],
+                                           ["lose n2", "0"], hosts=4)
+    assert [_srun_places(a) for a in sruns] == [("n1,n2,n3,n4", []), second]
+    assert events[1]["host"] == 1 and events[2]["reduced"] is (second[1] != [])
+
+
+def test_the_reduced_degree_table_follows_the_launcher_rule(tmp_path):
+    """The script's DEGREE table is `reduced_degree` (the local launcher's rule) at emit time; with
+    too few up and a node gone from the (--no-kill) allocation the job requeues itself."""
     job = tmp_path / "job"
     emit("slurm", job, TINY, ["ft.replicas=2", "mesh.hosts=4", *REDUCE, "ft.reduced_min_fraction=0.75",
                               "data.batch_size=16"], options=EmitOptions(name="few"))
@@ -198,7 +209,7 @@ def test_a_slurm_replica_left_too_few_nodes_asks_for_a_new_allocation(tmp_path):
     emit("slurm", tmp_path / "half", TINY, ["ft.replicas=2", "mesh.hosts=4", *REDUCE, "data.batch_size=16"],
          options=EmitOptions(name="half"))
     assert "DEGREE=(0 0 2 2 4)" in (tmp_path / "half" / "replica-0.sbatch").read_text()
-    assert "if [ \"$(allocated | wc -l)\" -lt 4 ]" in script
+    assert "if [ \"$(allocated | wc -l)\" -lt 4 ]" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
 
 
 def test_with_ft_on_host_loss_restart_a_slurm_replica_restarts_whole(tmp_path):

@@ -472,7 +472,7 @@ watch_step() {  # watch_step PID: until the step ends
 # leaves the allocation and the batch script goes on. A host is up while its node is in the job's
 # allocation and Slurm reports the node up (not down, drained or draining, failing, not responding).
 _SLURM_REDUCE = """# The hosts a replica runs on when N of its @HOSTS@ are up (index N): the largest divisor of @HOSTS@ they
-# cover, if at least ft.reduced_min_fraction (@MIN_FRACTION@) of it; 0: too few, wait for a host
+# cover, if at least ft.reduced_min_fraction (@MIN_FRACTION@) of it; 0: too few
 DEGREE=(@DEGREES@)
 allocated() {  # the nodes of this job's allocation now (a failed node leaves it)
   local nodes
@@ -489,18 +489,21 @@ hosts_up() {  # the hosts up, in order
     case $state in "" | alloc | mix | idle | comp | resv | plnd) echo "$h" ;; esac
   done
 }
-place() {  # ON: the hosts of the next attempt, every one or the largest reduced degree of those up
+place() {  # ON: the hosts of the next attempt: every one, or the largest reduced degree of those up;
+  # with too few up, every one again (as ft.on_host_loss: restart), or a new allocation if this
+  # one has lost nodes
   local up
-  while true; do
-    mapfile -t up < <(hosts_up)
-    LIVE=${DEGREE[${#up[@]}]}
-    if [ "$LIVE" -gt 0 ]; then ON=("${up[@]:0:$LIVE}"); return; fi
-    if [ "$(allocated | wc -l)" -lt @MIN_HOSTS@ ]; then  # too few nodes left to this job: a new allocation
-      echo "replica $REPLICA: only $(allocated | paste -sd, -) left in the allocation; requeueing" >&2
-      scontrol requeue "$SLURM_JOB_ID"
-    fi
-    sleep 5
-  done
+  mapfile -t up < <(hosts_up)
+  LIVE=${DEGREE[${#up[@]}]}
+  if [ "$LIVE" -gt 0 ]; then ON=("${up[@]:0:$LIVE}"); return; fi
+  if [ "$(allocated | wc -l)" -lt @HOSTS@ ]; then
+    echo "replica $REPLICA: too few hosts up, and only $(allocated | paste -sd, -) left in the allocation;" \\
+      "requeueing the job" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+    sleep 600 & wait $!  # until Slurm ends this script (the TERM trap)
+  fi
+  ON=(@ALL_HOSTS@)
+  LIVE=@HOSTS@
 }
 lost_host() {  # the first host of the attempt that is down now (none: it was not a host's loss)
   local h up
@@ -617,7 +620,7 @@ def _slurm_placement(cfg: Config, o: EmitOptions) -> tuple[str, str]:
                 f"the whole replica, after {o.restart_delay_s:g} s.")
     degrees = [reduced_degree(hosts, up, cfg.ft.reduced_min_fraction) or 0 for up in range(hosts)] + [hosts]
     return (_fill(_SLURM_REDUCE, hosts=hosts, min_fraction=f"{cfg.ft.reduced_min_fraction:g}",
-                  degrees=" ".join(map(str, degrees)), min_hosts=next(up for up, d in enumerate(degrees) if d),
+                  degrees=" ".join(map(str, degrees)), all_hosts=" ".join(map(str, range(hosts))),
                   leave_s=f"{math.ceil(cfg.ft.progress_timeout_s)}"),
             "when a node of the allocation failed (Slurm reports it\n"
             "# down, drained or not responding, or it left this --no-kill allocation), at once on the hosts\n"
