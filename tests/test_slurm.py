@@ -157,7 +157,7 @@ def test_emitted_job_survives_a_lost_host_at_reduced_degree_on_a_real_slurm_clus
 
         # replica 1 restarts on host 0 alone and trains there; then its node is back
         def reduced_start():
-            return next((e for e in _events(run, 1) if e["event"] == "replica_started" and e["reduced"]), None)
+            return next((e for e in _events(run, 1) if e["event"] == "replica_started" and e.get("reduced")), None)
 
         _wait(lambda: reduced_start() and len(_own_steps(run, 1, reduced_start()["time"])) >= 3, state)
         _run(["scontrol", "update", f"NodeName={drained}", "State=RESUME"], env)
