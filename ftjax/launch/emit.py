@@ -323,10 +323,10 @@ exit 1
 _SLURM_REPLICA = """#!/bin/bash
 @SBATCH@
 # Replica @REPLICA@ of job @NAME@: @HOSTS@ host(s), one task each. One dead host ends the srun step
-# (--kill-on-bad-exit) and the loop starts the replica again: @POLICY@
-# It catches up from a live peer. A dead node ends the allocation: Slurm requeues the job
-# (--requeue) and it starts over here. Only this replica restarts; @MAX_RESTARTS@ restarts in all,
-# requeues included. host-P.log is process P's output (process P runs on host P of a whole replica).
+# (--kill-on-bad-exit) and the loop starts the replica again, which catches up from a live peer:
+@POLICY@
+# Only this replica restarts; @MAX_RESTARTS@ restarts in all, requeues included. host-P.log is
+# process P's output (process P runs on host P of a whole replica).
 @PRELUDE@
 REPLICA=@REPLICA@
 OUT="$RUN_DIR/replica-$REPLICA"
@@ -434,8 +434,9 @@ while [ "$(restarts)" -le @MAX_RESTARTS@ ]; do
     --output="$OUT/host-%t.log" --open-mode=append \\
     bash -c 'exec "$@" --process-id "$SLURM_PROCID"' ftjax-host \\
     @COMMAND@ &
-  watch_step $!  # (in the background: the TERM trap runs at once)
-  wait $! || code=$?
+  step=$!  # in the background: the TERM trap runs at once
+  watch_step "$step"
+  wait "$step" || code=$?
   running=0
   if [ "$code" -eq 0 ]; then
     event replica_done
@@ -617,15 +618,17 @@ def _slurm_placement(cfg: Config, o: EmitOptions) -> tuple[str, str]:
     hosts = cfg.mesh.hosts
     if cfg.ft.on_host_loss != "reduce":
         return (_fill(_SLURM_WHOLE, hosts=hosts, all_hosts=" ".join(map(str, range(hosts)))),
-                f"the whole replica, after {o.restart_delay_s:g} s.")
+                f"# the whole replica, after {o.restart_delay_s:g} s. A dead node ends the allocation: Slurm requeues\n"
+                "# the job (--requeue) and it starts over here.")
     degrees = [reduced_degree(hosts, up, cfg.ft.reduced_min_fraction) or 0 for up in range(hosts)] + [hosts]
     return (_fill(_SLURM_REDUCE, hosts=hosts, min_fraction=f"{cfg.ft.reduced_min_fraction:g}",
                   degrees=" ".join(map(str, degrees)), all_hosts=" ".join(map(str, range(hosts))),
                   leave_s=f"{math.ceil(cfg.ft.progress_timeout_s)}"),
-            "when a node of the allocation failed (Slurm reports it\n"
-            "# down, drained or not responding, or it left this --no-kill allocation), at once on the hosts\n"
-            "# that are up, at a reduced degree (ft.on_host_loss: reduce); whole again once they are all up;\n"
-            f"# else the whole replica, after {o.restart_delay_s:g} s.")
+            "# when Slurm reports a node of the allocation lost (down, drained, not responding, or gone from\n"
+            "# this --no-kill allocation), at once on the hosts up, at reduced degree (ft.on_host_loss:\n"
+            f"# reduce), and whole again once they all are; else whole, after {o.restart_delay_s:g} s.\n"
+            "# A lost batch node (host 0's) ends the allocation: Slurm requeues the job (--requeue) and it\n"
+            "# starts over here.")
 
 
 def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
