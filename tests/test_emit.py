@@ -126,7 +126,7 @@ case $step in
   lose\\ *) echo drng > "$STUB/state-${step#lose }"; exit 137 ;;  # a node fails: its process dies
   "back "*) trap 'exit 76' TERM  # the node is back: run until asked to leave
     echo idle > "$STUB/state-${step#back }"
-    while true; do sleep 0.1; done ;;
+    for _ in $(seq 300); do sleep 0.1; done; exit 1 ;;  # at most ~30 s: never outlives a failed test
   *) exit "$step" ;;
 esac""",
 }
