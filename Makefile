@@ -21,8 +21,9 @@ test: venv
 	$(VENV)/bin/python -m pytest -q
 
 # A Slurm cluster of 4 nodes on this machine (scripts/local_slurm.sh: installs slurm and munge with
-# apt when missing), the job `ftjax launch --emit slurm` writes run on it with a host killed
-# mid-run (tests/test_slurm.py), and the cluster taken down again, whatever the outcome.
+# apt when missing), the job `ftjax launch --emit slurm` writes run on it with a host lost mid-run
+# (at reduced degree) and a requeue (tests/test_slurm.py), and the cluster taken down again,
+# whatever the outcome.
 slurm-test: venv
 	bash scripts/local_slurm.sh up && FTJAX_SLURM_TEST=1 $(VENV)/bin/python -m pytest -q tests/test_slurm.py; \
 	  code=$$?; bash scripts/local_slurm.sh down; exit $$code

@@ -50,14 +50,19 @@ K8S_VARIANTS = {
 
 
 # --- Slurm ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("hosts", [1, 2])
-@pytest.mark.parametrize("variant", SLURM_VARIANTS)
-def test_emitted_slurm_scripts_pass_shellcheck(tmp_path, variant, hosts):
+REDUCE = ["ft.global_batch=constant", "ft.on_host_loss=reduce"]
+SHELLCHECK_CASES = [(v, h, []) for v in SLURM_VARIANTS for h in (1, 2)] + [("plain", 4, REDUCE), ("all-options", 2, REDUCE)]
+
+
+@pytest.mark.parametrize("variant,hosts,policy", SHELLCHECK_CASES,
+                         ids=[f"{v}-{h}-{'reduce' if p else 'restart'}" for v, h, p in SHELLCHECK_CASES])
+def test_emitted_slurm_scripts_pass_shellcheck(tmp_path, variant, hosts, policy):
     if shutil.which("shellcheck") is None:
         if CI:
             pytest.fail("shellcheck is not installed (apt-get install shellcheck; .ci/run does)")
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
-    files = emit("slurm", tmp_path / "job", TINY, [*JOB, f"mesh.hosts={hosts}"], options=SLURM_VARIANTS[variant])
+    files = emit("slurm", tmp_path / "job", TINY, [*JOB, f"mesh.hosts={hosts}", *policy],
+                 options=SLURM_VARIANTS[variant])
     scripts = [str(p) for p in files if p.suffix in (".sbatch", ".sh")]
     assert len(scripts) == 6  # coordinator, 3 replicas, finish, submit
     r = subprocess.run(["shellcheck", "--severity=style", "--shell=bash", *scripts, str(Path(REPO, "scripts",
@@ -75,7 +80,7 @@ def test_slurm_scripts_ask_for_what_the_options_say(tmp_path):
                           "--partition=gpu,gpu-long", "--account=ml", "--requeue", "--open-mode=append",
                           "--output=slurm-%x-%j.out"]
     assert "--cpus-per-task=32 \\" in replica  # srun does not inherit it
-    assert 'while [ "$attempt" -le 0 ]' in replica and "sleep 30" in replica
+    assert 'while [ "$(restarts)" -le 0 ]' in replica and "sleep 30" in replica
     coordinator = (tmp_path / "job" / "coordinator.sbatch").read_text()
     assert "--job-name=big-job-coordinator" in coordinator and "--gpus" not in coordinator
     assert "--expected-replicas 3 --final-step 77" in coordinator
@@ -99,6 +104,131 @@ def test_a_missing_or_empty_token_stops_a_replica_script(tmp_path):
         r = subprocess.run(["bash", str(job / "coordinator.sbatch")], env={**os.environ, "FTJAX_JOB_DIR": str(job)},
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "no job token" in r.stderr, (state, r.stderr)
+
+
+# The Slurm commands a replica script calls, faked: a cluster of nodes n1..nH that the test
+# drains and resumes (files under STUB), and an srun that plays each step from STUB/steps.
+_FAKE_SLURM = {
+    "scontrol": """case "$1 $2" in
+  "show hostnames") echo "$3" | tr ',' '\\n' ;;
+  "show job") echo "JobId=$3 Restarts=${FAKE_RESTARTS:-0}" ;;
+  *) echo "$*" >> "$STUB/scontrol.log" ;;
+esac""",
+    "squeue": 'case "$*" in *%N*) cat "$STUB/allocation" ;; *) echo "$*" >> "$STUB/squeue.log" ;; esac',
+    "sinfo": 'for a in "$@"; do case $prev in -n) cat "$STUB/state-$a" 2>/dev/null || echo alloc ;; esac; prev=$a; done',
+    "scancel": 'echo "$*" >> "$STUB/scancel.log"; kill -TERM "$(cat "$STUB/srun.pid")"',
+    "srun": """n=$(($(cat "$STUB/calls" 2>/dev/null || echo 0) + 1))
+echo "$n" > "$STUB/calls"
+printf '%s\\n' "$@" > "$STUB/srun-$n.args"
+echo $$ > "$STUB/srun.pid"
+step=$(sed -n "${n}p" "$STUB/steps")
+case $step in
+  lose\\ *) echo drng > "$STUB/state-${step#lose }"; exit 137 ;;  # a node fails: its process dies
+  "back "*) trap 'exit 76' TERM  # the node is back: run until asked to leave
+    echo idle > "$STUB/state-${step#back }"
+    for _ in $(seq 300); do sleep 0.1; done; exit 1 ;;  # at most ~30 s: never outlives a failed test
+  *) exit "$step" ;;
+esac""",
+}
+
+
+def _run_replica_script(tmp_path, overrides: list[str], steps: list[str], *, restarts: int = 0,
+                        events: str = "", attempts: int = 0, hosts: int = 2) -> tuple[list[dict], list[list[str]], str]:
+    """Replica 0's script of a job of `hosts`-host replicas, run against the fake Slurm: its events,
+    each srun's arguments, and its stderr."""
+    job, stub = tmp_path / "job", tmp_path / "stub"
+    nodes = ",".join(f"n{k}" for k in range(1, hosts + 1))
+    emit("slurm", job, TINY, ["ft.replicas=2", f"mesh.hosts={hosts}", "data.batch_size=16", *overrides],
+         options=EmitOptions(name="fake", restart_delay_s=0))
+    stub.mkdir()
+    for command, body in _FAKE_SLURM.items():
+        (stub / command).write_text("#!/bin/bash\n" + body + "\n")
+        (stub / command).chmod(0o755)
+    (stub / "allocation").write_text(nodes + "\n")
+    (stub / "steps").write_text("\n".join(steps) + "\n")
+    out = job / "run" / "replica-0"
+    out.mkdir(parents=True)
+    (job / "run" / "coordinator.address").write_text("127.0.0.1:1\n")
+    (out / "slurm-events.jsonl").write_text(events)
+    if attempts:
+        (out / "slurm-attempts").write_text(f"{attempts}\n")
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "STUB": str(stub), "FTJAX_JOB_DIR": str(job),
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": nodes, "SLURM_RESTART_COUNT": str(restarts)}
+    r = subprocess.run(["bash", str(job / "replica-0.sbatch")], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    calls = int((stub / "calls").read_text())
+    args = [(stub / f"srun-{n}.args").read_text().splitlines() for n in range(1, calls + 1)]
+    return [json.loads(line) for line in (out / "slurm-events.jsonl").read_text().splitlines()], args, r.stderr
+
+
+def _srun_places(args: list[str]) -> tuple[str, list[str]]:
+    """(--nodelist, the overrides after the config) of one srun."""
+    nodelist = next(a.split("=", 1)[1] for a in args if a.startswith("--nodelist="))
+    config = next(i for i, a in enumerate(args) if a.endswith("config.yaml"))
+    return nodelist, args[config + 1:args.index("--out")]
+
+
+def test_a_slurm_replica_that_loses_a_node_goes_on_at_reduced_degree_then_whole(tmp_path):
+    """ft.on_host_loss: reduce. Host 1's node fails (Slurm reports it draining) and its process dies:
+    the replica restarts at once on host 0 alone, with mesh.live_hosts=1 (the local launcher's
+    reduced args); once the node is up again it is asked to leave (SIGTERM to the steps, not the
+    script), leaves (exit 76) and starts whole; every decision is a record of launcher.jsonl."""
+    events, sruns, _ = _run_replica_script(tmp_path, REDUCE, ["lose n2", "back n2", "0"])
+    assert [_srun_places(a) for a in sruns] == [("n1,n2", []), ("n1", ["mesh.live_hosts=1"]), ("n1,n2", [])]
+    assert "--nodes=1" in sruns[1] and "--ntasks=1" in sruns[1] and "--nodes=2" in sruns[2]
+    assert [(e["event"], e.get("cause"), e.get("hosts"), e.get("reduced")) for e in events] == [
+        ("replica_started", None, [0, 1], False), ("replica_down", "exit", None, None),
+        ("replica_started", None, [0], True), ("back_to_full_degree", None, [0], None),
+        ("replica_down", "left", None, None), ("replica_started", None, [0, 1], False),
+        ("replica_done", None, None, None)]
+    assert events[1]["host"] == 1 and events[4]["codes"] == [76]
+    assert [e["incarnation"] for e in events if e["event"] == "replica_started"] == [1, 2, 3]
+    assert (tmp_path / "stub" / "scancel.log").read_text() == "--signal=TERM 7\n"
+    script = (tmp_path / "job" / "replica-0.sbatch").read_text()
+    assert "#SBATCH --no-kill" in script and "DEGREE=(0 1 2)" in script
+
+
+@pytest.mark.parametrize("fraction,second", [("0.5", ("n1,n3", ["mesh.live_hosts=2"])), ("0.75", ("n1,n2,n3,n4", []))])
+def test_a_4_host_slurm_replica_runs_on_the_first_hosts_up_of_the_reduced_degree(tmp_path, fraction, second):
+    """Host 1 of 4 lost: 3 up, the largest divisor of 4 they cover is 2 (hosts 0 and 2); with
+    ft.reduced_min_fraction 0.75 that is too few, and the replica restarts whole, as with restart."""
+    events, sruns, _ = _run_replica_script(tmp_path, [*REDUCE, f"ft.reduced_min_fraction={fraction}"],
+                                           ["lose n2", "0"], hosts=4)
+    assert [_srun_places(a) for a in sruns] == [("n1,n2,n3,n4", []), second]
+    assert events[1]["host"] == 1 and events[2]["reduced"] is (second[1] != [])
+
+
+def test_the_reduced_degree_table_follows_the_launcher_rule(tmp_path):
+    """The script's DEGREE table is `reduced_degree` (the local launcher's rule) at emit time; with
+    too few up and a node gone from the (--no-kill) allocation the job requeues itself."""
+    job = tmp_path / "job"
+    emit("slurm", job, TINY, ["ft.replicas=2", "mesh.hosts=4", *REDUCE, "ft.reduced_min_fraction=0.75",
+                              "data.batch_size=16"], options=EmitOptions(name="few"))
+    script = (job / "replica-0.sbatch").read_text()
+    assert "DEGREE=(0 0 0 0 4)" in script  # 3 of 4 up: 2 hosts, under 0.75 of 4
+    emit("slurm", tmp_path / "half", TINY, ["ft.replicas=2", "mesh.hosts=4", *REDUCE, "data.batch_size=16"],
+         options=EmitOptions(name="half"))
+    assert "DEGREE=(0 0 2 2 4)" in (tmp_path / "half" / "replica-0.sbatch").read_text()
+    assert "if [ \"$(allocated | wc -l)\" -lt 4 ]" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+
+
+def test_with_ft_on_host_loss_restart_a_slurm_replica_restarts_whole(tmp_path):
+    events, sruns, _ = _run_replica_script(tmp_path, [], ["lose n2", "0"])
+    assert [_srun_places(a) for a in sruns] == [("n1,n2", []), ("n1,n2", [])]
+    assert [(e["event"], e.get("reduced")) for e in events] == [
+        ("replica_started", False), ("replica_down", None), ("replica_started", False), ("replica_done", None)]
+    assert "--no-kill" not in (tmp_path / "job" / "replica-0.sbatch").read_text()
+
+
+def test_a_requeued_slurm_replica_records_the_requeue_as_a_failure(tmp_path):
+    """Its node died while it ran (nobody recorded the end): the requeued job (SLURM_RESTART_COUNT
+    1) records replica_down with cause requeue before it starts again, so the summary lists it."""
+    events, _, _ = _run_replica_script(
+        tmp_path, [], ["0"], restarts=1, attempts=1,
+        events='{"time": 1.0, "event": "replica_started", "replica": 0, "incarnation": 1}\n')
+    assert [(e["event"], e.get("cause")) for e in events] == [
+        ("replica_started", None), ("replica_down", "requeue"), ("replica_started", None), ("replica_done", None)]
+    assert events[2]["incarnation"] == 2
 
 
 # --- Kubernetes: strict validation ------------------------------------------------------------------
@@ -366,8 +496,9 @@ def _job_over(script: str, run: Path, me: int, events: dict[int, list[str]]) -> 
         (run / f"replica-{r}").mkdir(parents=True, exist_ok=True)
         (run / f"replica-{r}" / "slurm-events.jsonl").write_text(
             "".join(f'{{"time": {i}, "event": "{n}", "replica": {r}}}\n' for i, n in enumerate(names)))
-    function = re.search(r"^job_over\(\) \{\n.*?^\}\n", script, re.M | re.S).group()
-    r = subprocess.run(["bash", "-c", f'{function}\nRUN_DIR="$1"; OUT="$1/replica-{me}"; job_over', "-", str(run)],
+    functions = "".join(re.search(rf"^{name}\(\) \{{[^\n]*\n.*?^\}}\n", script, re.M | re.S).group()
+                        for name in ("lifecycle", "job_over"))
+    r = subprocess.run(["bash", "-c", f'{functions}\nRUN_DIR="$1"; OUT="$1/replica-{me}"; job_over', "-", str(run)],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode in (0, 1), r.stderr
     return r.returncode == 0
@@ -382,6 +513,7 @@ def test_a_replica_is_not_restarted_once_its_peers_finished(tmp_path):
     cases = [
         ({0: [started, done], 1: [started, down]}, True),  # its one peer finished
         ({0: [started], 1: [started, down]}, False),  # the peer still trains: catch up from it
+        ({0: [started, done], 1: [started, down], 2: [started, "back_to_full_degree"]}, False),  # 2 runs
         ({0: [started, done], 1: [started, down], 2: [started, down, started]}, False),  # 2 runs again
         ({0: [started, done], 1: [started, down], 2: [started, down]}, True),  # 2 is down too
         ({0: [started, down], 1: [started, down]}, False),  # nobody finished: a job restart is fine

@@ -12,8 +12,11 @@ step and left, and 3 when no replica has been alive for `--idle-exit-s` (ftjax/c
   per replica (started once the coordinator runs: `--dependency=after`), and `finish.sbatch` (once
   every replica ended: `afterany`). No fixed port: the coordinator and each replica's
   `jax.distributed` service take free ports and publish them. Jobs are `--requeue`able (a dead node
-  sends the job back to the queue) and restart their replica whole after a failed step, up to
-  --max-restarts times in all. DIR must be on a filesystem the nodes share; the run directory is
+  sends the job back to the queue; the requeued script records the requeue as a failure) and
+  restart their replica whole after a failed step, up to --max-restarts times in all. With
+  `ft.on_host_loss: reduce` a replica's job is `--no-kill` and, when Slurm reports a node of its
+  allocation lost, restarts at once on the nodes up, at reduced degree, and whole once they all are
+  (`_SLURM_REDUCE`). DIR must be on a filesystem the nodes share; the run directory is
   `DIR/run`, laid out like `ftjax launch`'s, so `ftjax.launch.summary` reads it (finish.sbatch
   writes `run/launcher.jsonl` and `run/summary.json`).
 - **k8s** (see `_k8s`): `DIR/token.yaml` (the token Secret, mode 600), `DIR/coordinator.yaml` (the
@@ -21,7 +24,8 @@ step and left, and 3 when no replica has been alive for `--idle-exit-s` (ftjax/c
   Service) and one JobSet per
   replica in `DIR/replica-R.yaml` (the JobSet controller, kubernetes-sigs/jobset, must be
   installed): a failed pod fails its Job, and the JobSet recreates that replica's pods, all of them,
-  up to --max-restarts times. The coordinator serves `grpc.health.v1` for its readiness and
+  up to --max-restarts times (also with `ft.on_host_loss: reduce`: a JobSet cannot shrink a
+  replica, docs/design.md "Cluster launch"). The coordinator serves `grpc.health.v1` for its readiness and
   liveness probes. Apply with `kubectl apply -f DIR/`, remove with `kubectl delete -f DIR/`.
 
 The replica command is `ftjax train` exactly as `LocalJob` runs it, with the config resolved (every
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import secrets
@@ -43,6 +48,7 @@ import yaml
 
 from ftjax.config import Config, load_config
 from ftjax.env import TOKEN_ENV
+from ftjax.launch.supervisor import reduced_degree
 
 # Kubernetes: a pod has the node's ports to itself, so the ports are fixed there. Slurm: none is.
 COORDINATOR_PORT = 29400
@@ -182,9 +188,9 @@ def default_name(config: str) -> str:
 
 # --- the commands --------------------------------------------------------------------------------------
 def train_args(config: str, replica: int, coordinator: str, hosts: int, out: str, process_id: str | None = None,
-               dist: str | None = None) -> list[str]:
+               dist: str | None = None, overrides: list[str] = ()) -> list[str]:
     """`ftjax train` arguments of one host of a replica (the same as LocalJob.start_replica)."""
-    args = ["ftjax", "train", config, "--out", out, "--replica-id", str(replica), "--coordinator", coordinator,
+    args = ["ftjax", "train", config, *overrides, "--out", out, "--replica-id", str(replica), "--coordinator", coordinator,
             "--num-processes", str(hosts)]
     args += ["--process-id", process_id] if process_id is not None else []
     return args + (["--dist-address", dist] if dist else [])
@@ -320,9 +326,10 @@ exit 1
 _SLURM_REPLICA = """#!/bin/bash
 @SBATCH@
 # Replica @REPLICA@ of job @NAME@: @HOSTS@ host(s), one task each. One dead host ends the srun step
-# (--kill-on-bad-exit) and the loop starts the whole replica again, after @DELAY@ s: it catches up
-# from a live peer. A dead node ends the allocation: Slurm requeues the job (--requeue) and it
-# starts over here. Only this replica restarts; @MAX_RESTARTS@ restarts in all, requeues included.
+# (--kill-on-bad-exit) and the loop starts the replica again, which catches up from a live peer:
+@POLICY@
+# Only this replica restarts; @MAX_RESTARTS@ restarts in all, requeues included. host-P.log is
+# process P's output (process P runs on host P of a whole replica).
 @PRELUDE@
 REPLICA=@REPLICA@
 OUT="$RUN_DIR/replica-$REPLICA"
@@ -336,13 +343,38 @@ event() {  # event NAME [FIELDS]: a record of ftjax's run directory (run/launche
   printf '{"time": %s, "event": "%s", "replica": %d%s}\\n' "$(now)" "$1" "$REPLICA" "${2:+, $2}" \\
     >> "$OUT/slurm-events.jsonl"
 }
+lifecycle() {  # lifecycle FILE: a replica's last start or end record
+  grep -E '"event": "(replica_started|replica_down|replica_done|not_restarted|abandoned)"' "$1" 2>/dev/null \\
+    | tail -n 1 || true
+}
+restarts() {  # the restarts so far: every end but a leave to come back whole
+  grep '"event": "replica_down"' "$OUT/slurm-events.jsonl" 2>/dev/null | grep -vc '"cause": "left"' || true
+}
+# shellcheck disable=SC2317  # run by the trap
+requeued() {  # Slurm has requeued this job since it started (its restart count went up)
+  local count
+  count=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/.*Restarts=\\([0-9]*\\).*/\\1/p' | head -n 1)
+  [ "${count:-0}" -gt "${SLURM_RESTART_COUNT:-0}" ]
+}
 running=0
 # shellcheck disable=SC2317  # run by the trap
-on_term() {  # Slurm stops the job (scancel, a requeue, the time limit, a lost node); after srun ends
-  if [ "$running" -eq 1 ]; then event replica_down '"cause": "slurm", "codes": [143]'; fi
+on_term() {  # Slurm stops the job: scancel, the time limit, or a requeue (`scontrol requeue`, a lost node)
+  if [ "$running" -eq 1 ]; then
+    if requeued; then
+      event replica_down '"cause": "requeue", "codes": [143]'
+    else
+      event replica_down '"cause": "slurm", "codes": [143]'
+    fi
+  fi
   exit 143
 }
 trap on_term TERM
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+  case $(lifecycle "$OUT/slurm-events.jsonl") in
+    *'"event": "replica_started"'*)  # it ran when its job was requeued (its node died): nobody recorded the end
+      event replica_down "\\"cause\\": \\"requeue\\", \\"slurm_restart_count\\": $SLURM_RESTART_COUNT" ;;
+  esac
+fi
 # The coordinator's address, which coordinator.sbatch publishes once it serves (this job starts
 # after the coordinator's job started; a requeued coordinator publishes a new one).
 coordinator_address() {
@@ -367,7 +399,7 @@ job_over() {
   local f last finished=0 others=0
   for f in "$RUN_DIR"/replica-*/slurm-events.jsonl; do
     if [ "$f" = "$OUT/slurm-events.jsonl" ] || [ ! -s "$f" ]; then continue; fi
-    last=$(tail -n 1 "$f")
+    last=$(lifecycle "$f")
     case $last in
       *'"event": "replica_done"'*) finished=1 ;;
       *'"event": "replica_started"'*) others=1 ;;
@@ -375,8 +407,9 @@ job_over() {
   done
   [ "$finished" -eq 1 ] && [ "$others" -eq 0 ]
 }
-attempt=$(cat "$OUT/slurm-attempts" 2>/dev/null || echo 0)
-while [ "$attempt" -le @MAX_RESTARTS@ ]; do
+mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")  # host h runs on NODES[h]
+@PLACEMENT@attempt=$(cat "$OUT/slurm-attempts" 2>/dev/null || echo 0)
+while [ "$(restarts)" -le @MAX_RESTARTS@ ]; do
   if [ "$attempt" -gt 0 ] && job_over; then  # a restart, or this job requeued
     event not_restarted '"cause": "job_over"'
     echo "replica $REPLICA: not restarted: the job has finished, and no live peer holds its state" >&2
@@ -385,23 +418,44 @@ while [ "$attempt" -le @MAX_RESTARTS@ ]; do
   attempt=$((attempt + 1))
   echo "$attempt" > "$OUT/slurm-attempts"
   COORDINATOR=$(coordinator_address) || exit 1
-@DIST@  for h in $(seq 0 @LAST_HOST@); do
-    echo "--- attempt $attempt of replica $REPLICA (Slurm job $SLURM_JOB_ID) at $(date)" >> "$OUT/host-$h.log"
+  place  # ON: the hosts of this attempt; LIVE: how many
+  NODELIST=$(for h in "${ON[@]}"; do echo "${NODES[$h]}"; done | paste -sd, -)
+  REDUCED=()
+  if [ "$LIVE" -lt @HOSTS@ ]; then REDUCED=("mesh.live_hosts=$LIVE"); fi
+@DIST@  for p in "${!ON[@]}"; do
+    echo "--- attempt $attempt of replica $REPLICA (Slurm job $SLURM_JOB_ID): process $p on host ${ON[$p]}" \\
+      "(${NODES[${ON[$p]}]}) at $(date)" >> "$OUT/host-$p.log"
   done
-  event replica_started "\\"incarnation\\": $attempt, \\"slurm_job\\": \\"$SLURM_JOB_ID\\", \\"nodes\\": \\"$SLURM_JOB_NODELIST\\""
+  reduced=false
+  if [ "$LIVE" -lt @HOSTS@ ]; then reduced=true; fi
+  event replica_started "\\"incarnation\\": $attempt, \\"slurm_job\\": \\"$SLURM_JOB_ID\\", \\"nodes\\": \\"$NODELIST\\", \\"hosts\\": [$(IFS=,; echo "${ON[*]}")], \\"reduced\\": $reduced"
   code=0
+  leaving=0
   running=1
   # shellcheck disable=SC2016  # $@ and $SLURM_PROCID are the task's own, expanded by its bash
-  srun --kill-on-bad-exit=1 --nodes=@HOSTS@ --ntasks=@HOSTS@ --ntasks-per-node=1@SRUN@ \\
+  srun --kill-on-bad-exit=1 --nodes="$LIVE" --ntasks="$LIVE" --ntasks-per-node=1 --nodelist="$NODELIST"@SRUN@ \\
     --output="$OUT/host-%t.log" --open-mode=append \\
     bash -c 'exec "$@" --process-id "$SLURM_PROCID"' ftjax-host \\
-    @COMMAND@ || code=$?
+    @COMMAND@ &
+  step=$!  # in the background: the TERM trap runs at once
+  watch_step "$step"
+  wait "$step" || code=$?
   running=0
   if [ "$code" -eq 0 ]; then
     event replica_done
     exit 0
   fi
-  event replica_down "\\"cause\\": \\"exit\\", \\"codes\\": [$code]"
+  if [ "$leaving" -eq 1 ]; then  # asked to leave: its hosts are back, it restarts whole at once
+    event replica_down "\\"cause\\": \\"left\\", \\"codes\\": [$code]"
+    continue
+  fi
+  lost=$(lost_host)
+  event replica_down "\\"cause\\": \\"exit\\", \\"codes\\": [$code]${lost:+, \\"host\\": $lost}"
+  if [ -n "$lost" ]; then
+    echo "replica $REPLICA: attempt $attempt ended with $code, host $lost (${NODES[$lost]}) is down;" \\
+      "restarting on the hosts that are up" >&2
+    continue
+  fi
   echo "replica $REPLICA: attempt $attempt ended with $code; restarting the whole replica in @DELAY@ s" >&2
   sleep @DELAY@
 done
@@ -410,9 +464,80 @@ echo "replica $REPLICA: out of restarts (@MAX_RESTARTS@)" >&2
 exit 1
 """
 
-_SLURM_LEADER = _NODE_ADDRESS + """# host 0 (the first node, where this script runs) serves the replica's
-# jax.distributed cluster
-LEADER=$(node_address "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)")
+# ft.on_host_loss: restart. Every attempt runs on every host.
+_SLURM_WHOLE = """place() { ON=(@ALL_HOSTS@); LIVE=@HOSTS@; }
+lost_host() { :; }
+watch_step() {  # watch_step PID: until the step ends
+  while kill -0 "$1" 2>/dev/null; do sleep 1; done
+}
+"""
+
+# ft.on_host_loss: reduce (docs/design.md, "Cluster launch"). The job is --no-kill: a failed node
+# leaves the allocation and the batch script goes on. A host is up while its node is in the job's
+# allocation and Slurm reports the node up (not down, drained or draining, failing, not responding).
+_SLURM_REDUCE = """# The hosts a replica runs on when N of its @HOSTS@ are up (index N): the largest divisor of @HOSTS@ they
+# cover, if at least ft.reduced_min_fraction (@MIN_FRACTION@) of it; 0: too few
+DEGREE=(@DEGREES@)
+allocated() {  # the nodes of this job's allocation now (a failed node leaves it)
+  local nodes
+  nodes=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null | head -n 1)
+  if [ -z "$nodes" ]; then printf '%s\\n' "${NODES[@]}"; return; fi  # no answer: no news
+  scontrol show hostnames "$nodes"
+}
+hosts_up() {  # the hosts up, in order
+  local h state here
+  here=" $(allocated | paste -sd ' ' -) "
+  for h in "${!NODES[@]}"; do
+    case $here in *" ${NODES[$h]} "*) ;; *) continue ;; esac
+    state=$(sinfo -h -N -n "${NODES[$h]}" -o %t 2>/dev/null | head -n 1)
+    case $state in "" | alloc | mix | idle | comp | resv | plnd) echo "$h" ;; esac
+  done
+}
+place() {  # ON: the hosts of the next attempt: every one, or the largest reduced degree of those up;
+  # with too few up, every one again (as ft.on_host_loss: restart), or a new allocation if this
+  # one has lost nodes
+  local up
+  mapfile -t up < <(hosts_up)
+  LIVE=${DEGREE[${#up[@]}]}
+  if [ "$LIVE" -gt 0 ]; then ON=("${up[@]:0:$LIVE}"); return; fi
+  if [ "$(allocated | wc -l)" -lt @HOSTS@ ]; then
+    echo "replica $REPLICA: too few hosts up, and only $(allocated | paste -sd, -) left in the allocation;" \\
+      "requeueing the job" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+    sleep 600 & wait $!  # until Slurm ends this script (the TERM trap)
+  fi
+  ON=(@ALL_HOSTS@)
+  LIVE=@HOSTS@
+}
+lost_host() {  # the first host of the attempt that is down now (none: it was not a host's loss)
+  local h up
+  up=" $(hosts_up | paste -sd ' ' -) "
+  for h in "${ON[@]}"; do
+    case $up in *" $h "*) ;; *) echo "$h"; return ;; esac
+  done
+}
+watch_step() {  # watch_step PID: until the step ends. Once every host of a reduced replica is up
+  # again, ask it to leave (SIGTERM: it exits at a step boundary) and come back whole; end the
+  # step if it has not left after ft.progress_timeout_s (@LEAVE_S@ s).
+  local n=0 since=0
+  while kill -0 "$1" 2>/dev/null; do
+    sleep 1
+    n=$((n + 1))
+    if [ "$leaving" -eq 0 ] && [ "$LIVE" -lt @HOSTS@ ] && [ $((n % 3)) -eq 0 ] \\
+        && [ "$(hosts_up | wc -l)" -eq @HOSTS@ ]; then
+      leaving=1
+      since=$n
+      event back_to_full_degree "\\"hosts\\": [$(IFS=,; echo "${ON[*]}")]"
+      scancel --signal=TERM "$SLURM_JOB_ID"  # every step's tasks, not this script
+    elif [ "$leaving" -eq 1 ] && [ $((n - since)) -gt @LEAVE_S@ ]; then
+      kill -TERM "$1" 2>/dev/null || true  # srun ends its step
+    fi
+  done
+}
+"""
+
+_SLURM_LEADER = _NODE_ADDRESS + """# process 0 (host 0 of a whole replica: the first node, where this script runs) serves the
+# replica's jax.distributed cluster, on a port free here
 FTJAX_PY=$(sed -n '1s/^#! *//p' "$(command -v ftjax)" 2>/dev/null || true)
 FTJAX_PY=${FTJAX_PY%% *}
 free_port() {
@@ -487,6 +612,28 @@ def _sbatch(name: str, o: EmitOptions, *lines: str) -> str:
     return "\n".join(f"#SBATCH {line}" for line in lines)
 
 
+_SLURM_DIST = '  DIST="$(node_address "${NODES[${ON[0]}]}"):$(free_port)"  # a new jax.distributed service each attempt\n'
+
+
+def _slurm_placement(cfg: Config, o: EmitOptions) -> tuple[str, str]:
+    """The replica script's `place`, `lost_host` and `watch_step` for `ft.on_host_loss`, and the
+    policy its header states."""
+    hosts = cfg.mesh.hosts
+    if cfg.ft.on_host_loss != "reduce":
+        return (_fill(_SLURM_WHOLE, hosts=hosts, all_hosts=" ".join(map(str, range(hosts)))),
+                f"# the whole replica, after {o.restart_delay_s:g} s. A dead node ends the allocation: Slurm requeues\n"
+                "# the job (--requeue) and it starts over here.")
+    degrees = [reduced_degree(hosts, up, cfg.ft.reduced_min_fraction) or 0 for up in range(hosts)] + [hosts]
+    return (_fill(_SLURM_REDUCE, hosts=hosts, min_fraction=f"{cfg.ft.reduced_min_fraction:g}",
+                  degrees=" ".join(map(str, degrees)), all_hosts=" ".join(map(str, range(hosts))),
+                  leave_s=f"{math.ceil(cfg.ft.progress_timeout_s)}"),
+            "# when Slurm reports a node of the allocation lost (down, drained, not responding, or gone from\n"
+            "# this --no-kill allocation), at once on the hosts up, at reduced degree (ft.on_host_loss:\n"
+            f"# reduce), and whole again once they all are; else whole, after {o.restart_delay_s:g} s.\n"
+            "# A lost batch node (host 0's) ends the allocation: Slurm requeues the job (--requeue) and it\n"
+            "# starts over here.")
+
+
 def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
     hosts = cfg.mesh.hosts
     last = cfg.ft.replicas - 1
@@ -518,16 +665,20 @@ def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]
         "submit.sh": (_fill(_SLURM_SUBMIT, **common, replicas=cfg.ft.replicas,
                             launch=json.dumps(launch)[1:-1]), 0o755),
     }
+    reduce = cfg.ft.on_host_loss == "reduce"
+    placement, policy = _slurm_placement(cfg, o)
     for r in range(cfg.ft.replicas):
         # the process id is appended per task (the `bash -c` above): only srun knows it
         command = shell_join(train_args(Shell('"$JOB_DIR/config.yaml"'), r, Shell('"$COORDINATOR"'), hosts,
-                                        Shell('"$OUT"'), dist=Shell('"$DIST"') if hosts > 1 else None))
+                                        Shell('"$OUT"'), dist=Shell('"$DIST"') if hosts > 1 else None,
+                                        overrides=[Shell('"${REDUCED[@]}"')]))
         files[f"replica-{r}.sbatch"] = (_fill(
             _SLURM_REPLICA, **common, replica=r, hosts=hosts, last_host=hosts - 1, delay=f"{o.restart_delay_s:g}",
             command=command,
             srun=srun, wait_s=600, leader=_SLURM_LEADER if hosts > 1 else "",
-            dist='  DIST="$LEADER:$(free_port)"  # a new jax.distributed service each attempt\n' if hosts > 1 else "",
-            sbatch=_sbatch(f"{name}-replica-{r}", o, f"--nodes={hosts}", "--ntasks-per-node=1", *resources)), 0o755)
+            dist=_SLURM_DIST if hosts > 1 else "", placement=placement, policy=policy,
+            sbatch=_sbatch(f"{name}-replica-{r}", o, f"--nodes={hosts}", "--ntasks-per-node=1", *resources,
+                           *(["--no-kill"] if reduce else []))), 0o755)
     return files
 
 
