@@ -210,8 +210,11 @@ def test_without_failures_constant_and_elastic_are_the_same_program(launch):
 
 @pytest.mark.slow
 def test_kills_at_three_steps_and_phases_change_the_time_not_the_math(launch, tmp_path, procs):
-    """Replica 0 always lives (it holds the job's state); 1 dies at step 5 (forward), 2 at step 15
-    and again while it catches up, 1 again in FTAR once it is back. The per-step loss over the R
+    """Replica 0 always lives (it holds the job's state); 1 dies at step 5 (forward) and again while
+    it catches up, 2 at step 15 in FTAR. Each step kill hits a first incarnation, which trains from
+    the job's start: a kill planned for a restarted incarnation at a later step was missed when a
+    loaded machine took longer to restart it than the job took to finish (a catch-up still happens
+    then, served by the finished replicas while they drain). The per-step loss over the R
     batches and the final parameters must equal the failure-free run's to float32 rounding. The
     rounding floor is measured here: the same failure-free job as one process that sums all R
     batches in one accumulation (`ftjax train`, a quorum of one) instead of FTAR's ring."""
@@ -223,15 +226,15 @@ def test_kills_at_three_steps_and_phases_change_the_time_not_the_math(launch, tm
                          "--out", str(tmp_path / "alone")], stdout=open(tmp_path / "alone.out", "w"),
                         stderr=subprocess.STDOUT)
     assert alone.wait(600) == 0, (tmp_path / "alone.out").read_text()[-3000:]
-    chaos = launch("--replicas", "3", *job, "--kill", "1@5", "--kill", "2@15:catchup", "--kill", "1@30:ftar",
-                   name="chaos")
+    chaos = launch("--replicas", "3", *job, "ft.drain_timeout_s=300", "--kill", "1@5:catchup",
+                   "--kill", "2@15:ftar", name="chaos")
     assert chaos.wait(900) == 0, chaos.output()
 
     s = chaos.summary()
     assert s["digests_equal"] and s["exactly_once"], chaos.output()
     downs = [(e["replica"], e.get("at")) for e in s["failure_events"]]
-    assert (1, "5:forward") in downs and (2, "15:forward") in downs and (1, "30:ftar") in downs, downs
-    assert any(e["event"] == "fault" and e.get("kind") == "kill_catchup" for e in chaos.events()), "no catch-up kill"
+    assert (1, "5:forward") in downs and (2, "15:ftar") in downs, downs
+    assert [e["replica"] for e in chaos.events() if e["event"] == "fault" and e.get("kind") == "kill_catchup"] == [1]
     assert s["constant_batch"]["steps_with_reassigned_rows"] > 10  # the others computed the missing batches
     shown = (chaos.run_dir.parent / "chaos.out").read_text()  # the launcher's progress lines say who computes what
     assert "+r1[" in shown or "+r2[" in shown, shown[-3000:]
