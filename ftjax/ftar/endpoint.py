@@ -11,9 +11,9 @@ A dialer offers a shared-memory segment after its hello; a listener on the same 
 and the link's payloads then go through it (shm.py), its headers still over TCP.
 
 Failures. Any error in a call interrupts and resets both of its links (and any cached one: see
-`_end`), which makes the neighbours fail at once, and so on around the ring. A failing member also sends a short *abort notice* ("I
-left (quorum, step) because of X") to every member, which aborts their call even where no link
-carries the failure (a member still waiting for a link from a dead neighbour), and which every
+`_end`), which makes the neighbours fail at once, and so on around the ring. A failing member also
+sends a short *abort notice* ("I left (quorum, step) because of X") to every member, which aborts
+their call even where no link carries the failure (a member still waiting for a link from a dead neighbour), and which every
 listener acknowledges at once. The acknowledgements say whom to blame: a closed link or a timeout
 cannot tell "my neighbour died (or hangs)" from "my neighbour gave up because another member did",
 but a member whose listener refuses the notice is dead, and one that does not acknowledge it
