@@ -144,13 +144,13 @@ class FTConfig(_Strict):
     micro_batch_rows: int | None = Field(None, gt=0, description="constant mode: rows of one micro-batch (the unit "
                                          "in which missing batches are dealt out); default: batch_size / 4, or "
                                          "less to stay a multiple of the replica's device count")
-    ftar_timeout_s: float = Field(10.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
+    ftar_timeout_s: float = Field(5.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
     ftar_shared_memory: bool = Field(True, description="FTAR links between replicas on one host carry payloads "
                                                        "through /dev/shm (frame headers stay on TCP)")
     quorum_timeout_s: float = Field(120.0, gt=0)
-    progress_timeout_s: float = Field(30.0, gt=0, description="a replica process whose training loop makes no "
-                                      "progress this long (waits for the quorum aside) leaves the job and exits; "
-                                      "must exceed ftar_timeout_s")
+    progress_timeout_s: float = Field(10.0, gt=0, description="a replica process whose training loop makes no "
+                                      "progress this long (waits for the quorum, init, restores and checkpoint "
+                                      "saves aside) leaves the job and exits; must exceed ftar_timeout_s")
     digest_every: int = Field(1, ge=0, description="log the state digest every N steps (0: never)")
     catchup_buffer_mib: float = Field(256.0, ge=0, description="RAM for the averaged updates a healing replica "
                                       "keeps for its replay; older ones spill to local disk (never dropped)")

@@ -264,7 +264,8 @@ class Trainer:
             self.protocol.keep(q, update, scale)
         self._ask(digest)  # the next quorum is requested while this step finishes
         if self.ckpt is not None and applied:
-            self.ckpt.maybe_save(self.step, self.state, self._meta(), force=self.step == self.stop)
+            with self.watchdog.exempt("checkpoint save"):  # its length depends on the model, like a restore
+                self.ckpt.maybe_save(self.step, self.state, self._meta(), force=self.step == self.stop)
         self._record(q, applied, computed, batch_id, scale, timing, digest)
         self.watchdog.arm()  # a step is done: from now on this process must make progress
 

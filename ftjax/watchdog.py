@@ -8,7 +8,7 @@ member of the previous quorum: every healthy replica stalls until something else
 So each process runs a `ProgressWatchdog`: the training loop calls `beat(phase)` as it moves on,
 and wraps in `exempt()` what the deadline does not bound: the waits that depend on others, not on
 itself (the quorum), and one-off work whose length depends on the model (the first init and its
-compile, restoring a checkpoint or a snapshot). It is armed only once the process has completed a
+compile, restoring a checkpoint or a snapshot, saving a checkpoint). It is armed only once the process has completed a
 step (`arm()`): before that it is starting, and first executions take as long as they take. If no beat
 comes within `deadline_s` outside such a wait, `on_timeout(phase, silent_s)` runs on the watchdog's
 thread; the replica runtime makes it leave the job and end the process, so its peers go on without

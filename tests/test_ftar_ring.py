@@ -547,3 +547,31 @@ def test_idle_connections_are_capped_and_a_ring_still_works():
             s.close()
         for ep in eps:
             ep.close()
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "tcp"])
+def test_a_retry_after_a_call_abandoned_before_it_began_reads_no_stale_frame(shared_memory):
+    """Issue 26 item 5: member A enters (quorum 1, step 1) on the link to B cached from step 0 and
+    sends its first frame; B is busy elsewhere (its replica waits on a partitioned host), so A times
+    out and resets the link, but the reset is lost in the partition (here: another descriptor keeps
+    A's socket open). B then enters the call, fails at once from A's abort notice, and both retry
+    under quorum 2. B reused its cached link from A, read A's quorum-1 frame and failed the retry too
+    (`frame quorum_id is 1, expected 2`). A failed call must leave no cached link behind."""
+    eps = [FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=1, shared_memory=shared_memory) for _ in range(2)]
+    members = [ep.address for ep in eps]
+    try:
+        bufs = [np.full(100, r, np.float32) for r in range(2)]
+        assert run_ring(eps, bufs, quorum_id=1, step=0)[1] == [None, None]  # links cached
+        lost_reset = eps[0]._links_out[members[1]].dup()  # A's reset never reaches B
+        with pytest.raises(PeerTimeout):  # A alone: its frame waits on B's cached link
+            eps[0].allreduce(bufs[0], quorum_id=1, step=1, members=members, rank=0)
+        with pytest.raises(FTARError, match="abandoned"):  # B: abandoned before it began (A's notice)
+            eps[1].allreduce(bufs[1], quorum_id=1, step=1, members=members, rank=1)
+        # B first: it takes whatever link from A it holds before A dials a fresh one
+        results, errors = run_ring(eps[::-1], bufs[::-1], quorum_id=2, step=1, members=members)
+        assert errors == [None, None], errors
+        np.testing.assert_array_equal(results[0], np.full(100, 0.5, np.float32))
+        lost_reset.close()
+    finally:
+        for ep in eps:
+            ep.close()

@@ -248,3 +248,34 @@ def test_a_constant_batch_stall_does_not_count_the_rows_taken_over_from_an_absen
     assert all(stall == gap for t, (gap, stall) in by_time.items() if t != 111.1)  # its own rows only
     s = build_summary(run_dir)
     assert s["max_healthy_stall_s"] == pytest.approx(0.5) and s["max_healthy_gap_s"] == pytest.approx(0.6)
+
+
+def test_overlapping_partitions_are_each_checked_over_their_own_window(tmp_path):
+    """Issue 26 item 6: two `--partition` windows of replica 1 overlap: #1 from 110 to 120, #2 from
+    115 to 125. Replica 1 commits step 14 at 122, inside #2 only (a split brain). Each window is
+    read from its cut to its own end (matched by number): #2's check must see step 14. Before, both
+    cuts took the first end record (120) and #2 read [115, 120]: `isolated_commits: []`."""
+    r1h0 = ["r1h0"]
+    _write(tmp_path / "launcher.jsonl", [
+        {"time": T, "event": "launch", "replicas": 2, "hosts": 1, "devices": 1, "steps": 20, "config": "c.yaml",
+         "overrides": [], "out": str(tmp_path)},
+        {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
+        {"time": T, "event": "replica_started", "replica": 1, "incarnation": 1},
+        {"time": 110.0, "event": "fault", "kind": "partition", "replica": 1, "host": None, "step": 10,
+         "seconds": 10.0, "hosts": r1h0, "cut": 1},
+        {"time": 115.0, "event": "fault", "kind": "partition", "replica": 1, "host": None, "step": 12,
+         "seconds": 10.0, "hosts": r1h0, "cut": 2},
+        {"time": 120.0, "event": "partition_ended", "replica": 1, "host": None, "hosts": r1h0, "seconds": 10.0,
+         "cut": 1, "restored": []},
+        {"time": 125.0, "event": "partition_ended", "replica": 1, "host": None, "hosts": r1h0, "seconds": 10.0,
+         "cut": 2, "restored": r1h0},
+        {"time": 131.0, "event": "end", "ok": True},
+    ])
+    r0 = [_step(100.0 + k, k + 1, batch=2 * k, position=k + 1, loss=2.0) for k in range(20)]  # steps 1-20 at 100-119
+    r1 = [_step(100.0 + k, k + 1, batch=2 * k + 1, position=k + 1, loss=2.0) for k in range(10)]  # 1-10 by 109
+    r1 += [_step(122.0, 14, batch=27, position=11, loss=2.0)]  # committed while still cut off by #2
+    _write(tmp_path / "replica-0" / "metrics.jsonl", r0)
+    _write(tmp_path / "replica-1" / "metrics.jsonl", r1)
+    first, second = build_summary(tmp_path)["partitions"]
+    assert (first["restored"], first["isolated_commits"], first["peer_commits"]) == (True, [], {"0": 9})
+    assert (second["restored"], second["isolated_commits"], second["peer_commits"]) == (True, [14], {"0": 4})

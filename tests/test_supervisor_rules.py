@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ftjax.launch.supervisor import FaultPlan, RunLog, Supervisor, is_hung
+from ftjax.launch.supervisor import FaultPlan, Partition, RunLog, Supervisor, is_hung
 
 T = 20.0  # --hang-timeout-s of every case
 
@@ -140,3 +140,41 @@ def test_a_restarted_replicas_row_starts_empty(tmp_path):
 def test_reduced_degree_is_the_largest_divisor_the_surviving_hosts_cover(hosts, up, min_fraction, live):
     from ftjax.launch.supervisor import reduced_degree
     assert reduced_degree(hosts, up, min_fraction) == live
+
+
+class _Cluster:
+    """A virtual cluster's links, as the supervisor sees them: which hosts are cut now."""
+
+    def __init__(self):
+        self.down: set[str] = set()
+
+    def cut(self, names):
+        self.down |= set(names)
+
+    def restore(self, names):
+        self.down -= set(names)
+
+
+def test_overlapping_partitions_of_a_replica_restore_its_links_when_the_last_window_ends(tmp_path):
+    """Issue 26 item 6: `--partition 1@10:10 --partition 1/0@12:10` (both cut r1h0, the first r1h1
+    too). Before, the first window's end restored r1h0 although the second still cut it."""
+    job = _Job(tmp_path, 2)
+    job.cluster = _Cluster()
+    job.host_names = lambda r: [f"r{r}h0", f"r{r}h1"]
+    job.host_name = lambda r, h: f"r{r}h{h}"
+    events = []
+    supervisor = Supervisor(job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl", listener=events.append),
+                            hang_timeout_s=T)
+    whole, host0 = Partition(1, 10, 10.0), Partition(1, 12, 10.0, 0)
+    supervisor._cut(whole, 100.0)
+    supervisor._cut(host0, 105.0)
+    assert job.cluster.down == {"r1h0", "r1h1"} and supervisor.status[1].cut
+    supervisor._restore_links(110.0)  # the first window ends: r1h0 is still in the second
+    assert job.cluster.down == {"r1h0"} and supervisor.status[1].cut
+    supervisor._restore_links(115.0)
+    assert job.cluster.down == set() and not supervisor.status[1].cut
+    cuts = [(e["cut"], e["hosts"]) for e in events if e["event"] == "fault"]
+    ends = [(e["cut"], e["restored"]) for e in events if e["event"] == "partition_ended"]
+    assert cuts == [(1, ["r1h0", "r1h1"]), (2, ["r1h0"])] and ends == [(1, ["r1h1"]), (2, ["r1h0"])]
+    # r1h0 was cut for 15 s: the hang rule's grace after the restore counts all of it
+    assert supervisor.status[1].quiet_until - supervisor.status[1].reconnected_at == pytest.approx(15.0)

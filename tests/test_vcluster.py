@@ -281,6 +281,28 @@ def test_a_partitioned_replica_commits_nothing_then_rejoins(launch, namespaces):
 
 
 @pytest.mark.slow
+def test_with_default_settings_a_cut_non_leader_host_stalls_the_healthy_replica_at_most_15_s(launch, namespaces):
+    """Issue 26 item 5: 2 replicas x 2 hosts, every timeout at its default, host 1 of replica 1 cut off
+    for 15 s. Its leader heartbeats on, so the coordinator keeps replica 1 while every attempt at the
+    step fails on it. Before, the healthy replica stalled 38.3 s: nobody left within the cut (the
+    progress deadline was 30 s), and its first retry after the cut failed on a stale FTAR frame
+    (`quorum_id is 1, expected 2`). Now replica 1's leader leaves within ft.progress_timeout_s and
+    is restarted; the healthy replica waits at most 15 s and is never restarted."""
+    run = launch("--virtual-cluster", "--replicas", "2", "--hosts-per-replica", "2", "--partition", "1/1@20:15",
+                 "steps=60")
+    code = run.wait(timeout=500)
+    s = run.summary()
+    (cut,) = _events(run, "fault", kind="partition")
+    assert cut["hosts"] == ["r1h1"]
+    assert s["replicas"]["0"]["restarts"] == 0 and not _events(run, "replica_down", replica=0)
+    times = [m["time"] for m in run.metrics(0) if "event" not in m and m.get("committed")]
+    gap = max(b - a for a, b in zip(times, times[1:]))
+    assert gap <= 15.0, f"replica 0: largest gap {gap:.2f} s"
+    _check_no_leftovers(run)
+    assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
+
+
+@pytest.mark.slow
 def test_sigterm_stops_every_process_and_deletes_every_namespace(launch, namespaces):
     run = launch("--virtual-cluster", "--replicas", "2", "steps=100000")
     run.wait_for(lambda e: e["event"] == "replica_started" and e["replica"] == 1, timeout=60)

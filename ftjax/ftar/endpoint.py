@@ -10,10 +10,10 @@ same or a new quorum, reuses a link whose neighbour is unchanged and dials only 
 A dialer offers a shared-memory segment after its hello; a listener on the same host maps it,
 and the link's payloads then go through it (shm.py), its headers still over TCP.
 
-Failures. Any error in a call interrupts and resets both of its links, which makes the neighbours
-fail at once, and so on around the ring. A failing member also sends a short *abort notice* ("I
-left (quorum, step) because of X") to every member, which aborts their call even where no link
-carries the failure (a member still waiting for a link from a dead neighbour), and which every
+Failures. Any error in a call interrupts and resets both of its links (and any cached one: see
+`_end`), which makes the neighbours fail at once, and so on around the ring. A failing member also
+sends a short *abort notice* ("I left (quorum, step) because of X") to every member, which aborts
+their call even where no link carries the failure (a member still waiting for a link from a dead neighbour), and which every
 listener acknowledges at once. The acknowledgements say whom to blame: a closed link or a timeout
 cannot tell "my neighbour died (or hangs)" from "my neighbour gave up because another member did",
 but a member whose listener refuses the notice is dead, and one that does not acknowledge it
@@ -239,15 +239,21 @@ class FTAREndpoint:
             return self._notice_error(notice, state) if notice is not None else None
 
     def _end(self, state: CallState, links: dict[str, socket.socket] | None) -> None:
-        """Leave a call: cache its links after a success, reset them all after a failure."""
+        """Leave a call: cache its links after a success, reset them all after a failure. A failure
+        also resets the cached links the call never took up (it failed first, or was abandoned
+        before it began): a neighbour may have sent this call's frames into one and lost its own
+        reset in a partition, and the retry, under a new quorum, would read them as its own."""
         with self._cv:
             self._call = None
             if links is not None:
                 self._links_in[links["left"]] = links["in_sock"]
                 self._links_out[links["right"]] = links["out_sock"]
-        if links is None:
-            for sock in state.sockets:
-                wire.close_hard(sock)
+                return
+            stale = [*state.sockets, *self._links_in.values(), *self._links_out.values()]
+            self._links_in.clear()
+            self._links_out.clear()
+        for sock in stale:
+            wire.close_hard(sock)
 
     # --- links ---------------------------------------------------------------------------------
     def _link_out(self, right: str, state: CallState, links: dict) -> socket.socket:

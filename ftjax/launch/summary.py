@@ -47,8 +47,8 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
 - **failure_events**: every replica death and coordinator loss, with `recovery_s` (from a
   replica's death to its rejoin, when it rejoined: restart delay + start + catch-up).
 - **partitions** (`--partition`, a virtual cluster): for each cut, the replica and host, the
-  step the launcher saw when it cut, and what was committed while the links were down, from the
-  cut record to the restore: `in_flight` is the step after the replica's last commit before the
+  step the launcher saw when it cut, and what was committed in its window, from its cut record to
+  its own end record (matched by the window's number: overlapping windows end in any order): `in_flight` is the step after the replica's last commit before the
   cut (its records may land just after the cut record: it committed before its links went),
   `isolated_commits` every other step the cut-off replica committed (none, or there was a split
   brain), `peer_commits` how many steps each other replica committed meanwhile (it trains on), and
@@ -294,8 +294,7 @@ def partitions(run: Run) -> list[dict[str, Any]]:
     out = []
     for cut in (e for e in run.events if e[EVENT] == L.FAULT and e.get("kind") == "partition"):
         r, host = cut[REPLICA], cut.get("host")
-        end = next((e for e in run.events if e[EVENT] == L.PARTITION_ENDED and e[REPLICA] == r
-                    and e.get("host") == host and e[TIME] >= cut[TIME]), None)
+        end = next((e for e in run.events if e[EVENT] == L.PARTITION_ENDED and _same_window(cut, e)), None)
         t_cut, t_end = cut[TIME], end[TIME] if end else run.end
 
         def committed(o: int) -> list[dict]:
@@ -332,6 +331,15 @@ def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
         return code or 1, "the replicas ended with different states: " + ", ".join(
             f"replica {rid} {d}" for rid, d in sorted(final.items()))
     return code, ""
+
+
+def _same_window(cut: dict, end: dict) -> bool:
+    """Whether `end` closes the window `cut` opened: the same number (overlapping windows of one
+    replica end in any order), or in runs recorded before windows were numbered, the first end of
+    the same replica and host after it."""
+    if "cut" in cut:
+        return end.get("cut") == cut["cut"]
+    return end[REPLICA] == cut[REPLICA] and end.get("host") == cut.get("host") and end[TIME] >= cut[TIME]
 
 
 def final_loss(run: Run) -> float | None:

@@ -22,7 +22,8 @@ lines only), and decides:
 - **Partitions** (a virtual cluster only, `ftjax.launch.vcluster`): `--partition R[/H]@STEP:SECONDS`
   cuts the links of every host of replica R (or of host H only) once R has trained step STEP, and
   restores them SECONDS later. Keyed off the replica's metrics like a kill, so the cut lands within
-  a poll (0.1 s) of that step's record. A cut replica is silent because the network says nothing,
+  a poll (0.1 s) of that step's record. Overlapping windows on one host are merged: its links come
+  back when the last window covering it ends. A cut replica is silent because the network says nothing,
   not because it hangs: the hang rule leaves it alone while it is cut, and counts its silence
   from the restore plus the cut's length (TCP's retransmission backoff: a connection silent for S
   seconds may take about S more to send again once the link is back). `--bandwidth-mbit` caps are
@@ -396,7 +397,9 @@ class Supervisor:
         self.hangs = sorted(plan.hangs, key=lambda h: h.after_s)
         self.coordinator_kills = sorted(plan.coordinator_kills)
         self.partitions = sorted(plan.partitions, key=lambda p: p.step)  # not yet fired
-        self.cuts: list[tuple[Partition, list[str], float]] = []  # fired: (partition, hosts, restore at)
+        self.cuts: list[tuple[Partition, list[str], float, int]] = []  # open: (partition, hosts, ends at, number)
+        self.cuts_fired = 0  # windows opened so far (each one's number, in its fault and end records)
+        self.cut_since: dict[str, float] = {}  # a cut host -> when its links went (the earliest open window)
         if (plan.partitions or plan.bandwidth) and getattr(job, "cluster", None) is None:
             raise ValueError("--partition and --bandwidth-mbit need a virtual cluster (--virtual-cluster)")
         self.coordinator_down_since: float | None = None
@@ -706,25 +709,37 @@ class Supervisor:
 
     def _cut(self, p: Partition, now: float) -> None:
         hosts = self.job.host_names(p.replica) if p.host is None else [self.job.host_name(p.replica, p.host)]
+        number = self.cuts_fired = self.cuts_fired + 1
         # logged before the cut: whatever the replica commits after this record, it did cut off
         self._log(L.FAULT, kind="partition", replica=p.replica, host=p.host, step=self.status[p.replica].step,
-                  seconds=p.seconds, hosts=hosts)
-        self.job.cluster.cut(hosts)
+                  seconds=p.seconds, hosts=hosts, cut=number)
+        fresh = [h for h in hosts if h not in self.cut_since]  # (others are cut by an overlapping window)
+        self.cut_since.update((h, now) for h in fresh)
+        self.job.cluster.cut(fresh)
         self.status[p.replica].cut = True
-        self.cuts.append((p, hosts, now + p.seconds))
+        self.cuts.append((p, hosts, now + p.seconds, number))
 
     def _restore_links(self, now: float) -> None:
+        """End each window that is due. A host's links come back only when no window covering it is
+        still open (overlapping `--partition`s of one replica: the first to end restores nothing
+        that the other still cuts)."""
         for cut in [c for c in self.cuts if now >= c[2]]:
-            p, hosts, _ = cut
-            self.job.cluster.restore(hosts)
+            p, hosts, _, number = cut
             self.cuts.remove(cut)
+            still_cut = {h for c in self.cuts for h in c[1]}
+            back = [h for h in hosts if h not in still_cut]
+            if back:
+                self.job.cluster.restore(back)
             s = self.status[p.replica]
             s.cut = any(c[0].replica == p.replica for c in self.cuts)
-            s.reconnected_at = time.time()
-            # TCP retransmits with exponential backoff: after a silence of S seconds, a connection may
-            # take about S more to send again. Until then the replica is still waiting on the network.
-            s.quiet_until = _latest(s.quiet_until, s.reconnected_at + p.seconds)
-            self._log(L.PARTITION_ENDED, replica=p.replica, host=p.host, hosts=hosts, seconds=p.seconds)
+            if back:
+                silent_s = now - min(self.cut_since.pop(h) for h in back)
+                s.reconnected_at = time.time()
+                # TCP retransmits with exponential backoff: after a silence of S seconds, a connection may
+                # take about S more to send again. Until then the replica is still waiting on the network.
+                s.quiet_until = _latest(s.quiet_until, s.reconnected_at + silent_s)
+            self._log(L.PARTITION_ENDED, replica=p.replica, host=p.host, hosts=hosts, seconds=p.seconds,
+                      cut=number, restored=back)
 
     def _random_kill(self, now: float) -> None:
         if not all(s.state is Phase.TRAINING for s in self.status):

@@ -59,6 +59,8 @@ def describe(e: dict) -> str | None:
         return f"fault: {e['kind']} {target} (step {e.get('step')})"
     if k == L.PARTITION_ENDED:
         host = f" host {e['host']}" if e.get("host") is not None else ""
+        if e.get("restored") == []:  # an overlapping window still cuts them
+            return f"replica {r}{host}: partition of {e['seconds']:g} s over, links still cut by another"
         return f"replica {r}{host}: links restored after {e['seconds']:g} s"
     if k == L.COMMIT_FAILURE:
         return f"replica {r}: step {e['step']} discarded ({e['errors']} FTAR error(s)), retrying"
