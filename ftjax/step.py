@@ -136,7 +136,9 @@ class ReplicaProgram:
         its hosts serve the same lanes (ftjax/lanes.py). One `key: value` line per item, so that the
         coordinator can name the items that differ (ftjax/coordinator/layout.py)."""
         lanes = f"mesh: lanes={self.cfg.mesh.hosts} devices_per_lane={self.cfg.mesh.devices_per_host}"
-        return lanes + "\n" + shd.describe(self.abstract_state())
+        state = self.abstract_state()
+        rest = {k: v for k, v in state.items() if k != "params"}  # (the parameters first: named first)
+        return "\n".join([lanes, shd.describe({"params": state["params"]}), shd.describe(rest)])
 
 
 def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> ReplicaProgram:

@@ -31,6 +31,7 @@ import grpc
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
 from ftjax.coordinator.codec import QuorumEncoding
+from ftjax.coordinator.layout import MAX_LAYOUT_BYTES
 from ftjax.coordinator.quorum import MAX_REASON_BYTES, MemberReport, Participant
 from ftjax.coordinator import TOKEN_METADATA_KEY
 
@@ -214,8 +215,10 @@ class CoordinatorClient:
     """A replica leader's connection to the coordinator (see the module docstring)."""
 
     def __init__(self, address: str, token: str, member: MemberInfo, *, heartbeat_interval_s: float = 0.1,
-                 rpc_timeout_s: float = 2.0, quorum_timeout_s: float = 60.0) -> None:
+                 rpc_timeout_s: float = 2.0, quorum_timeout_s: float = 60.0,
+                 duplicate_grace_s: float = DUPLICATE_GRACE_S) -> None:
         self.address = address
+        self.duplicate_grace_s = duplicate_grace_s
         self.member = member
         self.heartbeat_interval_s = heartbeat_interval_s
         self.rpc_timeout_s = rpc_timeout_s
@@ -255,7 +258,7 @@ class CoordinatorClient:
         step, position, has_state = self._progress
         known = [pb.ReplicaPosition(replica_id=r, data_position=p) for r, p in dict(self.known_positions).items()]
         yield pb.HeartbeatRequest(member=self.member.to_proto(step, position, has_state), known_positions=known,
-                                  topology=self.member.topology)
+                                  topology=self.member.topology if len(self.member.topology) <= MAX_LAYOUT_BYTES else "")
         while not done.wait(self.heartbeat_interval_s):
             yield pb.HeartbeatRequest()
 
@@ -360,7 +363,7 @@ class CoordinatorClient:
                 code = e.code() if isinstance(e, grpc.RpcError) else e.code
                 details = (e.details() or "") if isinstance(e, grpc.RpcError) else e.details
                 if code == grpc.StatusCode.ALREADY_EXISTS:
-                    duplicate_until = duplicate_until or time.monotonic() + DUPLICATE_GRACE_S
+                    duplicate_until = duplicate_until or time.monotonic() + self.duplicate_grace_s
                 if code in CALLER_FAULT and (duplicate_until is None or time.monotonic() >= duplicate_until):
                     raise CoordinatorError(code, details) from None
                 last_error = f"{code.name}: {details}"

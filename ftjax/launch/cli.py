@@ -316,4 +316,4 @@ def _report(out: Path, console: Console, code: int) -> int:
     write_loss(run, out / "loss.png")
     write_timeline(run, out / "timeline.png", summary["median_step_s"] or 0.0)
     print_summary(console, summary, str(out))
-    return code
+    return code or (1 if summary["split_history"] else 0)

@@ -53,6 +53,13 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   `isolated_commits` every other step the cut-off replica committed (none, or there was a split
   brain), `peer_commits` how many steps each other replica committed meanwhile (it trains on), and
   `rejoined_at_step` where the cut-off replica caught up afterwards (null: it did not).
+- **split_history**: the steps committed in two quorum lineages: by commits with different quorum
+  ids whose parameter digests at that step differ (a cut-off replica that trained on alone, two
+  processes with one replica id). One history commits a step once, in one quorum, whoever
+  commits it; a whole-job restart from a checkpoint commits its steps again with the same digests,
+  which is no split. A split history makes the launcher exit non-zero. A replica that ended behind
+  a finished job (`job_finished`: it was cut off, and nobody alive held the final state) is
+  `ended_behind`: its digest is not the job's and is left out of `digests_equal`.
 - **final_loss**: the mean training loss of every contribution in the last 5% of the steps (at
   least the last step), over all replicas: a single batch's loss is too noisy to compare runs.
 """
@@ -313,6 +320,30 @@ def partitions(run: Run) -> list[dict[str, Any]]:
     return out
 
 
+def split_history(run: Run) -> dict[str, Any] | None:
+    """The steps committed in two lineages (see the module docstring), None if there are none:
+    {"steps": [...], "first": {"step": n, "commits": [{"quorum_id", "param_digest", "replicas"}]}}."""
+    by_step: dict[int, dict[tuple[int, str], list[int]]] = {}
+    for r in range(run.replicas):
+        for s in _steps(run.metrics[r]):
+            if s.get(F.COMMITTED) and s.get(F.PARAM_DIGEST) is not None:
+                key = (int(s.get("quorum_id") or 0), s[F.PARAM_DIGEST])
+                by_step.setdefault(int(s[F.STEP]), {}).setdefault(key, []).append(r)
+    split = sorted(n for n, commits in by_step.items()
+                   if len({q for q, _ in commits}) > 1 and len({d for _, d in commits}) > 1)
+    if not split:
+        return None
+    first = [{"quorum_id": q, "param_digest": d, "replicas": sorted(set(rs))}
+             for (q, d), rs in sorted(by_step[split[0]].items())]
+    return {"steps": split, "first": {"step": split[0], "commits": first}}
+
+
+def ended_behind(run: Run, r: int) -> bool:
+    """Replica r's last word was `job_finished`: it ended behind a job that finished without it."""
+    last = next((rec for rec in reversed(run.metrics[r]) if rec.get(EVENT) in (E.START, E.JOB_FINISHED)), None)
+    return last is not None and last[EVENT] == E.JOB_FINISHED
+
+
 def final_loss(run: Run) -> float | None:
     k = max(1, run.steps // 20)
     losses = [s[F.LOSS] for r in range(run.replicas) for s in run.metrics[r]
@@ -354,6 +385,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
             "final_loss": final.get("final_loss"),
             "data_position": final_position(run, r),
             "finished": bool(final),
+            "ended_behind": ended_behind(run, r),
             "exactly_once": once,
             **({"exactly_once_error": why} if why else {}),
             "seconds_in_state": {k: round(v, 3) for k, v in in_state.items()},
@@ -364,7 +396,8 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
          "step": e.get("step"), **({"at": e["at"]} if e.get("at") else {}), "recovery_s": _recovery(run, e)}
         for e in run.events if e[EVENT] in (L.REPLICA_DOWN, L.COORDINATOR_DOWN)
     ]
-    digests = [rec["param_digest"] for rec in replicas.values()]
+    digests = [rec["param_digest"] for rec in replicas.values() if not rec["ended_behind"]]
+    split = split_history(run)
     ettr_value = ettr(run, segments, t_warm, t_end, median_s or 0.0) if t_warm is not None else None
     loss = final_loss(run)
     end_event = next((e for e in reversed(run.events) if e[EVENT] == L.END), None)
@@ -376,7 +409,8 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "devices_per_host": run.launch.get("devices"),
         "steps": run.steps,
         "replicas": replicas,
-        "ok": bool(end_event and end_event.get("ok")),
+        "ok": bool(end_event and end_event.get("ok")) and split is None,
+        "split_history": split,
         "wall_s": round((end_event or {TIME: run.end})[TIME] - run.start, 3),
         "warmup_s": round(t_warm - run.start, 3) if t_warm is not None else None,
         "committed_steps": max((rec["final_step"] for rec in replicas.values()), default=0),
@@ -391,7 +425,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "max_healthy_gap_s": round(max(gap for _, gap, _ in healthy), 4) if healthy else None,
         "final_loss": round(loss, 5) if loss is not None else None,
         "digests_equal": len(set(digests)) == 1 and None not in digests,
-        "digests_missing": [rid for rid, rec in replicas.items() if rec["param_digest"] is None],
+        "digests_missing": [rid for rid, rec in replicas.items() if rec["param_digest"] is None and not rec["ended_behind"]],
         "exactly_once": all(rec["exactly_once"] for rec in replicas.values()),
         **({"constant_batch": constant} if constant is not None else {}),
     }
