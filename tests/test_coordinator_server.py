@@ -517,6 +517,7 @@ def _wait_until(predicate, timeout: float = 10.0) -> None:
 def test_a_member_behind_a_finished_job_heals_from_a_holder_else_is_told_the_job_finished(make_server, make_client):
     server = make_server(ONE)
     a, b = make_client(server, "a"), make_client(server, "b")
+    _wait_until(lambda: {"a", "b"} <= set(server.state.members))  # (else a alone may form the first quorum)
     settle([a.quorum_async(2, 2, True), b.quorum_async(2, 2, True)])
     late = b.member.incarnation
     b.close()  # b is cut off holding step 2; a trains steps 3 and 4 (the last) alone
@@ -526,7 +527,9 @@ def test_a_member_behind_a_finished_job_heals_from_a_holder_else_is_told_the_job
     assert server.state.finished_step == 4
     # b is back (the same process) while a drains at the final step: it heals from a
     back = make_client(server, "b", inc=late)
-    drain, healed = settle([a.quorum_async(4, 4, True), back.quorum_async(2, 2, True)])
+    asked = back.quorum_async(2, 2, True)
+    _wait_until(lambda: server.state.members.get("b") and server.state.members["b"].requested_at is not None)
+    drain, healed = settle([a.quorum_async(4, 4, True), asked])
     assert healed.healing and healed.heal_source == "a" and healed.step == 4
     # a has left; b, still behind, is told that the job finished: it never trains steps 3-4 alone
     a.close()
