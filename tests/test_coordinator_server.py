@@ -536,6 +536,8 @@ def test_a_member_behind_a_finished_job_heals_from_a_holder_else_is_told_the_job
     with pytest.raises(JobFinished) as e:
         back.quorum(2, 2, True)
     assert e.value.step == 4 and "finished at step 4" in str(e.value)
+    with pytest.raises(JobFinished):  # nor does a restart without state start the job over
+        make_client(server, "a").quorum(0, 0, False)
     assert all(h["step"] >= 4 for h in server.state.history if "b" in h["participants"] and h["step"] > 2)
 
 

@@ -139,9 +139,9 @@ class _Service:
     # -- scheduling ---------------------------------------------------------------------------
 
     def _after_event(self, now: float) -> None:
+        self._answer_finished(now)  # (first: a finished job forms no quorum, not even one without state)
         if self.state.may_form(now):
             self._evaluate(now, sweep=False)
-        self._answer_finished(now)
         self._arm(self.state.next_wake(now))
 
     def _arm(self, when: float | None) -> None:
@@ -155,8 +155,8 @@ class _Service:
     def _on_timer(self) -> None:
         self._timer, self._timer_at = None, float("inf")
         now = time.monotonic()
-        self._evaluate(now)
         self._answer_finished(now)
+        self._evaluate(now)
         self._arm(self.state.next_wake(now))
 
     def _evaluate(self, now: float, *, sweep: bool = True) -> None:
