@@ -248,7 +248,8 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
     table.add_column("param digest", no_wrap=True, min_width=16)
     for rid, rec in summary["replicas"].items():
         table.add_row(rid, str(rec["steps_committed"]), str(rec["restarts"]), f"{rec['catchup_s']:.2f}",
-                      "yes" if rec["exactly_once"] else "[red]NO[/]", rec["param_digest"] or "no digest")
+                      "yes" if rec["exactly_once"] else "[red]NO[/]", (rec["param_digest"] or "no digest")
+                      + (" (ended behind: the job finished without it)" if rec.get("ended_behind") else ""))
     console.print(table)
 
     def num(key: str, fmt: str) -> str:
