@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from ftjax.coordinator.client import CoordinatorError, QuorumResult, decode_quorum, encode_quorum
+from ftjax.coordinator.client import CoordinatorError, JobFinished, QuorumResult, decode_quorum, encode_quorum
 from ftjax.coordinator.quorum import Participant
 from ftjax.catchup import CatchupTransport, FetchResult, SnapshotFetch, source_hosts
 from ftjax.events import ReplicaEvent as E
@@ -72,6 +72,7 @@ class Agreement:
     quorum: QuorumResult | None  # None: the replica leaves the job instead (`leave` says why)
     install: FetchResult | None = None
     leave: str | None = None
+    finished: int | None = None  # leaving because the job finished at this step (nothing left to train)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class HealOrder:
     install: bool = False
     fetch_min_step: int | None = None
     leave: str | None = None  # the replica leaves the job at this step boundary (no quorum was asked)
+    finished: int | None = None  # ... because the job finished at this step (coordinator/client.py JobFinished)
 
 
 class LocalQuorum:
@@ -198,12 +200,15 @@ class StepProtocol:
             fetches = self._fetch_states()
             if not self.leader:
                 return self._carry_out(*_decode_agreement(self.group.broadcast_bytes(b"")))
-            if self._pending is None:  # leaving: every host ends at this step boundary
-                order = HealOrder(leave=self.leaving)
+            q, order = None, HealOrder(leave=self.leaving)  # no request: leaving, every host ends here
+            try:
+                q = self._pending.result() if self._pending is not None else None
+            except JobFinished as e:  # nothing left to train: every host ends here too
+                order = HealOrder(leave=str(e), finished=e.step)
+            if q is None:
                 if self.group.hosts > 1:
                     self.group.broadcast_bytes(_encode_agreement(None, order))
-                return Agreement(None, leave=order.leave)
-            q = self._pending.result()
+                return Agreement(None, leave=order.leave, finished=order.finished)
         order = self._heal_bookkeeping(q, fetches) if (q.healing or self.fetch is not None) else HealOrder()
         if not q.no_state:
             self.record_positions(q, committed=False)
@@ -382,7 +387,7 @@ class StepProtocol:
     def _carry_out(self, q: QuorumResult, order: HealOrder) -> Agreement:
         """Every host: what the leader decided of catch-up for this step."""
         if order.leave is not None:
-            return Agreement(None, leave=order.leave)
+            return Agreement(None, leave=order.leave, finished=order.finished)
         install = None
         if order.install:
             install = self.fetch.result

@@ -14,10 +14,11 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import grpc
 import jax
 
 from ftjax import net
-from ftjax.coordinator.client import CoordinatorClient, MemberInfo, new_incarnation
+from ftjax.coordinator.client import CoordinatorClient, CoordinatorError, MemberInfo, new_incarnation
 from ftjax.coordinator.quorum import split_address
 from ftjax.catchup import ShardTransport
 from ftjax.checkpoint import DurableCheckpoints
@@ -88,7 +89,7 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
     if leader:
         info = MemberInfo(replica_id=str(args.replica_id), incarnation=incarnation, num_hosts=group.hosts,
                           ftar_addresses=tuple(ftar_addresses), catchup_addresses=tuple(catchup_addresses),
-                          topology_fingerprint=topology_fingerprint(program))
+                          topology_fingerprint=topology_fingerprint(program), topology=program.topology())
         client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s)
         client.start()
         # each step's figures travel to the coordinator with the next quorum request (status page, /metrics)
@@ -137,6 +138,12 @@ def _run(trainer: Trainer, cfg: Config) -> int:
     return code
 
 
+# The coordinator's refusals of a replica (another live process holds its id, its layout differs from
+# the job's, ...): reported in one line, exit 2, as bad input is.
+REFUSED = frozenset({grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION,
+                     grpc.StatusCode.INVALID_ARGUMENT})
+
+
 def run_member(cfg: Config, args: argparse.Namespace, out: Path) -> int:
     try:
         token = read_token()
@@ -149,7 +156,13 @@ def run_member(cfg: Config, args: argparse.Namespace, out: Path) -> int:
         print(f"ftjax train: cannot tell which address peers reach this process at: {e}; name it with "
               f"${net.ADVERTISE_ENV}, net.advertise_host or net.interface", file=sys.stderr)
         return 2
-    return _run(_member(cfg, args, out, token, addrs), cfg)
+    try:
+        return _run(_member(cfg, args, out, token, addrs), cfg)
+    except CoordinatorError as e:
+        if e.code not in REFUSED:
+            raise
+        print(f"ftjax train: the coordinator refused replica {args.replica_id}: {e.details}", file=sys.stderr)
+        return 2
 
 
 def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:

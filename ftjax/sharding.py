@@ -84,9 +84,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def describe(shardings: Any) -> str:
-    """A stable text of every leaf's path and partition spec (part of the topology fingerprint)."""
+def describe(state: Any) -> str:
+    """A stable text of every leaf's path, shape, dtype and partition spec, one `path: ...` line
+    per leaf (`state`: ShapeDtypeStructs with shardings; part of the topology fingerprint)."""
     rows = []
-    for path, sh in jax.tree_util.tree_flatten_with_path(shardings)[0]:
-        rows.append(f"{jax.tree_util.keystr(path)}:{tuple(sh.spec)}")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        rows.append(f"{jax.tree_util.keystr(path)}: {tuple(leaf.shape)} {leaf.dtype} {tuple(leaf.sharding.spec)}")
     return "\n".join(rows)

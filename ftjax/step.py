@@ -130,11 +130,15 @@ class ReplicaProgram:
             state_digest(state)
 
     def topology(self) -> str:
-        """Gradient lanes and shard layout: replicas may exchange gradients only if these agree. A
-        reduced-degree replica (fewer hosts, fewer devices) has the same: its hosts serve the same
-        lanes (ftjax/lanes.py)."""
-        lanes = f"lanes={self.cfg.mesh.hosts} devices_per_lane={self.cfg.mesh.devices_per_host}"
-        return lanes + "\n" + shd.describe(self.state_shardings)
+        """Gradient lanes, and every state leaf's shape, dtype and shard layout: replicas may
+        exchange gradients and snapshots only if these agree (another model size has other shapes
+        under the same specs). A reduced-degree replica (fewer hosts, fewer devices) has the same:
+        its hosts serve the same lanes (ftjax/lanes.py). One `key: value` line per item, so that the
+        coordinator can name the items that differ (ftjax/coordinator/layout.py)."""
+        lanes = f"mesh: lanes={self.cfg.mesh.hosts} devices_per_lane={self.cfg.mesh.devices_per_host}"
+        state = self.abstract_state()
+        rest = {k: v for k, v in state.items() if k != "params"}  # (the parameters first: named first)
+        return "\n".join([lanes, shd.describe({"params": state["params"]}), shd.describe(rest)])
 
 
 def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> ReplicaProgram:

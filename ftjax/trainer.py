@@ -35,6 +35,10 @@ class _Left(Exception):
     """The leader's leave order reached this host: end the loop (the reason is the message)."""
 
 
+class _JobFinished(Exception):
+    """The job finished at step `args[0]` without this replica, and nobody alive can heal it: end."""
+
+
 class JobStateLost(RuntimeError):
     """The job has committed steps but no live peer and no durable checkpoint holds its state."""
 
@@ -120,6 +124,12 @@ class Trainer:
         except _Left as e:
             self.log.event(E.LEFT, reason=str(e), step=self.step)
             return EXIT_LEFT
+        except _JobFinished as e:  # not a failure: the job is done, this replica's state is not its final one
+            self.log.event(E.JOB_FINISHED, job_step=e.args[0], step=self.step, reason=e.args[1])
+            if self.ckpt is not None:
+                self.ckpt.close()
+            print(f"ftjax train: replica {self.replica_id}: {e.args[1]}; exiting", file=sys.stderr, flush=True)
+            return 0
         return self._finish()
 
     def request_leave(self, reason: str) -> None:
@@ -137,6 +147,8 @@ class Trainer:
         computed = self._compute(ahead) if self.has_state and self.protocol.heal_started is None else None
         timing.compute = time.perf_counter()
         agreement = self.protocol.agree()
+        if agreement.finished is not None:
+            raise _JobFinished(agreement.finished, agreement.leave)
         if agreement.leave is not None:
             raise _Left(agreement.leave)
         q = agreement.quorum

@@ -16,9 +16,10 @@ import pytest
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
-from ftjax.coordinator.client import CoordinatorClient, CoordinatorError, MemberInfo, new_incarnation
-from ftjax.coordinator.quorum import Settings
+from ftjax.coordinator.client import CoordinatorClient, CoordinatorError, JobFinished, MemberInfo, new_incarnation
+from ftjax.coordinator.quorum import MemberReport, Settings
 from ftjax.coordinator.server import CoordinatorServer, main
+from ftjax.coordinator.state import CoordinatorState
 
 TOKEN = "test-token"
 FAST = Settings(min_replicas=2, join_timeout_s=5.0, heartbeat_timeout_s=2.0, suspect_window_s=0.3)
@@ -28,9 +29,10 @@ THREE = dataclasses.replace(FAST, min_replicas=3)
 _PORTS = {rid: 100 + i for i, rid in enumerate("abcdefgh")}
 
 
-def info(rid: str, *, inc: str | None = None, fp: str = "fp") -> MemberInfo:
+def info(rid: str, *, inc: str | None = None, fp: str = "fp", topology: str = "") -> MemberInfo:
     n = _PORTS.get(rid, 99)
-    return MemberInfo(rid, inc or new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), (f"127.0.0.1:{30000 + n}",), fp)
+    return MemberInfo(rid, inc or new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), (f"127.0.0.1:{30000 + n}",), fp,
+                      topology)
 
 
 @pytest.fixture
@@ -52,9 +54,9 @@ def make_client():
     clients = []
 
     def make(server: CoordinatorServer, rid: str, *, token: str = TOKEN, start: bool = True,
-             quorum_timeout: float = 10.0, **kw) -> CoordinatorClient:
+             quorum_timeout: float = 10.0, duplicate_grace_s: float = 5.0, **kw) -> CoordinatorClient:
         client = CoordinatorClient(server.address, token, info(rid, **kw), heartbeat_interval_s=0.05,
-                                   quorum_timeout_s=quorum_timeout)
+                                   quorum_timeout_s=quorum_timeout, duplicate_grace_s=duplicate_grace_s)
         if start:
             client.start()
         clients.append(client)
@@ -498,3 +500,104 @@ def test_bad_known_positions_are_refused_naming_the_entry(make_server, raw, entr
     error = call.exception(5)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith(field)
     assert server.state.members == {} and server.state.ledger.positions == {}
+
+
+# -- one history (issue 26 items 2 and 3) ----------------------------------------------------------
+
+ONE = dataclasses.replace(FAST, min_replicas=1)
+
+
+def _wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_member_behind_a_finished_job_heals_from_a_holder_else_is_told_the_job_finished(make_server, make_client):
+    server = make_server(ONE)
+    a, b = make_client(server, "a"), make_client(server, "b")
+    _wait_until(lambda: {"a", "b"} <= set(server.state.members))  # (else a alone may form the first quorum)
+    settle([a.quorum_async(2, 2, True), b.quorum_async(2, 2, True)])
+    late = b.member.incarnation
+    b.close()  # b is cut off holding step 2; a trains steps 3 and 4 (the last) alone
+    a.report_step({"step": 3, "committed": True}, target_steps=4)
+    a.quorum(3, 3, True)
+    a.quorum(4, 4, True)
+    assert server.state.finished_step == 4
+    # b is back (the same process) while a drains at the final step: it heals from a
+    back = make_client(server, "b", inc=late)
+    asked = back.quorum_async(2, 2, True)
+    _wait_until(lambda: server.state.members.get("b") and server.state.members["b"].requested_at is not None)
+    drain, healed = settle([a.quorum_async(4, 4, True), asked])
+    assert healed.healing and healed.heal_source == "a" and healed.step == 4
+    # a has left; b, still behind, is told that the job finished: it never trains steps 3-4 alone
+    a.close()
+    with pytest.raises(JobFinished) as e:
+        back.quorum(2, 2, True)
+    assert e.value.step == 4 and "finished at step 4" in str(e.value)
+    with pytest.raises(JobFinished):  # nor does a restart without state start the job over
+        make_client(server, "a").quorum(0, 0, False)
+    assert all(h["step"] >= 4 for h in server.state.history if "b" in h["participants"] and h["step"] > 2)
+
+
+def test_no_quorum_forms_behind_the_committed_step_even_after_a_coordinator_restart():
+    # A restarted coordinator has lost the committed step: the holders' first heartbeats carry it.
+    state = CoordinatorState(ONE, 0.0, startup_grace=0.0)
+
+    def member(rid, step):
+        return MemberReport(rid, f"{rid}-1", step, step, True, ("127.0.0.1:1",), ("127.0.0.1:2",), "fp")
+
+    state.register(member("a", 5), 0.0)  # a holds step 5 ...
+    state.register(member("b", 3), 0.0)  # ... b was cut off at step 3
+    state.disconnected("a", "a-1", 0.1)  # a is away (its stream ended): dead after the suspect window
+    state.request(member("b", 3), 1.0)
+    decision = state.evaluate(1.0)
+    assert decision.quorum is None and "committed step 5" in decision.reason
+    state.request(member("a", 5), 1.1)  # a is back: b heals from it
+    q = state.evaluate(1.1).quorum
+    assert q.step == 5 and [p.heal_source for p in q.participants] == ["", "a"]
+
+
+def test_a_second_process_with_a_live_replica_id_is_refused_and_a_restart_is_admitted(make_server, make_client):
+    server = make_server()
+    a, b = make_client(server, "a"), make_client(server, "b")
+    first = settle([a.quorum_async(0, 0, True), b.quorum_async(0, 0, True)])
+    _wait_until(lambda: server.state._streams.get(("a", a.member.incarnation)))
+    twin = make_client(server, "a", duplicate_grace_s=0.3)
+    with pytest.raises(CoordinatorError) as e:
+        twin.quorum(0, 0, True)
+    assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert "replica id 'a'" in e.value.details and a.member.incarnation in e.value.details
+    twin.close()
+    # the live one is undisturbed: the same incarnation, the same quorum id
+    again = settle([a.quorum_async(1, 1, True), b.quorum_async(1, 1, True)])
+    assert again[0].quorum_id == first[0].quorum_id
+    assert server.state.members["a"].report.incarnation == a.member.incarnation
+    a.close()  # it dies: its restart is admitted as soon as its stream's end is seen
+    a2 = make_client(server, "a")
+    restarted, _ = settle([a2.quorum_async(0, 0, False), b.quorum_async(2, 2, True)])
+    assert restarted.healing and restarted.heal_source == "b"
+
+
+def test_a_silent_holder_of_an_id_is_replaced_after_its_heartbeat_timeout(make_server, make_client, raw):
+    server = make_server(Settings(min_replicas=1, heartbeat_timeout_s=0.6, suspect_window_s=0.2))
+    raw(server).heartbeat_stream(pb.HeartbeatRequest(member=member_proto("a")))  # open, then silent (SIGSTOP)
+    _wait_until(lambda: "a" in server.state.members)
+    newcomer = make_client(server, "a")  # refused while the silent one may be alive, admitted after
+    assert newcomer.quorum(0, 0, False).participants[0].incarnation == newcomer.member.incarnation
+
+
+def test_a_replica_whose_layout_differs_is_refused_naming_the_leaves(make_server, make_client):
+    server = make_server()
+    job = "mesh: lanes=1\n['params']['w']: (64, 64) float32 ()\n['params']['b']: (64,) float32 ()"
+    a = make_client(server, "a", fp="fp-a", topology=job)
+    _wait_until(lambda: "a" in server.state.members)
+    b = make_client(server, "b", fp="fp-b", topology=job.replace("(64, 64)", "(128, 128)"))
+    _wait_until(lambda: "fp-b" in server.state.layouts)  # (b's heartbeat was refused, its layout kept)
+    with pytest.raises(CoordinatorError) as e:
+        b.quorum(0, 0, True)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert ("1 items differ: ['params']['w'] (job: (64, 64) float32 (); this replica: (128, 128) float32 ())"
+            in e.value.details), e.value.details
+    assert a.member.replica_id in server.state.members and "b" not in server.state.members

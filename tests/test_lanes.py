@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ftjax.batches import assign
 from ftjax.config import load_config
 from ftjax.coordinator.client import QuorumResult
+from ftjax.coordinator.layout import layout_difference
 from ftjax.coordinator.quorum import Participant
 from ftjax.data import make_stream
 from ftjax.ftar import FTAREndpoint
@@ -121,3 +122,13 @@ def test_each_lane_is_served_by_exactly_one_host_and_lane_host_finds_it(live, la
     from ftjax.lanes import lane_host, served_lanes
     assert [served_lanes(h, live, lanes) for h in range(live)] == served
     assert [lane_host(lane, live, lanes) for lane in range(lanes)] == [h for h in range(live) for _ in served[h]]
+
+
+def test_another_model_size_has_another_fingerprint_and_the_difference_names_its_leaves():
+    # Issue 26 item 3: `model.d_model=128` had the same fingerprint as 64 (specs only), was admitted,
+    # then crashed with a LayoutMismatch. The layout now carries every leaf's shape and dtype.
+    small, big = build_program(load_config("tiny", [])), build_program(load_config("tiny", ["model.d_model=128"]))
+    assert topology_fingerprint(small) != topology_fingerprint(big)
+    why = layout_difference(small.topology(), big.topology())
+    assert "items differ" in why and "(64," in why and "(128," in why and "['params']" in why, why
+    assert layout_difference(small.topology(), build_program(load_config("tiny", [])).topology()) == ""

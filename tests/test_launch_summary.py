@@ -279,3 +279,50 @@ def test_overlapping_partitions_are_each_checked_over_their_own_window(tmp_path)
     first, second = build_summary(tmp_path)["partitions"]
     assert (first["restored"], first["isolated_commits"], first["peer_commits"]) == (True, [], {"0": 9})
     assert (second["restored"], second["isolated_commits"], second["peer_commits"]) == (True, [14], {"0": 4})
+
+
+def make_split_run(tmp_path, *, late_trains_again: bool):
+    """Issue 26 item 2 in small: replica 1 is cut off after step 2 while replica 0 trains steps 3-4
+    in quorum 2 and finishes. Back, replica 1 either trains steps 3-4 again alone in quorum 3 (a
+    split history) or is told that the job finished and exits (`job_finished`)."""
+    _write(tmp_path / "launcher.jsonl", [
+        {"time": T, "event": "launch", "replicas": 2, "hosts": 1, "devices": 1, "steps": 4, "config": "c.yaml",
+         "overrides": [], "out": str(tmp_path)},
+        {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
+        {"time": T, "event": "replica_started", "replica": 1, "incarnation": 1},
+        {"time": 112.0, "event": "replica_done", "replica": 0, "incarnation": 1, "step": 4},
+        {"time": 120.0, "event": "replica_done", "replica": 1, "incarnation": 1, "step": 4},
+        {"time": 120.1, "event": "end", "ok": True},
+    ])
+
+    def step(t, n, q, digest, batch, position):
+        return _step(t, n, batch=batch, position=position, loss=1.0) | {"quorum_id": q, "param_digest": digest}
+
+    _write(tmp_path / "replica-0" / "metrics.jsonl", [
+        {"time": 105.0, "event": "start"}, step(110.1, 1, 1, "d1", 0, 1), step(110.2, 2, 1, "d2", 2, 2),
+        step(111.0, 3, 2, "d3", 4, 3), step(111.1, 4, 2, "d4", 6, 4)])
+    r1 = [{"time": 105.0, "event": "start"}, step(110.1, 1, 1, "d1", 1, 1), step(110.2, 2, 1, "d2", 3, 2)]
+    if late_trains_again:
+        r1 += [step(119.0, 3, 3, "x3", 5, 3), step(119.1, 4, 3, "x4", 7, 4)]
+    else:
+        r1 += [{"time": 119.0, "event": "job_finished", "job_step": 4, "step": 2, "reason": "..."}]
+    _write(tmp_path / "replica-1" / "metrics.jsonl", r1)
+    (tmp_path / "replica-0" / "summary.json").write_text(json.dumps({"param_digest": "d4", "data_position": 4}))
+    if late_trains_again:
+        (tmp_path / "replica-1" / "summary.json").write_text(json.dumps({"param_digest": "x4", "data_position": 4}))
+    return tmp_path
+
+
+def test_a_step_committed_in_two_lineages_is_a_split_history_and_not_ok(tmp_path):
+    s = build_summary(make_split_run(tmp_path, late_trains_again=True))
+    assert s["split_history"]["steps"] == [3, 4]
+    assert s["split_history"]["first"] == {"step": 3, "commits": [
+        {"quorum_id": 2, "param_digest": "d3", "replicas": [0]}, {"quorum_id": 3, "param_digest": "x3", "replicas": [1]}]}
+    assert not s["ok"]  # the launcher said ok: the summary knows better (and the launcher exits 1)
+
+
+def test_a_replica_told_the_job_finished_ends_behind_and_the_history_is_one(tmp_path):
+    s = build_summary(make_split_run(tmp_path, late_trains_again=False))
+    assert s["split_history"] is None and s["ok"]
+    assert s["replicas"]["1"]["ended_behind"] and not s["replicas"]["0"]["ended_behind"]
+    assert s["digests_equal"] and s["digests_missing"] == []  # its stale digest is not the job's

@@ -157,3 +157,27 @@ def _assert_stall_within_the_deadline_and_equal(job, deadline_s):
     median = sorted(gaps[5:])[len(gaps[5:]) // 2]
     assert max(gaps) <= deadline_s + 2 * median, (max(gaps), median)
     assert final_digest(job, 0) == final_digest(job, 1)
+
+
+@pytest.mark.slow
+def test_a_replica_cut_off_until_its_peer_finished_exits_without_training_finished_steps_again(tmp_path, procs):
+    # Issue 26 item 2: replica 1 is frozen (SIGSTOP: silent, its connections open, as in a network
+    # partition) until replica 0 has trained every step and left. Before: back, replica 1 trained the
+    # finished steps again alone, in a quorum of its own (a second history), and exited 0. Now the
+    # coordinator tells it that the job finished: it logs `job_finished` and exits 0, committing nothing.
+    steps = 40
+    over = [*BASE, f"steps={steps}", "ft.ftar_timeout_s=2", "ft.drain_timeout_s=1", "ft.progress_timeout_s=600"]
+    job = LocalJob(TINY, over, tmp_path, replicas=2, procs=procs)
+    job.start_coordinator()
+    for r in (0, 1):
+        job.start_replica(r)
+    _wait_for_step(job, 1, 8)
+    job.hosts[1][0].send_signal(signal.SIGSTOP)
+    assert job.hosts[0][0].wait(300) == 0, job.log_tail(0)  # replica 0 finished alone, drained, left
+    resumed = time.time()
+    job.hosts[1][0].send_signal(signal.SIGCONT)
+    assert job.hosts[1][0].wait(120) == 0, job.log_tail(1)
+    steps1, events1 = records(job.replica_dir(1))
+    assert [s["step"] for s in steps1 if s["committed"] and s["time"] > resumed] == []
+    finished = [e for e in events1 if e["event"] == "job_finished"]
+    assert finished and finished[0]["job_step"] == steps and finished[0]["step"] < steps

@@ -32,6 +32,7 @@ import grpc
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
 from ftjax.coordinator.codec import QuorumEncoding
+from ftjax.coordinator.layout import MAX_LAYOUT_BYTES
 from ftjax.coordinator.quorum import MAX_REASON_BYTES, MemberReport, Participant, split_address
 from ftjax.coordinator import TOKEN_METADATA_KEY
 
@@ -39,8 +40,12 @@ log = logging.getLogger(__name__)
 
 CALLER_FAULT = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS,
 })
+# ALREADY_EXISTS (another live process holds this replica id) is retried this long before it is
+# final: a predecessor that was just killed may not have been seen to die yet (its heartbeat stream's
+# end reaches the coordinator within milliseconds; a silent one is dead after the heartbeat timeout).
+DUPLICATE_GRACE_S = 5.0
 _STREAM_LIFETIME_S = 3600.0  # streams are renewed this often (every call has a deadline)
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -54,6 +59,16 @@ _CHANNEL_OPTIONS = [
 def new_incarnation() -> str:
     """A fresh incarnation id for this process start."""
     return f"{os.getpid()}-{secrets.token_hex(6)}"
+
+
+class JobFinished(Exception):
+    """The job finished at `step`, and no live replica holds its state: this replica, behind it,
+    has nothing left to train (training finished steps again would make a second history)."""
+
+    def __init__(self, step: int, replica_id: str, at_step: int) -> None:
+        super().__init__(f"the job finished at step {step}; replica {replica_id} is at step {at_step} and no live "
+                         "replica holds the final state: nothing left to train")
+        self.step = step
 
 
 class CoordinatorError(RuntimeError):
@@ -75,6 +90,7 @@ class MemberInfo:
     ftar_addresses: tuple[str, ...]  # one per gradient lane (ftjax/lanes.py): the job's mesh.hosts
     catchup_addresses: tuple[str, ...]  # one per host rank: where host h serves its part of the state
     topology_fingerprint: str
+    topology: str = ""  # the layout text hashed into the fingerprint (ftjax/coordinator/layout.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ftar_addresses", tuple(self.ftar_addresses))
@@ -207,8 +223,10 @@ class CoordinatorClient:
     """A replica leader's connection to the coordinator (see the module docstring)."""
 
     def __init__(self, address: str, token: str, member: MemberInfo, *, heartbeat_interval_s: float = 0.1,
-                 rpc_timeout_s: float = 2.0, quorum_timeout_s: float = 60.0) -> None:
+                 rpc_timeout_s: float = 2.0, quorum_timeout_s: float = 60.0,
+                 duplicate_grace_s: float = DUPLICATE_GRACE_S) -> None:
         self.address = address
+        self.duplicate_grace_s = duplicate_grace_s
         self.member = member
         self.heartbeat_interval_s = heartbeat_interval_s
         self.rpc_timeout_s = rpc_timeout_s
@@ -247,7 +265,8 @@ class CoordinatorClient:
     def _heartbeats(self, done: threading.Event):
         step, position, has_state = self._progress
         known = [pb.ReplicaPosition(replica_id=r, data_position=p) for r, p in dict(self.known_positions).items()]
-        yield pb.HeartbeatRequest(member=self.member.to_proto(step, position, has_state), known_positions=known)
+        yield pb.HeartbeatRequest(member=self.member.to_proto(step, position, has_state), known_positions=known,
+                                  topology=self.member.topology if len(self.member.topology) <= MAX_LAYOUT_BYTES else "")
         while not done.wait(self.heartbeat_interval_s):
             yield pb.HeartbeatRequest()
 
@@ -334,6 +353,7 @@ class CoordinatorClient:
         deadline = time.monotonic() + self.quorum_timeout_s
         backoff = _Backoff()
         last_error = "none"
+        duplicate_until = None  # refused as a duplicate replica id: until when that may still pass
         while True:
             if self._closed.is_set():
                 raise CoordinatorError(grpc.StatusCode.CANCELLED, "the client was closed")
@@ -352,11 +372,15 @@ class CoordinatorClient:
                 self._drop_stream()
                 code = e.code() if isinstance(e, grpc.RpcError) else e.code
                 details = (e.details() or "") if isinstance(e, grpc.RpcError) else e.details
-                if code in CALLER_FAULT:
+                if code == grpc.StatusCode.ALREADY_EXISTS:
+                    duplicate_until = duplicate_until or time.monotonic() + self.duplicate_grace_s
+                if code in CALLER_FAULT and (duplicate_until is None or time.monotonic() >= duplicate_until):
                     raise CoordinatorError(code, details) from None
                 last_error = f"{code.name}: {details}"
                 self._closed.wait(min(backoff.next(), max(0.0, deadline - time.monotonic())))
                 continue
+            if response.finished_step:
+                raise JobFinished(response.finished_step, self.member.replica_id, step)
             if response.members:
                 members = tuple(response.members)
                 self._membership = (response.quorum_id, members)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#ftjax/coordinator/coordinator.proto\x12\x14\x66tjax.coordinator.v1\"\xf6\x01\n\x06Member\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x15\n\rdata_position\x18\x04 \x01(\x03\x12\x11\n\thas_state\x18\x05 \x01(\x08\x12\x11\n\tnum_hosts\x18\x06 \x01(\x05\x12\x16\n\x0e\x66tar_addresses\x18\x07 \x03(\t\x12\x19\n\x11\x63\x61tchup_addresses\x18\x08 \x03(\t\x12\x1c\n\x14topology_fingerprint\x18\t \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\n \x01(\x03\x12\x0e\n\x06\x64igest\x18\x0b \x01(\t\"<\n\x0fReplicaPosition\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x15\n\rdata_position\x18\x02 \x01(\x03\"\x80\x01\n\x10HeartbeatRequest\x12,\n\x06member\x18\x01 \x01(\x0b\x32\x1c.ftjax.coordinator.v1.Member\x12>\n\x0fknown_positions\x18\x02 \x03(\x0b\x32%.ftjax.coordinator.v1.ReplicaPosition\"&\n\x10HeartbeatSummary\x12\x12\n\nheartbeats\x18\x01 \x01(\x03\"\x9c\x01\n\rQuorumRequest\x12,\n\x06member\x18\x01 \x01(\x0b\x32\x1c.ftjax.coordinator.v1.Member\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x03\x12\x17\n\x0fknown_quorum_id\x18\x03 \x01(\x03\x12\x30\n\x06report\x18\x04 \x01(\x0b\x32 .ftjax.coordinator.v1.StepReport\"\x9d\x01\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\x13\n\x0b\x63ontributed\x18\x03 \x01(\x08\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12\x14\n\x0ctarget_steps\x18\x07 \x01(\x03\x12\x10\n\x08replicas\x18\x08 \x01(\x05\"k\n\rMemberAddress\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x16\n\x0e\x66tar_addresses\x18\x03 \x03(\t\x12\x19\n\x11\x63\x61tchup_addresses\x18\x04 \x03(\t\"\xed\x02\n\x0eQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x10\n\x08no_state\x18\x03 \x01(\x08\x12\x18\n\x10num_contributors\x18\x04 \x01(\x05\x12\x18\n\x10num_participants\x18\x05 \x01(\x05\x12\x34\n\x07members\x18\x06 \x03(\x0b\x32#.ftjax.coordinator.v1.MemberAddress\x12\r\n\x05steps\x18\x07 \x03(\x03\x12\x16\n\x0e\x64\x61ta_positions\x18\x08 \x03(\x03\x12\x14\n\x0cheal_sources\x18\t \x03(\x05\x12\x0c\n\x04rank\x18\n \x01(\x05\x12\x0f\n\x07healing\x18\x0b \x01(\x08\x12\x13\n\x0bheal_source\x18\x0c \x01(\t\x12\x1d\n\x15heal_source_addresses\x18\r \x03(\t\x12\x15\n\rdata_position\x18\x0e \x01(\x03\x12\x17\n\x0fmajority_digest\x18\x0f \x01(\t\"p\n\rFailureReport\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0breporter_id\x18\x05 \x01(\t\"\xf8\x01\n\x0e\x46\x61ilureVerdict\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x12=\n\x07verdict\x18\x02 \x01(\x0e\x32,.ftjax.coordinator.v1.FailureVerdict.Verdict\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x85\x01\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x44ROPPED\x10\x01\x12\x10\n\x0c\x41LREADY_GONE\x10\x02\x12\t\n\x05\x41LIVE\x10\x03\x12\x15\n\x11STALE_INCARNATION\x10\x04\x12\x13\n\x0fUNKNOWN_REPLICA\x10\x05\x12\x0b\n\x07SUSPECT\x10\x06\x32\xa1\x02\n\x0b\x43oordinator\x12]\n\tHeartbeat\x12&.ftjax.coordinator.v1.HeartbeatRequest\x1a&.ftjax.coordinator.v1.HeartbeatSummary(\x01\x12W\n\x06Quorum\x12#.ftjax.coordinator.v1.QuorumRequest\x1a$.ftjax.coordinator.v1.QuorumResponse(\x01\x30\x01\x12Z\n\rReportFailure\x12#.ftjax.coordinator.v1.FailureReport\x1a$.ftjax.coordinator.v1.FailureVerdictb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#ftjax/coordinator/coordinator.proto\x12\x14\x66tjax.coordinator.v1\"\xf6\x01\n\x06Member\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x15\n\rdata_position\x18\x04 \x01(\x03\x12\x11\n\thas_state\x18\x05 \x01(\x08\x12\x11\n\tnum_hosts\x18\x06 \x01(\x05\x12\x16\n\x0e\x66tar_addresses\x18\x07 \x03(\t\x12\x19\n\x11\x63\x61tchup_addresses\x18\x08 \x03(\t\x12\x1c\n\x14topology_fingerprint\x18\t \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\n \x01(\x03\x12\x0e\n\x06\x64igest\x18\x0b \x01(\t\"<\n\x0fReplicaPosition\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x15\n\rdata_position\x18\x02 \x01(\x03\"\x92\x01\n\x10HeartbeatRequest\x12,\n\x06member\x18\x01 \x01(\x0b\x32\x1c.ftjax.coordinator.v1.Member\x12>\n\x0fknown_positions\x18\x02 \x03(\x0b\x32%.ftjax.coordinator.v1.ReplicaPosition\x12\x10\n\x08topology\x18\x03 \x01(\t\"&\n\x10HeartbeatSummary\x12\x12\n\nheartbeats\x18\x01 \x01(\x03\"\x9c\x01\n\rQuorumRequest\x12,\n\x06member\x18\x01 \x01(\x0b\x32\x1c.ftjax.coordinator.v1.Member\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x03\x12\x17\n\x0fknown_quorum_id\x18\x03 \x01(\x03\x12\x30\n\x06report\x18\x04 \x01(\x0b\x32 .ftjax.coordinator.v1.StepReport\"\x9d\x01\n\nStepReport\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\x13\n\x0b\x63ontributed\x18\x03 \x01(\x08\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x05 \x01(\x01\x12\x0e\n\x06tokens\x18\x06 \x01(\x03\x12\x14\n\x0ctarget_steps\x18\x07 \x01(\x03\x12\x10\n\x08replicas\x18\x08 \x01(\x05\"k\n\rMemberAddress\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x16\n\x0e\x66tar_addresses\x18\x03 \x03(\t\x12\x19\n\x11\x63\x61tchup_addresses\x18\x04 \x03(\t\"\x84\x03\n\x0eQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x10\n\x08no_state\x18\x03 \x01(\x08\x12\x18\n\x10num_contributors\x18\x04 \x01(\x05\x12\x18\n\x10num_participants\x18\x05 \x01(\x05\x12\x34\n\x07members\x18\x06 \x03(\x0b\x32#.ftjax.coordinator.v1.MemberAddress\x12\r\n\x05steps\x18\x07 \x03(\x03\x12\x16\n\x0e\x64\x61ta_positions\x18\x08 \x03(\x03\x12\x14\n\x0cheal_sources\x18\t \x03(\x05\x12\x0c\n\x04rank\x18\n \x01(\x05\x12\x0f\n\x07healing\x18\x0b \x01(\x08\x12\x13\n\x0bheal_source\x18\x0c \x01(\t\x12\x1d\n\x15heal_source_addresses\x18\r \x03(\t\x12\x15\n\rdata_position\x18\x0e \x01(\x03\x12\x17\n\x0fmajority_digest\x18\x0f \x01(\t\x12\x15\n\rfinished_step\x18\x10 \x01(\x03\"p\n\rFailureReport\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x13\n\x0breporter_id\x18\x05 \x01(\t\"\xf8\x01\n\x0e\x46\x61ilureVerdict\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\x12=\n\x07verdict\x18\x02 \x01(\x0e\x32,.ftjax.coordinator.v1.FailureVerdict.Verdict\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\x85\x01\n\x07Verdict\x12\x17\n\x13VERDICT_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x44ROPPED\x10\x01\x12\x10\n\x0c\x41LREADY_GONE\x10\x02\x12\t\n\x05\x41LIVE\x10\x03\x12\x15\n\x11STALE_INCARNATION\x10\x04\x12\x13\n\x0fUNKNOWN_REPLICA\x10\x05\x12\x0b\n\x07SUSPECT\x10\x06\x32\xa1\x02\n\x0b\x43oordinator\x12]\n\tHeartbeat\x12&.ftjax.coordinator.v1.HeartbeatRequest\x1a&.ftjax.coordinator.v1.HeartbeatSummary(\x01\x12W\n\x06Quorum\x12#.ftjax.coordinator.v1.QuorumRequest\x1a$.ftjax.coordinator.v1.QuorumResponse(\x01\x30\x01\x12Z\n\rReportFailure\x12#.ftjax.coordinator.v1.FailureReport\x1a$.ftjax.coordinator.v1.FailureVerdictb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICAPOSITION']._serialized_start=310
   _globals['_REPLICAPOSITION']._serialized_end=370
   _globals['_HEARTBEATREQUEST']._serialized_start=373
-  _globals['_HEARTBEATREQUEST']._serialized_end=501
-  _globals['_HEARTBEATSUMMARY']._serialized_start=503
-  _globals['_HEARTBEATSUMMARY']._serialized_end=541
-  _globals['_QUORUMREQUEST']._serialized_start=544
-  _globals['_QUORUMREQUEST']._serialized_end=700
-  _globals['_STEPREPORT']._serialized_start=703
-  _globals['_STEPREPORT']._serialized_end=860
-  _globals['_MEMBERADDRESS']._serialized_start=862
-  _globals['_MEMBERADDRESS']._serialized_end=969
-  _globals['_QUORUMRESPONSE']._serialized_start=972
-  _globals['_QUORUMRESPONSE']._serialized_end=1337
-  _globals['_FAILUREREPORT']._serialized_start=1339
-  _globals['_FAILUREREPORT']._serialized_end=1451
-  _globals['_FAILUREVERDICT']._serialized_start=1454
-  _globals['_FAILUREVERDICT']._serialized_end=1702
-  _globals['_FAILUREVERDICT_VERDICT']._serialized_start=1569
-  _globals['_FAILUREVERDICT_VERDICT']._serialized_end=1702
-  _globals['_COORDINATOR']._serialized_start=1705
-  _globals['_COORDINATOR']._serialized_end=1994
+  _globals['_HEARTBEATREQUEST']._serialized_end=519
+  _globals['_HEARTBEATSUMMARY']._serialized_start=521
+  _globals['_HEARTBEATSUMMARY']._serialized_end=559
+  _globals['_QUORUMREQUEST']._serialized_start=562
+  _globals['_QUORUMREQUEST']._serialized_end=718
+  _globals['_STEPREPORT']._serialized_start=721
+  _globals['_STEPREPORT']._serialized_end=878
+  _globals['_MEMBERADDRESS']._serialized_start=880
+  _globals['_MEMBERADDRESS']._serialized_end=987
+  _globals['_QUORUMRESPONSE']._serialized_start=990
+  _globals['_QUORUMRESPONSE']._serialized_end=1378
+  _globals['_FAILUREREPORT']._serialized_start=1380
+  _globals['_FAILUREREPORT']._serialized_end=1492
+  _globals['_FAILUREVERDICT']._serialized_start=1495
+  _globals['_FAILUREVERDICT']._serialized_end=1743
+  _globals['_FAILUREVERDICT_VERDICT']._serialized_start=1610
+  _globals['_FAILUREVERDICT_VERDICT']._serialized_end=1743
+  _globals['_COORDINATOR']._serialized_start=1746
+  _globals['_COORDINATOR']._serialized_end=2035
 # @@protoc_insertion_point(module_scope)

@@ -24,6 +24,10 @@ The rules (torchft's lighthouse rules, plus fast failure exclusion):
   split-brain guard could be trusted (this is what makes a coordinator restart safe);
 - the quorum id changes only when the participant set (replica id, incarnation) changes, a
   participant reports commit failures, or a failure report was accepted since the last quorum;
+- one history: no quorum forms whose participants with state are all behind the step the job has
+  committed (`committed_step`, the highest step a member with state reported): it would commit
+  those steps a second time, in another lineage. It waits for a member that holds the step (its
+  peers heal from it); a job that finished tells such late members so (coordinator/state.py);
 - a participant heals if it has no state or is behind the max step; the up-to-date participants
   are its sources, assigned round-robin in replica-id order;
 - a participant at the max step whose state digest of that step differs from the one the quorum
@@ -262,6 +266,7 @@ def compute_quorum(
     failure_epoch: int = 0,
     positions: Mapping[str, int] | None = None,
     not_before: float | None = None,
+    committed_step: int = 0,
 ) -> Decision:
     """Form a quorum of the pending requesters now, or say why not and until when to wait.
 
@@ -324,6 +329,10 @@ def compute_quorum(
         return Decision(None, _earliest(deadline, next_death),
                         f"{n} of {alive} alive members asked; waiting for the rest until the join timeout")
     quorum = _form(prev, requesters, settings, failure_epoch, positions or {}, reason)
+    if not quorum.no_state and quorum.step < committed_step:
+        return Decision(None, next_death, f"the job committed step {committed_step} but the requesters hold step "
+                        f"{quorum.step} at most: waiting for a member that holds it (training from step "
+                        f"{quorum.step} would commit steps {quorum.step + 1}-{committed_step} a second time)")
     return Decision(quorum, None, reason)
 
 

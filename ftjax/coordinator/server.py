@@ -36,6 +36,7 @@ from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator.codec import QuorumEncoding
 from ftjax.coordinator.progress import StepFigures
 from ftjax.coordinator.http import Metrics, StatusHTTPServer
+from ftjax.coordinator.layout import MAX_LAYOUT_BYTES
 from ftjax.coordinator.lifetime import JobEnd, watch
 from ftjax.coordinator.quorum import (
     MAX_HOSTS,
@@ -109,6 +110,13 @@ class _Failure:
 
 
 @dataclass
+class _Finished:
+    """A pending request answered `finished_step` instead of a quorum."""
+
+    step: int
+
+
+@dataclass
 class _Waiter:
     future: asyncio.Future
     incarnation: str
@@ -131,6 +139,7 @@ class _Service:
     # -- scheduling ---------------------------------------------------------------------------
 
     def _after_event(self, now: float) -> None:
+        self._answer_finished(now)  # (first: a finished job forms no quorum, not even one without state)
         if self.state.may_form(now):
             self._evaluate(now, sweep=False)
         self._arm(self.state.next_wake(now))
@@ -146,6 +155,7 @@ class _Service:
     def _on_timer(self) -> None:
         self._timer, self._timer_at = None, float("inf")
         now = time.monotonic()
+        self._answer_finished(now)
         self._evaluate(now)
         self._arm(self.state.next_wake(now))
 
@@ -167,6 +177,15 @@ class _Service:
             waiter.future.set_result((encoded, rank, waiter.known_quorum_id, now))
         self.metrics.observe_wait(now - first)
         self.loop.call_soon(self.state.settle_progress)  # after the answers' handlers (call_soon is FIFO)
+
+    def _answer_finished(self, now: float) -> None:
+        """Tell members behind a finished job that nobody can heal them to: the job is over."""
+        done = self.state.finished_step
+        for rid, incarnation in self.state.finished_requesters(now) if done is not None else ():
+            waiter = self._waiters.get(rid)
+            if waiter is not None and waiter.incarnation == incarnation and not waiter.future.done():
+                del self._waiters[rid]
+                waiter.future.set_result(_Finished(done))
 
     def _fail_waiter(self, replica_id: str, code: grpc.StatusCode, message: str, *, spare: str | None = None) -> None:
         """Answer the replica's pending request with an error (unless it is incarnation `spare`'s)."""
@@ -207,10 +226,13 @@ class _Service:
                     await self._reject(context, "INVALID_ARGUMENT", "member: the first heartbeat of a stream must carry it")
                 try:
                     report = self._decode(request.member)
+                    check_text("topology", request.topology, MAX_LAYOUT_BYTES)
+                    self.state.note_layout(report.topology_fingerprint, request.topology)
                     replaced = self.state.register(report, now, _known_positions(request.known_positions))
                 except (InvalidField, Rejected) as e:
                     await self._reject_request(context, e)
                 key = report.key
+                self.state.stream_opened(key)
                 if replaced:
                     self._fail_waiter(report.replica_id, grpc.StatusCode.ABORTED,
                                       f"replica {report.replica_id!r} restarted as incarnation {report.incarnation!r}",
@@ -219,6 +241,7 @@ class _Service:
         finally:
             if key is not None:
                 now = time.monotonic()
+                self.state.stream_closed(key)
                 self.state.disconnected(key[0], key[1], now)
                 self._arm(self.state.next_wake(now))
         return pb.HeartbeatSummary(heartbeats=count)
@@ -257,6 +280,9 @@ class _Service:
                 mine = None
                 if isinstance(result, _Failure):
                     await context.abort(result.code, result.message)
+                if isinstance(result, _Finished):
+                    yield pb.QuorumResponse(finished_step=result.step).SerializeToString()
+                    continue
                 encoded, rank, known_quorum_id, formed_at = result
                 answer = encoded.for_member(rank, known_quorum_id)
                 self.metrics.observe_answer(time.monotonic() - formed_at)

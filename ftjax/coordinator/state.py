@@ -31,12 +31,14 @@ from ftjax.coordinator.quorum import (
     is_alive,
     split_address,
 )
+from ftjax.coordinator.layout import layout_difference
 from ftjax.coordinator.progress import JobProgress, StepFigures
 from ftjax.net import is_loopback
 
 MAX_MEMBERS = 10_000  # alive members; beyond that registration gets RESOURCE_EXHAUSTED
 MAX_DEPARTED = 10_000  # dead members remembered for the status page and for late failure reports
 HISTORY = 50  # quorums and failures kept for the status page
+MAX_LAYOUTS = 16  # layout texts kept (by fingerprint) to name what differs when a member's fingerprint does
 NO_PROGRESS_S = 10.0  # the job's step unchanged this long while failed attempts keep forming quorums: say so
 
 
@@ -134,6 +136,13 @@ class CoordinatorState:
         self.failure_epoch = 0
         self.ledger = PositionLedger()
         self.job_step: int | None = None  # the highest step of a quorum formed (None: none yet)
+        # One history (docs/design.md): the highest step a member with state reported (the job
+        # committed that many steps), and the job's configured steps (from the step reports; 0:
+        # unknown). A quorum whose participants hold less than `committed_step` never forms.
+        self.committed_step = 0
+        self.target_steps = 0
+        self.layouts: dict[str, str] = {}  # fingerprint -> the layout text a member sent with it
+        self._streams: dict[tuple[str, str], int] = {}  # (replica_id, incarnation) -> open heartbeat streams
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self.failures: deque[dict] = deque(maxlen=HISTORY)
         self.counters: dict[str, int] = {
@@ -242,9 +251,18 @@ class CoordinatorState:
             raise Rejected(
                 "FAILED_PRECONDITION",
                 f"replica {report.replica_id!r} has topology fingerprint {report.topology_fingerprint!r} but "
-                f"the job's is {self.fingerprint!r}: its mesh or shard layout differs from the job's",
+                f"the job's is {self.fingerprint!r}: its model, mesh or shard layout differs from the job's"
+                + layout_difference(self.layouts.get(self.fingerprint), self.layouts.get(report.topology_fingerprint)),
             )
         m = self.members.get(report.replica_id)
+        if m is not None and m.report.incarnation != report.incarnation and self._holds_id(m, now):
+            raise Rejected(
+                "ALREADY_EXISTS",
+                f"replica id {report.replica_id!r} is held by a live process (incarnation {m.report.incarnation!r}: "
+                f"its heartbeat stream is open and it heartbeats); incarnation {report.incarnation!r} is refused. "
+                "Two processes may not run as one replica: give this one another replica id (a restarted replica "
+                "is admitted once its predecessor's heartbeat stream ends or it misses its heartbeat timeout)",
+            )
         if m is None:
             gone = self.departed.get(report.replica_id)
             m = gone[0] if gone is not None else None
@@ -257,6 +275,59 @@ class CoordinatorState:
                 "topology fingerprint; these are fixed for an incarnation (restart with a new incarnation)",
             )
         return m
+
+    def _holds_id(self, m: MemberState, now: float) -> bool:
+        """`m` (a member, not departed) is a live process: it heartbeats on an open stream. A process
+        that died closed its stream (the kernel ends its connections) or, silent, is past its timeout."""
+        return is_alive(m, now, self.settings) and self._streams.get(m.report.key, 0) > 0
+
+    def stream_opened(self, key: tuple[str, str]) -> None:
+        """A heartbeat stream of member `key` registered (the server calls `stream_closed` when it ends)."""
+        with self._lock:
+            self._streams[key] = self._streams.get(key, 0) + 1
+
+    def stream_closed(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            n = self._streams.pop(key, 0) - 1
+            if n > 0:
+                self._streams[key] = n
+
+    def note_layout(self, fingerprint: str, layout: str) -> None:
+        """Keep the layout text behind a fingerprint (a few, the first ones): a refusal names what differs."""
+        with self._lock:
+            if layout and fingerprint not in self.layouts and len(self.layouts) < MAX_LAYOUTS:
+                self.layouts[fingerprint] = layout
+
+    def _note_progress(self, report: MemberReport, figures: StepFigures | None = None) -> None:
+        if report.has_state and report.step > self.committed_step:
+            self.committed_step = report.step
+        if figures is not None and figures.target_steps > self.target_steps:
+            self.target_steps = figures.target_steps
+
+    @property
+    def finished_step(self) -> int | None:
+        """The job's last step once a member holds it (it trained every step), else None."""
+        done = self.target_steps and self.committed_step >= self.target_steps
+        return self.committed_step if done else None
+
+    def finished_requesters(self, now: float) -> list[tuple[str, str]]:
+        """Members asking for a quorum behind a finished job that nobody alive can heal them to:
+        their requests are withdrawn, and the server answers them `finished_step` (they exit instead of
+        training finished steps again). [] while the job runs, or while a member holding its last step
+        is alive (a draining replica: they heal from it)."""
+        with self._lock:
+            done = self.finished_step
+            if done is None or not self._pending:
+                return []
+            self._maybe_sweep(now)
+            if any(m.report.has_state and m.report.step >= done for m in self.members.values()):
+                return []
+            late = [(rid, m) for rid, m in self.members.items() if m.requested_at is not None]
+            for rid, m in late:
+                self._put(m._replace(requested_at=None))
+                self._record_failure(now, "finished", rid, m.report.incarnation, "",
+                                     f"asked at step {m.report.step}; the job finished at step {done}", "FINISHED")
+            return [(rid, m.report.incarnation) for rid, m in late]
 
     def _check_plausible(self, report: MemberReport, now: float, known: Mapping[str, int] | None = None) -> None:
         """Refuse progress that no member of this job can have made: every committed step trains at
@@ -316,6 +387,7 @@ class CoordinatorState:
                                          commit_failures=old.commit_failures, known_quorum_id=old.known_quorum_id,
                                          digest=old.digest)
             _, replaced = self._upsert(report, now, requesting=None)
+            self._note_progress(report)
             if known_positions:  # after every check: a refused registration changes nothing
                 self.ledger.merge(known_positions)
             self.counters["heartbeats"] += 1
@@ -343,6 +415,7 @@ class CoordinatorState:
             self._maybe_sweep(now)
             self._check_plausible(report, now)
             _, replaced = self._upsert(report, now, requesting=True)
+            self._note_progress(report, figures)
             if figures is not None:
                 self._jp().reported(report.replica_id, figures, now)
             self.ledger.observe(report.replica_id, report.step, report.data_position)
@@ -471,7 +544,8 @@ class CoordinatorState:
         """Why no quorum forms now (the pure function's reason; nothing changes)."""
         with self._lock:
             return compute_quorum(self.prev, self.members, now, self.settings, failure_epoch=self.failure_epoch,
-                                  positions=self.ledger.positions, not_before=self.not_before).reason
+                                  positions=self.ledger.positions, not_before=self.not_before,
+                                  committed_step=self.committed_step).reason
 
     def evaluate(self, now: float, *, sweep: bool = True) -> Decision:
         """Run the pure quorum function; if a quorum forms, clear its members' requests and record it.
@@ -483,11 +557,13 @@ class CoordinatorState:
                 self._maybe_sweep(now)
             decision = compute_quorum(
                 self.prev, self.members, now, self.settings, failure_epoch=self.failure_epoch,
-                positions=self.ledger.positions, not_before=self.not_before,
+                positions=self.ledger.positions, not_before=self.not_before, committed_step=self.committed_step,
             )
             q = decision.quorum
             if q is None:
                 return decision
+            if q.no_state:  # a whole-job restart from durable state: the history goes on from there
+                self.committed_step = 0
             first = now
             has_state = {}
             for p in q.participants:
@@ -616,8 +692,10 @@ class CoordinatorState:
                 "quorum": quorum,
                 "waiting_because": compute_quorum(
                     self.prev, self.members, now, self.settings, failure_epoch=self.failure_epoch,
-                    not_before=self.not_before).reason if self._pending else "no pending request",
+                    not_before=self.not_before, committed_step=self.committed_step).reason
+                if self._pending else "no pending request",
                 "progress": {"step": self.job_step, "since": self._progress_wall,
+                             "committed_step": self.committed_step, "finished_step": self.finished_step,
                              "seconds": round(now - self._progress_at, 3),
                              "quorums_since": self._quorums_since_progress,
                              "retries_since": self._retries_since_progress},

@@ -56,6 +56,13 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
 - **divergences**: every incident in which the coordinator found a replica's state digest of a
   step different from the one it kept (the majority's) and made it heal (`diverged` events).
   Replicas that end with different digests make `ftjax launch` exit 1 (`exit_code`).
+- **split_history**: the steps committed in two quorum lineages: by commits with different quorum
+  ids whose parameter digests at that step differ (a cut-off replica that trained on alone, two
+  processes with one replica id). One history commits a step once, in one quorum, whoever
+  commits it; a whole-job restart from a checkpoint commits its steps again with the same digests,
+  which is no split. A split history makes the launcher exit non-zero. A replica that ended behind
+  a finished job (`job_finished`: it was cut off, and nobody alive held the final state) is
+  `ended_behind`: its digest is not the job's and is left out of `digests_equal`.
 - **final_loss**: the mean training loss of every contribution in the last 5% of the steps (at
   least the last step), over all replicas: a single batch's loss is too noisy to compare runs.
 """
@@ -324,12 +331,16 @@ def divergences(run: Run) -> list[dict[str, Any]]:
 
 def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
     """The launcher's exit code given the supervisor's `code` (0: every replica finished), and why
-    it is not 0: replicas that finished with different digests hold different models, whatever
-    else went right."""
-    final = {rid: rec["param_digest"] for rid, rec in summary["replicas"].items() if rec["param_digest"]}
+    it is not 0: replicas that finished with different digests hold different models, and a step
+    committed in two lineages is two histories, whatever else went right. (A replica that ended
+    behind a finished job holds an older state by design: it is left out.)"""
+    final = {rid: rec["param_digest"] for rid, rec in summary["replicas"].items()
+             if rec["param_digest"] and not rec.get("ended_behind")}
     if len(set(final.values())) > 1:
         return code or 1, "the replicas ended with different states: " + ", ".join(
             f"replica {rid} {d}" for rid, d in sorted(final.items()))
+    if summary.get("split_history"):
+        return code or 1, f"a split history: steps {summary['split_history']['steps'][:10]} were committed twice"
     return code, ""
 
 
@@ -340,6 +351,30 @@ def _same_window(cut: dict, end: dict) -> bool:
     if "cut" in cut:
         return end.get("cut") == cut["cut"]
     return end[REPLICA] == cut[REPLICA] and end.get("host") == cut.get("host") and end[TIME] >= cut[TIME]
+
+
+def split_history(run: Run) -> dict[str, Any] | None:
+    """The steps committed in two lineages (see the module docstring), None if there are none:
+    {"steps": [...], "first": {"step": n, "commits": [{"quorum_id", "param_digest", "replicas"}]}}."""
+    by_step: dict[int, dict[tuple[int, str], list[int]]] = {}
+    for r in range(run.replicas):
+        for s in _steps(run.metrics[r]):
+            if s.get(F.COMMITTED) and s.get(F.PARAM_DIGEST) is not None:
+                key = (int(s.get("quorum_id") or 0), s[F.PARAM_DIGEST])
+                by_step.setdefault(int(s[F.STEP]), {}).setdefault(key, []).append(r)
+    split = sorted(n for n, commits in by_step.items()
+                   if len({q for q, _ in commits}) > 1 and len({d for _, d in commits}) > 1)
+    if not split:
+        return None
+    first = [{"quorum_id": q, "param_digest": d, "replicas": sorted(set(rs))}
+             for (q, d), rs in sorted(by_step[split[0]].items())]
+    return {"steps": split, "first": {"step": split[0], "commits": first}}
+
+
+def ended_behind(run: Run, r: int) -> bool:
+    """Replica r's last word was `job_finished`: it ended behind a job that finished without it."""
+    last = next((rec for rec in reversed(run.metrics[r]) if rec.get(EVENT) in (E.START, E.JOB_FINISHED)), None)
+    return last is not None and last[EVENT] == E.JOB_FINISHED
 
 
 def final_loss(run: Run) -> float | None:
@@ -383,6 +418,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
             "final_loss": final.get("final_loss"),
             "data_position": final_position(run, r),
             "finished": bool(final),
+            "ended_behind": ended_behind(run, r),
             "exactly_once": once,
             **({"exactly_once_error": why} if why else {}),
             "seconds_in_state": {k: round(v, 3) for k, v in in_state.items()},
@@ -393,7 +429,8 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
          "step": e.get("step"), **({"at": e["at"]} if e.get("at") else {}), "recovery_s": _recovery(run, e)}
         for e in run.events if e[EVENT] in (L.REPLICA_DOWN, L.COORDINATOR_DOWN)
     ]
-    digests = [rec["param_digest"] for rec in replicas.values()]
+    digests = [rec["param_digest"] for rec in replicas.values() if not rec["ended_behind"]]
+    split = split_history(run)
     ettr_value = ettr(run, segments, t_warm, t_end, median_s or 0.0) if t_warm is not None else None
     loss = final_loss(run)
     end_event = next((e for e in reversed(run.events) if e[EVENT] == L.END), None)
@@ -405,7 +442,8 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "devices_per_host": run.launch.get("devices"),
         "steps": run.steps,
         "replicas": replicas,
-        "ok": bool(end_event and end_event.get("ok")),
+        "ok": bool(end_event and end_event.get("ok")) and split is None,
+        "split_history": split,
         "wall_s": round((end_event or {TIME: run.end})[TIME] - run.start, 3),
         "warmup_s": round(t_warm - run.start, 3) if t_warm is not None else None,
         "committed_steps": max((rec["final_step"] for rec in replicas.values()), default=0),
@@ -420,7 +458,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "max_healthy_gap_s": round(max(gap for _, gap, _ in healthy), 4) if healthy else None,
         "final_loss": round(loss, 5) if loss is not None else None,
         "digests_equal": len(set(digests)) == 1 and None not in digests,
-        "digests_missing": [rid for rid, rec in replicas.items() if rec["param_digest"] is None],
+        "digests_missing": [rid for rid, rec in replicas.items() if rec["param_digest"] is None and not rec["ended_behind"]],
         "exactly_once": all(rec["exactly_once"] for rec in replicas.values()),
         "divergences": divergences(run),
         **({"constant_batch": constant} if constant is not None else {}),

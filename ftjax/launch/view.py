@@ -232,7 +232,7 @@ def make_view(console: Console | None = None) -> PlainView | LiveView:
 def digests_verdict(summary: dict) -> str:
     """'equal', 'DIFFER', or which replicas have no digest (they never trained, or never finished:
     two missing digests are no difference)."""
-    digests = {rid: rec.get("param_digest") for rid, rec in summary["replicas"].items()}
+    digests = {rid: rec.get("param_digest") for rid, rec in summary["replicas"].items() if not rec.get("ended_behind")}
     missing = [rid for rid, d in digests.items() if not d]
     present = {d for d in digests.values() if d}
     if missing:
@@ -250,7 +250,8 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
     table.add_column("param digest", no_wrap=True, min_width=16)
     for rid, rec in summary["replicas"].items():
         table.add_row(rid, str(rec["steps_committed"]), str(rec["restarts"]), f"{rec['catchup_s']:.2f}",
-                      "yes" if rec["exactly_once"] else "[red]NO[/]", rec["param_digest"] or "no digest")
+                      "yes" if rec["exactly_once"] else "[red]NO[/]", (rec["param_digest"] or "no digest")
+                      + (" (ended behind: the job finished without it)" if rec.get("ended_behind") else ""))
     console.print(table)
 
     def num(key: str, fmt: str) -> str:
@@ -264,5 +265,9 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
     equal = digests_verdict(summary)
     once = "[green]yes[/]" if summary["exactly_once"] else "[red]NO[/]"
     console.print(f"replica digests {equal}   every batch exactly once {once}")
+    if summary.get("split_history"):
+        split = summary["split_history"]
+        console.print(f"[red]split history[/]: {len(split['steps'])} steps committed in two quorum lineages with "
+                      f"different states (first: step {split['first']['step']}: {split['first']['commits']})")
     for name in ("summary.json", "loss.png", "timeline.png"):
         console.print(f"  {run_dir}/{name}", highlight=False)
