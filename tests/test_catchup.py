@@ -57,22 +57,20 @@ def _run_until_in_step(job, survivor, newcomer, after, commits=5, timeout=300.0)
 def _assert_in_step(job, survivor, newcomer, start_after):
     """From the newcomer's first committed step after `start_after`, digests equal the survivor's."""
     ds, dn = committed_digests(job.replica_dir(survivor)), committed_digests(job.replica_dir(newcomer))
-    mine = [s for s in sorted(dn) if s > start_after]
+    mine = [s for s in sorted(dn) if s > start_after and s in ds]  # (one may leave a step after the other)
     assert len(mine) >= 5, dn
     assert all(dn[s] == ds[s] for s in mine), [(s, dn[s], ds.get(s)) for s in mine if dn[s] != ds.get(s)]
 
 
 @pytest.mark.slow
 def test_restarted_replica_catches_up_without_stalling_the_other(tmp_path, procs):
-    steps = 120
-    job = LocalJob(TINY, [*BASE, f"steps={steps}"], tmp_path, replicas=2, procs=procs)
+    job = LocalJob(TINY, [*BASE, f"steps={UNBOUNDED}"], tmp_path, replicas=2, procs=procs)
     job.start_coordinator()
     job.start_replica(0)
     job.start_replica(1, die_at="10:forward")
+    t0 = time.time()
     _restart_when_dead(job, 1)
-    assert job.wait(timeout=400) == {0: [0], 1: [0]}, job.log_tail(1)
-
-    done = _wait_for_event(job, 1, "catchup_done", timeout=1)
+    done = _run_until_in_step(job, 0, 1, after=t0)
     _assert_in_step(job, 0, 1, start_after=9)
     # replica 0 never waited: its largest step gap while replica 1 rejoined and caught up
     steps0 = [s for s in records(job.replica_dir(0))[0] if s["committed"]]
@@ -131,10 +129,7 @@ def test_catchup_longer_than_the_ram_buffer_spills_to_disk_and_completes(tmp_pat
 
 @pytest.mark.slow
 def test_source_killed_mid_transfer_newcomer_uses_another(tmp_path, procs):
-    # steps: the survivor trains alone while both transfers run; it has reached anywhere from
-    # step ~90 to ~150 when the newcomer joins, and the newcomer must still commit steps after that
-    job = LocalJob(TINY, [*BASE, "steps=300", "ft.catchup_rate_limit_mbps=0.3",
-                               "ft.drain_timeout_s=2"], tmp_path, replicas=3,
+    job = LocalJob(TINY, [*BASE, f"steps={UNBOUNDED}", "ft.catchup_rate_limit_mbps=0.3"], tmp_path, replicas=3,
                    procs=procs)
     job.start_coordinator()
     for r in (0, 1):
@@ -147,7 +142,7 @@ def test_source_killed_mid_transfer_newcomer_uses_another(tmp_path, procs):
     time.sleep(1.0)  # mid-transfer (it takes ~5 s at this rate)
     job.kill_replica(source)
     other = 1 - source
-    assert job.wait([other, 2], timeout=400) == {other: [0], 2: [0]}, job.log_tail(2)
+    _run_until_in_step(job, other, 2, after=t0)
     dones = [e for e in records(job.replica_dir(2))[1] if e["event"] == "catchup_done" and e["time"] > t0]
     assert dones and dones[-1]["source"] == str(other), dones
     _assert_in_step(job, other, 2, start_after=5)
