@@ -166,7 +166,7 @@ def job_losses(metric_files, streams: int, rows: int) -> dict[int, float]:
     pieces: dict[int, dict[tuple, float]] = {}
     for f in metric_files:
         for rec in _committed(read_jsonl(f)):
-            for s, a, b, loss_sum in rec["loss_sums"]:
+            for s, a, b, loss_sum in rec["loss_sums"] or ():  # (None: it applied a step it healed into)
                 pieces.setdefault(rec["step"], {})[(s, a, b)] = loss_sum
     out = {}
     for step, got in pieces.items():

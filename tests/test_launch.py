@@ -107,18 +107,20 @@ def test_a_reduced_degree_replica_updates_with_the_full_replicas_bits(launch):
                  "optim.clip_norm=0.01", "steps=100000")
     reduced = run.wait_for(lambda e: e["event"] == "replica_started" and e.get("reduced"), timeout=400)
 
-    def reduced_steps():
-        return [m["step"] for m in run.metrics(1) if m.get("committed") and m["time"] > reduced["time"]]
+    def digests():
+        return [{m["step"]: m["param_digest"] for m in run.metrics(r) if m.get("committed") and "param_digest" in m
+                 and m["time"] > reduced["time"]} for r in (0, 1)]
+
+    def both():  # the steps of the reduced replica that the full one committed too
+        d = digests()
+        return [n for n in d[1] if n in d[0]]
 
     deadline = time.monotonic() + 300
-    while len(reduced_steps()) < 10:
+    while len(both()) < 10:
         assert time.monotonic() < deadline, run.output()
         time.sleep(0.2)
     run.proc.send_signal(signal.SIGINT)
     assert run.wait(timeout=60) == 130
-    digests = [{m["step"]: m["param_digest"] for m in run.metrics(r) if m.get("committed") and "param_digest" in m}
-               for r in (0, 1)]
-    both = [n for n in reduced_steps() if n in digests[0] and n in digests[1]]
-    assert len(both) >= 10, both
-    assert [n for n in both if digests[0][n] != digests[1][n]] == []
+    d = digests()
+    assert len(both()) >= 10 and [n for n in both() if d[0][n] != d[1][n]] == []
     assert run.summary()["divergences"] == []
