@@ -94,8 +94,9 @@ def test_sigstop_mid_allreduce_fails_survivors_after_the_timeout(procs, shared_m
         assert not r["ok"] and r["error"] == "PeerTimeout" and r["peer"] == victim.address, (victim.address, r)
         waited = r["t"] - stopped_at
         # no progress for `timeout` after the stop (less the one chunk that may have been waited for
-        # just before it), then at most the notice grace (0.5 s) and scheduling slack
-        assert timeout - 0.2 <= waited <= timeout + 2.5, f"raised {waited:.3f} s after SIGSTOP"
+        # just before it), then at most the notice grace (0.5 s) and scheduling slack: on 2 cores
+        # hogged by other work, 3 members moving 64 MiB measured up to 2.55 s of it
+        assert timeout - 0.2 <= waited <= timeout + 5.0, f"raised {waited:.3f} s after SIGSTOP"
     check_next_quorum(survivors, quorum_id=2, shared_memory=shared_memory)
 
 
