@@ -306,15 +306,16 @@ def compute_quorum(
     # step right now: forming a quorum without it would let two groups commit the same step
     # number with different updates (and lose its batch). So it is waited for, join timeout or
     # not, until it asks or dies (heartbeat timeout, or a confirmed failure report).
-    straggler_death = None
+    straggler_death, stragglers = None, []
     for p in prev.participants if prev is not None else ():
         m = members.get(p.replica_id)
         if (m is not None and m.report.incarnation == p.incarnation and m.requested_at is None
                 and is_alive(m, now, settings)):
             straggler_death = _earliest(straggler_death, death_time(m, settings))
-    if straggler_death is not None:
+            stragglers.append(f"{p.replica_id} (incarnation {p.incarnation}, heard {now - m.last_seen:.1f} s ago)")
+    if straggler_death is not None:  # (named: a wait that lasts says whom it waits for)
         return Decision(None, _earliest(straggler_death, next_death),
-                        "waiting for a live member of the previous quorum to ask")
+                        f"waiting for a live member of the previous quorum to ask: {', '.join(stragglers)}")
     if prev is not None and all(
         (r := requesters.get(p.replica_id)) is not None and r.report.incarnation == p.incarnation
         for p in prev.participants
