@@ -94,14 +94,20 @@ def test_a_stopped_host_takes_its_replica_out_within_the_progress_deadline(tmp_p
     job.start_coordinator()
     for r in (0, 1):
         job.start_replica(r)
-    _wait_for_step(job, 1, 15)
+    _stop_host_1_of_replica_1_then_restart_it(job, at_step=15)
+    assert job.wait(timeout=400) == {0: [0, 0], 1: [0, 0]}, job.log_tail(1)
+
+    _assert_stall_within_the_deadline_and_equal(job, deadline_s)
+
+
+def _stop_host_1_of_replica_1_then_restart_it(job, at_step: int) -> None:
+    """SIGSTOP host 1 of replica 1 once it trained `at_step`: its leader's watchdog must take the
+    replica out of the job (exit 75); then restart it, as the launcher does."""
+    _wait_for_step(job, 1, at_step)
     job.hosts[1][1].send_signal(signal.SIGSTOP)
     assert job.hosts[1][0].wait(120) == 75, job.log_tail(1)  # the leader left the job by itself
     job.kill_replica(1)  # (the launcher kills a replica whose host exited, and restarts it)
     job.start_replica(1)
-    assert job.wait(timeout=400) == {0: [0, 0], 1: [0, 0]}, job.log_tail(1)
-
-    _assert_stall_within_the_deadline_and_equal(job, deadline_s)
 
 
 HANG_BOUND_S = 15.0  # issue 26: with default settings a hang or partial partition costs the healthy at most this
@@ -116,11 +122,7 @@ def test_with_default_settings_a_stopped_host_stalls_the_healthy_replicas_at_mos
     job.start_coordinator()
     for r in range(3):
         job.start_replica(r)
-    _wait_for_step(job, 1, 10)
-    job.hosts[1][1].send_signal(signal.SIGSTOP)
-    assert job.hosts[1][0].wait(120) == 75, job.log_tail(1)  # the leader left the job by itself
-    job.kill_replica(1)  # (the launcher kills a replica whose host exited, and restarts it)
-    job.start_replica(1)
+    _stop_host_1_of_replica_1_then_restart_it(job, at_step=10)
     assert job.wait(timeout=400) == {r: [0, 0] for r in range(3)}, job.log_tail(1)
     _assert_healthy_within(job, (0, 2), HANG_BOUND_S)
 
