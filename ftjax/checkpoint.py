@@ -100,7 +100,14 @@ class _SealingManager(ocp.CheckpointManager):
             seal(step_dir)
 
 
-def job_identity(cfg, data_fingerprint: str) -> dict[str, Any]:
+def params_structure(params: Any) -> str:
+    """A short hash of a parameter tree's paths, shapes and dtypes (not its sharding: a checkpoint may
+    be restored onto another mesh)."""
+    rows = [f"{jax.tree_util.keystr(p)}:{tuple(x.shape)}:{x.dtype}" for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+
+
+def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, Any]:
     """What makes a checkpoint this job's: every setting that changes the numbers of the run, as a
     flat {"section.field": value} record (JSON scalars, so that it survives the meta's round trip).
 
@@ -110,6 +117,8 @@ def job_identity(cfg, data_fingerprint: str) -> dict[str, Any]:
     split); the whole `model` section (the architecture; a shape change would otherwise surface as an
     orbax shape error); the whole `optim` section (learning rate and its schedule, AdamW, clipping)
     and `ft.lr_scaling`. Whole sections, so that a field added to them later is checked by default.
+    The task: its import path and arguments (`task`, `task_args`), and the structure of its parameter
+    tree (`params` given: paths, shapes, dtypes).
 
     Out, because the same job may change them between restarts: `steps` (a run may be extended; with
     no `optim.decay_steps` the cosine decay then stretches from the resume on, which is what extending
@@ -123,7 +132,11 @@ def job_identity(cfg, data_fingerprint: str) -> dict[str, Any]:
         "data.batch_size": cfg.data.batch_size,
         "ft.replicas": cfg.ft.replicas,
         "ft.lr_scaling": cfg.ft.lr_scaling,
+        "task": cfg.task or "ftjax.tasks:language_model",
+        "task_args": json.dumps(cfg.task_args, sort_keys=True, default=str),
     }
+    if params is not None:
+        identity["params.structure"] = params_structure(params)
     for section in ("model", "optim"):
         identity.update({f"{section}.{k}": v for k, v in getattr(cfg, section).model_dump().items()})
     return identity
@@ -144,12 +157,12 @@ class DurableCheckpoints:
         self.manager = _SealingManager(Path(directory).absolute(), options=options)
 
     @classmethod
-    def from_config(cls, cfg, run_dir: str | Path, *, data_fingerprint: str) -> "DurableCheckpoints":
+    def from_config(cls, cfg, run_dir: str | Path, *, data_fingerprint: str, params: Any = None) -> "DurableCheckpoints":
         """The checkpoints a run's config asks for (`checkpoint:` section; default dir RUN/checkpoints),
         holding and accepting only this job's (`data_fingerprint`: the data stream's)."""
         c = cfg.checkpoint
         return cls(c.dir or Path(run_dir) / "checkpoints", every=c.every, keep=c.keep, async_save=c.async_save,
-                   identity=job_identity(cfg, data_fingerprint))
+                   identity=job_identity(cfg, data_fingerprint, params))
 
     def maybe_save(self, step: int, state: dict, meta: dict[str, Any], *, force: bool = False) -> bool:
         """Save at multiples of `every` (or when forced). Returns whether a save started."""

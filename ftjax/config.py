@@ -210,6 +210,22 @@ class Config(_Strict):
     coordinator: CoordinatorConfig = CoordinatorConfig()
     ft: FTConfig = FTConfig()
     net: NetConfig = NetConfig()
+    task: str | None = Field(None, description="what to train: 'package.module:factory', called as factory(cfg, "
+                             "**task_args) and returning an ftjax.Task (default: the built-in language model "
+                             "of the model: and data: sections, ftjax.tasks:language_model)")
+    task_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the task's factory")
+    task_path: list[str] = Field(default_factory=list, description="directories searched first for the task's "
+                                 "module (relative ones: to the config file's directory)")
+
+    @field_validator("task")
+    @classmethod
+    def _task_path_form(cls, v: str | None) -> str | None:
+        if v is not None:
+            module, sep, attr = v.partition(":")
+            if not (module and sep and attr and all(p.isidentifier() for p in module.split("."))
+                    and attr.isidentifier()):
+                raise ValueError(f"expected 'package.module:factory', got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _mesh_fits(self) -> "Config":
@@ -220,7 +236,7 @@ class Config(_Strict):
                 f"{n} devices (mesh.hosts={self.mesh.hosts} x mesh.devices_per_host={self.mesh.devices_per_host})"
             )
         # FSDP shards every parameter along its `embed` (d_model) dimension over all devices.
-        if self.model.d_model % n:
+        if self.task is None and self.model.d_model % n:
             raise ValueError(
                 f"mesh: model.d_model ({self.model.d_model}) must be divisible by the replica's {n} devices "
                 "(FSDP shards the embedding dimension)"
@@ -379,4 +395,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: config must be a mapping of sections")
-    return load_config_dict(apply_overrides(data, overrides or []))
+    data = apply_overrides(data, overrides or [])
+    if isinstance(data.get("task_path"), list):  # relative to the config's directory, wherever we run
+        data["task_path"] = [str((path.parent / str(d)).resolve()) for d in data["task_path"]]
+    return load_config_dict(data)

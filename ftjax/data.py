@@ -58,11 +58,11 @@ def stdlib_corpus() -> Corpus:
     return Corpus(np.frombuffer(b"".join(chunks), dtype=np.uint8), digest.hexdigest()[:16], len(files))
 
 
-class _Windows:
-    """Random-access source of non-overlapping (seq_len + 1)-byte windows of a corpus."""
+class Windows:
+    """Random-access source of non-overlapping (seq_len + 1)-token windows of a corpus."""
 
-    def __init__(self, tokens: np.ndarray, window: int):
-        self.tokens, self.window = tokens, window
+    def __init__(self, tokens: np.ndarray, window: int, fingerprint: str = ""):
+        self.tokens, self.window, self.fingerprint = tokens, window, fingerprint
         self.n = len(tokens) // window
 
     def __len__(self) -> int:
@@ -73,11 +73,12 @@ class _Windows:
         return self.tokens[i * self.window:(i + 1) * self.window].astype(np.int32)
 
 
-class _Synthetic:
+class Synthetic:
     """Random tokens, a pure function of (seed, index): for exactness tests."""
 
     def __init__(self, seed: int, window: int, vocab: int, n: int = 1 << 20):
         self.seed, self.window, self.vocab, self.n = seed, window, vocab, n
+        self.fingerprint = f"synthetic-{seed}"
 
     def __len__(self) -> int:
         return self.n
@@ -87,41 +88,46 @@ class _Synthetic:
         return rng.integers(0, self.vocab, self.window, dtype=np.int32)
 
 
-class TokenStream:
-    """Replica `replica` of `replicas`: batch k is global batch `k * replicas + replica`.
+def token_source(source: str, seed: int, seq_len: int, vocab_size: int):
+    """The built-in sources (`data.source`): the stdlib corpus's windows, or synthetic tokens."""
+    window = seq_len + 1
+    if source == "stdlib":
+        corpus = stdlib_corpus()
+        return Windows(corpus.tokens, window, corpus.fingerprint)
+    if source == "synthetic":
+        return Synthetic(seed, window, vocab_size)
+    raise ValueError(f"data.source: unknown source {source!r}")
 
-    Each batch is an int32 array (batch_size, seq_len + 1): inputs are [:, :-1], targets [:, 1:].
+
+class BatchStream:
+    """Replica `replica` of `replicas` of a task's random-access source: batch k is global batch
+    `k * replicas + replica` of the shuffled, repeated source, batched.
+
+    A batch is the task's examples stacked (an array, or a pytree of arrays, leading axis the rows).
     """
 
-    def __init__(self, *, source: str, seed: int, seq_len: int, batch_size: int, vocab_size: int,
-                 replica: int = 0, replicas: int = 1):
+    def __init__(self, items, *, seed: int, batch_size: int, replica: int = 0, replicas: int = 1,
+                 fingerprint: str = ""):
         if not 0 <= replica < replicas:
             raise ValueError(f"replica index {replica} out of range for {replicas} replicas")
-        window = seq_len + 1
-        if source == "stdlib":
-            corpus = stdlib_corpus()
-            items = _Windows(corpus.tokens, window)
-            self.fingerprint, self.num_files = corpus.fingerprint, corpus.num_files
-        elif source == "synthetic":
-            items = _Synthetic(seed, window, vocab_size)
-            self.fingerprint, self.num_files = f"synthetic-{seed}", 0
-        else:
-            raise ValueError(f"data.source: unknown source {source!r}")
         self.replica, self.replicas = replica, replicas
+        self.fingerprint = fingerprint or str(getattr(items, "fingerprint", ""))
         self._batches = grain.MapDataset.source(items).shuffle(seed=seed).repeat().batch(batch_size)
 
     def batch_id(self, position: int) -> int:
         """Global id of this replica's batch at stream position `position` (its k-th batch)."""
         return position * self.replicas + self.replica
 
-    def batch(self, position: int) -> np.ndarray:
+    def batch(self, position: int):
         if position < 0:
             raise ValueError(f"negative stream position {position}")
-        return np.asarray(self._batches[self.batch_id(position)])
+        return self._batches[self.batch_id(position)]
 
 
-def make_stream(cfg, replica: int = 0) -> TokenStream:
-    """The stream of replica `replica` for a Config."""
-    return TokenStream(source=cfg.data.source, seed=cfg.seed, seq_len=cfg.model.seq_len,
-                       batch_size=cfg.data.batch_size, vocab_size=cfg.model.vocab_size,
-                       replica=replica, replicas=cfg.ft.replicas)
+def make_stream(cfg, replica: int = 0, task=None) -> BatchStream:
+    """The stream of replica `replica` for a Config, over its task's source (`task`: the loaded one)."""
+    from ftjax.tasks import task_of
+
+    task = task if task is not None else task_of(cfg)
+    return BatchStream(task.source, seed=cfg.seed, batch_size=cfg.data.batch_size, replica=replica,
+                       replicas=cfg.ft.replicas, fingerprint=task.data_fingerprint())

@@ -38,9 +38,10 @@ from ftjax.trainer import Trainer
 from ftjax.watchdog import NoWatchdog, ProgressWatchdog
 
 
-def _checkpoints(cfg: Config, args: argparse.Namespace, out: Path, stream) -> DurableCheckpoints | None:
+def _checkpoints(cfg: Config, args: argparse.Namespace, out: Path, stream, program) -> DurableCheckpoints | None:
     if cfg.checkpoint.every > 0 or getattr(args, "resume", False) or getattr(args, "stop_after", None):
-        return DurableCheckpoints.from_config(cfg, out, data_fingerprint=stream.fingerprint)
+        return DurableCheckpoints.from_config(cfg, out, data_fingerprint=stream.fingerprint,
+                                              params=program.abstract_state()["params"])
     return None
 
 
@@ -70,7 +71,7 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
     program.precompile()  # before joining: a late compile would stall every peer's FTAR
     group.meet("compiled")  # the first collective follows (warm_up): every host is ready for it
     program.warm_up()
-    stream = make_stream(cfg, replica=args.replica_id)
+    stream = make_stream(cfg, replica=args.replica_id, task=program.task)
     log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}",
                      log_every=getattr(args, "log_every", None))
     # one FTAR endpoint per gradient lane this host serves: one, or several on a reduced replica's host
@@ -97,10 +98,10 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
     buffer = ReplayBuffer(out / f"replay-host{group.rank}", int(cfg.ft.catchup_buffer_mib * 2**20))
     protocol = StepProtocol(replica_id=str(args.replica_id), incarnation=incarnation, group=group,
                             reducer=FTARReducer(endpoints, LaneFlattener(
-                                program.abstract_state()["params"], program.grad_shardings, lanes=cfg.mesh.hosts,
+                                program.abstract_update(), program.grad_shardings, lanes=cfg.mesh.hosts,
                                 devices_per_host=cfg.mesh.devices_per_host, served=served), divisor=_divisor(cfg)),
                             transport=transport, quorums=client, buffer=buffer, log=log)
-    trainer = Trainer(cfg, program, stream, protocol, log=log, ckpt=_checkpoints(cfg, args, out, stream),
+    trainer = Trainer(cfg, program, stream, protocol, log=log, ckpt=_checkpoints(cfg, args, out, stream, program),
                       faults=_faults(args), watchdog=NoWatchdog(), replica_id=str(args.replica_id),
                       restore_durable=True)
     trainer.watchdog = protocol.watchdog = ProgressWatchdog(cfg.ft.progress_timeout_s, trainer.no_progress)
@@ -113,7 +114,7 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
 def _standalone(cfg: Config, args: argparse.Namespace, out: Path) -> Trainer:
     group = ReplicaComm()
     program = build_program(cfg)
-    stream = make_stream(cfg, replica=args.replica_id)
+    stream = make_stream(cfg, replica=args.replica_id, task=program.task)
     log = MetricsLog(out, enabled=group.rank == 0, total_steps=cfg.steps, label=f"replica {args.replica_id}",
                      log_every=getattr(args, "log_every", None))
     rid = str(args.replica_id)
@@ -121,7 +122,7 @@ def _standalone(cfg: Config, args: argparse.Namespace, out: Path) -> Trainer:
                             reducer=LocalReducer(_divisor(cfg)),
                             transport=None, quorums=LocalQuorum(rid) if group.rank == 0 else None,
                             buffer=ReplayBuffer(out / "replay-unused", 0), log=log)
-    return Trainer(cfg, program, stream, protocol, log=log, ckpt=_checkpoints(cfg, args, out, stream),
+    return Trainer(cfg, program, stream, protocol, log=log, ckpt=_checkpoints(cfg, args, out, stream, program),
                    faults=_faults(args), watchdog=NoWatchdog(), replica_id=rid, restore_durable=args.resume,
                    stop_after=args.stop_after)
 

@@ -77,7 +77,7 @@ def follow_params(tree_shape: Any, params_sharding: Any, mesh: Mesh) -> Any:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(tuple(mesh.axis_names), None))
+    return NamedSharding(mesh, P(tuple(mesh.axis_names)))  # rows split; any trailing axes whole
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -28,7 +28,8 @@ from ftjax.events import EXIT_LEFT, EXIT_NO_PROGRESS, ReplicaEvent as E
 from ftjax.config import Config
 from ftjax.digest import state_digest
 from ftjax.protocol import StepProtocol
-from ftjax.step import device_batch, param_count, topology_fingerprint
+from ftjax.step import device_batch, param_count, topology_fingerprint, where
+from ftjax.task import concat_rows, slice_rows
 
 
 class _Left(Exception):
@@ -59,6 +60,7 @@ class Computed:
     work: tuple[Piece, ...]    # the rows computed: (stream, first row, end row)
     loss_sums: list | None = None  # constant batch: [stream, first row, end row, sum of row losses] per piece
     own: "Computed | None" = None  # constant batch: the own batch's `grads`, which this share adds to
+    aux: dict | None = None        # the task's auxiliary metrics, means over the own batch
 
 
 @dataclass
@@ -201,20 +203,21 @@ class Trainer:
         self.faults.point(self.step + 1, "forward")
         if work == self.own_work:
             batch = device_batch(self.program, self.stream.batch(self.position))
-            loss, grads = self.program.grads(self.state["params"], batch)
+            loss, aux, grads = self.program.grads_of(self.state, batch, where(self.position, self.own, 0))
             jax.block_until_ready(grads)
-            return Computed(loss, grads, self.position, work)
+            return Computed(loss, grads, self.position, work, aux=aux)
         rest = tuple(p for p in work if p != self.own_work[0])
         own = None
         if len(rest) < len(work):  # the whole own batch, through `grads` (once per step)
             own = done.own if done is not None and done.own is not None else done
             if own is None or (own.position, own.work) != (self.position, self.own_work):
                 own = self._compute(self.own_work)
-        rows = np.concatenate([self._stream(s).batch(self.position)[a:b] for s, a, b in rest])
+        rows = concat_rows([slice_rows(self._stream(s).batch(self.position), a, b) for s, a, b in rest])
+        origin = [(s, r) for s, a, b in rest for r in range(a, b)]  # each row's (stream, row): its RNG key
         grads, per_row, start = self.program.zeros(), [], 0
-        for n in chunk_sizes(len(rows), self.program.chunk_rows):
-            chunk = device_batch(self.program, rows[start:start + n])
-            grads, losses = self.program.accumulate_rows(grads, self.state["params"], chunk)
+        for n in chunk_sizes(len(origin), self.program.chunk_rows):
+            chunk = device_batch(self.program, slice_rows(rows, start, start + n))
+            grads, losses = self.program.accumulate_rows(grads, self.state, chunk, where(self.position, *origin[start]))
             per_row.append(losses)
             start += n
         sums = []
@@ -225,11 +228,12 @@ class Trainer:
         per_row = np.concatenate([np.asarray(x) for x in per_row])
         ends = np.cumsum([b - a for _, a, b in rest])
         sums += [[s, a, b, float(per_row[end - (b - a):end].sum())] for (s, a, b), end in zip(rest, ends)]
-        return Computed(sum(x[3] for x in sums) / row_count(work), grads, self.position, work, sums, own)
+        return Computed(sum(x[3] for x in sums) / row_count(work), grads, self.position, work, sums, own,
+                        aux=own.aux if own is not None else None)
 
     def _stream(self, s: int):
         if s not in self._streams:
-            self._streams[s] = make_stream(self.cfg, replica=s)
+            self._streams[s] = make_stream(self.cfg, replica=s, task=self.program.task)
         return self._streams[s]
 
     def _follow(self, q: QuorumResult, install: FetchResult | None) -> None:
@@ -287,7 +291,8 @@ class Trainer:
         rows = row_count(computed.work) if computed is not None else 0
         record = {
             "step": q.step + 1, "committed": applied, "healing": computed is None,
-            "loss": float(computed.loss) if computed is not None else None, "tokens": rows * self.cfg.model.seq_len,
+            "loss": float(computed.loss) if computed is not None else None,
+            "tokens": rows * self.program.task.tokens_per_example,
             "batch_id": batch_id, "data_position": self.position, "quorum_id": q.quorum_id,
             "participants": len(q.participants), "contributors": q.num_contributors, "lr_scale": scale,
             "step_time_s": t5 - timing.t0, "compute_s": timing.compute - timing.t0 + timing.shared,
@@ -298,6 +303,8 @@ class Trainer:
             record["work"] = self.step_work
             record["loss_sums"] = (computed.loss_sums or [[*computed.work[0], float(computed.loss) * rows]]
                                    if computed is not None else None)
+        if computed is not None and computed.aux:
+            record["aux"] = {k: float(v) for k, v in computed.aux.items()}
         if digest:
             record["param_digest"] = digest
         self.log.log(record)

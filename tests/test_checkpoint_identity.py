@@ -28,8 +28,10 @@ def train(out, *argv):
 def open_checkpoints(run_dir, *overrides):
     """(config, program, RUN/checkpoints as the tiny config with `overrides` opens them)."""
     cfg = parse_config(build_parser().parse_intermixed_args([TINY, *overrides]))
-    ck = checkpoint.DurableCheckpoints.from_config(cfg, run_dir, data_fingerprint=make_stream(cfg).fingerprint)
-    return cfg, build_program(cfg), ck
+    program = build_program(cfg)
+    ck = checkpoint.DurableCheckpoints.from_config(cfg, run_dir, data_fingerprint=make_stream(cfg).fingerprint,
+                                                   params=program.abstract_state()["params"])
+    return cfg, program, ck
 
 
 @pytest.fixture(scope="module")

@@ -185,9 +185,11 @@ def final_params(run_dir, overrides):
     from ftjax.step import build_program
 
     cfg = load_config("tiny", [*overrides, "ft.replicas=3"])
-    ckpt = DurableCheckpoints.from_config(cfg, run_dir, data_fingerprint=make_stream(cfg).fingerprint)
+    program = build_program(cfg)
+    ckpt = DurableCheckpoints.from_config(cfg, run_dir, data_fingerprint=make_stream(cfg).fingerprint,
+                                          params=program.abstract_state()["params"])
     try:
-        state, meta = ckpt.restore(build_program(cfg).abstract_state())
+        state, meta = ckpt.restore(program.abstract_state())
     finally:
         ckpt.close()
     assert meta["step"] == cfg.steps

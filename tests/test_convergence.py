@@ -5,7 +5,7 @@ import pytest
 
 from ftjax.config import load_config
 from ftjax.data import make_stream
-from ftjax.step import build_program, device_batch
+from ftjax.step import build_program, device_batch, where
 
 from ftjob import final_params
 from launchrun import TINY
@@ -25,7 +25,7 @@ def held_out_loss(ckpt_dirs) -> list[float]:
     program = build_program(cfg)
     stream = make_stream(cfg, replica=0)
     batches = [device_batch(program, stream.batch(100_000 + i)) for i in range(16)]
-    return [float(np.mean([program.grads(final_params(TINY, overrides, d), b)[0] for b in batches]))
+    return [float(np.mean([program.grads(final_params(TINY, overrides, d), {}, b, where(0, 0, 0))[0] for b in batches]))
             for d in ckpt_dirs]
 
 

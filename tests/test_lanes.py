@@ -19,7 +19,7 @@ from ftjax.ftar import FTAREndpoint
 from ftjax.lanes import LaneFlattener, lane_regions
 from ftjax.reduce import FTARReducer
 from ftjax.sharding import replica_mesh
-from ftjax.step import build_program, device_batch, topology_fingerprint
+from ftjax.step import build_program, device_batch, topology_fingerprint, where
 
 LANE_CASES = {
     "sharded rows, 2 lanes of 2 devices": ((8, 3), P("fsdp", None), 2, 2,
@@ -81,7 +81,7 @@ def test_a_full_and_a_reduced_replica_average_as_one_replica_on_both_sample_sets
     assert full.mesh.devices.size == 2 and red.mesh.devices.size == 1
     assert topology_fingerprint(full) == topology_fingerprint(red)  # they may average together
     params = full.init(jnp.int32(0))["params"]
-    red_params = jax.device_put(params, red.grad_shardings)
+    red_params = jax.device_put(params, red.grad_shardings["params"])
     b = full_cfg.data.batch_size
     work = assign(2, b, full_cfg.micro_rows, [0, 1], own_rows={1: red_cfg.own_rows})
     assert work == {0: ((0, 0, b), (1, b // 2, b)), 1: ((1, 0, b // 2),)}
@@ -91,11 +91,11 @@ def test_a_full_and_a_reduced_replica_average_as_one_replica_on_both_sample_sets
         g = program.zeros()
         rows = np.concatenate([batches[s][a:c] for s, a, c in pieces])
         for i in range(0, len(rows), full_cfg.micro_rows):
-            g, _ = program.accumulate(g, p, device_batch(program, rows[i:i + full_cfg.micro_rows]))
+            g, _ = program.accumulate(g, p, {}, device_batch(program, rows[i:i + full_cfg.micro_rows]), where(3, 0, i))
         return g
 
     g_full, g_red = grads(full, params, work[0]), grads(red, red_params, work[1])
-    shapes = full.abstract_state()["params"]
+    shapes = full.abstract_update()
     reducers = [FTARReducer([FTAREndpoint("t") for _ in range(2)],
                             LaneFlattener(shapes, prog.grad_shardings, lanes=2, devices_per_host=1, served=[0, 1]),
                             divisor=2) for prog in (full, red)]
@@ -110,7 +110,7 @@ def test_a_full_and_a_reduced_replica_average_as_one_replica_on_both_sample_sets
     [t.join(60) for t in threads]
     [r.close() for r in reducers]
     # one replica on both sample sets: the mean loss over all 2B rows
-    _, want = full.grads(params, jnp.asarray(np.concatenate([batches[0], batches[1]])))
+    _, _, want = full.grads(params, {}, jnp.asarray(np.concatenate([batches[0], batches[1]])), where(3, 0, 0))
     for got_full, got_red, w in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(got_full), np.asarray(got_red))  # bitwise, every member
         np.testing.assert_allclose(np.asarray(got_full), np.asarray(w), rtol=2e-5, atol=1e-7)

@@ -43,7 +43,7 @@ def test_the_update_has_the_same_bits_on_every_replica_degree():
         program = build_program(cfg, replica_mesh(jax.devices()[:devices]))
         state = program.init(jnp.int32(0))
         if g is None:
-            g = _adversarial_gradient(state["params"], program.grad_shardings)
+            g = {"params": _adversarial_gradient(state["params"], program.grad_shardings["params"])}
         for _ in range(2):
             state = program.apply(state, jax.device_put(g, program.grad_shardings), jnp.float32(1.0))
         digests[devices] = state_digest(state)

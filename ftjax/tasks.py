@@ -1,0 +1,59 @@
+"""The built-in tasks, and the task of a config.
+
+`language_model` is a task like any user's: the config's `model:` section builds a Flax NNX model
+(ftjax/models: the GPT-2-style byte model, or the token MLP), `data.source` names the source, and
+the loss is each sequence's mean next-token cross-entropy. A config without `task:` trains it.
+"""
+
+from __future__ import annotations
+
+import optax
+
+from ftjax.task import Task, TaskError, load_task, nnx_task
+
+BUILTIN = "ftjax.tasks:language_model"
+
+_loaded: dict[str, Task] = {}
+
+
+def language_model(cfg) -> Task:
+    """Next-token prediction on int32[seq_len + 1] token windows with the model of `cfg.model`."""
+    from ftjax import models
+    from ftjax.data import token_source
+
+    def loss(model, tokens):
+        logits = model(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(axis=1)
+
+    source = token_source(cfg.data.source, cfg.seed, cfg.model.seq_len, cfg.model.vocab_size)
+    return nnx_task(lambda rngs: models.build(cfg.model, rngs), loss, source, name=BUILTIN,
+                    tokens_per_example=cfg.model.seq_len)
+
+
+def task_of(cfg) -> Task:
+    """The config's task (`task:`, else the built-in language model), loaded once per config."""
+    key = cfg.model_dump_json()
+    if key not in _loaded:
+        _loaded[key] = load_task(cfg.task or BUILTIN, cfg, cfg.task_args, cfg.task_path)
+    return _loaded[key]
+
+
+def check_task(cfg) -> Task:
+    """Load the config's task and run its loss once on a batch (shapes only, nothing computed):
+    a task that does not import, a source whose examples do not batch, a loss of the wrong shape
+    fail here, named, before the process joins a job."""
+    import jax
+    import jax.numpy as jnp
+
+    task = task_of(cfg)
+    batch = task.example_batch(min(cfg.data.batch_size, 2))
+    try:
+        params, state = jax.eval_shape(task.init, jax.random.key(0))
+        jax.eval_shape(task.loss, params, state, batch, jax.random.key(0))
+    except TaskError:
+        raise
+    except Exception as e:
+        raise TaskError(f"task {task.name}: its init or loss failed on a batch of the source's first examples: "
+                        f"{type(e).__name__}: {e}") from e
+    del jnp
+    return task
