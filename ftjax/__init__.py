@@ -3,6 +3,42 @@
 Each data-parallel replica is the unit of failure: a replica that dies is dropped from the
 gradient average, the others keep going, and the dead one catches up from a live peer.
 See docs/design.md for the design: processes, the step protocol, invariants and decisions.
+
+The Python API (docs/design.md, "The API"; README, "Bring your own model"):
+
+- `Task`, built by `nnx_task`, `linen_task` or `pytree_task`: what a replica trains;
+- `fit(task, config)`: train it, standalone or as one replica of a job;
+- `FaultTolerance`: the step protocol for a script that owns its training loop;
+- `load_config`, `Config`: the run configuration (YAML + overrides, validated).
+
+Names are imported on first use, so that `ftjax coordinator` and `ftjax launch` never import JAX.
 """
 
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Task": "ftjax.task", "TaskError": "ftjax.task", "nnx_task": "ftjax.task", "linen_task": "ftjax.task",
+    "pytree_task": "ftjax.task",
+    "fit": "ftjax.api", "FitResult": "ftjax.api",
+    "FaultTolerance": "ftjax.manager", "StepInfo": "ftjax.manager",
+    "Config": "ftjax.config", "ConfigError": "ftjax.config", "load_config": "ftjax.config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ftjax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -44,5 +44,6 @@ def tree_digest(tree: Any) -> str:
 
 
 def state_digest(state: dict) -> str:
-    """Digest of parameters and optimizer state (not of the step counter)."""
-    return tree_digest({"params": state["params"], "opt": state["opt"]})
+    """Digest of parameters, optimizer state and model state (batch statistics, ...), not of the
+    step counter."""
+    return tree_digest({k: state[k] for k in ("params", "opt", "model_state") if k in state})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 
@@ -34,21 +35,39 @@ from ftjax.reduce import FTARReducer, LocalReducer
 from ftjax.replay import ReplayBuffer
 from ftjax.replica_comm import ReplicaComm
 from ftjax.step import build_program, topology_fingerprint
+from ftjax.task import Task
 from ftjax.trainer import Trainer
 from ftjax.watchdog import NoWatchdog, ProgressWatchdog
 
 
-def _checkpoints(cfg: Config, args: argparse.Namespace, out: Path, stream, program) -> DurableCheckpoints | None:
-    if cfg.checkpoint.every > 0 or getattr(args, "resume", False) or getattr(args, "stop_after", None):
+@dataclass(frozen=True)
+class RunOptions:
+    """How this process runs, beside the config (`ftjax train`'s flags; `ftjax.fit`'s arguments)."""
+
+    replica_id: int = 0
+    coordinator: str | None = None  # HOST:PORT: join that job; None: train standalone
+    resume: bool = False            # standalone: continue from the latest durable checkpoint
+    stop_after: int | None = None   # standalone: stop (with a checkpoint) after N steps
+    die_at: str | None = None       # fault injection (ftjax/faults.py)
+    hang_at: str | None = None
+    flip_bit_at: str | None = None
+    log_every: int | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RunOptions":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def _checkpoints(cfg: Config, args: RunOptions, out: Path, stream, program) -> DurableCheckpoints | None:
+    if cfg.checkpoint.every > 0 or args.resume or args.stop_after:
         return DurableCheckpoints.from_config(cfg, out, data_fingerprint=stream.fingerprint,
                                               params=program.abstract_state()["params"])
     return None
 
 
-def _faults(args: argparse.Namespace) -> InjectedFaults:
-    return InjectedFaults(parse_die_at(getattr(args, "die_at", None)),
-                          parse_die_at(getattr(args, "hang_at", None), "--hang-at"),
-                          parse_flip_at(getattr(args, "flip_bit_at", None)))
+def _faults(args: RunOptions) -> InjectedFaults:
+    return InjectedFaults(parse_die_at(args.die_at), parse_die_at(args.hang_at, "--hang-at"),
+                          parse_flip_at(args.flip_bit_at))
 
 
 def _divisor(cfg: Config) -> int | None:
@@ -64,16 +83,16 @@ def addresses(cfg: Config, coordinator: str) -> net.Addresses:
                       interface=cfg.net.interface, bind_host=cfg.net.bind_host)
 
 
-def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs: net.Addresses) -> Trainer:
+def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Addresses, task: Task | None) -> Trainer:
     group = ReplicaComm()
     leader = group.rank == 0
-    program = build_program(cfg)
+    program = build_program(cfg, task=task)
     program.precompile()  # before joining: a late compile would stall every peer's FTAR
     group.meet("compiled")  # the first collective follows (warm_up): every host is ready for it
     program.warm_up()
     stream = make_stream(cfg, replica=args.replica_id, task=program.task)
     log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}",
-                     log_every=getattr(args, "log_every", None))
+                     log_every=args.log_every)
     # one FTAR endpoint per gradient lane this host serves: one, or several on a reduced replica's host
     served = served_lanes(group.rank, cfg.mesh.live, cfg.mesh.hosts)
     endpoints = [FTAREndpoint(token, host=addrs.bind, advertise=addrs.advertise, timeout_s=cfg.ft.ftar_timeout_s,
@@ -111,12 +130,12 @@ def _member(cfg: Config, args: argparse.Namespace, out: Path, token: str, addrs:
     return trainer
 
 
-def _standalone(cfg: Config, args: argparse.Namespace, out: Path) -> Trainer:
+def _standalone(cfg: Config, args: RunOptions, out: Path, task: Task | None) -> Trainer:
     group = ReplicaComm()
-    program = build_program(cfg)
+    program = build_program(cfg, task=task)
     stream = make_stream(cfg, replica=args.replica_id, task=program.task)
     log = MetricsLog(out, enabled=group.rank == 0, total_steps=cfg.steps, label=f"replica {args.replica_id}",
-                     log_every=getattr(args, "log_every", None))
+                     log_every=args.log_every)
     rid = str(args.replica_id)
     protocol = StepProtocol(replica_id=rid, incarnation=new_incarnation(), group=group,
                             reducer=LocalReducer(_divisor(cfg)),
@@ -145,7 +164,8 @@ REFUSED = frozenset({grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PREC
                      grpc.StatusCode.INVALID_ARGUMENT})
 
 
-def run_member(cfg: Config, args: argparse.Namespace, out: Path) -> int:
+def run_member(cfg: Config, args: RunOptions, out: Path, task: Task | None = None) -> int:
+    """Join the job at `args.coordinator` as replica `args.replica_id` (`task`: default the config's)."""
     try:
         token = read_token()
     except ValueError as e:
@@ -158,7 +178,7 @@ def run_member(cfg: Config, args: argparse.Namespace, out: Path) -> int:
               f"${net.ADVERTISE_ENV}, net.advertise_host or net.interface", file=sys.stderr)
         return 2
     try:
-        return _run(_member(cfg, args, out, token, addrs), cfg)
+        return _run(_member(cfg, args, out, token, addrs, task), cfg)
     except CoordinatorError as e:
         if e.code not in REFUSED:
             raise
@@ -166,5 +186,6 @@ def run_member(cfg: Config, args: argparse.Namespace, out: Path) -> int:
         return 2
 
 
-def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:
-    return _run(_standalone(cfg, args, out), cfg)
+def run_standalone(cfg: Config, args: RunOptions, out: Path, task: Task | None = None) -> int:
+    """Train alone: a quorum of one (`task`: default the config's)."""
+    return _run(_standalone(cfg, args, out, task), cfg)

@@ -22,7 +22,6 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,9 +32,6 @@ from ftjax.config import Config
 from ftjax.digest import state_digest
 from ftjax.optim import block_norm, make_optimizer
 from ftjax.task import Task, TaskError, replicated_axes, step_key
-
-# Variables are created unsharded and placed by jit's out_shardings, from the logical names.
-flax.config.update("flax_always_shard_variable", False)
 
 State = dict[str, Any]
 

@@ -153,20 +153,26 @@ def nnx_task(model: Callable[[Any], Any], loss: Callable[[Any, Batch], Any], sou
         graphdef, params, rngs, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
         return graphdef, params, rngs, rest
 
-    abstract = nnx.eval_shape(lambda: model(nnx.Rngs(0)))
+    def build(rngs):
+        # variables are created unsharded and placed by jit's out_shardings (from their logical
+        # names): flax must not shard them eagerly, which needs a mesh in context
+        with nnx.use_eager_sharding(False):
+            return model(rngs)
+
+    abstract = nnx.eval_shape(lambda: build(nnx.Rngs(0)))
     graphdef, a_params, _, a_rest = split(abstract)
     axes = nnx.to_pure_dict(nnx.get_partition_spec(a_params))
     _check_float_state(nnx.to_pure_dict(a_rest), name)
     tags = sorted({n.tag for _, n in nnx.iter_graph(abstract) if isinstance(n, nnx.RngStream)})
 
     def init(key):
-        _, params, _, rest = split(model(nnx.Rngs(key)))
+        _, params, _, rest = split(build(nnx.Rngs(key)))
         return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
     def wrapped(params, rest, batch, key):
         # RNG variables (typed keys, counters) are not state ftjax keeps: built here (XLA drops the
         # unused parameter inits of this second model) and reseeded for this computation
-        _, _, rngs, _ = split(model(nnx.Rngs(0)))
+        _, _, rngs, _ = split(build(nnx.Rngs(0)))
         module = nnx.merge(graphdef, params, rngs, rest)
         if tags:
             nnx.reseed(module, **{t: jax.random.fold_in(key, i) for i, t in enumerate(tags)})

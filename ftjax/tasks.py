@@ -43,7 +43,6 @@ def check_task(cfg) -> Task:
     a task that does not import, a source whose examples do not batch, a loss of the wrong shape
     fail here, named, before the process joins a job."""
     import jax
-    import jax.numpy as jnp
 
     task = task_of(cfg)
     batch = task.example_batch(min(cfg.data.batch_size, 2))
@@ -55,5 +54,31 @@ def check_task(cfg) -> Task:
     except Exception as e:
         raise TaskError(f"task {task.name}: its init or loss failed on a batch of the source's first examples: "
                         f"{type(e).__name__}: {e}") from e
-    del jnp
     return task
+
+
+def check_main(argv: list[str]) -> int:
+    """`ftjax check CONFIG [key=value ...]`: load the config's task and trace its init and loss on
+    the source's first examples (on the CPU, nothing trained). Exit 2 naming what is wrong. `ftjax
+    launch` runs it before it starts anything when the config names a task."""
+    import argparse
+    import sys
+
+    import jax
+
+    from ftjax.config import ConfigError, load_config
+
+    p = argparse.ArgumentParser(prog="ftjax check", description=check_main.__doc__)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        jax.config.update("jax_platforms", "cpu")  # (before any backend starts: shapes only, no device)
+        task = check_task(cfg)
+    except (ConfigError, TaskError) as e:
+        print(f"ftjax check: error: {e}", file=sys.stderr)
+        return 2
+    print(f"ftjax check: task {task.name}: ok ({len(task.source):,} examples, data fingerprint "
+          f"{task.data_fingerprint()})")
+    return 0

@@ -114,7 +114,14 @@ def main(argv: list[str]) -> int:
     from ftjax.checkpoint import CheckpointError
     from ftjax.coordinator.client import CoordinatorError
     from ftjax.replay import SpillError
+    from ftjax.task import TaskError
+    from ftjax.tasks import check_task
 
+    try:
+        check_task(cfg)  # a task that cannot train fails here, named, before any peer waits for it
+    except TaskError as e:
+        print(f"ftjax train: error: {e}", file=sys.stderr, flush=True)
+        return 2
     try:
         if args.coordinator:
             return run_member(cfg, args, out)
@@ -141,13 +148,13 @@ def main(argv: list[str]) -> int:
 def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:
     from ftjax import replica  # (imports JAX: after configure_process)
 
-    return replica.run_standalone(cfg, args, out)
+    return replica.run_standalone(cfg, replica.RunOptions.from_args(args), out)
 
 
 def run_member(cfg: Config, args: argparse.Namespace, out: Path) -> int:
     from ftjax import replica
 
-    return replica.run_member(cfg, args, out)
+    return replica.run_member(cfg, replica.RunOptions.from_args(args), out)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
+import subprocess
 import sys
 from dataclasses import asdict
 from functools import partial
@@ -138,6 +139,17 @@ def check_directory(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path}: {existing} is not a directory")
 
 
+def check_task_in_child(config: str, overrides: list[str]) -> None:
+    """`ftjax check` in a child process (this one keeps JAX unimported: on an accelerator, JAX
+    would take the device's memory): a user's task that does not import, or whose loss has the
+    wrong shape, is refused before any process starts."""
+    proc = subprocess.run([sys.executable, "-m", "ftjax", "check", config, *overrides], capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        raise UsageError(lines[-1].removeprefix("ftjax check: error: ") if lines else f"ftjax check exited {proc.returncode}")
+
+
 def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan, Path]:
     """Validate everything before anything starts: (config, overrides, replicas, faults, run dir)."""
     check_options(args)
@@ -149,6 +161,8 @@ def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan
     cfg = load_config(args.config, overrides)
     replicas = cfg.ft.replicas if args.replicas is None else args.replicas
     cfg = load_config(args.config, [*overrides, f"ft.replicas={replicas}"])
+    if cfg.task is not None:
+        check_task_in_child(args.config, overrides)
     if cfg.coordinator.min_replicas > replicas:
         raise UsageError(f"coordinator.min_replicas ({cfg.coordinator.min_replicas}) exceeds --replicas {replicas}: "
                          "no quorum could ever form")
