@@ -14,12 +14,14 @@ import sys
 from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import grpc
 import jax
 
 from ftjax import net
 from ftjax.coordinator.client import CoordinatorClient, CoordinatorError, MemberInfo, new_incarnation
+from ftjax.coordinator.layout import fingerprint
 from ftjax.coordinator.quorum import split_address
 from ftjax.catchup import ShardTransport
 from ftjax.checkpoint import DurableCheckpoints
@@ -34,7 +36,7 @@ from ftjax.protocol import LocalQuorum, StepProtocol
 from ftjax.reduce import FTARReducer, LocalReducer
 from ftjax.replay import ReplayBuffer
 from ftjax.replica_comm import ReplicaComm
-from ftjax.step import build_program, topology_fingerprint
+from ftjax.step import build_program
 from ftjax.task import Task
 from ftjax.trainer import Trainer
 from ftjax.watchdog import NoWatchdog, ProgressWatchdog
@@ -83,17 +85,13 @@ def addresses(cfg: Config, coordinator: str) -> net.Addresses:
                       interface=cfg.net.interface, bind_host=cfg.net.bind_host)
 
 
-def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Addresses, task: Task | None) -> Trainer:
-    group = ReplicaComm()
+def member_protocol(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Addresses, group: ReplicaComm,
+                    log: MetricsLog, *, update_template: Any, update_shardings: Any, topology: str) -> StepProtocol:
+    """The step protocol of one host of a job's replica: FTAR endpoints (one per gradient lane this
+    host serves), the catch-up transport, and on the leader the coordinator client. `update_template`:
+    the averaged update's shapes (ShapeDtypeStructs or arrays) and `update_shardings` its shardings;
+    `topology`: what replicas must agree on to average together (ftjax/coordinator/layout.py)."""
     leader = group.rank == 0
-    program = build_program(cfg, task=task)
-    program.precompile()  # before joining: a late compile would stall every peer's FTAR
-    group.meet("compiled")  # the first collective follows (warm_up): every host is ready for it
-    program.warm_up()
-    stream = make_stream(cfg, replica=args.replica_id, task=program.task)
-    log = MetricsLog(out, enabled=leader, total_steps=cfg.steps, label=f"replica {args.replica_id}",
-                     log_every=args.log_every)
-    # one FTAR endpoint per gradient lane this host serves: one, or several on a reduced replica's host
     served = served_lanes(group.rank, cfg.mesh.live, cfg.mesh.hosts)
     endpoints = [FTAREndpoint(token, host=addrs.bind, advertise=addrs.advertise, timeout_s=cfg.ft.ftar_timeout_s,
                               shared_memory=cfg.ft.ftar_shared_memory) for _ in served]
@@ -101,7 +99,7 @@ def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Add
     transport = ShardTransport(token, rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps, timeout_s=cfg.ft.quorum_timeout_s,
                                host=addrs.bind, advertise=addrs.advertise)
     catchup_addresses = group.allgather(transport.address)
-    print(f"ftjax train: replica {args.replica_id} host {group.rank}: peers reach this process at "
+    print(f"ftjax: replica {args.replica_id} host {group.rank}: peers reach this process at "
           f"{addrs.advertise} (chosen by {addrs.why}; ${net.ADVERTISE_ENV} or net.advertise_host to change): "
           f"FTAR {' '.join(e.address for e in endpoints)}, catch-up {transport.address}; listening on {net.describe_bind(addrs.bind)}", file=sys.stderr, flush=True)
     incarnation = group.broadcast(new_incarnation() if leader else None)
@@ -109,17 +107,39 @@ def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Add
     if leader:
         info = MemberInfo(replica_id=str(args.replica_id), incarnation=incarnation, num_hosts=group.hosts,
                           ftar_addresses=tuple(ftar_addresses), catchup_addresses=tuple(catchup_addresses),
-                          topology_fingerprint=topology_fingerprint(program), topology=program.topology())
+                          topology_fingerprint=fingerprint(topology), topology=topology)
         client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s)
         client.start()
         # each step's figures travel to the coordinator with the next quorum request (status page, /metrics)
         log.listeners.append(partial(client.report_step, target_steps=cfg.steps, replicas=cfg.ft.replicas))
     buffer = ReplayBuffer(out / f"replay-host{group.rank}", int(cfg.ft.catchup_buffer_mib * 2**20))
-    protocol = StepProtocol(replica_id=str(args.replica_id), incarnation=incarnation, group=group,
-                            reducer=FTARReducer(endpoints, LaneFlattener(
-                                program.abstract_update(), program.grad_shardings, lanes=cfg.mesh.hosts,
-                                devices_per_host=cfg.mesh.devices_per_host, served=served), divisor=_divisor(cfg)),
-                            transport=transport, quorums=client, buffer=buffer, log=log)
+    flat = LaneFlattener(update_template, update_shardings, lanes=cfg.mesh.hosts,
+                         devices_per_host=cfg.mesh.devices_per_host, served=served)
+    return StepProtocol(replica_id=str(args.replica_id), incarnation=incarnation, group=group,
+                        reducer=FTARReducer(endpoints, flat, divisor=_divisor(cfg)),
+                        transport=transport, quorums=client, buffer=buffer, log=log)
+
+
+def standalone_protocol(cfg: Config, args: RunOptions, out: Path, group: ReplicaComm, log: MetricsLog) -> StepProtocol:
+    """The step protocol of a replica alone: a quorum of one, the identity average."""
+    rid = str(args.replica_id)
+    return StepProtocol(replica_id=rid, incarnation=new_incarnation(), group=group,
+                        reducer=LocalReducer(_divisor(cfg)),
+                        transport=None, quorums=LocalQuorum(rid) if group.rank == 0 else None,
+                        buffer=ReplayBuffer(out / "replay-unused", 0), log=log)
+
+
+def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Addresses, task: Task | None) -> Trainer:
+    group = ReplicaComm()
+    program = build_program(cfg, task=task)
+    program.precompile()  # before joining: a late compile would stall every peer's FTAR
+    group.meet("compiled")  # the first collective follows (warm_up): every host is ready for it
+    program.warm_up()
+    stream = make_stream(cfg, replica=args.replica_id, task=program.task)
+    log = MetricsLog(out, enabled=group.rank == 0, total_steps=cfg.steps, label=f"replica {args.replica_id}",
+                     log_every=args.log_every)
+    protocol = member_protocol(cfg, args, out, token, addrs, group, log, update_template=program.abstract_update(),
+                               update_shardings=program.grad_shardings, topology=program.topology())
     trainer = Trainer(cfg, program, stream, protocol, log=log, ckpt=_checkpoints(cfg, args, out, stream, program),
                       faults=_faults(args), watchdog=NoWatchdog(), replica_id=str(args.replica_id),
                       restore_durable=True)
@@ -136,14 +156,9 @@ def _standalone(cfg: Config, args: RunOptions, out: Path, task: Task | None) -> 
     stream = make_stream(cfg, replica=args.replica_id, task=program.task)
     log = MetricsLog(out, enabled=group.rank == 0, total_steps=cfg.steps, label=f"replica {args.replica_id}",
                      log_every=args.log_every)
-    rid = str(args.replica_id)
-    protocol = StepProtocol(replica_id=rid, incarnation=new_incarnation(), group=group,
-                            reducer=LocalReducer(_divisor(cfg)),
-                            transport=None, quorums=LocalQuorum(rid) if group.rank == 0 else None,
-                            buffer=ReplayBuffer(out / "replay-unused", 0), log=log)
-    return Trainer(cfg, program, stream, protocol, log=log, ckpt=_checkpoints(cfg, args, out, stream, program),
-                   faults=_faults(args), watchdog=NoWatchdog(), replica_id=rid, restore_durable=args.resume,
-                   stop_after=args.stop_after)
+    return Trainer(cfg, program, stream, standalone_protocol(cfg, args, out, group, log), log=log,
+                   ckpt=_checkpoints(cfg, args, out, stream, program), faults=_faults(args), watchdog=NoWatchdog(),
+                   replica_id=str(args.replica_id), restore_durable=args.resume, stop_after=args.stop_after)
 
 
 def _run(trainer: Trainer, cfg: Config) -> int:
@@ -151,7 +166,7 @@ def _run(trainer: Trainer, cfg: Config) -> int:
         code = trainer.run()
     finally:
         trainer.watchdog.close()
-        trainer.protocol.close()
+        trainer.ft.close()
         trainer.log.close()
     if cfg.mesh.live > 1:
         jax.distributed.shutdown()

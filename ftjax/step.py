@@ -17,8 +17,6 @@ included, are linear in the learning rate), and a scale of exactly 1.0 leaves ev
 
 from __future__ import annotations
 
-import hashlib
-
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +26,7 @@ import numpy as np
 import optax
 
 from ftjax import sharding as shd
+from ftjax.coordinator.layout import fingerprint
 from ftjax.config import Config
 from ftjax.digest import state_digest
 from ftjax.optim import block_norm, make_optimizer
@@ -276,7 +275,7 @@ def device_batch(program: ReplicaProgram, batch) -> Any:
 
 def topology_fingerprint(program: ReplicaProgram) -> str:
     """A short hash of the mesh shape and shard layout: replicas that average together must match."""
-    return hashlib.sha256(program.topology().encode()).hexdigest()[:16]
+    return fingerprint(program.topology())
 
 
 def where(step: int, stream: int, first_row: int) -> np.ndarray:

@@ -22,22 +22,14 @@ import numpy as np
 
 from ftjax.batches import Piece, assign, chunk_sizes, row_count, share_rows
 from ftjax.coordinator.client import QuorumResult
-from ftjax.catchup import FetchResult
 from ftjax.data import make_stream
 from ftjax.events import EXIT_LEFT, EXIT_NO_PROGRESS, ReplicaEvent as E
 from ftjax.config import Config
 from ftjax.digest import state_digest
+from ftjax.manager import FaultTolerance, Finished, Left
 from ftjax.protocol import StepProtocol
 from ftjax.step import device_batch, param_count, topology_fingerprint, where
 from ftjax.task import concat_rows, slice_rows
-
-
-class _Left(Exception):
-    """The leader's leave order reached this host: end the loop (the reason is the message)."""
-
-
-class _JobFinished(Exception):
-    """The job finished at step `args[0]` without this replica, and nobody alive can heal it: end."""
 
 
 class JobStateLost(RuntimeError):
@@ -82,13 +74,12 @@ class Trainer:
         self.restore_durable = restore_durable  # a fault-tolerant run, or a standalone --resume
         self.stop = min(cfg.steps, stop_after) if stop_after else cfg.steps
         self.abstract = program.abstract_state()
-        self.state = None
-        self.step = 0        # steps committed (the state's step when it has one)
-        self.digest = ""     # the latest digest of the state (ft.digest_every)
-        self.position = 0    # next batch of this replica's own stream
-        self.job_step = 0    # the highest step of a quorum with state this process has seen
         self.state_lost_since: float | None = None
         self.constant = cfg.ft.global_batch == "constant"
+        # the step protocol's one owner: it holds the state, the step and the data position
+        self.ft = FaultTolerance(protocol, apply=self._apply, abstract_state=self.abstract, log=log, meta=self._meta,
+                                 constant=self.constant, digest_every=cfg.ft.digest_every, steps=cfg.steps,
+                                 after_apply=faults.corrupt, batch_id=stream.batch_id)
         # A constant global batch trains stream r's batch n at step n, whoever computes it: replica
         # ids are the stream numbers 0..R-1 (ftjax/batches.py).
         self.own = int(replica_id) if self.constant else stream.replica
@@ -101,32 +92,34 @@ class Trainer:
         self.step_work: list[list[int]] | None = None  # constant: the whole step's [who, stream, a, b]
         self._streams = {self.own: stream}
 
-    @property
-    def has_state(self) -> bool:
-        return self.state is not None
+    # the state, the step and the data position are the fault-tolerance object's
+    state = property(lambda self: self.ft.state, lambda self, v: setattr(self.ft, "state", v))
+    step = property(lambda self: self.ft.step, lambda self, v: setattr(self.ft, "step", v))
+    position = property(lambda self: self.ft.data_position, lambda self, v: setattr(self.ft, "data_position", v))
+    has_state = property(lambda self: self.ft.has_state)
 
     def _meta(self) -> dict:
         return {"step": self.step, "data_position": self.position, "data_fingerprint": self.stream.fingerprint}
 
     def _ask(self, digest: str = "") -> None:
-        self.protocol.ask(self.step, self.position, self.has_state, digest)
+        self.ft.ask(digest)
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> int:
-        self.log.event(E.START, replica=self.replica_id, incarnation=self.protocol.incarnation,
+        self.log.event(E.START, replica=self.replica_id, incarnation=self.ft.incarnation,
                        topology=topology_fingerprint(self.program), data_fingerprint=self.stream.fingerprint,
                        hosts=jax.process_count(), devices=int(self.program.mesh.devices.size), pid=os.getpid())
         self._ask()
         try:
             while self.step < self.stop:
                 self._one_step()
-            if self.stop == self.cfg.steps and self.protocol.transport is not None:  # (a standalone run has no peer)
+            if self.stop == self.cfg.steps and self.ft.has_peers:  # (a standalone run has no peer)
                 with self.watchdog.exempt("drain"):
-                    self._drain()
-        except _Left as e:
+                    self.ft.drain(self.cfg.ft.replicas, self.cfg.ft.drain_timeout_s)
+        except Left as e:
             self.log.event(E.LEFT, reason=str(e), step=self.step)
             return EXIT_LEFT
-        except _JobFinished as e:  # not a failure: the job is done, this replica's state is not its final one
+        except Finished as e:  # not a failure: the job is done, this replica's state is not its final one
             self.log.event(E.JOB_FINISHED, job_step=e.args[0], step=self.step, reason=e.args[1])
             if self.ckpt is not None:
                 self.ckpt.close()
@@ -135,9 +128,8 @@ class Trainer:
         return self._finish()
 
     def request_leave(self, reason: str) -> None:
-        """Leave the job at the next step boundary (a signal handler may call it): the leader asks
-        no further quorum, and tells its hosts with the next step's agreement; nobody's step fails."""
-        self.protocol.leaving = reason
+        """Leave the job at the next step boundary (a signal handler may call it)."""
+        self.ft.request_leave(reason)
 
     def _one_step(self) -> None:
         self.watchdog.beat("forward")
@@ -146,24 +138,22 @@ class Trainer:
         # program in both modes), or the whole share of a replica that has no whole own batch.
         # Rows of absent peers wait for the quorum: it may bring them back.
         ahead = self.own_work if self.own_work[0] in self.work else self.work
-        computed = self._compute(ahead) if self.has_state and self.protocol.heal_started is None else None
+        computed = self._compute(ahead) if self.has_state and not self.ft.healing else None
         timing.compute = time.perf_counter()
-        agreement = self.protocol.agree()
-        if agreement.finished is not None:
-            raise _JobFinished(agreement.finished, agreement.leave)
-        if agreement.leave is not None:
-            raise _Left(agreement.leave)
-        q = agreement.quorum
+        info = self.ft.begin()
+        q = info.quorum
         timing.quorum = time.perf_counter()
-        if q.no_state:  # nobody has state: the latest durable checkpoint (or an init), then ask again
+        if info.no_state:  # nobody has state: the latest durable checkpoint (or an init), then ask again
             with self.watchdog.exempt("init"):
                 self._init_state()
             return self._ask()
-        self._follow(q, agreement.install)
-        if q.step >= self.cfg.steps:  # the job has trained every step: this replica only catches up
+        self.state_lost_since = None
+        if info.catching_up:
+            self.faults.point(q.step + 1, "catchup")
+        if info.past_end:  # the job has trained every step: this replica only catches up
             time.sleep(0.05)
             return self._ask()
-        contributes = not q.healing and self.has_state
+        contributes = info.contributes
         if contributes:
             self.work = self._share(q)
         if contributes and (computed is None or (computed.position, computed.work) != (self.position, self.work)):
@@ -171,10 +161,10 @@ class Trainer:
             computed = self._compute(self.work, computed)
             timing.shared = time.perf_counter() - began
         self.faults.point(q.step + 1, "ftar")
-        update, error = self.protocol.average(q, computed.grads if contributes else None)
+        update, error = self.ft.average(q, computed.grads if contributes else None)
         timing.ftar = time.perf_counter()
-        if not self.protocol.vote(q, error):
-            return self._ask()  # discarded: the same batch again, unless the job committed the step
+        if not self.ft.vote(q, error):
+            return  # discarded (the next quorum is asked): the same batch again, unless the job committed the step
         self.faults.point(q.step + 1, "commit")
         self._commit(q, update, computed if contributes else None, contributes, timing)
 
@@ -236,49 +226,17 @@ class Trainer:
             self._streams[s] = make_stream(self.cfg, replica=s, task=self.program.task)
         return self._streams[s]
 
-    def _follow(self, q: QuorumResult, install: FetchResult | None) -> None:
-        """Take in what the quorum says of this replica: a snapshot to install, whether it heals,
-        where its data stream resumes; a source serves its peers."""
-        self.job_step, self.state_lost_since = max(self.job_step, q.step), None
-        if q.majority_digest and self.has_state:  # our state is not the one the quorum kept: heal
-            self.log.event(E.DIVERGED, step=self.step, digest=self.digest, majority_digest=q.majority_digest,
-                           source=q.heal_source)
-            self.state = None  # (from here on, the heal of a restarted replica)
-        if install is not None:  # replaces a stale state, if we kept one
-            installed = self.protocol.install(install, q, self.abstract, self._apply)
-            if installed is not None:
-                self.state, self.step = installed
-        if q.healing and not (self.has_state and self.step == q.step):  # (not if just installed)
-            self.protocol.healing(q, self.step if self.has_state else None)
-            self.faults.point(q.step + 1, "catchup")
-        else:
-            self.protocol.up_to_date(self.step)
-            if self.protocol.transport is not None:
-                self.protocol.serve(q, self.state, self.step, self._meta())
-        self._adopt_position(q)
-
     def _apply(self, state: Any, grads: Any, scale: float) -> Any:
         return self.program.apply(state, grads, np.float32(scale))
 
     def _commit(self, q: QuorumResult, update: Any, computed: Computed | None, contributes: bool,
                 timing: _Timing) -> None:
         scale = 1.0 if self.constant else lr_scale(self.cfg.ft.lr_scaling, q.num_contributors, self.cfg.ft.replicas)
-        applied = self.has_state and self.step == q.step
-        self.protocol.committed(q, applied)
-        batch_id = None
-        digest = ""
-        if applied:
-            self.state = self._apply(self.state, self.protocol.reducer.tree(update), scale)
-            self.state = self.faults.corrupt(self.step + 1, self.state)
-            self.step += 1
-            if contributes:
-                batch_id = self.stream.batch_id(self.position)
-                self.position += 1
-            if self.cfg.ft.digest_every and self.step % self.cfg.ft.digest_every == 0:
-                digest = self.digest = state_digest(self.state)  # (the coordinator compares them)
-        else:  # healing: keep the update for the replay
-            self.protocol.keep(q, update, scale)
-        self._ask(digest)  # the next quorum is requested while this step finishes
+        batch_id = self.stream.batch_id(self.position) if contributes else None
+        applied = self.ft.commit(q, update, scale=scale, contributed=contributes)
+        if not applied:
+            batch_id = None
+        digest = self.ft.last_digest
         if self.ckpt is not None and applied:
             with self.watchdog.exempt("checkpoint save"):  # its length depends on the model, like a restore
                 self.ckpt.maybe_save(self.step, self.state, self._meta(), force=self.step == self.stop)
@@ -297,7 +255,7 @@ class Trainer:
             "participants": len(q.participants), "contributors": q.num_contributors, "lr_scale": scale,
             "step_time_s": t5 - timing.t0, "compute_s": timing.compute - timing.t0 + timing.shared,
             "quorum_wait_s": timing.quorum - timing.compute, "ftar_s": timing.ftar - timing.quorum - timing.shared,
-            "commit_s": t5 - timing.ftar, "commit_failures": self.protocol.total_commit_failures,
+            "commit_s": t5 - timing.ftar, "commit_failures": self.ft.commit_failures,
         }
         if self.constant:  # who computed which rows of the step's R batches (ftjax/batches.py)
             record["work"] = self.step_work
@@ -319,9 +277,9 @@ class Trainer:
             # the newest checkpoint that verifies (CheckpointMismatch if another job's)
             self.state, meta = self.ckpt.restore_intact(self.abstract, self._corrupt_checkpoint)
             self.step, self.position = int(meta["step"]), int(meta["data_position"])
-            self.protocol.forget_positions()
+            self.ft.forget_positions()
             self.log.event(E.RESTORE, restored_step=self.step, data_position=self.position, source="durable")
-        elif self.job_step == 0:
+        elif self.ft.job_step == 0:
             self.state = self.program.init(np.int32(self.cfg.seed))
             self.step = 0
             self.log.event(E.INIT, seed=self.cfg.seed)
@@ -338,64 +296,24 @@ class Trainer:
         now = time.monotonic()
         if self.state_lost_since is None:
             self.state_lost_since = now
-            self.log.event(E.STATE_UNAVAILABLE, job_step=self.job_step,
+            self.log.event(E.STATE_UNAVAILABLE, job_step=self.ft.job_step,
                            reason="no participant has state and there is no durable checkpoint")
         if now - self.state_lost_since > self.cfg.ft.quorum_timeout_s:
             raise JobStateLost(
-                f"replica {self.replica_id}: the job was at step {self.job_step}, but for "
+                f"replica {self.replica_id}: the job was at step {self.ft.job_step}, but for "
                 f"{self.cfg.ft.quorum_timeout_s:.0f} s no live peer held its state and there is no durable "
                 "checkpoint (checkpoint.every); not restarting the job from the seed")
         time.sleep(0.05)
 
-    def _adopt_position(self, q: QuorumResult) -> None:
-        """Where our stream resumes: the job's record, but never below a batch that we trained in a
-        committed step (a coordinator that lost its record may say less: the batch would repeat).
-        With a constant global batch every stream is at the step: step n trains batch n of each."""
-        if self.constant:
-            self.position = self.step
-            return
-        position = q.data_position
-        if position > self.position:
-            self.log.event(E.BATCHES_COMMITTED_BY_PEERS,
-                           batch_ids=[self.stream.batch_id(p) for p in range(self.position, position)])
-            self.position = position
-        elif position < self.position:
-            self.log.event(E.POSITION_KEPT, position=self.position, coordinator_said=position)
-
     # --- the end ----------------------------------------------------------------------------------
-    def _drain(self) -> None:
-        """Training is over for this replica, maybe not for a peer that is restarting or catching
-        up: keep answering quorums at the final step and serving snapshots until every replica of
-        the job holds the final state, or `ft.drain_timeout_s` passes. Without this a replica
-        killed near the end would find nobody to catch up from."""
-        deadline = time.monotonic() + self.cfg.ft.drain_timeout_s
-        while True:
-            agreement = self.protocol.agree()
-            if agreement.leave is not None:
-                raise _Left(agreement.leave)
-            q = agreement.quorum
-            if self.protocol.transport is not None:
-                self.protocol.serve(q, self.state, self.step, self._meta())
-            everyone = len(q.participants) >= self.cfg.ft.replicas and not any(p.healing for p in q.participants)
-            stop = everyone or time.monotonic() > deadline
-            if self.protocol.group.hosts > 1:  # the leader's clock decides: every host leaves together
-                stop = self.protocol.group.broadcast_bytes(b"1" if stop else b"0") == b"1"
-            if stop:
-                if not everyone:
-                    self.log.event(E.DRAIN_TIMEOUT, participants=len(q.participants),
-                                   healing=[p.replica_id for p in q.participants if p.healing])
-                return
-            time.sleep(0.05)
-            self._ask()
-
     def _finish(self) -> int:
         if self.ckpt is not None:
             self.ckpt.maybe_save(self.step, self.state, self._meta(), force=True)
             self.ckpt.close()
         self.log.summary(param_digest=state_digest(self.state), replica=self.replica_id,
-                         incarnation=self.protocol.incarnation, data_position=self.position,
+                         incarnation=self.ft.incarnation, data_position=self.position,
                          data_fingerprint=self.stream.fingerprint,
-                         commit_failures=self.protocol.total_commit_failures, params=param_count(self.state),
+                         commit_failures=self.ft.commit_failures, params=param_count(self.state),
                          devices=int(self.program.mesh.devices.size), processes=jax.process_count())
         return 0
 
@@ -407,5 +325,5 @@ class Trainer:
                "replica hung, or this process did: leaving the job so that it goes on, to be restarted")
         self.log.event(E.PROGRESS_TIMEOUT, phase=phase, silent_s=round(silent_s, 3), host=jax.process_index())
         print(f"ftjax train: {why}", file=sys.stderr, flush=True)
-        self.protocol.leave(why)
+        self.ft.leave_now(why)
         os._exit(EXIT_NO_PROGRESS)

@@ -8,8 +8,15 @@ stream) say *where*: `d_model=128` against 64 names the leaves whose shapes chan
 
 from __future__ import annotations
 
+import hashlib
+
 MAX_LAYOUT_BYTES = 256 * 1024  # a layout text the coordinator accepts (a few KB for the models here)
 SHOWN = 4  # differing items named in a refusal
+
+
+def fingerprint(layout: str) -> str:
+    """The topology fingerprint of a layout text: a short hash (replicas that average together match)."""
+    return hashlib.sha256(layout.encode()).hexdigest()[:16]
 
 
 def parse(layout: str) -> dict[str, str]:
