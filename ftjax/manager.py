@@ -21,12 +21,15 @@ this object decides what the quorum means for this replica's state and data posi
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ftjax.coordinator.client import QuorumResult
+from ftjax.coordinator.layout import fingerprint
 from ftjax.digest import state_digest
 from ftjax.events import ReplicaEvent as E
 from ftjax.protocol import StepProtocol
@@ -226,3 +229,162 @@ class FaultTolerance:
 
     def close(self) -> None:
         self.protocol.close()
+
+
+# --- a script that owns its loop ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunArgs:
+    """A replica process's command line, as `ftjax train` takes it (what `ftjax launch --entry`
+    passes to a script): the config, its overrides, and the run options."""
+
+    cfg: Any
+    options: Any  # ftjax.replica.RunOptions
+    out: Path
+
+    @classmethod
+    def parse(cls, argv: list[str] | None = None) -> "RunArgs":
+        """Parse `CONFIG [key=value ...] [--out DIR] [--replica-id R] [--coordinator HOST:PORT] ...`.
+        Before JAX is imported, it also applies the config's platform and device count."""
+        import sys
+
+        from ftjax.train import build_parser, parse_config
+
+        args = build_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+        cfg = parse_config(args)
+        if cfg.mesh.live > 1:
+            raise ValueError("FaultTolerance.join: a script's replica runs on one host (mesh.hosts=1)")
+        if "jax" not in sys.modules:
+            from ftjax.env import configure_run
+
+            configure_run(cfg.platform, device_count=cfg.mesh.devices_per_host)
+        from ftjax.replica import RunOptions
+
+        return cls(cfg, RunOptions.from_args(args), Path(args.out or "runs/script"))
+
+
+class ScriptFaultTolerance(FaultTolerance):
+    """`FaultTolerance` for a script's loop (`FaultTolerance.join`): it also writes the records and
+    events a launcher reads (RUN/metrics.jsonl, summary.json), injects the faults it is asked to
+    (`--die-at`), and initializes the state only at job start."""
+
+    def __init__(self, protocol: StepProtocol, *, faults: Any, replica_id: str, fingerprint: str,
+                 quorum_timeout_s: float, drain_timeout_s: float, replicas: int, **kw: Any) -> None:
+        super().__init__(protocol, **kw)
+        self.faults, self.replica_id, self.fingerprint = faults, replica_id, fingerprint
+        self.quorum_timeout_s, self.drain_timeout_s, self.replicas = quorum_timeout_s, drain_timeout_s, replicas
+        self._lost_since: float | None = None
+        self._t0 = time.perf_counter()
+        self._asked = False
+
+    def begin(self) -> StepInfo:
+        if not self._asked:  # the first request: the job learns this replica exists
+            self._asked = True
+            self.log.event(E.START, replica=self.replica_id, incarnation=self.incarnation, topology=self.fingerprint,
+                           data_fingerprint="", hosts=1, devices=1, pid=os.getpid())
+            self.ask()
+        self._t0 = time.perf_counter()
+        self.faults.point(self.step + 1, "forward")
+        info = super().begin()
+        if info.catching_up:
+            self.faults.point(info.step, "catchup")
+        return info
+
+    def initialize(self, init: Callable[[], Any]) -> None:
+        """A quorum without state: `init()` at job start; later, nobody holds the job's state, so wait
+        for a peer (JobStateLost after ft.quorum_timeout_s), never restart from scratch. Asks again."""
+        if self.job_step == 0:
+            self.init_state(init())
+            self.log.event(E.INIT, seed=0)
+        else:
+            now = time.monotonic()
+            self._lost_since = self._lost_since or now
+            if now - self._lost_since > self.quorum_timeout_s:
+                raise RuntimeError(f"replica {self.replica_id}: the job was at step {self.job_step}, but no live "
+                                   f"peer held its state for {self.quorum_timeout_s:.0f} s")
+            time.sleep(0.05)
+        self.ask()
+
+    def average(self, q: QuorumResult, update: Any | None) -> tuple[Any, dict | None]:
+        self.faults.point(q.step + 1, "ftar")
+        return super().average(q, update)
+
+    def commit(self, q: QuorumResult, update: Any, *, scale: float = 1.0, contributed: bool = True,
+               loss: float | None = None) -> bool:
+        self.faults.point(q.step + 1, "commit")
+        position = self.data_position
+        applied = super().commit(q, update, scale=scale, contributed=contributed)
+        record = {"step": q.step + 1, "committed": applied, "healing": not contributed,
+                  "loss": loss if contributed else None, "tokens": 0,
+                  "batch_id": self.batch_id(position) if applied and contributed else None,
+                  "data_position": self.data_position, "quorum_id": q.quorum_id, "participants": len(q.participants),
+                  "contributors": q.num_contributors, "lr_scale": scale, "step_time_s": time.perf_counter() - self._t0,
+                  "commit_failures": self.commit_failures}
+        if self.last_digest:
+            record["param_digest"] = self.last_digest
+        self.log.log(record)
+        return applied
+
+    def finish(self) -> int:
+        """The loop trained every step: serve late peers (drain), write the summary. Returns 0."""
+        if self.has_peers:
+            self.drain(self.replicas, self.drain_timeout_s)
+        self.log.summary(param_digest=state_digest(self.state), replica=self.replica_id, incarnation=self.incarnation,
+                         data_position=self.data_position, commit_failures=self.commit_failures)
+        return 0
+
+    def close(self) -> None:
+        super().close()
+        self.log.close()
+
+
+def join(run: RunArgs, *, state: Any, update_template: Any, apply: Callable[[Any, Any, float], Any],
+         batch_id: Callable[[int], int] | None = None) -> ScriptFaultTolerance:
+    """The fault-tolerance object of a script's replica: a member of the job at
+    `run.options.coordinator` (the token in $FTJAX_TOKEN), or alone. `state`: the state's pytree of
+    arrays (an initial one, or ShapeDtypeStructs with shardings), what a healing peer receives;
+    `update_template`: what is averaged (the gradients' pytree, arrays or ShapeDtypeStructs with
+    shardings); `apply(state, update, scale)`. The stream of replica r of R trains global batches
+    r, R + r, ... (`batch_id`, default that)."""
+    import signal
+
+    import jax
+
+    from ftjax import replica as rp
+    from ftjax.env import read_token
+    from ftjax.metrics import MetricsLog
+    from ftjax.replica_comm import ReplicaComm
+    from ftjax.sharding import describe, replica_mesh
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    cfg, options, out = run.cfg, run.options, run.out
+    mesh = replica_mesh(jax.devices()[:cfg.mesh.devices_per_host])
+
+    def placed(a):  # a leaf with no mesh sharding (plain, or on one device) is replicated on the replica's mesh
+        sharding = getattr(a, "sharding", None)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding if isinstance(sharding, NamedSharding)
+                                    else NamedSharding(mesh, P()))
+
+    abstract, template = jax.tree.map(placed, state), jax.tree.map(placed, update_template)
+    group = ReplicaComm()
+    log = MetricsLog(out, enabled=True, total_steps=cfg.steps, label=f"replica {options.replica_id}",
+                     log_every=options.log_every)
+    topology = "\n".join([f"mesh: lanes={cfg.mesh.hosts} devices_per_lane={cfg.mesh.devices_per_host}",
+                          describe({"update": template}), describe({"state": abstract})])
+    if options.coordinator:
+        addrs = rp.addresses(cfg, options.coordinator)
+        protocol = rp.member_protocol(cfg, options, out, read_token(), addrs, group, log, update_template=template,
+                                      update_shardings=jax.tree.map(lambda a: a.sharding, template), topology=topology)
+    else:
+        protocol = rp.standalone_protocol(cfg, options, out, group, log)
+    replicas, rid = cfg.ft.replicas, options.replica_id
+    ft = ScriptFaultTolerance(
+        protocol, faults=rp.faults_of(options), replica_id=str(rid), fingerprint=fingerprint(topology),
+        quorum_timeout_s=cfg.ft.quorum_timeout_s, drain_timeout_s=cfg.ft.drain_timeout_s, replicas=replicas,
+        apply=apply, abstract_state=abstract, log=log, digest_every=cfg.ft.digest_every, steps=cfg.steps,
+        batch_id=batch_id or (lambda p: p * replicas + rid))
+    signal.signal(signal.SIGTERM, lambda *_: ft.request_leave("SIGTERM"))
+    return ft
+
+
+FaultTolerance.join = staticmethod(join)  # (the API's spelling: ftjax.FaultTolerance.join)

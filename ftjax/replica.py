@@ -67,7 +67,7 @@ def _checkpoints(cfg: Config, args: RunOptions, out: Path, stream, program) -> D
     return None
 
 
-def _faults(args: RunOptions) -> InjectedFaults:
+def faults_of(args: RunOptions) -> InjectedFaults:
     return InjectedFaults(parse_die_at(args.die_at), parse_die_at(args.hang_at, "--hang-at"),
                           parse_flip_at(args.flip_bit_at))
 
@@ -141,7 +141,7 @@ def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Add
     protocol = member_protocol(cfg, args, out, token, addrs, group, log, update_template=program.abstract_update(),
                                update_shardings=program.grad_shardings, topology=program.topology())
     trainer = Trainer(cfg, program, stream, protocol, log=log, ckpt=_checkpoints(cfg, args, out, stream, program),
-                      faults=_faults(args), watchdog=NoWatchdog(), replica_id=str(args.replica_id),
+                      faults=faults_of(args), watchdog=NoWatchdog(), replica_id=str(args.replica_id),
                       restore_durable=True)
     trainer.watchdog = protocol.watchdog = ProgressWatchdog(cfg.ft.progress_timeout_s, trainer.no_progress)
     # SIGTERM (a launcher taking the replica back to full degree, a scheduler's preemption): leave
@@ -157,7 +157,7 @@ def _standalone(cfg: Config, args: RunOptions, out: Path, task: Task | None) -> 
     log = MetricsLog(out, enabled=group.rank == 0, total_steps=cfg.steps, label=f"replica {args.replica_id}",
                      log_every=args.log_every)
     return Trainer(cfg, program, stream, standalone_protocol(cfg, args, out, group, log), log=log,
-                   ckpt=_checkpoints(cfg, args, out, stream, program), faults=_faults(args), watchdog=NoWatchdog(),
+                   ckpt=_checkpoints(cfg, args, out, stream, program), faults=faults_of(args), watchdog=NoWatchdog(),
                    replica_id=str(args.replica_id), restore_durable=args.resume, stop_after=args.stop_after)
 
 

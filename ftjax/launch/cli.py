@@ -13,6 +13,7 @@ No process outlives the launcher: not on a normal end, not on Ctrl-C or SIGTERM,
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import signal
 import subprocess
@@ -52,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulated CPU devices per process D (default: mesh.devices_per_host)")
     p.add_argument("--out", default=None, help="run directory (default: runs/launch-<config name>); must be new or empty")
     p.add_argument("--overwrite", action="store_true", help="delete --out first if it holds an earlier run")
+    p.add_argument("--entry", default=None, metavar="COMMAND",
+                   help="run COMMAND instead of `ftjax train` for each replica (a script that owns its loop through "
+                        "ftjax.FaultTolerance.join); it gets `ftjax train`'s arguments. A leading `python` is this "
+                        "launcher's interpreter")
     f = p.add_argument_group("faults (times count from warm-up: every replica has trained a step)")
     f.add_argument("--kill", action="append", default=[], metavar="R@STEP[:PHASE]",
                    help="replica R SIGKILLs itself at STEP in PHASE: forward (default) | ftar | commit | catchup "
@@ -137,6 +142,16 @@ def check_directory(flag: str, path: str) -> None:
     existing = next(p for p in (where, *where.parents) if p.exists())  # "." or "/" at the latest
     if not existing.is_dir():
         raise UsageError(f"{flag} {path}: {existing} is not a directory")
+
+
+def entry_command(entry: str | None) -> list[str] | None:
+    """`--entry`'s argv (a leading `python` or `python3`: this interpreter, whose ftjax is this one)."""
+    if entry is None:
+        return None
+    argv = shlex.split(entry)
+    if not argv:
+        raise UsageError("--entry: empty command")
+    return [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else argv
 
 
 def check_task_in_child(config: str, overrides: list[str]) -> None:
@@ -284,7 +299,8 @@ def run(args: argparse.Namespace, cfg: Config, overrides: list[str], replicas: i
                 procs.on_close(cluster.close)  # after every child is killed: the namespaces go too
                 view.probe.in_thread = partial(cluster.enter, COORDINATOR_HOST)  # its status page is there
             job = LocalJob(args.config, overrides, out, replicas=replicas, procs=procs,
-                           extra_env=compile_cache_env(args.compile_cache, out), cluster=cluster)
+                           extra_env=compile_cache_env(args.compile_cache, out), cluster=cluster,
+                           entry=entry_command(args.entry))
             log = RunLog(out / "launcher.jsonl", listener=view.event)
             log.event("launch", config=args.config, overrides=overrides, out=str(out), replicas=replicas,
                       hosts=cfg.mesh.hosts, devices=cfg.mesh.devices_per_host, steps=cfg.steps,

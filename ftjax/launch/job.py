@@ -55,8 +55,9 @@ def job_hosts(replicas: int, hosts: int) -> list[str]:
 class LocalJob:
     def __init__(self, config_path: str | Path, overrides: list[str], out: str | Path, *, replicas: int,
                  procs: ProcessGroup, token: str | None = None, extra_env: dict[str, str] | None = None,
-                 cluster: "VirtualCluster | None" = None):
+                 cluster: "VirtualCluster | None" = None, entry: list[str] | None = None):
         self.config_path = str(config_path)
+        self.entry = entry or [sys.executable, "-m", "ftjax", "train"]  # what runs each replica host
         self.overrides = [*overrides, f"ft.replicas={replicas}"]
         self.cfg: Config = load_config(self.config_path, self.overrides)  # validated before anything starts
         self.out = Path(out)
@@ -147,7 +148,7 @@ class LocalJob:
         self.incarnations[r] = self.incarnations.get(r, 0) + 1
         children = []
         for i, h in enumerate(on_hosts):
-            args = [sys.executable, "-m", "ftjax", "train", self.config_path, *self.overrides, *reduced,
+            args = [*self.entry, self.config_path, *self.overrides, *reduced,
                     "--out", str(rdir), "--replica-id", str(r), "--coordinator", self.coordinator_address,
                     "--num-processes", str(hosts), "--process-id", str(i), *dist, *(extra_args or [])]
             if die_at and i == die_host:
