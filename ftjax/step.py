@@ -30,7 +30,7 @@ from ftjax.coordinator.layout import fingerprint
 from ftjax.config import Config
 from ftjax.digest import state_digest
 from ftjax.optim import block_norm, make_optimizer
-from ftjax.task import Task, TaskError, replicated_axes, step_key
+from ftjax.task import Task, TaskError, normalize_loss, replicated_axes, step_key
 
 State = dict[str, Any]
 
@@ -202,6 +202,7 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task
         """(per-example losses, aux, the update of `batch` with its loss weighted `weight` per row)."""
         def total(p):
             per_example, aux, new_ms = task.loss(p, ms, batch, step_key(cfg.seed, where))
+            per_example, aux = normalize_loss((per_example, aux), per_example_count(batch), task.name)
             return per_example.sum() * weight, (per_example, aux, new_ms)
 
         (_, (per_example, aux, new_ms)), g = jax.value_and_grad(total, has_aux=True)(params)

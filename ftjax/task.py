@@ -91,7 +91,7 @@ def stack(examples: Sequence[Any], task: str = "") -> Batch:
     try:
         return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *examples)
     except (ValueError, TypeError) as e:
-        raise TaskError(f"task {task}: the source's examples do not batch (each must be the same pytree "
+        raise TaskError(f"task {task!r}: the source's examples do not batch (each must be the same pytree "
                         f"of equally shaped arrays): {e}") from None
 
 
@@ -107,24 +107,29 @@ def concat_rows(batches: Sequence[Batch]) -> Batch:
 
 # --- the loss's result ------------------------------------------------------------------------------
 
+def split_output(out: Any) -> tuple[Any, Any]:
+    """(per_example, aux) of what a user's loss returned: `per_example` or `(per_example, aux)`."""
+    return out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+
+
 def normalize_loss(out: Any, rows: int, task: str) -> tuple[jax.Array, dict]:
     """(per_example, aux) from what a user's loss returned, checked: `rows` losses, scalar or
     per-example metrics. Runs while tracing, so a wrong shape fails before the first step."""
-    per_example, aux = (out if isinstance(out, tuple) and len(out) == 2 else (out, {}))
+    per_example, aux = split_output(out)
     per_example = jnp.asarray(per_example)
     if per_example.shape != (rows,):
-        raise TaskError(f"task {task}: the loss must return one loss per example, shape ({rows},) for this "
+        raise TaskError(f"task {task!r}: the loss must return one loss per example, shape ({rows},) for this "
                         f"batch; it returned shape {tuple(per_example.shape)} (return the per-example losses, "
                         "not their mean: ftjax weighs the rows of a step)")
     if not jnp.issubdtype(per_example.dtype, jnp.floating):
-        raise TaskError(f"task {task}: the loss returned dtype {per_example.dtype}, not a float")
+        raise TaskError(f"task {task!r}: the loss returned dtype {per_example.dtype}, not a float")
     if not isinstance(aux, dict):
-        raise TaskError(f"task {task}: the loss's auxiliary output must be a dict of metrics, got {type(aux).__name__}")
+        raise TaskError(f"task {task!r}: the loss's auxiliary output must be a dict of metrics, got {type(aux).__name__}")
     clean = {}
     for k, v in aux.items():
         v = jnp.asarray(v)
         if v.shape not in ((), (rows,)):
-            raise TaskError(f"task {task}: auxiliary metric {k!r} has shape {tuple(v.shape)}: a scalar or "
+            raise TaskError(f"task {task!r}: auxiliary metric {k!r} has shape {tuple(v.shape)}: a scalar or "
                             f"one value per example ({rows},)")
         clean[str(k)] = v.astype(jnp.float32)
     return per_example.astype(jnp.float32), clean
@@ -176,7 +181,7 @@ def nnx_task(model: Callable[[Any], Any], loss: Callable[[Any, Batch], Any], sou
         module = nnx.merge(graphdef, params, rngs, rest)
         if tags:
             nnx.reseed(module, **{t: jax.random.fold_in(key, i) for i, t in enumerate(tags)})
-        per_example, aux = normalize_loss(loss(module, batch), _rows(batch), name)
+        per_example, aux = split_output(loss(module, batch))
         _, _, _, new_rest = split(module)
         return per_example, aux, nnx.to_pure_dict(new_rest)
 
@@ -244,7 +249,7 @@ def linen_task(module: Any, loss: Callable[[Callable, Batch], Any], source: Any,
 
     def wrapped(params, state, batch, key):
         out, new = run({"params": params, **state}, batch, key)
-        per_example, aux = normalize_loss(out, _rows(batch), name)
+        per_example, aux = split_output(out)
         return per_example, aux, {c: new.get(c, v) for c, v in state.items()}
 
     return Task(name=name, init=init, loss=wrapped, source=source, param_axes=axes, optimizer=optimizer,
@@ -260,7 +265,7 @@ def pytree_task(init: Callable[[jax.Array], PyTree], loss: Callable[[PyTree, Bat
     """A task of a parameter pytree: `init(key) -> params`, `loss(params, batch, key) -> per_example`
     (or `(per_example, aux)`). `param_axes`: a logical PartitionSpec per parameter (None: replicated)."""
     def wrapped(params, state, batch, key):
-        per_example, aux = normalize_loss(loss(params, batch, key), _rows(batch), name)
+        per_example, aux = split_output(loss(params, batch, key))
         return per_example, aux, state
 
     return Task(name=name, init=lambda key: (init(key), {}), loss=wrapped, source=source, param_axes=param_axes,

@@ -1,0 +1,153 @@
+"""The Python API (ftjax/api.py, ftjax/task.py, ftjax/manager.py): a user's model, loss, data and
+loop, through `ftjax.fit`, `ftjax train`/`launch` by import path, and `FaultTolerance`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import FTJAX, REPO
+from launchrun import Launch
+
+USER = f"{REPO}/tests/usertasks/scaled_ce.yaml"
+
+
+def test_import_ftjax_exports_the_api_without_importing_jax():
+    code = "import ftjax, sys; print(sorted(n for n in dir(ftjax) if not n.startswith('_'))); print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    names = eval(out[0])
+    for name in ("Task", "nnx_task", "linen_task", "pytree_task", "fit", "FaultTolerance", "load_config"):
+        assert name in names
+    assert out[1] == "False"  # `ftjax coordinator` and `ftjax launch` stay free of JAX
+
+
+class Pairs:
+    """A random-access source: (x, y) examples of a noisy linear map, a pure function of the index."""
+
+    fingerprint = "pairs-v1"
+
+    def __len__(self) -> int:
+        return 4096
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng([7, int(i)])
+        x = rng.normal(size=8).astype(np.float32)
+        return {"x": x, "y": (x @ np.arange(16, dtype=np.float32).reshape(8, 2) / 10 + 0.1 * rng.normal(size=2)).astype(np.float32)}
+
+
+def mlp_init(key):
+    k1, k2 = jax.random.split(key)
+    return {"w1": 0.3 * jax.random.normal(k1, (8, 32)), "w2": 0.3 * jax.random.normal(k2, (32, 2))}
+
+
+def mlp_loss(params, batch, key=None):
+    pred = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"]
+    return jnp.sum(jnp.square(pred - batch["y"]), axis=1)  # one loss per example
+
+
+def test_fit_gives_the_losses_of_a_plain_jax_optax_loop(tmp_path):
+    """A user's pytree model, loss, optimizer and dict batches through `ftjax.fit` (standalone):
+    step for step the losses of the same model trained by a plain loop written here."""
+    import ftjax
+    from ftjax.data import BatchStream
+
+    steps, batch_size, seed = 12, 16, 3
+    tx = optax.adam(1e-2)
+    task = ftjax.pytree_task(mlp_init, mlp_loss, Pairs(), optimizer=tx, name="pairs_mlp")
+    config = {"seed": seed, "steps": steps, "data": {"batch_size": batch_size}, "ft": {"digest_every": 0}}
+    result = ftjax.fit(task, config, out=tmp_path / "fit")
+    assert result.exit_code == 0
+    assert len(result.losses) == steps
+
+    stream = BatchStream(Pairs(), seed=seed, batch_size=batch_size)  # the batches ftjax trains, in order
+    params = mlp_init(jax.random.key(seed))
+    opt = tx.init(params)
+    want = []
+    for k in range(steps):
+        batch = jax.tree.map(jnp.asarray, stream.batch(k))
+        loss, g = jax.value_and_grad(lambda p: mlp_loss(p, batch).mean())(params)
+        updates, opt = tx.update(g, opt, params)
+        params = optax.apply_updates(params, updates)
+        want.append(float(loss))
+    np.testing.assert_allclose(result.losses, want, rtol=1e-6)
+
+
+def test_a_user_loss_weighs_every_row_own_and_covered(tmp_path):
+    """Constant global batch, a user loss of 10 x cross-entropy: the rows a replica computes for a
+    missing peer go through that loss too. Each step's per-stream loss sums of a run where replica 1
+    dies (its stream covered by the others) equal the failure-free run's, where every stream is its
+    own replica's: a covered row weighed by ftjax's own loss would count a tenth."""
+    from ftjax.procs import ProcessGroup
+
+    common = ["--replicas", "3", "steps=24", "ft.global_batch=constant", "--restart-delay-s", "0.5"]
+    with ProcessGroup() as procs:
+        free = Launch(procs, [USER, *common], tmp_path / "free")
+        assert free.wait(600) == 0, free.output()
+        chaos = Launch(procs, [USER, *common, "--kill", "1@8:ftar", "ft.drain_timeout_s=120"], tmp_path / "chaos")
+        assert chaos.wait(900) == 0, chaos.output()
+
+    def sums(launch):  # (step, stream) -> sum of the rows' losses, over whoever computed them
+        out: dict[tuple[int, int], float] = {}
+        for r in range(3):
+            for rec in launch.metrics(r):
+                if rec.get("committed") and rec.get("loss_sums") and "event" not in rec:
+                    for stream, a, b, total in rec["loss_sums"]:
+                        out[(rec["step"], stream)] = out.get((rec["step"], stream), 0.0) + total
+        return out
+
+    want, got = sums(free), sums(chaos)
+    covered = {(rec["step"], s) for r in (0, 2) for rec in chaos.metrics(r)
+               if rec.get("committed") and "event" not in rec for s, *_ in (rec.get("loss_sums") or []) if s == 1}
+    assert covered, "nobody computed stream 1's rows for it: the kill did not take effect"
+    for key in covered:
+        assert got[key] == pytest.approx(want[key], rel=1e-4), (key, got[key], want[key])
+    assert want[(1, 0)] / 8 > 30  # 10 x a byte-level cross-entropy (about 5.5 at the start)
+
+
+@pytest.mark.parametrize("task, says", [
+    ("scaled_ce:missing", "has no callable 'missing'"),
+    ("nonexistent_module:task", "cannot import 'nonexistent_module'"),
+    ("scaled_ce:broken_shape", "one loss per example"),
+    ("scaled_ce:ragged", "do not batch"),
+])
+def test_a_bad_task_is_one_clear_error_before_anything_starts(tmp_path, task, says):
+    train = subprocess.run([*FTJAX, "train", USER, f"task={task}", "steps=2", "--out", str(tmp_path / "t")],
+                           capture_output=True, text=True, timeout=300)
+    assert train.returncode == 2, train.stderr[-2000:]
+    assert says in train.stderr and task in train.stderr, train.stderr[-2000:]
+    assert "Traceback" not in train.stderr
+    launch = subprocess.run([*FTJAX, "launch", USER, f"task={task}", "--replicas", "2", "--out", str(tmp_path / "l")],
+                            capture_output=True, text=True, timeout=300)
+    assert launch.returncode == 2 and says in launch.stderr, launch.stderr[-2000:]
+    assert not (tmp_path / "l" / "replica-0").exists()  # refused before any replica started
+
+
+@pytest.mark.parametrize("example, entry", [
+    ("nnx_dropout.yaml", None),      # (a) nnx.Dropout, a loss with an auxiliary term
+    ("linen_batchnorm.yaml", None),  # (b) a Linen model with batch statistics
+    ("own_loop.yaml", f"python {REPO}/examples/own_loop.py"),  # (c) a hand-written loop with FaultTolerance
+])
+def test_each_example_survives_a_kill_with_equal_digests_and_every_batch_once(tmp_path, example, entry):
+    from ftjax.procs import ProcessGroup
+
+    args = [f"{REPO}/examples/{example}", "--replicas", "2", "--kill", "1@15:ftar", "--restart-delay-s", "0.5",
+            *(["--entry", entry] if entry else [])]
+    with ProcessGroup() as procs:
+        run = Launch(procs, args, tmp_path / "run")
+        try:
+            assert run.wait(600) == 0, run.output()
+        finally:
+            run.close()
+    summary = run.summary()
+    assert summary["digests_equal"] and summary["exactly_once"], json.dumps(summary)[:2000]
+    assert any(e.get("event") == "replica_down" and e.get("replica") == 1 for e in run.events())  # really killed
+    if example == "nnx_dropout.yaml":  # the auxiliary metrics are logged with each step
+        rec = next(r for r in run.metrics(0) if r.get("committed") and "event" not in r)
+        assert set(rec["aux"]) == {"cross_entropy", "z_loss"}

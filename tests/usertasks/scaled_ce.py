@@ -1,0 +1,46 @@
+"""A user's task outside the ftjax package (tests): the built-in GPT with its own loss, `scale` x
+the per-sequence cross-entropy. With scale 10 a row weighed with ftjax's built-in loss instead of
+this one would count a tenth of what it should."""
+
+from __future__ import annotations
+
+import optax
+
+import ftjax
+from ftjax import models
+from ftjax.data import token_source
+
+
+def task(cfg, *, scale: float = 10.0) -> ftjax.Task:
+    def loss(model, tokens):
+        logits = model(tokens[:, :-1])
+        return scale * optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(axis=1)
+
+    source = token_source(cfg.data.source, cfg.seed, cfg.model.seq_len, cfg.model.vocab_size)
+    return ftjax.nnx_task(lambda rngs: models.build(cfg.model, rngs), loss, source,
+                          tokens_per_example=cfg.model.seq_len)
+
+
+def broken_shape(cfg, **_) -> ftjax.Task:
+    """A loss that returns the batch's mean instead of one loss per example."""
+    def loss(model, tokens):
+        return optax.softmax_cross_entropy_with_integer_labels(model(tokens[:, :-1]), tokens[:, 1:]).mean()
+
+    source = token_source(cfg.data.source, cfg.seed, cfg.model.seq_len, cfg.model.vocab_size)
+    return ftjax.nnx_task(lambda rngs: models.build(cfg.model, rngs), loss, source)
+
+
+class _Ragged:
+    """Examples of different lengths: they do not batch."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, i: int):
+        import numpy as np
+
+        return np.zeros(5 + int(i) % 3, np.int32)
+
+
+def ragged(cfg, **_) -> ftjax.Task:
+    return ftjax.Task(**{**task(cfg).__dict__, "source": _Ragged()})
