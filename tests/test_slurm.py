@@ -13,7 +13,10 @@ replica 0's job is requeued (`scontrol requeue`, what Slurm does to a --requeue 
 died): it starts over from its batch script and catches up from replica 1, and the requeue is a
 failure event. The job ends with equal digests, every row of every step exactly once (the summary
 that finish.sbatch writes from run/, the same functions as for a local `ftjax launch`), and the
-coordinator job ending by itself."""
+coordinator job ending by itself.
+
+The job trains a user's task from a module outside the ftjax package (tests/usertasks/scaled_ce.py,
+named by import path in its config with `task_path`): the emitted job carries what finds it."""
 
 import json
 import os
@@ -33,9 +36,9 @@ from ftjax.launch.summary import build_summary
 
 from conftest import REPO
 
-TINY = f"{REPO}/configs/tiny.yaml"
+USER_TASK = f"{REPO}/tests/usertasks/scaled_ce.yaml"  # tiny's model and batch, a user module's loss
 STEPS = 500  # enough for three restarts in a row (reduced, whole, requeued) on a loaded machine
-BATCH = 8  # configs/tiny.yaml's data.batch_size: a reduced replica (1 of 2 hosts) computes half
+BATCH = 8  # the config's data.batch_size: a reduced replica (1 of 2 hosts) computes half
 REQUIRED = os.environ.get("FTJAX_SLURM_TEST") == "1"
 SLURM_CONF = os.environ.get("SLURM_CONF") or "/tmp/ftjax-slurm/slurm.conf"
 
@@ -128,7 +131,7 @@ def test_emitted_job_survives_a_lost_host_at_reduced_degree_on_a_real_slurm_clus
         pytest.fail(f"no Slurm cluster (SLURM_CONF={SLURM_CONF}): run scripts/local_slurm.sh up ({e})")
     assert len([line for line in nodes.splitlines() if "idle" in line or "mix" in line]) >= 2, nodes
 
-    emit("slurm", job_dir, TINY, ["ft.replicas=2", "mesh.hosts=2", "platform=cpu", f"steps={STEPS}",
+    emit("slurm", job_dir, USER_TASK, ["ft.replicas=2", "mesh.hosts=2", "platform=cpu", f"steps={STEPS}",
                                   "ft.global_batch=constant", "ft.on_host_loss=reduce"],
          options=EmitOptions(name="ftjax-slurm-test", max_restarts=4))
     t0 = time.monotonic()
@@ -219,6 +222,10 @@ def test_emitted_job_survives_a_lost_host_at_reduced_degree_on_a_real_slurm_clus
     assert r0["restarts"] >= 1 and r1["restarts"] >= 2 and r0["catchups"] >= 1 and r1["catchups"] >= 2, summary
     assert summary["digests_equal"] and summary["exactly_once"] and summary["constant_batch"]["exactly_once"], summary
     assert max(r0["final_step"], r1["final_step"]) == STEPS, summary
+    # the user's module trained: its loss is 10 x the cross-entropy (about 5.5 at the start)
+    assert "task: scaled_ce:task" in (job_dir / "config.yaml").read_text()
+    first = next(m for m in _own_steps(run, 0, 0.0) if m.get("loss") is not None)
+    assert first["loss"] > 30, first
     # the coordinator's job ended by itself when the replicas had finished (not cancelled)
     (coordinator_log,) = [text for name, text in logs.items() if "-coordinator-" in name]
     assert f"the job is over: all 2 replicas reached step {STEPS} and left" in coordinator_log, coordinator_log
