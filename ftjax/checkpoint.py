@@ -12,6 +12,11 @@ step's directory; orbax records no checksum of the array data), written once orb
 step. A restore verifies them first: a flipped, truncated or missing file, or a
 checkpoint whose save never finished (no CHECKSUMS), raises :class:`CorruptCheckpoint` naming the step
 and the file, and :meth:`DurableCheckpoints.restore_intact` falls back to the newest intact one.
+
+The layout is plain orbax, readable without ftjax (docs/design.md, "Checkpoint layout"): each
+checkpoint's meta records `params_digest`, which a program with only jax and orbax can recompute.
+:func:`load_init` reads the other way: a run may start from a plain orbax checkpoint of the user's
+parameters (`checkpoint.init_from`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from ftjax.digest import params_digest
 
 
 CHECKSUMS = "ftjax_checksums.json"  # in each step's directory: {relative path: [size, sha256]}
@@ -48,6 +56,11 @@ class CorruptCheckpoint(CheckpointError):
 
 class NoIntactCheckpoint(CheckpointError):
     """Every checkpoint in the directory is corrupt or incomplete."""
+
+
+class InitCheckpointError(CheckpointError):
+    """`checkpoint.init_from` cannot start this run: not a checkpoint, or not of this model (the
+    message names every leaf at fault)."""
 
 
 def _checksums(step_dir: Path) -> dict[str, list]:
@@ -120,6 +133,8 @@ def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, An
     The task: its import path and arguments (`task`, `task_args`), and the structure of its parameter
     tree (`params` given: paths, shapes, dtypes).
 
+    The run's starting point when it is not the seed's (`checkpoint.init_from`, `checkpoint.init_opt`).
+
     Out, because the same job may change them between restarts: `steps` (a run may be extended; with
     no `optim.decay_steps` the cosine decay then stretches from the resume on, which is what extending
     means), the mesh (a checkpoint is resharded onto another device count), the checkpoint cadence
@@ -135,6 +150,12 @@ def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, An
         "task": cfg.task or "ftjax.tasks:language_model",
         "task_args": json.dumps(cfg.task_args, sort_keys=True, default=str),
     }
+    if cfg.checkpoint.init_from:
+        # The starting weights (and optimizer state) are the run's numbers like the seed's. Only
+        # when set: a job without it keeps the identity it had before the field existed, so that
+        # its older checkpoints still restore.
+        identity["checkpoint.init_from"] = cfg.checkpoint.init_from
+        identity["checkpoint.init_opt"] = cfg.checkpoint.init_opt
     if params is not None:
         identity["params.structure"] = params_structure(params)
     for section in ("model", "optim"):
@@ -172,6 +193,8 @@ class DurableCheckpoints:
             return False
         if self.identity is not None:
             meta = {**meta, "identity": self.identity}
+        # what a reader without ftjax can check the restored parameters against (collective)
+        meta = {**meta, "params_digest": params_digest(state)}
         return bool(self.manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
             force=force,
@@ -245,3 +268,76 @@ class DurableCheckpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+# --- a run's start from a plain orbax checkpoint (checkpoint.init_from) ----------------------------
+
+def _leaf_name(path: tuple) -> str:
+    """A leaf's path as orbax stores it, `params/blocks/0/attn/qkv/kernel`: dict keys, sequence
+    indices and named-tuple fields alike (orbax restores named tuples, optax's states, as dicts)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _leaves(tree: Any) -> dict[str, str]:
+    """{leaf name: "dtype[shape]"} of arrays, abstract arrays or orbax's array metadata."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
+        out[_leaf_name(path)] = (f"{np.dtype(dtype) if dtype is not None else type(leaf).__name__}"
+                                 f"[{','.join(map(str, shape)) if shape is not None else '?'}]")
+    return out
+
+
+def _differences(want: dict[str, str], have: dict[str, str]) -> list[str]:
+    """One line per leaf missing from `have`, extra in it, or of another dtype or shape."""
+    rows = []
+    for name in sorted(want.keys() | have.keys(), key=lambda n: (not n.startswith("params/"), n)):  # params first
+        if name not in have:
+            rows.append(f"  {name}: missing from the checkpoint (this model: {want[name]})")
+        elif name not in want:
+            rows.append(f"  {name}: in the checkpoint ({have[name]}), not in this model")
+        elif want[name] != have[name]:
+            rows.append(f"  {name}: checkpoint {have[name]}, this model {want[name]}")
+    return rows
+
+
+def load_init(directory: str | Path, abstract_state: dict, *, opt: bool) -> dict:
+    """{"params": ...} (with `opt`, and "opt": ...) of the orbax checkpoint in `directory`, placed
+    with `abstract_state`'s shardings.
+
+    `directory` was written by `orbax.checkpoint.StandardCheckpointer().save(directory, tree)`, `tree`
+    the parameter tree itself or a dict holding it under "params" (and the optimizer state under
+    "opt"): an ftjax run's RUN/checkpoints/STEP/state is one (its other entries are not read). The
+    checkpoint's metadata is compared with this model's trees before any array is read:
+    InitCheckpointError names every leaf missing, extra, or of another shape or dtype."""
+    where = f"checkpoint.init_from {directory}"
+    path = Path(directory).absolute()
+    if not path.is_dir():
+        raise InitCheckpointError(f"{where}: not a directory")
+    checkpointer = ocp.PyTreeCheckpointer()  # (reads what StandardCheckpointer wrote; restores part of it)
+    found = checkpointer.metadata(path).item_metadata  # shapes and dtypes: no array is read
+    if found is None:
+        raise InitCheckpointError(f"{where}: holds no orbax pytree checkpoint (write one with orbax.checkpoint."
+                                  "StandardCheckpointer().save(DIR, params); of an ftjax run, give "
+                                  "RUN/checkpoints/STEP/state)")
+    tree = found.tree
+    params = abstract_state["params"]
+    # a dict holding "params" is the wrapped form, unless this model's own parameters have that key
+    wrapped = isinstance(tree, dict) and "params" in tree and not (isinstance(params, dict) and "params" in params)
+    have = tree if wrapped else {"params": tree}
+    want = {"params": params, **({"opt": abstract_state["opt"]} if opt else {})}
+    if opt and "opt" not in have:
+        raise InitCheckpointError(f"{where}: checkpoint.init_opt asks for its optimizer state, but it holds none "
+                                  "(save {'params': params, 'opt': opt_state} for both)")
+    rows = _differences(_leaves(want), _leaves({k: have[k] for k in want}))
+    if rows:
+        raise InitCheckpointError(f"{where} is not a checkpoint of this model: {len(rows)} leaves differ "
+                                  "(the model config, task or optimizer differs?):\n" + "\n".join(rows))
+    step_dir = path.parent
+    if step_dir.name.isdigit() and (step_dir / CHECKSUMS).is_file():  # an ftjax run's step: check its seal
+        verify(step_dir, int(step_dir.name))
+    item = want if wrapped else params
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=wrapped))  # (what else it holds, a step counter, an unwanted "opt", is not read)
+    return dict(restored) if wrapped else {"params": restored}

@@ -101,6 +101,25 @@ class CheckpointConfig(_Strict):
     keep: int = Field(3, gt=0)
     async_save: bool = True
     dir: str | None = Field(None, description="default: RUN_DIR/checkpoints")
+    init_from: str | None = Field(None, description="start the run's parameters from this orbax checkpoint "
+                                  "(written by StandardCheckpointer().save(DIR, params), or of {'params': ..., "
+                                  "'opt': ...}; an ftjax run's RUN/checkpoints/STEP/state too) instead of the "
+                                  "seed's; only a fresh start uses it, a resume restores its own checkpoint")
+    init_opt: bool = Field(False, description="with init_from: its optimizer state too ('opt'), instead of a "
+                           "fresh one")
+
+    @field_validator("init_from")
+    @classmethod
+    def _a_path(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("empty path (leave it out to start from the seed)")
+        return v
+
+    @model_validator(mode="after")
+    def _opt_needs_init_from(self) -> "CheckpointConfig":
+        if self.init_opt and not self.init_from:
+            raise ValueError("init_opt: needs init_from (the checkpoint whose optimizer state to start from)")
+        return self
 
 
 class CoordinatorConfig(_Strict):

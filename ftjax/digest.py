@@ -47,3 +47,19 @@ def state_digest(state: dict) -> str:
     """Digest of parameters, optimizer state and model state (batch statistics, ...), not of the
     step counter."""
     return tree_digest({k: state[k] for k in ("params", "opt", "model_state") if k in state})
+
+
+def params_digest(state: dict) -> str:
+    """`tree_digest` of the parameters alone, every dict key made a string: the tree that a plain
+    orbax restore of a checkpoint's `params` returns (orbax stores dict keys as strings; an NNX
+    model's layer lists are int-keyed dicts in memory), so that a program without ftjax can
+    recompute it (docs/design.md, "Checkpoint layout"). Collective, as `tree_digest`."""
+    return tree_digest(_string_keys(state["params"]))
+
+
+def _string_keys(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {str(k): _string_keys(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):  # (a named tuple's paths are its fields)
+        return [_string_keys(v) for v in tree]
+    return tree

@@ -28,6 +28,8 @@ class ReplicaEvent(StrEnum):
 
     START = "start"  # the process is up and about to join; the fields say who (replica, incarnation, pid, ...)
     INIT = "init"  # fresh weights from the seed: nobody had state at the start of the job
+    INIT_FROM = "init_from"  # as INIT, but the weights (and with `opt` the optimizer state) came from the
+    # orbax checkpoint at `path` (checkpoint.init_from); `params_digest` is theirs (ftjax.digest.params_digest)
     RESTORE = "restore"  # the state came from the latest durable checkpoint (restored_step, data_position)
     CHECKPOINT_CORRUPT = "checkpoint_corrupt"  # durable checkpoint `step` failed its checksums (file, problem)
     STATE_UNAVAILABLE = "state_unavailable"  # the job has trained, yet no peer holds its state nor a checkpoint

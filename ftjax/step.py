@@ -56,6 +56,7 @@ class ReplicaProgram:
     accumulate: Any    # (acc, params, model_state, rows, where) -> (acc + update of rows weighted rows/B, row losses)
     zeros: Any         # () -> an update of zeros, in the update's shardings
     add: Any           # (a, b) -> a + b, updates (neither donated)
+    opt_init: Any      # (params) -> the optimizer's initial state (a start from given parameters)
     compiled_accumulate: dict = field(default_factory=dict)  # rows -> `accumulate` compiled for them
 
     def accumulate_rows(self, acc, state, rows, where):
@@ -254,6 +255,7 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task
         zeros=jax.jit(zeros, out_shardings=update_shardings),
         add=jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), in_shardings=(update_shardings, update_shardings),
                     out_shardings=update_shardings),
+        opt_init=jax.jit(tx.init, in_shardings=(p_shard,), out_shardings=opt_shard),
     )
 
 

@@ -10,6 +10,7 @@ one), the platform from the config (`platform: auto` uses what JAX finds; `cpu` 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -27,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. steps=30 model.d_model=128")
     p.add_argument("--out", default=None, help="run directory (default: runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the latest durable checkpoint")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from the parameters of this orbax checkpoint instead of the seed's (sets "
+                        "checkpoint.init_from; checkpoint.init_opt=true takes its optimizer state too)")
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="stop (with a checkpoint) once N steps are done, as if interrupted")
     p.add_argument("--num-processes", type=int, default=None, help="hosts in this replica (sets mesh.hosts)")
@@ -56,6 +60,8 @@ def parse_config(args: argparse.Namespace) -> Config:
         if args.num_processes < 1:
             raise ConfigError(f"--num-processes: must be >= 1 (got {args.num_processes})")
         overrides.append(f"mesh.hosts={args.num_processes}")
+    if args.init_from is not None:
+        overrides.append(init_from_override(args.init_from))
     cfg = load_config(args.config, overrides)
     for flag, value in (("--dist-address", args.dist_address), ("--coordinator", args.coordinator)):
         if value:
@@ -72,6 +78,13 @@ def parse_config(args: argparse.Namespace) -> Config:
     if not 0 <= args.replica_id < cfg.ft.replicas:
         raise ConfigError(f"--replica-id: {args.replica_id} is not in [0, ft.replicas={cfg.ft.replicas})")
     return cfg
+
+
+def init_from_override(directory: str) -> str:
+    """The override that `--init-from DIR` stands for: the absolute path (the job identity records
+    it, and a launcher's replicas may start elsewhere), quoted (a path is a string, whatever YAML
+    would make of it). An empty one stays empty, for the config to refuse (not the current directory)."""
+    return f"checkpoint.init_from={json.dumps(str(Path(directory).absolute()) if directory else directory)}"
 
 
 def dist_bind_address(cfg: Config, dist_address: str) -> str:

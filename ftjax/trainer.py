@@ -22,10 +22,11 @@ import numpy as np
 
 from ftjax.batches import Piece, assign, chunk_sizes, row_count, share_rows
 from ftjax.coordinator.client import QuorumResult
+from ftjax.checkpoint import load_init
 from ftjax.data import make_stream
 from ftjax.events import EXIT_LEFT, EXIT_NO_PROGRESS, ReplicaEvent as E
 from ftjax.config import Config
-from ftjax.digest import state_digest
+from ftjax.digest import params_digest, state_digest
 from ftjax.manager import FaultTolerance, Finished, Left
 from ftjax.protocol import StepProtocol
 from ftjax.step import device_batch, param_count, topology_fingerprint, where
@@ -68,7 +69,7 @@ class Trainer:
     def __init__(self, cfg: Config, program: Any, stream: Any, protocol: StepProtocol, *, log: Any,
                  ckpt: Any, faults: Any, watchdog: Any, replica_id: str, restore_durable: bool,
                  stop_after: int | None = None) -> None:
-        self.cfg, self.program, self.stream, self.protocol = cfg, program, stream, protocol
+        self.cfg, self.program, self.stream = cfg, program, stream
         self.log, self.ckpt, self.faults, self.watchdog = log, ckpt, faults, watchdog
         self.replica_id = replica_id
         self.restore_durable = restore_durable  # a fault-tolerant run, or a standalone --resume
@@ -270,9 +271,9 @@ class Trainer:
     # --- state from elsewhere -------------------------------------------------------------------
     def _init_state(self) -> None:
         """Nobody in the quorum has state: the latest durable checkpoint, else a fresh init from the
-        seed, but only at job start. Once this process has seen the job past step 0, seed weights
-        would silently restart training: it keeps asking for a peer to heal from instead, and gives
-        up with an error after `ft.quorum_timeout_s`."""
+        seed (its parameters from `checkpoint.init_from` when set), but only at job start. Once this
+        process has seen the job past step 0, fresh weights would silently restart training: it keeps
+        asking for a peer to heal from instead, and gives up with an error after `ft.quorum_timeout_s`."""
         if self.restore_durable and self.ckpt is not None and self.ckpt.latest_step() is not None:
             # the newest checkpoint that verifies (CheckpointMismatch if another job's)
             self.state, meta = self.ckpt.restore_intact(self.abstract, self._corrupt_checkpoint)
@@ -282,9 +283,23 @@ class Trainer:
         elif self.ft.job_step == 0:
             self.state = self.program.init(np.int32(self.cfg.seed))
             self.step = 0
-            self.log.event(E.INIT, seed=self.cfg.seed)
+            if self.cfg.checkpoint.init_from:
+                self._init_from()
+            else:
+                self.log.event(E.INIT, seed=self.cfg.seed)
         else:
             self._wait_for_a_source()
+
+    def _init_from(self) -> None:
+        """The parameters (with `checkpoint.init_opt`, the optimizer state) of the fresh state come from
+        the checkpoint `checkpoint.init_from`; the model state and step counter stay the seed's.
+        InitCheckpointError (exit 2) if it is not of this model, before any array is read."""
+        c = self.cfg.checkpoint
+        loaded = load_init(c.init_from, self.abstract, opt=c.init_opt)
+        # a fresh optimizer state is made for the loaded parameters: an optimizer's may depend on them
+        opt = loaded["opt"] if "opt" in loaded else self.program.opt_init(loaded["params"])
+        self.state = {**self.state, "params": loaded["params"], "opt": opt}
+        self.log.event(E.INIT_FROM, path=c.init_from, opt=c.init_opt, params_digest=params_digest(self.state))
 
     def _corrupt_checkpoint(self, e: Any) -> None:
         """A durable checkpoint failed its checksums: one event and one stderr line; the restore goes
@@ -310,8 +325,8 @@ class Trainer:
         if self.ckpt is not None:
             self.ckpt.maybe_save(self.step, self.state, self._meta(), force=True)
             self.ckpt.close()
-        self.log.summary(param_digest=state_digest(self.state), replica=self.replica_id,
-                         incarnation=self.ft.incarnation, data_position=self.position,
+        self.log.summary(param_digest=state_digest(self.state), params_digest=params_digest(self.state),
+                         replica=self.replica_id, incarnation=self.ft.incarnation, data_position=self.position,
                          data_fingerprint=self.stream.fingerprint,
                          commit_failures=self.ft.commit_failures, params=param_count(self.state),
                          devices=int(self.program.mesh.devices.size), processes=jax.process_count())

@@ -29,6 +29,7 @@ from ftjax.config import Config, ConfigError, load_config
 from ftjax.launch import emit as cluster
 from ftjax.launch.supervisor import (FaultPlan, LaunchError, check_seconds, parse_bandwidth, parse_hang, parse_kill,
                                      parse_kill_host, parse_partition, parse_seconds)
+from ftjax.train import init_from_override
 
 if TYPE_CHECKING:
     from ftjax.launch.vcluster import VirtualCluster
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run COMMAND instead of `ftjax train` for each replica (a script that owns its loop through "
                         "ftjax.FaultTolerance.join); it gets `ftjax train`'s arguments. A leading `python` is this "
                         "launcher's interpreter")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="every replica starts from the parameters of this orbax checkpoint instead of the seed's "
+                        "(sets checkpoint.init_from, passed on to the replicas)")
     f = p.add_argument_group("faults (times count from warm-up: every replica has trained a step)")
     f.add_argument("--kill", action="append", default=[], metavar="R@STEP[:PHASE]",
                    help="replica R SIGKILLs itself at STEP in PHASE: forward (default) | ftar | commit | catchup "
@@ -173,6 +177,10 @@ def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan
         overrides.append(f"mesh.hosts={args.hosts_per_replica}")
     if args.devices_per_host is not None:
         overrides.append(f"mesh.devices_per_host={args.devices_per_host}")
+    if args.init_from is not None:
+        if args.emit is None and not Path(args.init_from).is_dir():  # (a cluster's path may exist only there)
+            raise UsageError(f"--init-from {args.init_from}: not a directory")
+        overrides.append(init_from_override(args.init_from))
     cfg = load_config(args.config, overrides)
     replicas = cfg.ft.replicas if args.replicas is None else args.replicas
     cfg = load_config(args.config, [*overrides, f"ft.replicas={replicas}"])

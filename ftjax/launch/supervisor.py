@@ -580,7 +580,7 @@ class Supervisor:
                     s.kill_on_catchup = False
                     self._log(L.FAULT, kind="kill_catchup", replica=r, step=rec.get("at_step"))
                     self._kill(r, "kill_catchup")
-            elif kind == E.INIT and self.warm_at is not None and s.alive:
+            elif kind in (E.INIT, E.INIT_FROM) and self.warm_at is not None and s.alive:
                 # A fresh state after the job has trained means no live peer held the job's state
                 # (they have all finished): training on would start the job over, alone.
                 abandon = ("it initialized from scratch after the job had trained: no live peer "
