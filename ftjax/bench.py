@@ -14,6 +14,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "catchup": ("ftjax_bench.catchup:main", "catch-up transfer rate against the raw link"),
     "outage": ("ftjax_bench.outage:main", "step time in an outage against healthy, elastic and constant batch"),
     "reduced": ("ftjax_bench.reduced:main", "a reduced-degree replica's step rate against the full replica's"),
+    "data": ("ftjax_bench.data:main", "token files: prepare's and the loader's tokens/s against the training step's"),
 }
 
 

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("ftjax.bench:main", "benchmarks; each prints one JSON line"),
     "simulate": ("ftjax.sim.cli:main", "discrete-event goodput model of fault-tolerant training at scale"),
     "demo": ("ftjax.demo:main", "the flagship demo (what `make demo` runs)"),
+    "data": ("ftjax.prepare:main", "token files: `ftjax data prepare` tokenizes a corpus once (train, heldout)"),
     "check": ("ftjax.tasks:check_main", "load a config's task and trace its loss on its first examples"),
 }
 

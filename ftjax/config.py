@@ -254,8 +254,9 @@ class Config(_Strict):
                 f"mesh: data.batch_size ({self.data.batch_size}) must be divisible by the replica's "
                 f"{n} devices (mesh.hosts={self.mesh.hosts} x mesh.devices_per_host={self.mesh.devices_per_host})"
             )
-        # FSDP shards every parameter along its `embed` (d_model) dimension over all devices.
-        if self.task is None and self.model.d_model % n:
+        # FSDP shards every parameter along its `embed` (d_model) dimension over all devices. The
+        # built-in tasks (ftjax.tasks:language_model, :token_lm) are the models of `model:`.
+        if (self.task is None or self.task.startswith("ftjax.tasks:")) and self.model.d_model % n:
             raise ValueError(
                 f"mesh: model.d_model ({self.model.d_model}) must be divisible by the replica's {n} devices "
                 "(FSDP shards the embedding dimension)"

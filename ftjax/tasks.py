@@ -3,6 +3,7 @@
 `language_model` is a task like any user's: the config's `model:` section builds a Flax NNX model
 (ftjax/models: the GPT-2-style byte model, or the token MLP), `data.source` names the source, and
 the loss is each sequence's mean next-token cross-entropy. A config without `task:` trains it.
+`token_lm` is the same model and loss on a tokenized corpus (`ftjax data prepare`, ftjax/tokens.py).
 """
 
 from __future__ import annotations
@@ -16,18 +17,46 @@ BUILTIN = "ftjax.tasks:language_model"
 _loaded: dict[str, Task] = {}
 
 
-def language_model(cfg) -> Task:
-    """Next-token prediction on int32[seq_len + 1] token windows with the model of `cfg.model`."""
+def _lm_task(cfg, source, name: str) -> Task:
+    """Next-token prediction on `source`'s int32[seq_len + 1] token windows with the model of `cfg.model`."""
     from ftjax import models
-    from ftjax.data import token_source
 
     def loss(model, tokens):
         logits = model(tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(axis=1)
 
-    source = token_source(cfg.data.source, cfg.seed, cfg.model.seq_len, cfg.model.vocab_size)
-    return nnx_task(lambda rngs: models.build(cfg.model, rngs), loss, source, name=BUILTIN,
+    return nnx_task(lambda rngs: models.build(cfg.model, rngs), loss, source, name=name,
                     tokens_per_example=cfg.model.seq_len)
+
+
+def language_model(cfg) -> Task:
+    """The model of `cfg.model` on the built-in source of `data.source` (stdlib bytes, synthetic)."""
+    from ftjax.data import token_source
+
+    return _lm_task(cfg, token_source(cfg.data.source, cfg.seed, cfg.model.seq_len, cfg.model.vocab_size), BUILTIN)
+
+
+def token_lm(cfg, *, dir: str, split: str = "train") -> Task:
+    """The model of `cfg.model` on token files (`ftjax data prepare --out DIR`): windows of
+    seq_len + 1 tokens of `split`, memory-mapped. `model.vocab_size` must hold the files' vocabulary
+    (it may be larger: a vocabulary padded to a round size)."""
+    from ftjax.tokens import SPLITS, TokenFileError, TokenWindows
+
+    name = "ftjax.tasks:token_lm"
+    if split not in SPLITS:
+        raise TaskError(f"task {name}: task_args.split: {split!r} is not one of {', '.join(SPLITS)}")
+    try:
+        source = TokenWindows(dir, split, cfg.model.seq_len + 1)
+    except TokenFileError as e:
+        raise TaskError(f"task {name}: task_args.dir: {e}") from None
+    if cfg.model.vocab_size < source.vocab_size:
+        raise TaskError(f"task {name}: model.vocab_size ({cfg.model.vocab_size}) is smaller than the token files' "
+                        f"vocabulary ({source.vocab_size}, {source.directory}/index.json): set "
+                        f"model.vocab_size={source.vocab_size} or more")
+    if len(source) == 0:
+        raise TaskError(f"task {name}: split {split!r} of {dir} has {len(source.tokens)} tokens, fewer than one "
+                        f"window of model.seq_len + 1 = {source.window}")
+    return _lm_task(cfg, source, name)
 
 
 def task_of(cfg) -> Task:

@@ -31,7 +31,7 @@ def _ratio(value) -> None:
 def test_every_benchmark_has_a_test_here_or_is_named_where_it_runs():
     from ftjax.bench import BENCHES
 
-    tested = {"step", "catchup", "outage", "reduced", "ftar", "coordinator"}
+    tested = {"step", "catchup", "outage", "reduced", "ftar", "coordinator", "data"}
     assert set(BENCHES) == tested, f"add a tiny run of {set(BENCHES) - tested} to tests/test_bench.py"
 
 
@@ -71,3 +71,11 @@ def test_bench_reduced_compares_a_reduced_replica_with_the_full_one():
     out = _bench("reduced", "tiny", "--steps", "10", "--warmup", "3")
     assert out["bench"] == "reduced" and out["live_hosts"] == 1
     _ratio(out["throughput"]), _ratio(out["mode_efficiency"])
+
+
+@pytest.mark.slow
+def test_bench_data_compares_prepare_and_the_loader_with_the_training_step():
+    out = _bench("data", "tiny", "--mib", "0.25", "--vocab", "512", "--workers", "2", "--batches", "20",
+                 "--steps", "5", "--warmup", "1", timeout=180)
+    assert out["bench"] == "data" and out["tokens"] > 0 and out["vocab_size"] <= 512
+    _ratio(out["loader_vs_step"]), _ratio(out["prepare_vs_step"])
