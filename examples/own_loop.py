@@ -14,11 +14,11 @@ import sys
 import time
 
 import ftjax
-from ftjax.manager import Finished, Left, RunArgs
+from ftjax.manager import Finished, Left
 
 
 def main(argv: list[str] | None = None) -> int:
-    run = RunArgs.parse(argv)  # `ftjax train`'s arguments; sets JAX's platform before JAX is imported
+    run = ftjax.RunArgs.parse(argv)  # `ftjax train`'s arguments; sets JAX's platform before JAX is imported
     import jax
     import jax.numpy as jnp
     import optax

@@ -24,7 +24,7 @@ _EXPORTS = {
     "Task": "ftjax.task", "TaskError": "ftjax.task", "nnx_task": "ftjax.task", "linen_task": "ftjax.task",
     "pytree_task": "ftjax.task",
     "fit": "ftjax.api", "FitResult": "ftjax.api",
-    "FaultTolerance": "ftjax.manager", "StepInfo": "ftjax.manager",
+    "FaultTolerance": "ftjax.manager", "StepInfo": "ftjax.manager", "RunArgs": "ftjax.manager",
     "Config": "ftjax.config", "ConfigError": "ftjax.config", "load_config": "ftjax.config",
 }
 

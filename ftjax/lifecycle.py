@@ -141,6 +141,10 @@ def next_phase(phase: Phase, record: dict) -> Phase:
     return phase
 
 
+def _applied(record: dict) -> bool:
+    return bool(record.get(StepField.COMMITTED))
+
+
 # --- the fold -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Segment:
@@ -175,7 +179,9 @@ class Lifecycle:
         sig = signal(record)
         if sig is Signal.INSTALLED and new is Phase.CATCHING_UP:
             self.installed = True
-        elif new is not self.phase or sig in (Signal.BEHIND, Signal.RELAY_STEP):
+        elif new is not self.phase or sig is Signal.BEHIND or (sig is Signal.RELAY_STEP and not _applied(record)):
+            # (a relay step the replica committed applied the update to the state it installed: it
+            # still holds the job's state; seen when a replica rejoins at the job's next-to-last step)
             self.installed = False
         t = float(record[TIME])
         if not self._times or new is not self.phase or (new is Phase.TRAINING and sig is Signal.OWN_STEP):

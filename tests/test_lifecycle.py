@@ -159,6 +159,22 @@ def test_waiting_for_state():
                        ("step", False), ("step", False), ("replica_done", False)]
 
 
+def test_a_replica_that_rejoins_at_the_next_to_last_step_holds_the_state_to_the_end():
+    """It installs the state at step n-1 and commits the job's last step n without a batch of its
+    own (it relayed zeros in that quorum): a committed relay step applied the update to the
+    installed state, so it is not waiting for state when its peers finish (a run where it was
+    abandoned for that, its summary digest equal to the peers', made `ftjax launch` exit 1)."""
+    lifecycle = Lifecycle(steps=100)
+    for record in ({TIME: 1.0, EVENT: "start"}, {TIME: 1.1, EVENT: "catchup_started"},
+                   {TIME: 1.2, "step": 99, "committed": False, "healing": True},
+                   {TIME: 1.3, EVENT: "catchup_done"},
+                   {TIME: 1.4, "step": 100, "committed": True, "healing": True}):
+        lifecycle.feed(record)
+    assert lifecycle.phase is CATCHING_UP and not lifecycle.waiting_for_state
+    lifecycle.feed({TIME: 1.5, "step": 101, "committed": False, "healing": True})  # a discarded relay: not proof
+    assert lifecycle.waiting_for_state
+
+
 # --- one run, folded live and after the fact ------------------------------------------------------
 def replay_live(run_dir: Path, tmp_path: Path) -> tuple[Supervisor, list[tuple[float, list[Phase]]]]:
     """The recorded run as the supervisor saw it: every replica's metrics.jsonl grows line by line
