@@ -60,8 +60,9 @@ def parse_config(args: argparse.Namespace) -> Config:
         if args.num_processes < 1:
             raise ConfigError(f"--num-processes: must be >= 1 (got {args.num_processes})")
         overrides.append(f"mesh.hosts={args.num_processes}")
-    if args.init_from is not None:
-        overrides.append(init_from_override(args.init_from))
+    init_from = getattr(args, "init_from", None)  # (the sync baseline's parser has no --init-from)
+    if init_from is not None:
+        overrides.append(init_from_override(init_from))
     cfg = load_config(args.config, overrides)
     for flag, value in (("--dist-address", args.dist_address), ("--coordinator", args.coordinator)):
         if value:
