@@ -165,7 +165,8 @@ def nnx_task(model: Callable[[Any], Any], loss: Callable[[Any, Batch], Any], sou
             return model(rngs)
 
     abstract = nnx.eval_shape(lambda: build(nnx.Rngs(0)))
-    graphdef, a_params, _, a_rest = split(abstract)
+    graphdef, a_params, a_rngs, a_rest = split(abstract)
+    a_rngs = nnx.to_pure_dict(a_rngs)
     axes = nnx.to_pure_dict(nnx.get_partition_spec(a_params))
     _check_float_state(nnx.to_pure_dict(a_rest), name)
     tags = sorted({n.tag for _, n in nnx.iter_graph(abstract) if isinstance(n, nnx.RngStream)})
@@ -174,11 +175,17 @@ def nnx_task(model: Callable[[Any], Any], loss: Callable[[Any, Batch], Any], sou
         _, params, _, rest = split(build(nnx.Rngs(key)))
         return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
+    def rng_variables():
+        # RNG variables (typed keys, counters) are not state ftjax keeps: placeholders of their
+        # shapes, which `reseed` below replaces for this computation
+        def leaf(a):
+            if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+                return jax.random.split(jax.random.key(0), a.shape) if a.shape else jax.random.key(0)
+            return jnp.zeros(a.shape, a.dtype)
+        return jax.tree.map(leaf, a_rngs)
+
     def wrapped(params, rest, batch, key):
-        # RNG variables (typed keys, counters) are not state ftjax keeps: built here (XLA drops the
-        # unused parameter inits of this second model) and reseeded for this computation
-        _, _, rngs, _ = split(build(nnx.Rngs(0)))
-        module = nnx.merge(graphdef, params, rngs, rest)
+        module = nnx.merge(graphdef, params, rng_variables(), rest)
         if tags:
             nnx.reseed(module, **{t: jax.random.fold_in(key, i) for i, t in enumerate(tags)})
         per_example, aux = split_output(loss(module, batch))
