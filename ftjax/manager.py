@@ -35,6 +35,10 @@ from ftjax.events import ReplicaEvent as E
 from ftjax.protocol import StepProtocol
 
 
+class JobStateLost(RuntimeError):
+    """The job has committed steps but no live peer and no durable checkpoint holds its state."""
+
+
 class Left(Exception):
     """The replica leaves the job at this step boundary (the message says why)."""
 
@@ -76,6 +80,7 @@ class FaultTolerance:
         self.job_step = 0        # the highest step of a quorum with state this process has seen
         self.digest = ""         # the latest digest of the state (ft.digest_every)
         self.last_digest = ""    # the digest the latest commit computed ("" if none)
+        self.state_lost_since: float | None = None  # since when no quorum had a member with state
 
     @property
     def has_state(self) -> bool:
@@ -116,6 +121,22 @@ class FaultTolerance:
         """The loop's state for a quorum without state (durable checkpoint, or an init at job start)."""
         self.state, self.step, self.data_position = state, step, data_position
 
+    def wait_for_a_source(self, timeout_s: float, replica_id: str) -> None:
+        """A quorum without state after the job has trained (`job_step` > 0): seed weights would
+        silently restart training, so the loop asks again and waits for a peer that holds the job's
+        state; JobStateLost once none has for `timeout_s`."""
+        now = time.monotonic()
+        if self.state_lost_since is None:
+            self.state_lost_since = now
+            self.log.event(E.STATE_UNAVAILABLE, job_step=self.job_step,
+                           reason="no participant has state and there is no durable checkpoint")
+        if now - self.state_lost_since > timeout_s:
+            raise JobStateLost(
+                f"replica {replica_id}: the job was at step {self.job_step}, but for {timeout_s:.0f} s no live "
+                "peer held its state and there is no durable checkpoint (checkpoint.every); not restarting "
+                "the job from the seed")
+        time.sleep(0.05)
+
     def average(self, q: QuorumResult, update: Any | None) -> tuple[Any, dict | None]:
         """(the average over the quorum's contributors, None), or (None, the failure)."""
         return self.protocol.average(q, update)
@@ -151,7 +172,7 @@ class FaultTolerance:
     # --- what a quorum means for this replica ----------------------------------------------------
     def _follow(self, q: QuorumResult, install: Any) -> bool:
         """Returns whether this replica is catching up."""
-        self.job_step = max(self.job_step, q.step)
+        self.job_step, self.state_lost_since = max(self.job_step, q.step), None
         if q.majority_digest and self.has_state:  # our state is not the one the quorum kept: heal
             self.log.event(E.DIVERGED, step=self.step, digest=self.digest, majority_digest=q.majority_digest,
                            source=q.heal_source)
@@ -273,7 +294,6 @@ class ScriptFaultTolerance(FaultTolerance):
         super().__init__(protocol, **kw)
         self.faults, self.replica_id, self.fingerprint = faults, replica_id, fingerprint
         self.quorum_timeout_s, self.drain_timeout_s, self.replicas = quorum_timeout_s, drain_timeout_s, replicas
-        self._lost_since: float | None = None
         self._t0 = time.perf_counter()
         self._asked = False
 
@@ -297,12 +317,7 @@ class ScriptFaultTolerance(FaultTolerance):
             self.init_state(init())
             self.log.event(E.INIT, seed=0)
         else:
-            now = time.monotonic()
-            self._lost_since = self._lost_since or now
-            if now - self._lost_since > self.quorum_timeout_s:
-                raise RuntimeError(f"replica {self.replica_id}: the job was at step {self.job_step}, but no live "
-                                   f"peer held its state for {self.quorum_timeout_s:.0f} s")
-            time.sleep(0.05)
+            self.wait_for_a_source(self.quorum_timeout_s, self.replica_id)
         self.ask()
 
     def average(self, q: QuorumResult, update: Any | None) -> tuple[Any, dict | None]:

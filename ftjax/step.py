@@ -30,7 +30,7 @@ from ftjax.coordinator.layout import fingerprint
 from ftjax.config import Config
 from ftjax.digest import state_digest
 from ftjax.optim import block_norm, make_optimizer
-from ftjax.task import Task, TaskError, normalize_loss, replicated_axes, step_key
+from ftjax.task import Task, TaskError, batch_rows, normalize_loss, replicated_axes, step_key
 
 State = dict[str, Any]
 
@@ -61,7 +61,7 @@ class ReplicaProgram:
 
     def accumulate_rows(self, acc, state, rows, where):
         """`accumulate`, through the executable compiled for this many rows if there is one."""
-        fn = self.compiled_accumulate.get(jax.tree.leaves(rows)[0].shape[0], self.accumulate)
+        fn = self.compiled_accumulate.get(batch_rows(rows), self.accumulate)
         return fn(acc, state["params"], model_state(state), rows, where)
 
     def grads_of(self, state, batch, where):
@@ -203,7 +203,7 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task
         """(per-example losses, aux, the update of `batch` with its loss weighted `weight` per row)."""
         def total(p):
             per_example, aux, new_ms = task.loss(p, ms, batch, step_key(cfg.seed, where))
-            per_example, aux = normalize_loss((per_example, aux), per_example_count(batch), task.name)
+            per_example, aux = normalize_loss((per_example, aux), batch_rows(batch), task.name)
             return per_example.sum() * weight, (per_example, aux, new_ms)
 
         (_, (per_example, aux, new_ms)), g = jax.value_and_grad(total, has_aux=True)(params)
@@ -214,7 +214,7 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task
         return per_example, aux, update
 
     def grads(params, ms, batch, where):
-        per_example, aux, update = update_of(params, ms, batch, where, 1.0 / per_example_count(batch))
+        per_example, aux, update = update_of(params, ms, batch, where, 1.0 / batch_rows(batch))
         return per_example.mean(), {k: v.mean() for k, v in aux.items()}, update
 
     def apply(state, update, lr_scale):
@@ -257,10 +257,6 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task
                     out_shardings=update_shardings),
         opt_init=jax.jit(tx.init, in_shardings=(p_shard,), out_shardings=opt_shard),
     )
-
-
-def per_example_count(batch: Any) -> int:
-    return jax.tree.leaves(batch)[0].shape[0]
 
 
 def device_batch(program: ReplicaProgram, batch) -> Any:

@@ -29,7 +29,8 @@ import hashlib
 import importlib
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,6 @@ class Task:
     param_axes: PyTree | None = None
     optimizer: optax.GradientTransformation | None = None
     tokens_per_example: int = 0  # for the tokens/s figures (0: not a token model)
-    args: dict = field(default_factory=dict)  # the factory's arguments (the job identity records them)
 
     def data_fingerprint(self) -> str:
         """The source's own `fingerprint` attribute, else a hash of its type, length and first example."""
@@ -93,6 +93,11 @@ def stack(examples: Sequence[Any], task: str = "") -> Batch:
     except (ValueError, TypeError) as e:
         raise TaskError(f"task {task!r}: the source's examples do not batch (each must be the same pytree "
                         f"of equally shaped arrays): {e}") from None
+
+
+def batch_rows(batch: Batch) -> int:
+    """The rows (examples) of a batch: its leaves' leading axis."""
+    return jax.tree.leaves(batch)[0].shape[0]
 
 
 def slice_rows(batch: Batch, a: int, b: int) -> Batch:
@@ -204,10 +209,6 @@ def _check_float_state(state: PyTree, task: str) -> None:
                             "must be floating point")
 
 
-def _rows(batch: Batch) -> int:
-    return jax.tree.leaves(batch)[0].shape[0]
-
-
 # --- Flax Linen -------------------------------------------------------------------------------------
 
 def linen_task(module: Any, loss: Callable[[Callable, Batch], Any], source: Any, *,
@@ -311,7 +312,7 @@ def load_task(path: str, cfg: Any, args: dict | None = None, search: Sequence[st
         raise TaskError(f"task {path!r}: its source is not random access (len, [i]): {type(e).__name__}: {e}") from e
     if n < 1:
         raise TaskError(f"task {path!r}: its source is empty")
-    return Task(**{**task.__dict__, "name": path, "args": dict(args or {})})
+    return dataclasses.replace(task, name=path)
 
 
 def replicated_axes(params: PyTree) -> PyTree:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import optax
 
-from ftjax.task import Task, TaskError, load_task, nnx_task, normalize_loss
+from ftjax.task import Task, TaskError, batch_rows, load_task, nnx_task, normalize_loss
 
 BUILTIN = "ftjax.tasks:language_model"
 
@@ -77,7 +77,7 @@ def check_task(cfg) -> Task:
     batch = task.example_batch(min(cfg.data.batch_size, 2))
     try:
         params, state = jax.eval_shape(task.init, jax.random.key(0))
-        rows = jax.tree.leaves(batch)[0].shape[0]
+        rows = batch_rows(batch)
         jax.eval_shape(lambda *a: normalize_loss(task.loss(*a)[:2], rows, task.name), params, state, batch,
                        jax.random.key(0))
     except TaskError:

@@ -33,10 +33,6 @@ from ftjax.step import device_batch, param_count, topology_fingerprint, where
 from ftjax.task import concat_rows, slice_rows
 
 
-class JobStateLost(RuntimeError):
-    """The job has committed steps but no live peer and no durable checkpoint holds its state."""
-
-
 def lr_scale(policy: str, live: int, total: int) -> float:
     """Learning-rate response to missing replicas (FT-HSDP paper: sqrt beat linear beat none)."""
     frac = min(live, total) / total
@@ -75,7 +71,6 @@ class Trainer:
         self.restore_durable = restore_durable  # a fault-tolerant run, or a standalone --resume
         self.stop = min(cfg.steps, stop_after) if stop_after else cfg.steps
         self.abstract = program.abstract_state()
-        self.state_lost_since: float | None = None
         self.constant = cfg.ft.global_batch == "constant"
         # the step protocol's one owner: it holds the state, the step and the data position
         self.ft = FaultTolerance(protocol, apply=self._apply, abstract_state=self.abstract, log=log, meta=self._meta,
@@ -148,7 +143,6 @@ class Trainer:
             with self.watchdog.exempt("init"):
                 self._init_state()
             return self._ask()
-        self.state_lost_since = None
         if info.catching_up:
             self.faults.point(q.step + 1, "catchup")
         if info.past_end:  # the job has trained every step: this replica only catches up
@@ -233,10 +227,9 @@ class Trainer:
     def _commit(self, q: QuorumResult, update: Any, computed: Computed | None, contributes: bool,
                 timing: _Timing) -> None:
         scale = 1.0 if self.constant else lr_scale(self.cfg.ft.lr_scaling, q.num_contributors, self.cfg.ft.replicas)
-        batch_id = self.stream.batch_id(self.position) if contributes else None
+        position = self.position  # (the batch trained: commit moves past it)
         applied = self.ft.commit(q, update, scale=scale, contributed=contributes)
-        if not applied:
-            batch_id = None
+        batch_id = self.stream.batch_id(position) if applied and contributes else None
         digest = self.ft.last_digest
         if self.ckpt is not None and applied:
             with self.watchdog.exempt("checkpoint save"):  # its length depends on the model, like a restore
@@ -288,7 +281,7 @@ class Trainer:
             else:
                 self.log.event(E.INIT, seed=self.cfg.seed)
         else:
-            self._wait_for_a_source()
+            self.ft.wait_for_a_source(self.cfg.ft.quorum_timeout_s, self.replica_id)
 
     def _init_from(self) -> None:
         """The parameters (with `checkpoint.init_opt`, the optimizer state) of the fresh state come from
@@ -306,19 +299,6 @@ class Trainer:
         on with the next older one."""
         self.log.event(E.CHECKPOINT_CORRUPT, step=e.step, file=e.file, problem=e.problem, moved_to=str(e.moved_to))
         print(f"ftjax train: {e}; moved to {e.moved_to}, trying an older checkpoint", file=sys.stderr, flush=True)
-
-    def _wait_for_a_source(self) -> None:
-        now = time.monotonic()
-        if self.state_lost_since is None:
-            self.state_lost_since = now
-            self.log.event(E.STATE_UNAVAILABLE, job_step=self.ft.job_step,
-                           reason="no participant has state and there is no durable checkpoint")
-        if now - self.state_lost_since > self.cfg.ft.quorum_timeout_s:
-            raise JobStateLost(
-                f"replica {self.replica_id}: the job was at step {self.ft.job_step}, but for "
-                f"{self.cfg.ft.quorum_timeout_s:.0f} s no live peer held its state and there is no durable "
-                "checkpoint (checkpoint.every); not restarting the job from the seed")
-        time.sleep(0.05)
 
     # --- the end ----------------------------------------------------------------------------------
     def _finish(self) -> int:

@@ -4,6 +4,8 @@ this one would count a tenth of what it should."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import optax
 
 import ftjax
@@ -43,4 +45,4 @@ class _Ragged:
 
 
 def ragged(cfg, **_) -> ftjax.Task:
-    return ftjax.Task(**{**task(cfg).__dict__, "source": _Ragged()})
+    return dataclasses.replace(task(cfg), source=_Ragged())
