@@ -556,9 +556,20 @@ def test_a_retry_after_a_call_abandoned_before_it_began_reads_no_stale_frame(sha
     out and resets the link, but the reset is lost in the partition (here: another descriptor keeps
     A's socket open). B then enters the call, fails at once from A's abort notice, and both retry
     under quorum 2. B reused its cached link from A, read A's quorum-1 frame and failed the retry too
-    (`frame quorum_id is 1, expected 2`). A failed call must leave no cached link behind."""
+    (`frame quorum_id is 1, expected 2`). A failed call must leave no cached link behind.
+
+    B's listener is slowed down between reading A's notice and recording it: A's call returns
+    only after B acknowledged, so B must hold the notice by then (it once acknowledged first, and
+    a B entering in between ran the call on its stale links: `connection closed`, not `abandoned`)."""
     eps = [FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=1, shared_memory=shared_memory) for _ in range(2)]
     members = [ep.address for ep in eps]
+    record = eps[1]._on_notice
+
+    def slow_record(notice):
+        time.sleep(0.5)
+        record(notice)
+
+    eps[1]._on_notice = slow_record
     try:
         bufs = [np.full(100, r, np.float32) for r in range(2)]
         assert run_ring(eps, bufs, quorum_id=1, step=0)[1] == [None, None]  # links cached

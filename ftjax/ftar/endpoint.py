@@ -410,8 +410,11 @@ class FTAREndpoint:
             self._drop(conn, "hello", exc)
             return
         if hello.kind == wire.KIND_NOTICE:
-            _answer_and_close(conn, wire.STATUS_OK)  # the acknowledgement is the liveness probe
+            # Record first, acknowledge second: once the broadcaster's call has returned, every
+            # member that acknowledged holds the notice, so its own entry into the call fails at
+            # once. (Acknowledging first let a member enter between the two and read stale frames.)
             self._on_notice(hello)
+            _answer_and_close(conn, wire.STATUS_OK)  # the acknowledgement is the liveness probe
             return
         if self._stale(hello, conn):
             return
