@@ -12,7 +12,7 @@ import flax.linen as nn
 import optax
 
 import ftjax
-from ftjax.data import Windows, stdlib_corpus
+from ftjax.program.data import Windows, stdlib_corpus
 
 
 class BatchNormLM(nn.Module):
@@ -23,7 +23,9 @@ class BatchNormLM(nn.Module):
     @nn.compact
     def __call__(self, tokens, train: bool = True):
         init = nn.initializers.normal(stddev=0.02)
-        x = nn.Embed(self.vocab, self.d_model, embedding_init=nn.with_logical_partitioning(init, ("vocab", "embed")))(tokens)
+        x = nn.Embed(self.vocab, self.d_model, embedding_init=nn.with_logical_partitioning(init, ("vocab", "embed")))(
+            tokens
+        )
         x = nn.Dense(self.d_ff, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
         x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
         return nn.Dense(self.vocab, kernel_init=nn.with_logical_partitioning(init, ("mlp", "vocab")))(nn.gelu(x))

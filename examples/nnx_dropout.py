@@ -15,14 +15,15 @@ import optax
 from flax import nnx
 
 import ftjax
-from ftjax.data import Windows, stdlib_corpus
+from ftjax.program.data import Windows, stdlib_corpus
 
 
 class DropoutLM(nnx.Module):
     def __init__(self, *, vocab: int, d_model: int, d_ff: int, dropout: float, rngs: nnx.Rngs):
         init = nnx.initializers.normal(stddev=0.02)
-        self.embed = nnx.Embed(vocab, d_model, embedding_init=nnx.with_partitioning(init, ("vocab", "embed")),
-                               rngs=rngs)
+        self.embed = nnx.Embed(
+            vocab, d_model, embedding_init=nnx.with_partitioning(init, ("vocab", "embed")), rngs=rngs
+        )
         self.up = nnx.Linear(d_model, d_ff, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
         self.drop = nnx.Dropout(dropout, rngs=rngs)
         self.down = nnx.Linear(d_ff, vocab, kernel_init=nnx.with_partitioning(init, ("mlp", "vocab")), rngs=rngs)
@@ -42,5 +43,9 @@ def loss(model: DropoutLM, tokens: jax.Array):
 def task(cfg, *, d_model: int = 64, d_ff: int = 256, dropout: float = 0.1) -> ftjax.Task:
     corpus = stdlib_corpus()  # bytes of Python's own sources (any random-access source works)
     source = Windows(corpus.tokens, cfg.model.seq_len + 1, corpus.fingerprint)
-    return ftjax.nnx_task(lambda rngs: DropoutLM(vocab=256, d_model=d_model, d_ff=d_ff, dropout=dropout, rngs=rngs),
-                          loss, source, tokens_per_example=cfg.model.seq_len)
+    return ftjax.nnx_task(
+        lambda rngs: DropoutLM(vocab=256, d_model=d_model, d_ff=d_ff, dropout=dropout, rngs=rngs),
+        loss,
+        source,
+        tokens_per_example=cfg.model.seq_len,
+    )

@@ -14,7 +14,7 @@ import sys
 import time
 
 import ftjax
-from ftjax.manager import Finished, Left
+from ftjax.runtime.manager import Finished, Left
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,12 +23,17 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import optax
 
-    from ftjax.data import BatchStream, Windows, stdlib_corpus
+    from ftjax.program.data import BatchStream, Windows, stdlib_corpus
 
     cfg, rid = run.cfg, run.options.replica_id
     corpus = stdlib_corpus()
-    stream = BatchStream(Windows(corpus.tokens, cfg.model.seq_len + 1), seed=cfg.seed, batch_size=cfg.data.batch_size,
-                         replica=rid, replicas=cfg.ft.replicas)
+    stream = BatchStream(
+        Windows(corpus.tokens, cfg.model.seq_len + 1),
+        seed=cfg.seed,
+        batch_size=cfg.data.batch_size,
+        replica=rid,
+        replicas=cfg.ft.replicas,
+    )
     tx = optax.adamw(cfg.optim.lr)
 
     def init():
@@ -49,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}
 
     template = jax.eval_shape(init)  # shapes and dtypes: what a healing peer receives
-    ft = ftjax.FaultTolerance.join(run, state=template, update_template=template["params"], apply=apply,
-                                   batch_id=stream.batch_id)
+    ft = ftjax.FaultTolerance.join(
+        run, state=template, update_template=template["params"], apply=apply, batch_id=stream.batch_id
+    )
     try:
         while ft.step < cfg.steps:
             info = ft.begin()
@@ -61,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.05)
                 ft.ask()
                 continue
-            loss, grads = (grads_of(ft.state["params"], stream.batch(info.data_position)) if info.contributes
-                           else (None, None))
+            loss, grads = (
+                grads_of(ft.state["params"], stream.batch(info.data_position)) if info.contributes else (None, None)
+            )
             update, error = ft.average(info.quorum, grads)
             if ft.vote(info.quorum, error):
-                ft.commit(info.quorum, update, contributed=info.contributes,
-                          loss=None if loss is None else float(loss))
+                ft.commit(info.quorum, update, contributed=info.contributes, loss=None if loss is None else float(loss))
         return ft.finish()
     except (Left, Finished):
         return 0

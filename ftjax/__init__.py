@@ -21,14 +21,36 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Task": "ftjax.task", "TaskError": "ftjax.task", "nnx_task": "ftjax.task", "linen_task": "ftjax.task",
-    "pytree_task": "ftjax.task",
-    "fit": "ftjax.api", "FitResult": "ftjax.api",
-    "FaultTolerance": "ftjax.manager", "StepInfo": "ftjax.manager", "RunArgs": "ftjax.manager",
-    "Config": "ftjax.config", "ConfigError": "ftjax.config", "load_config": "ftjax.config",
+    "Task": "ftjax.program.task",
+    "TaskError": "ftjax.program.task",
+    "nnx_task": "ftjax.program.task",
+    "linen_task": "ftjax.program.task",
+    "pytree_task": "ftjax.program.task",
+    "fit": "ftjax.api",
+    "FitResult": "ftjax.api",
+    "FaultTolerance": "ftjax.runtime.manager",
+    "StepInfo": "ftjax.runtime.manager",
+    "RunArgs": "ftjax.runtime.manager",
+    "Config": "ftjax.config",
+    "ConfigError": "ftjax.config",
+    "load_config": "ftjax.config",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Config",
+    "ConfigError",
+    "FaultTolerance",
+    "FitResult",
+    "RunArgs",
+    "StepInfo",
+    "Task",
+    "TaskError",
+    "fit",
+    "linen_task",
+    "load_config",
+    "nnx_task",
+    "pytree_task",
+]
 
 
 def __getattr__(name: str):

@@ -1,5 +1,5 @@
 import sys
 
-from ftjax.cli import main
+from ftjax.cli.main import main
 
 sys.exit(main())

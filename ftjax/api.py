@@ -41,18 +41,26 @@ def as_config(config: str | Path | dict | Config, overrides: list[str] | tuple[s
     return load_config(config, list(overrides))
 
 
-def fit(task: Any = None, config: str | Path | dict | Config = "tiny", overrides: list[str] | tuple[str, ...] = (),
-        *, out: str | Path = "runs/fit", coordinator: str | None = None, replica_id: int = 0,
-        resume: bool = False) -> FitResult:
+def fit(
+    task: Any = None,
+    config: str | Path | dict | Config = "tiny",
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    out: str | Path = "runs/fit",
+    coordinator: str | None = None,
+    replica_id: int = 0,
+    resume: bool = False,
+) -> FitResult:
     """Train `task` (an `ftjax.Task`; None: the config's `task:`) with `config`.
 
     Standalone unless `coordinator` (HOST:PORT of a job's `ftjax coordinator`; the job token in
     $FTJAX_TOKEN) is given. JAX runs on whatever this process has already set up: `platform` and
     `mesh.devices_per_host` are checked against it, not applied (see `ftjax train` for a process
     that sets them). A replica of several hosts calls `jax.distributed.initialize` first."""
-    from ftjax.env import check_platform
-    from ftjax.metrics import read_metrics
-    from ftjax.replica import RunOptions, run_member, run_standalone
+    from ftjax.base.env import check_platform
+    from ftjax.runtime.args import RunOptions
+    from ftjax.runtime.metrics import read_metrics
+    from ftjax.runtime.replica import run_member, run_standalone
 
     cfg = as_config(config, overrides)
     if task is not None and cfg.task is None:  # the identity of a checkpoint names the task it trained
@@ -81,4 +89,4 @@ def _path_of(task: Any) -> str:
     return f"__main__:{safe}"
 
 
-__all__ = ["FitResult", "fit", "as_config", "ConfigError"]
+__all__ = ["ConfigError", "FitResult", "as_config", "fit"]

@@ -15,9 +15,8 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ftjax.batches import share_rows
-from ftjax.net import is_all_interfaces, normalize_host
-
+from ftjax.base.batches import share_rows
+from ftjax.base.net import is_all_interfaces, normalize_host
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -43,7 +42,7 @@ class ModelConfig(_Strict):
     seq_len: int = Field(64, gt=1)
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
+    def _heads_divide(self) -> ModelConfig:
         if self.kind == "gpt" and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         return self
@@ -56,11 +55,19 @@ class DataConfig(_Strict):
 
 class MeshConfig(_Strict):
     hosts: int = Field(1, gt=0, description="processes (hosts) in one replica")
-    devices_per_host: int = Field(1, gt=0, description="devices each process uses: the first of its "
-                                  "accelerators, or on platform cpu that many simulated CPU devices")
-    live_hosts: int | None = Field(None, gt=0, description="a reduced-degree replica: the hosts it runs on now "
-                                   "(a divisor of hosts; set by the launcher, docs/design.md 'Reduced-degree "
-                                   "replicas'); default: hosts")
+    devices_per_host: int = Field(
+        1,
+        gt=0,
+        description="devices each process uses: the first of its "
+        "accelerators, or on platform cpu that many simulated CPU devices",
+    )
+    live_hosts: int | None = Field(
+        None,
+        gt=0,
+        description="a reduced-degree replica: the hosts it runs on now "
+        "(a divisor of hosts; set by the launcher, docs/design.md 'Reduced-degree "
+        "replicas'); default: hosts",
+    )
 
     @property
     def num_devices(self) -> int:
@@ -77,8 +84,8 @@ class MeshConfig(_Strict):
         return self.live * self.devices_per_host
 
     @model_validator(mode="after")
-    def _live_divides(self) -> "MeshConfig":
-        # Each live host serves whole gradient lanes (ftjax/lanes.py): hosts / live_hosts of them.
+    def _live_divides(self) -> MeshConfig:
+        # Each live host serves whole gradient lanes (ftjax/runtime/lanes.py): hosts / live_hosts of them.
         if self.live_hosts is not None and (self.live_hosts > self.hosts or self.hosts % self.live_hosts):
             raise ValueError(f"live_hosts ({self.live_hosts}) must divide hosts ({self.hosts})")
         return self
@@ -101,12 +108,14 @@ class CheckpointConfig(_Strict):
     keep: int = Field(3, gt=0)
     async_save: bool = True
     dir: str | None = Field(None, description="default: RUN_DIR/checkpoints")
-    init_from: str | None = Field(None, description="start the run's parameters from this orbax checkpoint "
-                                  "(written by StandardCheckpointer().save(DIR, params), or of {'params': ..., "
-                                  "'opt': ...}; an ftjax run's RUN/checkpoints/STEP/state too) instead of the "
-                                  "seed's; only a fresh start uses it, a resume restores its own checkpoint")
-    init_opt: bool = Field(False, description="with init_from: its optimizer state too ('opt'), instead of a "
-                           "fresh one")
+    init_from: str | None = Field(
+        None,
+        description="start the run's parameters from this orbax checkpoint "
+        "(written by StandardCheckpointer().save(DIR, params), or of {'params': ..., "
+        "'opt': ...}; an ftjax run's RUN/checkpoints/STEP/state too) instead of the "
+        "seed's; only a fresh start uses it, a resume restores its own checkpoint",
+    )
+    init_opt: bool = Field(False, description="with init_from: its optimizer state too ('opt'), instead of a fresh one")
 
     @field_validator("init_from")
     @classmethod
@@ -116,7 +125,7 @@ class CheckpointConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _opt_needs_init_from(self) -> "CheckpointConfig":
+    def _opt_needs_init_from(self) -> CheckpointConfig:
         if self.init_opt and not self.init_from:
             raise ValueError("init_opt: needs init_from (the checkpoint whose optimizer state to start from)")
         return self
@@ -129,18 +138,26 @@ class CoordinatorConfig(_Strict):
 
     min_replicas: int = Field(1, gt=0, description="a quorum needs at least this many replicas")
     heartbeat_timeout_s: float = Field(2.0, gt=0, description="silence after which a replica is dead")
-    join_timeout_s: float = Field(1.0, gt=0, description="how long a quorum waits for alive replicas that "
-                                  "have not asked yet")
-    suspect_window_s: float = Field(0.3, gt=0, description="silence after which an accused (or disconnected) "
-                                    "replica is dead; shorter than heartbeat_timeout_s")
-    startup_timeout_s: float = Field(60.0, gt=0, description="at job start, how long the first quorum waits "
-                                     "for every expected replica")
+    join_timeout_s: float = Field(
+        1.0, gt=0, description="how long a quorum waits for alive replicas that have not asked yet"
+    )
+    suspect_window_s: float = Field(
+        0.3,
+        gt=0,
+        description="silence after which an accused (or disconnected) "
+        "replica is dead; shorter than heartbeat_timeout_s",
+    )
+    startup_timeout_s: float = Field(
+        60.0, gt=0, description="at job start, how long the first quorum waits for every expected replica"
+    )
 
     @model_validator(mode="after")
-    def _suspect_before_dead(self) -> "CoordinatorConfig":
+    def _suspect_before_dead(self) -> CoordinatorConfig:
         if self.suspect_window_s >= self.heartbeat_timeout_s:
-            raise ValueError(f"suspect_window_s ({self.suspect_window_s:g}) must be shorter than "
-                             f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g})")
+            raise ValueError(
+                f"suspect_window_s ({self.suspect_window_s:g}) must be shorter than "
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g})"
+            )
         return self
 
     def flags(self) -> list[str]:
@@ -155,55 +172,89 @@ def flag_name(field: str) -> str:
 
 class FTConfig(_Strict):
     replicas: int = Field(1, gt=0, description="data-parallel replicas in the job (data streams)")
-    lr_scaling: Literal["none", "linear", "sqrt"] = Field("none", description="elastic mode: the learning rate "
-                                                          "while replicas are missing")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none", description="elastic mode: the learning rate while replicas are missing"
+    )
     global_batch: Literal["elastic", "constant"] = Field(
-        "elastic", description="elastic: a step averages the batches of the replicas present; constant: every "
-        "step trains the same R batches, the contributors compute the missing ones (docs/design.md)")
-    micro_batch_rows: int | None = Field(None, gt=0, description="constant mode: rows of one micro-batch (the unit "
-                                         "in which missing batches are dealt out); default: batch_size / 4, or "
-                                         "less to stay a multiple of the replica's device count")
+        "elastic",
+        description="elastic: a step averages the batches of the replicas present; constant: every "
+        "step trains the same R batches, the contributors compute the missing ones (docs/design.md)",
+    )
+    micro_batch_rows: int | None = Field(
+        None,
+        gt=0,
+        description="constant mode: rows of one micro-batch (the unit "
+        "in which missing batches are dealt out); default: batch_size / 4, or "
+        "less to stay a multiple of the replica's device count",
+    )
     ftar_timeout_s: float = Field(5.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
-    ftar_shared_memory: bool = Field(True, description="FTAR links between replicas on one host carry payloads "
-                                                       "through /dev/shm (frame headers stay on TCP)")
+    ftar_shared_memory: bool = Field(
+        True,
+        description="FTAR links between replicas on one host carry payloads "
+        "through /dev/shm (frame headers stay on TCP)",
+    )
     quorum_timeout_s: float = Field(120.0, gt=0)
-    progress_timeout_s: float = Field(10.0, gt=0, description="a replica process whose training loop makes no "
-                                      "progress this long (waits for the quorum, init, restores and checkpoint "
-                                      "saves aside) leaves the job and exits; must exceed ftar_timeout_s")
+    progress_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a replica process whose training loop makes no "
+        "progress this long (waits for the quorum, init, restores and checkpoint "
+        "saves aside) leaves the job and exits; must exceed ftar_timeout_s",
+    )
     digest_every: int = Field(1, ge=0, description="log the state digest every N steps (0: never)")
-    catchup_buffer_mib: float = Field(256.0, ge=0, description="RAM for the averaged updates a healing replica "
-                                      "keeps for its replay; older ones spill to local disk (never dropped)")
+    catchup_buffer_mib: float = Field(
+        256.0,
+        ge=0,
+        description="RAM for the averaged updates a healing replica "
+        "keeps for its replay; older ones spill to local disk (never dropped)",
+    )
     catchup_rate_limit_mbps: float | None = Field(None, gt=0, description="test knob: slow snapshot transfers")
-    drain_timeout_s: float = Field(60.0, ge=0, description="a finished replica serves its state this long "
-                                   "at most, until every replica of the job has caught up")
+    drain_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="a finished replica serves its state this long "
+        "at most, until every replica of the job has caught up",
+    )
     on_host_loss: Literal["restart", "reduce"] = Field(
-        "restart", description="restart: a replica that loses a host restarts whole once the host is back; "
+        "restart",
+        description="restart: a replica that loses a host restarts whole once the host is back; "
         "reduce: its surviving hosts go on at once as a reduced-degree replica (constant global batch only), "
-        "and it returns to full degree when the host is back")
-    reduced_min_fraction: float = Field(0.5, gt=0, le=1, description="reduce: a replica left with fewer than "
-                                        "this fraction of mesh.hosts restarts whole instead")
+        "and it returns to full degree when the host is back",
+    )
+    reduced_min_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="reduce: a replica left with fewer than this fraction of mesh.hosts restarts whole instead",
+    )
 
     @model_validator(mode="after")
-    def _progress_after_ftar(self) -> "FTConfig":
+    def _progress_after_ftar(self) -> FTConfig:
         # A healthy replica waits up to ftar_timeout_s for a hung peer before it reports it: a
         # shorter progress deadline would make it leave the job for its peer's fault.
         if self.progress_timeout_s <= self.ftar_timeout_s:
-            raise ValueError(f"progress_timeout_s ({self.progress_timeout_s}) must exceed ftar_timeout_s "
-                             f"({self.ftar_timeout_s})")
+            raise ValueError(
+                f"progress_timeout_s ({self.progress_timeout_s}) must exceed ftar_timeout_s ({self.ftar_timeout_s})"
+            )
         return self
 
 
 class NetConfig(_Strict):
     """Where a train process's listeners (FTAR, catch-up, its replica's jax.distributed service)
-    bind, and the address its peers dial (ftjax/net.py). The environment wins over these, since it
+    bind, and the address its peers dial (ftjax/base/net.py). The environment wins over these, since it
     is per process and the config is the job's: $FTJAX_BIND_HOST, $FTJAX_ADVERTISE_HOST."""
 
-    bind_host: str | None = Field(None, description="host to bind (default: all interfaces, IPv6 and IPv4; "
-                                  "the loopback address when the process advertises one)")
-    advertise_host: str | None = Field(None, description="host peers dial (default: the source address of "
-                                       "this machine's route to the coordinator)")
-    interface: str | None = Field(None, description="advertise this network interface's address (e.g. ib0), "
-                                  "unless advertise_host is set")
+    bind_host: str | None = Field(
+        None,
+        description="host to bind (default: all interfaces, IPv6 and IPv4; "
+        "the loopback address when the process advertises one)",
+    )
+    advertise_host: str | None = Field(
+        None, description="host peers dial (default: the source address of this machine's route to the coordinator)"
+    )
+    interface: str | None = Field(
+        None, description="advertise this network interface's address (e.g. ib0), unless advertise_host is set"
+    )
 
     @field_validator("bind_host", "advertise_host", "interface")
     @classmethod
@@ -219,8 +270,10 @@ class Config(_Strict):
     seed: int = 0
     steps: int = Field(30, gt=0)
     platform: Literal["auto", "cpu", "gpu", "tpu"] = Field(
-        "auto", description="auto: what JAX finds; cpu: CPU with mesh.devices_per_host simulated devices; "
-        "gpu, tpu: fail unless JAX finds one")
+        "auto",
+        description="auto: what JAX finds; cpu: CPU with mesh.devices_per_host simulated devices; "
+        "gpu, tpu: fail unless JAX finds one",
+    )
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
@@ -229,25 +282,31 @@ class Config(_Strict):
     coordinator: CoordinatorConfig = CoordinatorConfig()
     ft: FTConfig = FTConfig()
     net: NetConfig = NetConfig()
-    task: str | None = Field(None, description="what to train: 'package.module:factory', called as factory(cfg, "
-                             "**task_args) and returning an ftjax.Task (default: the built-in language model "
-                             "of the model: and data: sections, ftjax.tasks:language_model)")
+    task: str | None = Field(
+        None,
+        description="what to train: 'package.module:factory', called as factory(cfg, "
+        "**task_args) and returning an ftjax.Task (default: the built-in language model "
+        "of the model: and data: sections, ftjax.program.tasks:language_model)",
+    )
     task_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the task's factory")
-    task_path: list[str] = Field(default_factory=list, description="directories searched first for the task's "
-                                 "module (relative ones: to the config file's directory)")
+    task_path: list[str] = Field(
+        default_factory=list,
+        description="directories searched first for the task's module (relative ones: to the config file's directory)",
+    )
 
     @field_validator("task")
     @classmethod
     def _task_path_form(cls, v: str | None) -> str | None:
         if v is not None:
             module, sep, attr = v.partition(":")
-            if not (module and sep and attr and all(p.isidentifier() for p in module.split("."))
-                    and attr.isidentifier()):
+            if not (
+                module and sep and attr and all(p.isidentifier() for p in module.split(".")) and attr.isidentifier()
+            ):
                 raise ValueError(f"expected 'package.module:factory', got {v!r}")
         return v
 
     @model_validator(mode="after")
-    def _mesh_fits(self) -> "Config":
+    def _mesh_fits(self) -> Config:
         n = self.mesh.num_devices
         if self.data.batch_size % n:
             raise ValueError(
@@ -255,32 +314,40 @@ class Config(_Strict):
                 f"{n} devices (mesh.hosts={self.mesh.hosts} x mesh.devices_per_host={self.mesh.devices_per_host})"
             )
         # FSDP shards every parameter along its `embed` (d_model) dimension over all devices. The
-        # built-in tasks (ftjax.tasks:language_model, :token_lm) are the models of `model:`.
-        if (self.task is None or self.task.startswith("ftjax.tasks:")) and self.model.d_model % n:
+        # built-in tasks (ftjax.program.tasks:language_model, :token_lm) are the models of `model:`.
+        if (self.task is None or self.task.startswith("ftjax.program.tasks:")) and self.model.d_model % n:
             raise ValueError(
                 f"mesh: model.d_model ({self.model.d_model}) must be divisible by the replica's {n} devices "
                 "(FSDP shards the embedding dimension)"
             )
         m = self.ft.micro_batch_rows
         if m is not None and (self.data.batch_size % m or m % n):
-            raise ValueError(f"ft.micro_batch_rows ({m}) must divide data.batch_size ({self.data.batch_size}) "
-                             f"and be a multiple of the replica's {n} devices")
+            raise ValueError(
+                f"ft.micro_batch_rows ({m}) must divide data.batch_size ({self.data.batch_size}) "
+                f"and be a multiple of the replica's {n} devices"
+            )
         if self.ft.global_batch != "constant":
             # Rows a reduced replica does not compute go to the others, exactly once; elastic mode
             # has nobody to give them to (its batch n of stream r is trained by replica r or never).
-            for key, on in (("ft.on_host_loss", self.ft.on_host_loss == "reduce"),
-                            ("mesh.live_hosts", self.mesh.live < self.mesh.hosts)):
+            for key, on in (
+                ("ft.on_host_loss", self.ft.on_host_loss == "reduce"),
+                ("mesh.live_hosts", self.mesh.live < self.mesh.hosts),
+            ):
                 if on:
-                    raise ValueError(f"{key}: a reduced-degree replica needs ft.global_batch=constant "
-                                     "(the rows it no longer computes are dealt to the other replicas)")
+                    raise ValueError(
+                        f"{key}: a reduced-degree replica needs ft.global_batch=constant "
+                        "(the rows it no longer computes are dealt to the other replicas)"
+                    )
         if self.mesh.live < self.mesh.hosts and self.own_rows % self.micro_rows:
-            raise ValueError(f"mesh.live_hosts ({self.mesh.live}): its share of the batch ({self.own_rows} of "
-                             f"{self.data.batch_size} rows) is not a whole number of micro-batches "
-                             f"({self.micro_rows} rows, ft.micro_batch_rows)")
+            raise ValueError(
+                f"mesh.live_hosts ({self.mesh.live}): its share of the batch ({self.own_rows} of "
+                f"{self.data.batch_size} rows) is not a whole number of micro-batches "
+                f"({self.micro_rows} rows, ft.micro_batch_rows)"
+            )
         return self
 
     @model_validator(mode="after")
-    def _batch_fits(self) -> "Config":
+    def _batch_fits(self) -> Config:
         # An absurd batch otherwise gets as far as the data pipeline and grows the process until the
         # OS kills it. The bound is far above any batch that fits an accelerator's memory (2**22
         # tokens make 4 GiB of float32 logits per device even at a byte vocabulary).
@@ -290,7 +357,8 @@ class Config(_Strict):
                 f"data.batch_size ({self.data.batch_size}) x model.seq_len ({self.model.seq_len}) = {tokens:,} "
                 f"tokens per step, over the limit of {MAX_TOKENS_PER_DEVICE:,} per device x {n} devices "
                 f"(the step's activations would not fit in memory): lower data.batch_size, or add replicas "
-                f"(ft.replicas) or devices (mesh.devices_per_host) for a larger global batch")
+                f"(ft.replicas) or devices (mesh.devices_per_host) for a larger global batch"
+            )
         return self
 
     @property

@@ -1,5 +1,5 @@
 """ftjax's benchmarks (`ftjax bench NAME`) and the processes they start. Separate from the library
-packages, which never import it: `ftjax.bench` (the dispatcher) imports these modules lazily.
+packages, which never import it: `ftjax.cli.bench` (the dispatcher) imports these modules lazily.
 
     ftar.py           FTAR bus bandwidth against the raw TCP link (members: ftar_member.py)
     coordinator.py    quorum latency of N simulated replicas against a bare grpcio server

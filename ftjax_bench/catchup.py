@@ -20,23 +20,23 @@ import sys
 import threading
 import time
 
-from ftjax.coordinator.quorum import split_address
+from ftjax.base.net import split_address
 
 _CHUNK = 4 << 20
 
 
 def _serve(argv: list[str]) -> int:
+    from ftjax.base.env import configure_process
     from ftjax.config import load_config
-    from ftjax.env import configure_process
 
     cfg = load_config(argv[0], argv[1:])
     configure_process(device_count=cfg.mesh.devices_per_host)
     import jax
     import numpy as np
 
-    from ftjax.catchup import SnapshotServer
-    from ftjax.data import make_stream
-    from ftjax.step import build_program, device_batch
+    from ftjax.program.data import make_stream
+    from ftjax.program.step import build_program, device_batch
+    from ftjax.runtime.catchup import SnapshotServer
 
     program = build_program(cfg)
     state = program.init(np.int32(cfg.seed))
@@ -63,8 +63,17 @@ def _serve(argv: list[str]) -> int:
                     n -= _CHUNK
 
     threading.Thread(target=link_loop, daemon=True).start()
-    print(json.dumps({"address": server.address, "link": f"127.0.0.1:{link.getsockname()[1]}",
-                      "nbytes": nbytes, "offer_s": offer_s}), flush=True)
+    print(
+        json.dumps(
+            {
+                "address": server.address,
+                "link": f"127.0.0.1:{link.getsockname()[1]}",
+                "nbytes": nbytes,
+                "offer_s": offer_s,
+            }
+        ),
+        flush=True,
+    )
     sys.stdin.read()  # until the parent closes our stdin
     server.close()
     return 0
@@ -87,8 +96,9 @@ def _link_seconds(address: str, nbytes: int) -> float:
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "--serve":
         return _serve(argv[1:])
-    p = argparse.ArgumentParser(prog="ftjax bench catchup", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ftjax bench catchup", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--rounds", type=int, default=3)
@@ -102,19 +112,23 @@ def main(argv: list[str]) -> int:
         return 2
     import subprocess
 
-    from ftjax.env import configure_process
-    from ftjax.procs import ProcessGroup
+    from ftjax.base.env import configure_process
+    from ftjax.base.procs import ProcessGroup
 
     configure_process(device_count=cfg.mesh.devices_per_host)
     with ProcessGroup() as procs:
-        source = procs.start([sys.executable, "-m", "ftjax", "bench", "catchup", "--serve", args.config,
-                              *args.overrides], device_count=cfg.mesh.devices_per_host,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        source = procs.start(
+            [sys.executable, "-m", "ftjax", "bench", "catchup", "--serve", args.config, *args.overrides],
+            device_count=cfg.mesh.devices_per_host,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         info = json.loads(source.stdout.readline())
-        from ftjax.catchup import SnapshotFetch
+        from ftjax.runtime.catchup import SnapshotFetch
 
         links, transfers, fetch = [], [], None
-        for i in range(args.rounds):
+        for _i in range(args.rounds):
             links.append(_link_seconds(info["link"], info["nbytes"]))
             fetch = SnapshotFetch(info["address"], "bench/0", "bench-token", source="bench")
             fetch.done.wait(300)
@@ -124,7 +138,7 @@ def main(argv: list[str]) -> int:
             transfers.append(fetch.result.seconds)
         import jax
 
-        from ftjax.step import build_program
+        from ftjax.program.step import build_program
 
         abstract = build_program(cfg).abstract_state()
         t0 = time.perf_counter()
@@ -134,9 +148,19 @@ def main(argv: list[str]) -> int:
         source.wait(30)
     mb = info["nbytes"] / 1e6
     link_mb_s, catchup_mb_s = mb / statistics.median(links), mb / statistics.median(transfers)
-    print(json.dumps({"bench": "catchup", "config": args.config, "snapshot_mb": round(mb, 2),
-                      "catchup_mb_s": round(catchup_mb_s, 1), "link_mb_s": round(link_mb_s, 1),
-                      "ratio": round(catchup_mb_s / link_mb_s, 3), "snapshot_copy_s": round(info["offer_s"], 3),
-                      "restore_s": round(restore_s, 3),
-                      "rounds": args.rounds}))
+    print(
+        json.dumps(
+            {
+                "bench": "catchup",
+                "config": args.config,
+                "snapshot_mb": round(mb, 2),
+                "catchup_mb_s": round(catchup_mb_s, 1),
+                "link_mb_s": round(link_mb_s, 1),
+                "ratio": round(catchup_mb_s / link_mb_s, 3),
+                "snapshot_copy_s": round(info["offer_s"], 3),
+                "restore_s": round(restore_s, 3),
+                "rounds": args.rounds,
+            }
+        )
+    )
     return 0

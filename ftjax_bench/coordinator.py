@@ -46,10 +46,10 @@ from typing import NamedTuple
 
 import grpc
 
+from ftjax.base.env import read_token
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
-from ftjax.env import read_token
 
 _WARMUP_STEPS = 2  # the first quorum (everybody joining) and the one after it
 # grpc's epoll-based sockets instead of its EventEngine endpoints. Measured here: 58 instead of
@@ -64,13 +64,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=100)
     p.add_argument("--steps", type=int, default=22, help="quorums per replica, of which the first 2 are warm-up")
     p.add_argument("--step-ms", type=float, default=250.0, help="simulated compute between two quorums")
-    p.add_argument("--heartbeat-interval-ms", type=float, default=1000.0,
-                   help="per replica (1 s: a thousand heartbeats a second for a thousand replicas)")
+    p.add_argument(
+        "--heartbeat-interval-ms",
+        type=float,
+        default=1000.0,
+        help="per replica (1 s: a thousand heartbeats a second for a thousand replicas)",
+    )
     p.add_argument("--heartbeat-timeout-ms", type=int, default=10_000)
     p.add_argument("--procs", type=int, default=2, help="worker processes simulating the replicas")
     p.add_argument("--timeout-s", type=float, default=120.0)
-    p.add_argument("--grpc-experiments", default=FAST_GRPC_EXPERIMENTS,
-                   help="GRPC_EXPERIMENTS for the coordinator and the workers ('' for grpc's defaults)")
+    p.add_argument(
+        "--grpc-experiments",
+        default=FAST_GRPC_EXPERIMENTS,
+        help="GRPC_EXPERIMENTS for the coordinator and the workers ('' for grpc's defaults)",
+    )
     p.add_argument("--no-floor", action="store_true", help="skip the run against a bare grpcio server")
     return p
 
@@ -107,9 +114,15 @@ async def _simulate(args: argparse.Namespace, token: str) -> list[tuple]:
 
         async def replica(i: int) -> None:
             rid = f"bench-{i:05d}"
-            member = pb.Member(replica_id=rid, incarnation=f"{os.getpid()}-{i}", num_hosts=1,
-                               ftar_addresses=[f"127.0.0.1:{20000 + i}"], catchup_addresses=[f"127.0.0.1:{40000 + i}"],
-                               topology_fingerprint="bench-topology", has_state=True)
+            member = pb.Member(
+                replica_id=rid,
+                incarnation=f"{os.getpid()}-{i}",
+                num_hosts=1,
+                ftar_addresses=[f"127.0.0.1:{20000 + i}"],
+                catchup_addresses=[f"127.0.0.1:{40000 + i}"],
+                topology_fingerprint="bench-topology",
+                has_state=True,
+            )
             hb_call = stub.Heartbeat(metadata=metadata)
             stop = asyncio.Event()
             hb = asyncio.create_task(heartbeats(hb_call, member, stop))
@@ -143,6 +156,7 @@ def _worker(argv: list[str]) -> int:
     token = read_token(args.token_file)
     try:
         import uvloop  # the same event loop as the server's, when installed
+
         run = uvloop.run
     except ImportError:
         run = asyncio.run
@@ -158,7 +172,13 @@ def _floor_server(argv: list[str]) -> int:
     requests are all answered the moment the last of `--replicas` arrives, with answers of the
     coordinator's shape and size (the common part serialized once, plus each caller's own fields).
     The same event loop, collector settings and server options as the coordinator's."""
-    from ftjax.coordinator.server import SERVER_OPTIONS, SERVICE, new_event_loop, quiet_garbage_collector, write_ready_file
+    from ftjax.coordinator.server import (
+        SERVER_OPTIONS,
+        SERVICE,
+        new_event_loop,
+        quiet_garbage_collector,
+        write_ready_file,
+    )
 
     p = argparse.ArgumentParser(prog="python -m ftjax_bench.coordinator floor")
     p.add_argument("--replicas", type=int, required=True)
@@ -171,15 +191,27 @@ def _floor_server(argv: list[str]) -> int:
         waiting.append((future, request))
         if len(waiting) < n:
             return
-        common = pb.QuorumResponse(quorum_id=1, step=max(r.member.step for _, r in waiting), num_contributors=n,
-                                   num_participants=n, data_positions=[r.member.data_position for _, r in waiting])
-        members = pb.QuorumResponse(members=[
-            pb.MemberAddress(replica_id=r.member.replica_id, incarnation=r.member.incarnation,
-                             ftar_addresses=r.member.ftar_addresses, catchup_addresses=r.member.catchup_addresses)
-            for _, r in waiting])
+        common = pb.QuorumResponse(
+            quorum_id=1,
+            step=max(r.member.step for _, r in waiting),
+            num_contributors=n,
+            num_participants=n,
+            data_positions=[r.member.data_position for _, r in waiting],
+        )
+        members = pb.QuorumResponse(
+            members=[
+                pb.MemberAddress(
+                    replica_id=r.member.replica_id,
+                    incarnation=r.member.incarnation,
+                    ftar_addresses=r.member.ftar_addresses,
+                    catchup_addresses=r.member.catchup_addresses,
+                )
+                for _, r in waiting
+            ]
+        )
         known = common.SerializeToString()
         shared = (known, known + members.SerializeToString())
-        for rank, (f, r) in enumerate(waiting):
+        for rank, (f, _r) in enumerate(waiting):
             f.set_result((shared, rank))
         waiting.clear()
 
@@ -200,13 +232,23 @@ def _floor_server(argv: list[str]) -> int:
 
     async def serve() -> None:
         server = grpc.aio.server(options=SERVER_OPTIONS)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-            "Heartbeat": grpc.stream_unary_rpc_method_handler(
-                heartbeat, request_deserializer=pb.HeartbeatRequest.FromString,
-                response_serializer=pb.HeartbeatSummary.SerializeToString),
-            "Quorum": grpc.stream_stream_rpc_method_handler(
-                quorum, request_deserializer=pb.QuorumRequest.FromString, response_serializer=None),
-        }),))
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    SERVICE,
+                    {
+                        "Heartbeat": grpc.stream_unary_rpc_method_handler(
+                            heartbeat,
+                            request_deserializer=pb.HeartbeatRequest.FromString,
+                            response_serializer=pb.HeartbeatSummary.SerializeToString,
+                        ),
+                        "Quorum": grpc.stream_stream_rpc_method_handler(
+                            quorum, request_deserializer=pb.QuorumRequest.FromString, response_serializer=None
+                        ),
+                    },
+                ),
+            )
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         write_ready_file(args.ready_file, {"grpc": f"127.0.0.1:{port}"})
@@ -221,7 +263,7 @@ def _floor_server(argv: list[str]) -> int:
 
 def _percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile."""
-    k = max(0, min(len(sorted_values) - 1, int(round(q / 100 * len(sorted_values) + 0.5)) - 1))
+    k = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
     return sorted_values[k]
 
 
@@ -269,12 +311,13 @@ def _bucket_percentile(before: dict[float, float], after: dict[float, float], q:
     return next(le for le, cumulative in delta if cumulative >= q / 100 * total)
 
 
-def _run(args: argparse.Namespace, procs: int, *, floor: bool = False
-         ) -> tuple[list[tuple], _Scrape | None, _Scrape | None]:
+def _run(
+    args: argparse.Namespace, procs: int, *, floor: bool = False
+) -> tuple[list[tuple], _Scrape | None, _Scrape | None]:
     """Start the server (the coordinator, or with `floor` the bare grpcio server) and the workers;
     return the workers' rows, and the coordinator's metrics once the warm-up quorums were all
     answered and at the end (None for the floor, which keeps none)."""
-    from ftjax.procs import ProcessGroup
+    from ftjax.base.procs import ProcessGroup
 
     with tempfile.TemporaryDirectory(prefix="ftjax-bench-coord-") as tmp, ProcessGroup() as group:
         token_file = os.path.join(tmp, "token")
@@ -283,14 +326,40 @@ def _run(args: argparse.Namespace, procs: int, *, floor: bool = False
         ready = os.path.join(tmp, "ready.json")
         env = {"GRPC_EXPERIMENTS": args.grpc_experiments}
         if floor:
-            server = group.python("-m", "ftjax_bench.coordinator", "floor", "--replicas", str(args.replicas),
-                                  "--ready-file", ready, env=env)
+            server = group.python(
+                "-m",
+                "ftjax_bench.coordinator",
+                "floor",
+                "--replicas",
+                str(args.replicas),
+                "--ready-file",
+                ready,
+                env=env,
+            )
         else:
             server = group.python(
-                "-m", "ftjax", "coordinator", "--port", "0", "--http-port", "0", "--min-replicas", str(args.replicas),
-                "--join-timeout-s", "60", "--heartbeat-timeout-s", str(args.heartbeat_timeout_ms / 1000),
-                "--startup-grace-s", "0",  # safe here: min_replicas is the whole job
-                "--token-file", token_file, "--ready-file", ready, stdout=subprocess.DEVNULL, env=env)
+                "-m",
+                "ftjax",
+                "coordinator",
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--min-replicas",
+                str(args.replicas),
+                "--join-timeout-s",
+                "60",
+                "--heartbeat-timeout-s",
+                str(args.heartbeat_timeout_ms / 1000),
+                "--startup-grace-s",
+                "0",  # safe here: min_replicas is the whole job
+                "--token-file",
+                token_file,
+                "--ready-file",
+                ready,
+                stdout=subprocess.DEVNULL,
+                env=env,
+            )
         addresses = _wait_ready(ready, server, 30)
         workers, outs = [], []
         share, extra = divmod(args.replicas, procs)
@@ -298,11 +367,29 @@ def _run(args: argparse.Namespace, procs: int, *, floor: bool = False
         for w in range(procs):
             count = share + (w < extra)
             outs.append(os.path.join(tmp, f"worker{w}.json"))
-            workers.append(group.python(
-                "-m", "ftjax_bench.coordinator", "--address", addresses["grpc"], "--token-file", token_file,
-                "--first", str(first), "--count", str(count), "--steps", str(args.steps),
-                "--step-ms", str(args.step_ms), "--heartbeat-interval-ms", str(args.heartbeat_interval_ms),
-                "--out", outs[-1], env=env))
+            workers.append(
+                group.python(
+                    "-m",
+                    "ftjax_bench.coordinator",
+                    "--address",
+                    addresses["grpc"],
+                    "--token-file",
+                    token_file,
+                    "--first",
+                    str(first),
+                    "--count",
+                    str(count),
+                    "--steps",
+                    str(args.steps),
+                    "--step-ms",
+                    str(args.step_ms),
+                    "--heartbeat-interval-ms",
+                    str(args.heartbeat_interval_ms),
+                    "--out",
+                    outs[-1],
+                    env=env,
+                )
+            )
             first += count
         deadline = time.monotonic() + args.timeout_s
 
@@ -385,19 +472,24 @@ def main(argv: list[str]) -> int:
         "quorum_ids": len(ids),
     }
     if floor is not None:
-        result.update(floor_p50_ms=round(_percentile(floor, 50), 2), floor_p99_ms=round(_percentile(floor, 99), 2),
-                      p99_vs_floor=round(p99 / _percentile(floor, 99), 3))
-    result.update({
-        "step_ms": args.step_ms,
-        "heartbeat_interval_ms": args.heartbeat_interval_ms,
-        "worker_procs": procs,
-        "grpc_experiments": args.grpc_experiments,
-        "load_avg_1min": round(os.getloadavg()[0], 2),
-        "latency": "per replica and step: from the last replica's request send to this replica's answer "
-                   "received; server_*: from the coordinator receiving that last request to handing this "
-                   "answer to gRPC (histogram bucket bound); floor_*: the same clients against a bare "
-                   "grpcio server that answers each step at once (no quorum logic), in the same run",
-    })
+        result.update(
+            floor_p50_ms=round(_percentile(floor, 50), 2),
+            floor_p99_ms=round(_percentile(floor, 99), 2),
+            p99_vs_floor=round(p99 / _percentile(floor, 99), 3),
+        )
+    result.update(
+        {
+            "step_ms": args.step_ms,
+            "heartbeat_interval_ms": args.heartbeat_interval_ms,
+            "worker_procs": procs,
+            "grpc_experiments": args.grpc_experiments,
+            "load_avg_1min": round(os.getloadavg()[0], 2),
+            "latency": "per replica and step: from the last replica's request send to this replica's answer "
+            "received; server_*: from the coordinator receiving that last request to handing this "
+            "answer to gRPC (histogram bucket bound); floor_*: the same clients against a bare "
+            "grpcio server that answers each step at once (no quorum logic), in the same run",
+        }
+    )
     print(json.dumps(result))
     return 0
 

@@ -5,7 +5,7 @@
     tokenizer trained here on its first MiB (`--vocab`; not timed): tokens/s, tokenized and written;
 (b) loader: a replica's BatchStream over TokenWindows of those files (shuffled windows of
     model.seq_len + 1, CONFIG's data.batch_size, every batch built on this one core): tokens/s;
-(c) step: `ftjax train CONFIG` standalone, task ftjax.tasks:token_lm on the same files: tokens/s of the
+(c) step: `ftjax train CONFIG` standalone, task ftjax.program.tasks:token_lm on the same files: tokens/s of the
     median step after `--warmup`.
 
 Prints one JSON line: the three rates, `loader_vs_step` = (b) / (c) (above 1: the loader outpaces the
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ftjax.base.procs import ProcessGroup
 from ftjax.config import ConfigError, load_config
-from ftjax.metrics import read_metrics
-from ftjax.procs import ProcessGroup
+from ftjax.runtime.metrics import read_metrics
 
 
 def write_corpus(path: Path, mib: float, seed: int = 0) -> None:
@@ -50,16 +50,22 @@ def train_tokenizer(corpus: Path, out: Path, vocab: int) -> None:
         texts = [json.loads(line)["text"] for line, _ in zip(f, range(2000))]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train_from_iterator(
+        texts,
+        trainer=trainers.BpeTrainer(
+            vocab_size=vocab,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.save(str(out))
 
 
 def loader_rate(directory: Path, seq_len: int, batch_size: int, batches: int) -> float:
     """Tokens/s of a replica's batches (trained tokens: seq_len per row)."""
-    from ftjax.data import BatchStream
-    from ftjax.tokens import TokenWindows
+    from ftjax.program.data import BatchStream
+    from ftjax.program.tokens import TokenWindows
 
     stream = BatchStream(TokenWindows(directory, "train", seq_len + 1), seed=0, batch_size=batch_size)
     stream.batch(0)  # (grain's first call sets up the dataset)
@@ -72,8 +78,12 @@ def loader_rate(directory: Path, seq_len: int, batch_size: int, batches: int) ->
 def step_rate(config: str, overrides: list[str], devices: int, out: Path, warmup: int, timeout: float) -> float:
     """Tokens/s of the median training step after `warmup` steps."""
     with ProcessGroup() as procs, open(out / "train.log", "w") as log:
-        proc = procs.start([sys.executable, "-m", "ftjax", "train", config, *overrides, "--out", str(out / "train")],
-                           device_count=devices, stdout=log, stderr=subprocess.STDOUT)
+        proc = procs.start(
+            [sys.executable, "-m", "ftjax", "train", config, *overrides, "--out", str(out / "train")],
+            device_count=devices,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         if proc.wait(timeout) != 0:
             raise RuntimeError(f"ftjax train failed:\n{(out / 'train.log').read_text()[-3000:]}")
     recs = [r for r in read_metrics(out / "train" / "metrics.jsonl") if r["step"] > warmup]
@@ -83,8 +93,9 @@ def step_rate(config: str, overrides: list[str], devices: int, out: Path, warmup
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ftjax bench data", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ftjax bench data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config", nargs="?", default="tiny")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--mib", type=float, default=16.0, help="generated text to prepare, MiB (16)")
@@ -93,8 +104,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batches", type=int, default=200, help="loader batches timed (200)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default=None, help="keep the corpus, token files and run here (default: a temporary "
-                   "directory)")
+    p.add_argument(
+        "--out", default=None, help="keep the corpus, token files and run here (default: a temporary directory)"
+    )
     p.add_argument("--timeout", type=float, default=540.0)
     args = p.parse_intermixed_args(argv)
     if args.steps <= args.warmup + 1:
@@ -104,30 +116,55 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"ftjax bench data: config error: {e}", file=sys.stderr)
         return 2
-    from ftjax.prepare import prepare
+    from ftjax.cli.prepare import prepare
 
     with tempfile.TemporaryDirectory(prefix="ftjax-bench-data-") as tmp:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)
         write_corpus(out / "corpus.jsonl", args.mib)
         train_tokenizer(out / "corpus.jsonl", out / "tokenizer.json", args.vocab)
-        index = prepare([str(out / "corpus.jsonl")], out / "tokenizer.json", out / "tokens", workers=args.workers,
-                        force=True)
+        index = prepare(
+            [str(out / "corpus.jsonl")], out / "tokenizer.json", out / "tokens", workers=args.workers, force=True
+        )
         tokens = sum(s["tokens"] for s in index["splits"].values())
         prepared = tokens / index["seconds"]
         loader = loader_rate(out / "tokens", cfg.model.seq_len, cfg.data.batch_size, args.batches)
         vocab = -(-index["vocab_size"] // 64) * 64  # (the model's vocabulary: the files' rounded up)
-        step = step_rate(args.config, [*args.overrides, "task=ftjax.tasks:token_lm",
-                                       f"task_args={json.dumps({'dir': str(out / 'tokens')})}",
-                                       f"model.vocab_size={vocab}", f"steps={args.steps}", "ft.digest_every=0",
-                                       "checkpoint.every=0"],
-                         cfg.mesh.devices_per_host, out, args.warmup, args.timeout)
-    print(json.dumps({"bench": "data", "config": args.config, "overrides": args.overrides, "cores": os.cpu_count(),
-                      "workers": args.workers or len(os.sched_getaffinity(0)),
-                      "corpus_mib": args.mib, "tokens": tokens, "vocab_size": index["vocab_size"],
-                      "prepare_tokens_per_s": round(prepared), "loader_tokens_per_s": round(loader),
-                      "step_tokens_per_s": round(step), "loader_vs_step": round(loader / step, 4),
-                      "prepare_vs_step": round(prepared / step, 4)}))
+        step = step_rate(
+            args.config,
+            [
+                *args.overrides,
+                "task=ftjax.program.tasks:token_lm",
+                f"task_args={json.dumps({'dir': str(out / 'tokens')})}",
+                f"model.vocab_size={vocab}",
+                f"steps={args.steps}",
+                "ft.digest_every=0",
+                "checkpoint.every=0",
+            ],
+            cfg.mesh.devices_per_host,
+            out,
+            args.warmup,
+            args.timeout,
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "data",
+                "config": args.config,
+                "overrides": args.overrides,
+                "cores": os.cpu_count(),
+                "workers": args.workers or len(os.sched_getaffinity(0)),
+                "corpus_mib": args.mib,
+                "tokens": tokens,
+                "vocab_size": index["vocab_size"],
+                "prepare_tokens_per_s": round(prepared),
+                "loader_tokens_per_s": round(loader),
+                "step_tokens_per_s": round(step),
+                "loader_vs_step": round(loader / step, 4),
+                "prepare_vs_step": round(prepared / step, 4),
+            }
+        )
+    )
     return 0
 
 

@@ -39,9 +39,9 @@ import secrets
 import statistics
 import sys
 
+from ftjax.base.procs import ProcessGroup
 from ftjax.ftar.endpoint import DEFAULT_CHUNK_BYTES
 from ftjax_bench.ftar_member import MemberClient, start_members
-from ftjax.procs import ProcessGroup
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -54,10 +54,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--checksum", action="store_true", help="crc32 every frame")
     ap.add_argument("--no-tcp", action="store_true", help="skip the TCP-only all-reduces (busbw_tcp_gbps)")
     ap.add_argument("--json", action="store_true", help="accepted for uniformity: the output is always one JSON line")
-    ap.add_argument("--virtual-cluster", action="store_true",
-                    help="each member on a virtual host of its own (network and mount namespaces; Linux, root)")
-    ap.add_argument("--bandwidth-mbit", type=float, default=None, metavar="B",
-                    help="with --virtual-cluster: cap every member's host at B Mbit/s each way (tc tbf)")
+    ap.add_argument(
+        "--virtual-cluster",
+        action="store_true",
+        help="each member on a virtual host of its own (network and mount namespaces; Linux, root)",
+    )
+    ap.add_argument(
+        "--bandwidth-mbit",
+        type=float,
+        default=None,
+        metavar="B",
+        help="with --virtual-cluster: cap every member's host at B Mbit/s each way (tc tbf)",
+    )
     args = ap.parse_args(argv)
     if args.world < 2:
         ap.error("--world must be >= 2")
@@ -96,8 +104,18 @@ class _Bench:
         members = self.members if members is None else members
         addresses = [m.address for m in members]
         for rank, m in enumerate(members):
-            m.send(op="allreduce", quorum_id=1, step=self.step, members=addresses, rank=rank, n=self.n,
-                   dtype="float32", seeds=list(range(len(members))), iters=iters, verify=verify)
+            m.send(
+                op="allreduce",
+                quorum_id=1,
+                step=self.step,
+                members=addresses,
+                rank=rank,
+                n=self.n,
+                dtype="float32",
+                seeds=list(range(len(members))),
+                iters=iters,
+                verify=verify,
+            )
         replies = self._collect(members)
         self.step += iters
         self.last_stats = [r["stats"] for r in replies]
@@ -118,8 +136,14 @@ class _Bench:
         world = len(self.members)
         per_member = 2 * (world - 1) * self.nbytes // world
         for rank, m in enumerate(self.members):
-            m.send(op="raw", send_to=self.members[(rank + 1) % world].raw_address, receive=True,
-                   nbytes=per_member, chunk=self.args.chunk_bytes, spread=True)
+            m.send(
+                op="raw",
+                send_to=self.members[(rank + 1) % world].raw_address,
+                receive=True,
+                nbytes=per_member,
+                chunk=self.args.chunk_bytes,
+                spread=True,
+            )
         return max(r["seconds"] for r in self._collect(self.members))
 
 
@@ -137,17 +161,37 @@ def measure(args: argparse.Namespace) -> dict:
             cluster.create()
             if args.bandwidth_mbit:
                 cluster.limit(hosts, args.bandwidth_mbit)
-        bench = _Bench(start_members(group, args.world, token, chunk_bytes=args.chunk_bytes,
-                                     checksum=args.checksum, cluster=cluster, hosts=hosts), args)
-        tcp = [] if args.no_tcp else start_members(group, args.world, token, chunk_bytes=args.chunk_bytes,
-                                                   checksum=args.checksum, shared_memory=False)
+        bench = _Bench(
+            start_members(
+                group,
+                args.world,
+                token,
+                chunk_bytes=args.chunk_bytes,
+                checksum=args.checksum,
+                cluster=cluster,
+                hosts=hosts,
+            ),
+            args,
+        )
+        tcp = (
+            []
+            if args.no_tcp
+            else start_members(
+                group, args.world, token, chunk_bytes=args.chunk_bytes, checksum=args.checksum, shared_memory=False
+            )
+        )
         bench.allreduce(1, verify=True)  # warm-up: dials the ring, touches the buffers, checks the result
         shm_links = sum(s["shm_dials"] for s in bench.last_stats)
         if tcp:
             bench.allreduce(1, verify=True, members=tcp)
         bench.link(True), bench.link(False), bench.pattern()  # warm-up: touches the yardsticks' buffers
-        times: dict[str, list[float]] = {"allreduce": [], "allreduce_tcp": [], "link": [], "link_hot": [],
-                                         "pattern": []}
+        times: dict[str, list[float]] = {
+            "allreduce": [],
+            "allreduce_tcp": [],
+            "link": [],
+            "link_hot": [],
+            "pattern": [],
+        }
         for _ in range(args.rounds):
             times["link"].append(bench.link(True))
             times["link_hot"].append(bench.link(False))
@@ -163,19 +207,38 @@ def measure(args: argparse.Namespace) -> dict:
     busbw = bus / med["allreduce"]
     link, hot = nbytes / med["link"] / 1e9, nbytes / med["link_hot"] / 1e9
     pattern = bus / med["pattern"]
-    record = {"bench": "ftar", "world": world, "mib": args.mib, "busbw_gbps": round(busbw, 3),
-              "link_gbps": round(link, 3), "ratio": round(busbw / link, 3), "median_s": round(med["allreduce"], 5),
-              "shm_links": shm_links}
+    record = {
+        "bench": "ftar",
+        "world": world,
+        "mib": args.mib,
+        "busbw_gbps": round(busbw, 3),
+        "link_gbps": round(link, 3),
+        "ratio": round(busbw / link, 3),
+        "median_s": round(med["allreduce"], 5),
+        "shm_links": shm_links,
+    }
     if args.virtual_cluster:
-        record |= {"virtual_cluster": True, "bandwidth_mbit": args.bandwidth_mbit,
-                   "pattern_gbps": round(pattern, 3), "ratio_pattern": round(busbw / pattern, 3)}
+        record |= {
+            "virtual_cluster": True,
+            "bandwidth_mbit": args.bandwidth_mbit,
+            "pattern_gbps": round(pattern, 3),
+            "ratio_pattern": round(busbw / pattern, 3),
+        }
     if tcp:
         busbw_tcp = bus / med["allreduce_tcp"]
-        record |= {"busbw_tcp_gbps": round(busbw_tcp, 3), "ratio_tcp": round(busbw_tcp / link, 3),
-                   "pattern_gbps": round(pattern, 3), "ratio_pattern": round(busbw_tcp / pattern, 3)}
-    return record | {"link_hot_gbps": round(hot, 3), "ratio_hot": round(busbw / hot, 3),
-                     "chunk_bytes": args.chunk_bytes, "checksum": args.checksum,
-                     "times_s": {k: [round(t, 5) for t in v] for k, v in times.items()}}
+        record |= {
+            "busbw_tcp_gbps": round(busbw_tcp, 3),
+            "ratio_tcp": round(busbw_tcp / link, 3),
+            "pattern_gbps": round(pattern, 3),
+            "ratio_pattern": round(busbw_tcp / pattern, 3),
+        }
+    return record | {
+        "link_hot_gbps": round(hot, 3),
+        "ratio_hot": round(busbw / hot, 3),
+        "chunk_bytes": args.chunk_bytes,
+        "checksum": args.checksum,
+        "times_s": {k: [round(t, 5) for t in v] for k, v in times.items()},
+    }
 
 
 def main(argv: list[str]) -> int:

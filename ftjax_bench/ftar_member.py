@@ -56,7 +56,7 @@ class _Channel:
     def __init__(self, address: str) -> None:
         if address.startswith("unix:"):  # the parent is in another network namespace (a virtual cluster)
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.connect(address[len("unix:"):])
+            self.sock.connect(address[len("unix:") :])
         else:
             self.sock = socket.create_connection(wire.parse_address(address))
         self.lines = self.sock.makefile("r")
@@ -87,15 +87,34 @@ def _allreduce(ep: FTAREndpoint, cmd: dict[str, Any], chan: _Channel) -> dict[st
     for i in range(cmd.get("iters", 1)):
         t0 = time.perf_counter()
         try:
-            ep.allreduce(buf, quorum_id=cmd["quorum_id"], step=cmd["step"] + i, members=cmd["members"], rank=rank,
-                         contributors=contributors, out=out)
+            ep.allreduce(
+                buf,
+                quorum_id=cmd["quorum_id"],
+                step=cmd["step"] + i,
+                members=cmd["members"],
+                rank=rank,
+                contributors=contributors,
+                out=out,
+            )
         except FTARError as exc:
-            return {"ok": False, "error": type(exc).__name__, "peer": exc.peer, "quorum_id": exc.quorum_id,
-                    "step": exc.step, "message": str(exc), "t": time.time(),
-                    "elapsed": time.perf_counter() - t0}
+            return {
+                "ok": False,
+                "error": type(exc).__name__,
+                "peer": exc.peer,
+                "quorum_id": exc.quorum_id,
+                "step": exc.step,
+                "message": str(exc),
+                "t": time.time(),
+                "elapsed": time.perf_counter() - t0,
+            }
         times.append(time.perf_counter() - t0)
-    reply = {"ok": True, "times": times, "t_end": time.time(), "digest": hashlib.sha256(out.view(np.uint8)).hexdigest(),
-             "stats": dict(ep.stats)}
+    reply = {
+        "ok": True,
+        "times": times,
+        "t_end": time.time(),
+        "digest": hashlib.sha256(out.view(np.uint8)).hexdigest(),
+        "stats": dict(ep.stats),
+    }
     if cmd.get("verify"):
         want = expected_average(cmd["seeds"], contributors, n, dtype)
         reply["exact"] = bool(np.array_equal(out.view(np.uint8), want.view(np.uint8)))
@@ -122,8 +141,10 @@ class _RawTCP:
         if self.memory[role].size < (nbytes if spread else chunk):
             self.memory[role] = np.ones(nbytes if spread else chunk, np.uint8)  # ones: pages touched now
         mem = memoryview(self.memory[role])
-        return [mem[a:min(a + chunk, nbytes)] if spread else mem[:min(chunk, nbytes - a)]
-                for a in range(0, nbytes, chunk)]
+        return [
+            mem[a : min(a + chunk, nbytes)] if spread else mem[: min(chunk, nbytes - a)]
+            for a in range(0, nbytes, chunk)
+        ]
 
     def transfer(self, send_to: str | None, receive: bool, nbytes: int, chunk: int, spread: bool) -> dict[str, Any]:
         """Send ``nbytes`` to ``send_to`` (if given) while receiving ``nbytes`` from one dialer
@@ -140,7 +161,7 @@ class _RawTCP:
                     for view in send_views:
                         sock.sendall(view)
                     wire.recv_exact(sock, 1)
-            except BaseException as exc:  # noqa: BLE001 - reported below
+            except BaseException as exc:
                 errors.append(exc)
 
         t0 = time.perf_counter()
@@ -174,8 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control", required=True, help="host:port (or unix:PATH) of the parent's control listener")
     args = ap.parse_args(argv)
     chan = _Channel(args.control)
-    ep = FTAREndpoint(args.token, host=args.host, timeout_s=args.timeout, chunk_bytes=args.chunk_bytes,
-                      checksum=args.checksum, shared_memory=not args.no_shared_memory)
+    ep = FTAREndpoint(
+        args.token,
+        host=args.host,
+        timeout_s=args.timeout,
+        chunk_bytes=args.chunk_bytes,
+        checksum=args.checksum,
+        shared_memory=not args.no_shared_memory,
+    )
     raw = _RawTCP(args.host, args.timeout)
     chan.emit({"address": ep.address, "raw_address": raw.address, "pid": os.getpid()})
     for line in chan.lines:
@@ -198,8 +225,13 @@ class MemberClient:
     """The parent's handle on one member process: its address, pid, and a JSON-lines channel.
     Replies are read by a thread so that every wait has a timeout."""
 
-    def __init__(self, proc: subprocess.Popen, conn: socket.socket, hello: dict[str, Any],
-                 lines: "queue.Queue[dict[str, Any] | None]") -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        conn: socket.socket,
+        hello: dict[str, Any],
+        lines: queue.Queue[dict[str, Any] | None],
+    ) -> None:
         self.proc, self._conn, self._lines = proc, conn, lines
         self.address: str = hello["address"]
         self.raw_address: str = hello["raw_address"]  # plain TCP listener, for the yardsticks
@@ -225,7 +257,7 @@ class MemberClient:
         return msg
 
 
-def _read_lines(conn: socket.socket, lines: "queue.Queue[dict[str, Any] | None]") -> None:
+def _read_lines(conn: socket.socket, lines: queue.Queue[dict[str, Any] | None]) -> None:
     try:
         for line in conn.makefile("r"):
             lines.put(json.loads(line))
@@ -234,10 +266,20 @@ def _read_lines(conn: socket.socket, lines: "queue.Queue[dict[str, Any] | None]"
     lines.put(None)
 
 
-def start_members(group, count: int, token: str, *, timeout_s: float = 30.0,
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, checksum: bool = False, shared_memory: bool = True,
-                  start_timeout_s: float = 60.0, cluster=None, hosts: list[str] | None = None) -> list[MemberClient]:
-    """Start ``count`` member processes in ``group`` (a :class:`ftjax.procs.ProcessGroup`, which
+def start_members(
+    group,
+    count: int,
+    token: str,
+    *,
+    timeout_s: float = 30.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    checksum: bool = False,
+    shared_memory: bool = True,
+    start_timeout_s: float = 60.0,
+    cluster=None,
+    hosts: list[str] | None = None,
+) -> list[MemberClient]:
+    """Start ``count`` member processes in ``group`` (a :class:`ftjax.base.procs.ProcessGroup`, which
     kills them on close). Each dials back a control channel to this process; returned in start order.
 
     With ``cluster`` (a :class:`ftjax.launch.vcluster.VirtualCluster`) member i runs on virtual host
@@ -253,8 +295,18 @@ def start_members(group, count: int, token: str, *, timeout_s: float = 30.0,
         control.listen(count)
         where = f"unix:{path}"
     control.settimeout(start_timeout_s)
-    args = ["-m", "ftjax_bench.ftar_member", "--token", token, "--timeout", str(timeout_s), "--chunk-bytes",
-            str(chunk_bytes), "--control", where]
+    args = [
+        "-m",
+        "ftjax_bench.ftar_member",
+        "--token",
+        token,
+        "--timeout",
+        str(timeout_s),
+        "--chunk-bytes",
+        str(chunk_bytes),
+        "--control",
+        where,
+    ]
     if checksum:
         args.append("--checksum")
     if not shared_memory:
@@ -262,8 +314,10 @@ def start_members(group, count: int, token: str, *, timeout_s: float = 30.0,
     if cluster is None:
         procs = [group.python(*args) for _ in range(count)]
     else:
-        procs = [group.start(cluster.command(h, [sys.executable, *args, "--host", cluster.address(h)]))
-                 for h in hosts[:count]]
+        procs = [
+            group.start(cluster.command(h, [sys.executable, *args, "--host", cluster.address(h)]))
+            for h in hosts[:count]
+        ]
     by_pid: dict[int, MemberClient] = {}
     with control:
         while len(by_pid) < count:

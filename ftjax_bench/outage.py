@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ftjax.jsonl import read_jsonl
+from ftjax.runs.jsonl import read_jsonl
 
 DEFAULT_OVERRIDES = ["data.batch_size=256", "steps=80"]
 
@@ -35,8 +35,11 @@ def _medians(run: Path, replicas: int, skip: int, field: str) -> tuple[float, fl
     down = next(e["time"] for e in read_jsonl(run / "launcher.jsonl") if e["event"] == "replica_down")
     before, after = [], []
     for r in range(replicas - 1):
-        steps = [s for s in read_jsonl(run / f"replica-{r}" / "metrics.jsonl")
-                 if "event" not in s and s.get("committed") and s["step"] > skip]
+        steps = [
+            s
+            for s in read_jsonl(run / f"replica-{r}" / "metrics.jsonl")
+            if "event" not in s and s.get("committed") and s["step"] > skip
+        ]
         before += [s[field] for s in steps if s["time"] < down]
         late = [s for s in steps if s["time"] > down]
         after += [s[field] for s in late[skip:]]  # past the failed attempt and its retry
@@ -46,8 +49,9 @@ def _medians(run: Path, replicas: int, skip: int, field: str) -> tuple[float, fl
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ftjax bench outage", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ftjax bench outage", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config", nargs="?", default="tiny")
     p.add_argument("overrides", nargs="*", help=f"config overrides (default: {' '.join(DEFAULT_OVERRIDES)})")
     p.add_argument("--replicas", type=int, default=2)
@@ -56,28 +60,56 @@ def main(argv: list[str]) -> int:
     if args.replicas < 2:
         p.error("--replicas: at least 2 (one must live through the outage)")
     overrides = args.overrides or DEFAULT_OVERRIDES
-    out: dict = {"bench": "outage", "config": args.config, "overrides": overrides, "replicas": args.replicas,
-                 "expected_constant": round(args.replicas / (args.replicas - 1), 3)}
+    out: dict = {
+        "bench": "outage",
+        "config": args.config,
+        "overrides": overrides,
+        "replicas": args.replicas,
+        "expected_constant": round(args.replicas / (args.replicas - 1), 3),
+    }
     with tempfile.TemporaryDirectory(prefix="ftjax-bench-outage-") as tmp:
         for mode in ("elastic", "constant"):
             run = Path(tmp) / mode
-            cmd = [sys.executable, "-m", "ftjax", "launch", args.config, *overrides, f"ft.global_batch={mode}",
-                   "--replicas", str(args.replicas), "--kill", f"{args.replicas - 1}@{args.kill_at}",
-                   "--restart-delay-s", "3600", "ft.drain_timeout_s=0", "--timeout-s", "600", "--out", str(run)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "ftjax",
+                "launch",
+                args.config,
+                *overrides,
+                f"ft.global_batch={mode}",
+                "--replicas",
+                str(args.replicas),
+                "--kill",
+                f"{args.replicas - 1}@{args.kill_at}",
+                "--restart-delay-s",
+                "3600",
+                "ft.drain_timeout_s=0",
+                "--timeout-s",
+                "600",
+                "--out",
+                str(run),
+            ]
             done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             if not (run / "launcher.jsonl").exists():
                 print(f"ftjax bench outage: {mode} run failed:\n{done.stderr[-2000:]}", file=sys.stderr)
                 return 1
             healthy, outage, n = _medians(run, args.replicas, 3, "step_time_s")
             c_healthy, c_outage, _ = _medians(run, args.replicas, 3, "compute_s")
-            out[mode] = {"healthy_step_s": round(healthy, 4), "outage_step_s": round(outage, 4),
-                         "ratio": round(outage / healthy, 3), "outage_steps": n,
-                         "healthy_compute_s": round(c_healthy, 4), "outage_compute_s": round(c_outage, 4),
-                         "compute_ratio": round(c_outage / c_healthy, 3)}
+            out[mode] = {
+                "healthy_step_s": round(healthy, 4),
+                "outage_step_s": round(outage, 4),
+                "ratio": round(outage / healthy, 3),
+                "outage_steps": n,
+                "healthy_compute_s": round(c_healthy, 4),
+                "outage_compute_s": round(c_outage, 4),
+                "compute_ratio": round(c_outage / c_healthy, 3),
+            }
     # The same outage in both modes: what the constant policy itself costs while a replica is away,
     # free of what the healthy step shares with the dead replica (its cores, FTAR, the quorum).
     out["outage_constant_vs_elastic"] = {
         "step": round(out["constant"]["outage_step_s"] / out["elastic"]["outage_step_s"], 3),
-        "compute": round(out["constant"]["outage_compute_s"] / out["elastic"]["outage_compute_s"], 3)}
+        "compute": round(out["constant"]["outage_compute_s"] / out["elastic"]["outage_compute_s"], 3),
+    }
     print(json.dumps(out))
     return 0

@@ -29,10 +29,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ftjax.base.procs import ProcessGroup
 from ftjax.config import ConfigError, load_config
 from ftjax.launch.job import LocalJob
-from ftjax.metrics import read_metrics
-from ftjax.procs import ProcessGroup
+from ftjax.runtime.metrics import read_metrics
 
 
 def run(config: str, overrides: list[str], out: Path, live: int | None, timeout: float, warmup: int) -> float:
@@ -44,16 +44,20 @@ def run(config: str, overrides: list[str], out: Path, live: int | None, timeout:
         codes = job.wait(timeout=timeout)
         if any(c != 0 for cs in codes.values() for c in cs):
             raise RuntimeError(f"{out.name} run failed {codes}:\n{job.log_tail(0)}")
-    times = [r["step_time_s"] for r in read_metrics(job.replica_dir(0) / "metrics.jsonl")
-             if r.get("committed") and r["step"] > warmup]
+    times = [
+        r["step_time_s"]
+        for r in read_metrics(job.replica_dir(0) / "metrics.jsonl")
+        if r.get("committed") and r["step"] > warmup
+    ]
     if len(times) < 3:
         raise RuntimeError(f"{out}: too few steps after the {warmup} warm-up steps")
     return statistics.median(times)
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ftjax bench reduced", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ftjax bench reduced", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config", nargs="?", default="tiny")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--hosts", type=int, default=2, help="hosts of the full replica (2)")
@@ -66,8 +70,14 @@ def main(argv: list[str]) -> int:
     live = args.live if args.live is not None else args.hosts // 2
     if args.steps <= args.warmup + 3:
         p.error("--steps must exceed --warmup + 3")
-    overrides = [*args.overrides, f"steps={args.steps}", f"mesh.hosts={args.hosts}", "ft.global_batch=constant",
-                 "ft.digest_every=0", "checkpoint.every=0"]
+    overrides = [
+        *args.overrides,
+        f"steps={args.steps}",
+        f"mesh.hosts={args.hosts}",
+        "ft.global_batch=constant",
+        "ft.digest_every=0",
+        "checkpoint.every=0",
+    ]
     try:
         load_config(args.config, [*overrides, "ft.replicas=1", f"mesh.live_hosts={live}"])
     except ConfigError as e:
@@ -77,14 +87,29 @@ def main(argv: list[str]) -> int:
         out = Path(args.out or tmp)
         full = run(args.config, overrides, out / "full", None, args.timeout, args.warmup)
         reduced = run(args.config, overrides, out / "reduced", live, args.timeout, args.warmup)
-        alike = run(args.config, [*overrides, f"mesh.hosts={live}"], out / "same-size", None, args.timeout,
-                    args.warmup)
+        alike = run(args.config, [*overrides, f"mesh.hosts={live}"], out / "same-size", None, args.timeout, args.warmup)
     fraction, throughput, mode = live / args.hosts, full / reduced, alike / reduced
-    print(json.dumps({"bench": "reduced", "config": args.config, "overrides": args.overrides, "hosts": args.hosts,
-                      "live_hosts": live, "cores": os.cpu_count(), "steps": args.steps, "warmup": args.warmup,
-                      "full_step_s": round(full, 5), "reduced_step_s": round(reduced, 5),
-                      "same_size_step_s": round(alike, 5), "fraction": fraction, "throughput": round(throughput, 4),
-                      "mode_efficiency": round(mode, 4), "curve": f"{fraction:g}:{fraction * min(1.0, mode):.3f}"}))
+    print(
+        json.dumps(
+            {
+                "bench": "reduced",
+                "config": args.config,
+                "overrides": args.overrides,
+                "hosts": args.hosts,
+                "live_hosts": live,
+                "cores": os.cpu_count(),
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "full_step_s": round(full, 5),
+                "reduced_step_s": round(reduced, 5),
+                "same_size_step_s": round(alike, 5),
+                "fraction": fraction,
+                "throughput": round(throughput, 4),
+                "mode_efficiency": round(mode, 4),
+                "curve": f"{fraction:g}:{fraction * min(1.0, mode):.3f}",
+            }
+        )
+    )
     return 0
 
 

@@ -24,10 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ftjax.base.procs import ProcessGroup, free_port
 from ftjax.config import ConfigError, load_config
 from ftjax.launch.job import LocalJob
-from ftjax.metrics import read_metrics
-from ftjax.procs import ProcessGroup, free_port
+from ftjax.runtime.metrics import read_metrics
 
 
 def _median_step(metrics: Path, warmup: int) -> float:
@@ -57,8 +57,11 @@ def _run_processes(name: str, commands: list[list[str]], devices: int, out: Path
         children = []
         for i, command in enumerate(commands):
             log = open(out / f"{name}-{i}.log", "w")
-            children.append(procs.start([sys.executable, "-m", *command], device_count=devices, stdout=log,
-                                        stderr=subprocess.STDOUT))
+            children.append(
+                procs.start(
+                    [sys.executable, "-m", *command], device_count=devices, stdout=log, stderr=subprocess.STDOUT
+                )
+            )
         for i, c in enumerate(children):
             if c.wait(timeout) != 0:
                 raise RuntimeError(f"{name} run failed:\n{(out / f'{name}-{i}.log').read_text()[-3000:]}")
@@ -66,24 +69,49 @@ def _run_processes(name: str, commands: list[list[str]], devices: int, out: Path
 
 def run_sync(config: str, overrides: list[str], batch: int, devices: int, out: Path, timeout: float) -> Path:
     port = free_port()
-    _run_processes("sync", [
-        ["ftjax_bench.sync_baseline", config, *overrides, f"data.batch_size={2 * batch}", "--num-processes", "2",
-         "--process-id", str(i), "--dist-address", f"127.0.0.1:{port}", "--out", str(out / "sync")]
-        for i in range(2)], devices, out, timeout)
+    _run_processes(
+        "sync",
+        [
+            [
+                "ftjax_bench.sync_baseline",
+                config,
+                *overrides,
+                f"data.batch_size={2 * batch}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--dist-address",
+                f"127.0.0.1:{port}",
+                "--out",
+                str(out / "sync"),
+            ]
+            for i in range(2)
+        ],
+        devices,
+        out,
+        timeout,
+    )
     return out / "sync" / "metrics.jsonl"
 
 
 def run_standalone(config: str, overrides: list[str], devices: int, out: Path, timeout: float) -> Path:
     """Both replicas of (a), each training alone, at the same time; replica 0's metrics."""
     runs = [out / f"standalone-{r}" for r in range(2)]
-    _run_processes("standalone", [["ftjax", "train", config, *overrides, "--replica-id", "0", "--out", str(run)]
-                                  for run in runs], devices, out, timeout)
+    _run_processes(
+        "standalone",
+        [["ftjax", "train", config, *overrides, "--replica-id", "0", "--out", str(run)] for run in runs],
+        devices,
+        out,
+        timeout,
+    )
     return runs[0] / "metrics.jsonl"
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ftjax bench step", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ftjax bench step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--steps", type=int, default=12)
@@ -95,8 +123,14 @@ def main(argv: list[str]) -> int:
         print("ftjax bench step: --steps must exceed --warmup + 1", file=sys.stderr)
         return 2
     devices = 2
-    overrides = [*args.overrides, f"steps={args.steps}", f"mesh.devices_per_host={devices}", "mesh.hosts=1",
-                 "ft.digest_every=0", "checkpoint.every=0"]
+    overrides = [
+        *args.overrides,
+        f"steps={args.steps}",
+        f"mesh.devices_per_host={devices}",
+        "mesh.hosts=1",
+        "ft.digest_every=0",
+        "checkpoint.every=0",
+    ]
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
@@ -106,12 +140,29 @@ def main(argv: list[str]) -> int:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)
         ft = _median_step(run_ft(args.config, overrides, out / "ft", args.timeout), args.warmup)
-        alone = _median_step(run_standalone(args.config, [*overrides, "ft.replicas=1"], devices, out, args.timeout),
-                             args.warmup)
-        sync = _median_step(run_sync(args.config, [*overrides, "ft.replicas=1"], cfg.data.batch_size, devices,
-                                     out, args.timeout), args.warmup)
-    print(json.dumps({"bench": "step", "config": args.config, "replicas": 2, "devices_per_replica": devices,
-                      "global_batch": 2 * cfg.data.batch_size, "steps": args.steps, "warmup": args.warmup,
-                      "ft_step_s": round(ft, 5), "sync_step_s": round(sync, 5), "ratio": round(ft / sync, 4),
-                      "standalone_step_s": round(alone, 5), "ft_vs_standalone": round(ft / alone, 4)}))
+        alone = _median_step(
+            run_standalone(args.config, [*overrides, "ft.replicas=1"], devices, out, args.timeout), args.warmup
+        )
+        sync = _median_step(
+            run_sync(args.config, [*overrides, "ft.replicas=1"], cfg.data.batch_size, devices, out, args.timeout),
+            args.warmup,
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "step",
+                "config": args.config,
+                "replicas": 2,
+                "devices_per_replica": devices,
+                "global_batch": 2 * cfg.data.batch_size,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "ft_step_s": round(ft, 5),
+                "sync_step_s": round(sync, 5),
+                "ratio": round(ft / sync, 4),
+                "standalone_step_s": round(alone, 5),
+                "ft_vs_standalone": round(ft / alone, 4),
+            }
+        )
+    )
     return 0

@@ -17,19 +17,19 @@ import sys
 import time
 from pathlib import Path
 
+from ftjax.base.env import configure_process
+from ftjax.cli.train import init_distributed, parse_config
 from ftjax.config import ConfigError
-from ftjax.env import configure_process
-from ftjax.train import init_distributed, parse_config
 
 
 def run(cfg, out: Path) -> None:
     import jax
     import numpy as np
 
-    from ftjax.data import make_stream
-    from ftjax.metrics import MetricsLog
-    from ftjax.sharding import hsdp_mesh
-    from ftjax.step import build_program, device_batch
+    from ftjax.program.data import make_stream
+    from ftjax.program.sharding import hsdp_mesh
+    from ftjax.program.step import build_program, device_batch
+    from ftjax.runtime.metrics import MetricsLog
 
     program = build_program(cfg, mesh=hsdp_mesh(jax.devices(), cfg.mesh.hosts))
     stream = make_stream(cfg)

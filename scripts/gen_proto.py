@@ -33,8 +33,7 @@ def _protoc(out_dir: str, descriptor_out: str | None = None) -> None:
     from grpc_tools import protoc
 
     include = os.path.join(os.path.dirname(protoc.__file__), "_proto")  # well-known types
-    args = ["grpc_tools.protoc", f"-I{REPO}", f"-I{include}", f"--python_out={out_dir}",
-            f"--grpc_python_out={out_dir}"]
+    args = ["grpc_tools.protoc", f"-I{REPO}", f"-I{include}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}"]
     if descriptor_out:
         args.append(f"--descriptor_set_out={descriptor_out}")
     args.append(os.path.join(REPO, PROTO))

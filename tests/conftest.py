@@ -5,11 +5,11 @@ import pytest
 
 # Tests import ftjax before JAX: give this process (and every child, through limited_env) one
 # compute thread and a few simulated CPU devices.
-from ftjax.env import configure_process
+from ftjax.base.env import configure_process
 
 configure_process(device_count=int(os.environ.get("FTJAX_TEST_DEVICES", "4")))
 
-from ftjax.procs import ProcessGroup  # noqa: E402
+from ftjax.base.procs import ProcessGroup  # noqa: E402
 
 pytest_plugins = ["launchrun"]  # the `launch` fixture: real `ftjax launch` runs
 

@@ -15,8 +15,9 @@ import sys
 import threading
 import time
 
-from ftjax.coordinator.client import CoordinatorClient, CoordinatorError, MemberInfo, new_incarnation
-from ftjax.env import read_token
+from ftjax.base.env import read_token
+from ftjax.coordinator.client import CoordinatorClient, CoordinatorError
+from ftjax.coordinator.types import MemberInfo, new_incarnation
 
 _print_lock = threading.Lock()
 
@@ -50,8 +51,9 @@ def main() -> int:
     args = p.parse_args()
     token = read_token(args.token_file)
     n = sum(map(ord, args.replica_id))
-    member = MemberInfo(args.replica_id, new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), (f"127.0.0.1:{30000 + n}",),
-                        "test-topology")
+    member = MemberInfo(
+        args.replica_id, new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), (f"127.0.0.1:{30000 + n}",), "test-topology"
+    )
     client = CoordinatorClient(args.address, token, member, heartbeat_interval_s=0.1, quorum_timeout_s=60)
     client.start()
     emit(event="start", replica_id=member.replica_id, incarnation=member.incarnation)
@@ -63,8 +65,16 @@ def main() -> int:
         except CoordinatorError as e:
             emit(event="error", t=time.monotonic(), error=str(e))
             continue
-        emit(event="quorum", t=time.monotonic(), quorum_id=q.quorum_id, step=q.step, healing=q.healing,
-             heal_source=q.heal_source, asked_step=step, members=[[p.replica_id, p.incarnation] for p in q.participants])
+        emit(
+            event="quorum",
+            t=time.monotonic(),
+            quorum_id=q.quorum_id,
+            step=q.step,
+            healing=q.healing,
+            heal_source=q.heal_source,
+            asked_step=step,
+            members=[[p.replica_id, p.incarnation] for p in q.participants],
+        )
         time.sleep(args.step_s)  # forward, backward, FTAR...
         step, position, has_state = q.step + 1, q.data_position + 1, True  # ...and commit (healed if needed)
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ftjax.checkpoint import DurableCheckpoints
 from ftjax.config import load_config
-from ftjax.jsonl import read_jsonl
+from ftjax.runs.jsonl import read_jsonl
+from ftjax.runtime.checkpoint import DurableCheckpoints
 
 
 def records(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -28,7 +28,7 @@ def final_params(config_path: str, overrides: list[str], ckpt_dir: Path) -> dict
     """The parameters of the latest durable checkpoint, as numpy arrays."""
     import jax
 
-    from ftjax.step import build_program
+    from ftjax.program.step import build_program
 
     cfg = load_config(config_path, overrides)
     program = build_program(cfg)

@@ -11,11 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from ftjax.jsonl import read_jsonl
-from ftjax.procs import ProcessGroup
-
 from conftest import REPO
+
+from ftjax.base.procs import ProcessGroup
+from ftjax.runs.jsonl import read_jsonl
 
 TINY = f"{REPO}/configs/tiny.yaml"
 
@@ -42,7 +41,7 @@ def live_in_groups(groups: set[int]) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue  # gone meanwhile
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
         state, pgrp = fields[0], int(fields[2])
         if pgrp in groups and state != "Z":
             live.append(int(entry))
@@ -63,8 +62,11 @@ class Launch:
     def __init__(self, procs: ProcessGroup, args: list[str], run_dir: Path):
         self.run_dir = run_dir
         self.log = open(run_dir.parent / f"{run_dir.name}.out", "w")
-        self.proc = procs.start([sys.executable, "-m", "ftjax", "launch", *args, "--out", str(run_dir)],
-                                stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = procs.start(
+            [sys.executable, "-m", "ftjax", "launch", *args, "--out", str(run_dir)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait(self, timeout: float) -> int:
         try:
@@ -114,8 +116,7 @@ def launch(procs, tmp_path):
     runs = []
 
     def start(*args: str, name: str = "run") -> Launch:
-        run = Launch(procs, [TINY, "--restart-delay-s", "0.5", *args],
-                     tmp_path / name)
+        run = Launch(procs, [TINY, "--restart-delay-s", "0.5", *args], tmp_path / name)
         runs.append(run)
         return run
 

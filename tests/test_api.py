@@ -1,4 +1,4 @@
-"""The Python API (ftjax/api.py, ftjax/task.py, ftjax/manager.py): a user's model, loss, data and
+"""The Python API (ftjax/api.py, ftjax/program/task.py, ftjax/runtime/manager.py): a user's model, loss, data and
 loop, through `ftjax.fit`, `ftjax train`/`launch` by import path, and `FaultTolerance`."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 from conftest import FTJAX, REPO
 from launchrun import Launch
 
@@ -20,7 +19,9 @@ USER = f"{REPO}/tests/usertasks/scaled_ce.yaml"
 
 
 def test_import_ftjax_exports_the_api_without_importing_jax():
-    code = "import ftjax, sys; print(sorted(n for n in dir(ftjax) if not n.startswith('_'))); print('jax' in sys.modules)"
+    code = (
+        "import ftjax, sys; print(sorted(n for n in dir(ftjax) if not n.startswith('_'))); print('jax' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     names = eval(out[0])
     for name in ("Task", "nnx_task", "linen_task", "pytree_task", "fit", "FaultTolerance", "load_config"):
@@ -39,7 +40,10 @@ class Pairs:
     def __getitem__(self, i):
         rng = np.random.default_rng([7, int(i)])
         x = rng.normal(size=8).astype(np.float32)
-        return {"x": x, "y": (x @ np.arange(16, dtype=np.float32).reshape(8, 2) / 10 + 0.1 * rng.normal(size=2)).astype(np.float32)}
+        return {
+            "x": x,
+            "y": (x @ np.arange(16, dtype=np.float32).reshape(8, 2) / 10 + 0.1 * rng.normal(size=2)).astype(np.float32),
+        }
 
 
 def mlp_init(key):
@@ -56,7 +60,7 @@ def test_fit_gives_the_losses_of_a_plain_jax_optax_loop(tmp_path):
     """A user's pytree model, loss, optimizer and dict batches through `ftjax.fit` (standalone):
     step for step the losses of the same model trained by a plain loop written here."""
     import ftjax
-    from ftjax.data import BatchStream
+    from ftjax.program.data import BatchStream
 
     steps, batch_size, seed = 12, 16, 3
     tx = optax.adam(1e-2)
@@ -84,7 +88,7 @@ def test_a_user_loss_weighs_every_row_own_and_covered(tmp_path):
     missing peer go through that loss too. Each step's per-stream loss sums of a run where replica 1
     dies (its stream covered by the others) equal the failure-free run's, where every stream is its
     own replica's: a covered row weighed by ftjax's own loss would count a tenth."""
-    from ftjax.procs import ProcessGroup
+    from ftjax.base.procs import ProcessGroup
 
     common = ["--replicas", "3", "steps=24", "ft.global_batch=constant", "--restart-delay-s", "0.5"]
     with ProcessGroup() as procs:
@@ -98,47 +102,75 @@ def test_a_user_loss_weighs_every_row_own_and_covered(tmp_path):
         for r in range(3):
             for rec in launch.metrics(r):
                 if rec.get("committed") and rec.get("loss_sums") and "event" not in rec:
-                    for stream, a, b, total in rec["loss_sums"]:
+                    for stream, _a, _b, total in rec["loss_sums"]:
                         out[(rec["step"], stream)] = out.get((rec["step"], stream), 0.0) + total
         return out
 
     want, got = sums(free), sums(chaos)
-    covered = {(rec["step"], s) for r in (0, 2) for rec in chaos.metrics(r)
-               if rec.get("committed") and "event" not in rec for s, *_ in (rec.get("loss_sums") or []) if s == 1}
+    covered = {
+        (rec["step"], s)
+        for r in (0, 2)
+        for rec in chaos.metrics(r)
+        if rec.get("committed") and "event" not in rec
+        for s, *_ in (rec.get("loss_sums") or [])
+        if s == 1
+    }
     assert covered, "nobody computed stream 1's rows for it: the kill did not take effect"
     for key in covered:
         assert got[key] == pytest.approx(want[key], rel=1e-4), (key, got[key], want[key])
     assert want[(1, 0)] / 8 > 30  # 10 x a byte-level cross-entropy (about 5.5 at the start)
 
 
-@pytest.mark.parametrize("task, says", [
-    ("scaled_ce:missing", "has no callable 'missing'"),
-    ("nonexistent_module:task", "cannot import 'nonexistent_module'"),
-    ("scaled_ce:broken_shape", "one loss per example"),
-    ("scaled_ce:ragged", "do not batch"),
-])
+@pytest.mark.parametrize(
+    "task, says",
+    [
+        ("scaled_ce:missing", "has no callable 'missing'"),
+        ("nonexistent_module:task", "cannot import 'nonexistent_module'"),
+        ("scaled_ce:broken_shape", "one loss per example"),
+        ("scaled_ce:ragged", "do not batch"),
+    ],
+)
 def test_a_bad_task_is_one_clear_error_before_anything_starts(tmp_path, task, says):
-    train = subprocess.run([*FTJAX, "train", USER, f"task={task}", "steps=2", "--out", str(tmp_path / "t")],
-                           capture_output=True, text=True, timeout=300)
+    train = subprocess.run(
+        [*FTJAX, "train", USER, f"task={task}", "steps=2", "--out", str(tmp_path / "t")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert train.returncode == 2, train.stderr[-2000:]
     assert says in train.stderr and task in train.stderr, train.stderr[-2000:]
     assert "Traceback" not in train.stderr
-    launch = subprocess.run([*FTJAX, "launch", USER, f"task={task}", "--replicas", "2", "--out", str(tmp_path / "l")],
-                            capture_output=True, text=True, timeout=300)
+    launch = subprocess.run(
+        [*FTJAX, "launch", USER, f"task={task}", "--replicas", "2", "--out", str(tmp_path / "l")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert launch.returncode == 2 and says in launch.stderr, launch.stderr[-2000:]
     assert not (tmp_path / "l" / "replica-0").exists()  # refused before any replica started
 
 
-@pytest.mark.parametrize("example, entry", [
-    ("nnx_dropout.yaml", None),      # (a) nnx.Dropout, a loss with an auxiliary term
-    ("linen_batchnorm.yaml", None),  # (b) a Linen model with batch statistics
-    ("own_loop.yaml", f"python {REPO}/examples/own_loop.py"),  # (c) a hand-written loop with FaultTolerance
-])
+@pytest.mark.parametrize(
+    "example, entry",
+    [
+        ("nnx_dropout.yaml", None),  # (a) nnx.Dropout, a loss with an auxiliary term
+        ("linen_batchnorm.yaml", None),  # (b) a Linen model with batch statistics
+        ("own_loop.yaml", f"python {REPO}/examples/own_loop.py"),  # (c) a hand-written loop with FaultTolerance
+    ],
+)
 def test_each_example_survives_a_kill_with_equal_digests_and_every_batch_once(tmp_path, example, entry):
-    from ftjax.procs import ProcessGroup
+    from ftjax.base.procs import ProcessGroup
 
-    args = [f"{REPO}/examples/{example}", "--replicas", "2", "--kill", "1@15:ftar", "--restart-delay-s", "0.5",
-            *(["--entry", entry] if entry else [])]
+    args = [
+        f"{REPO}/examples/{example}",
+        "--replicas",
+        "2",
+        "--kill",
+        "1@15:ftar",
+        "--restart-delay-s",
+        "0.5",
+        *(["--entry", entry] if entry else []),
+    ]
     with ProcessGroup() as procs:
         run = Launch(procs, args, tmp_path / "run")
         try:

@@ -10,7 +10,6 @@ import math
 import subprocess
 
 import pytest
-
 from conftest import FTJAX, REPO
 
 TINY = f"{REPO}/configs/tiny.yaml"
@@ -29,7 +28,7 @@ def _ratio(value) -> None:
 
 
 def test_every_benchmark_has_a_test_here_or_is_named_where_it_runs():
-    from ftjax.bench import BENCHES
+    from ftjax.cli.bench import BENCHES
 
     tested = {"step", "catchup", "outage", "reduced", "ftar", "coordinator", "data"}
     assert set(BENCHES) == tested, f"add a tiny run of {set(BENCHES) - tested} to tests/test_bench.py"
@@ -75,7 +74,22 @@ def test_bench_reduced_compares_a_reduced_replica_with_the_full_one():
 
 @pytest.mark.slow
 def test_bench_data_compares_prepare_and_the_loader_with_the_training_step():
-    out = _bench("data", "tiny", "--mib", "0.25", "--vocab", "512", "--workers", "2", "--batches", "20",
-                 "--steps", "5", "--warmup", "1", timeout=180)
+    out = _bench(
+        "data",
+        "tiny",
+        "--mib",
+        "0.25",
+        "--vocab",
+        "512",
+        "--workers",
+        "2",
+        "--batches",
+        "20",
+        "--steps",
+        "5",
+        "--warmup",
+        "1",
+        timeout=180,
+    )
     assert out["bench"] == "data" and out["tokens"] > 0 and out["vocab_size"] <= 512
     _ratio(out["loader_vs_step"]), _ratio(out["prepare_vs_step"])

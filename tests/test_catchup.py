@@ -3,12 +3,11 @@
 import time
 
 import pytest
-
-from ftjax.events import EXIT_LEFT
-from ftjax.launch import LocalJob
-
 from conftest import REPO
 from ftjob import committed_digests, records
+
+from ftjax.launch import LocalJob
+from ftjax.runs.events import EXIT_LEFT
 
 TINY = f"{REPO}/configs/tiny.yaml"
 # bigger batches than tiny.yaml's: steps long enough (~0.1 s) that a restarted process (import,
@@ -43,9 +42,12 @@ def _run_until_in_step(job, survivor, newcomer, after, commits=5, timeout=300.0)
     step left to commit in step. Returns the newcomer's catchup_done event."""
     done = _wait_for_event(job, newcomer, "catchup_done", timeout=timeout, after=after)
     deadline = time.monotonic() + timeout
-    while len([s for s in records(job.replica_dir(newcomer))[0]
-               if s["committed"] and s["time"] > done["time"]]) < commits:
-        assert time.monotonic() < deadline, f"no {commits} steps committed after the catch-up:\n{job.log_tail(newcomer)}"
+    while (
+        len([s for s in records(job.replica_dir(newcomer))[0] if s["committed"] and s["time"] > done["time"]]) < commits
+    ):
+        assert time.monotonic() < deadline, (
+            f"no {commits} steps committed after the catch-up:\n{job.log_tail(newcomer)}"
+        )
         assert all(c is None for r in (survivor, newcomer) for c in job.replica_exit_codes(r)), job.log_tail(newcomer)
         time.sleep(0.2)
     for r in (survivor, newcomer):
@@ -90,8 +92,9 @@ def test_restarted_replica_catches_up_without_stalling_the_other(tmp_path, procs
 def test_slow_transfer_replays_buffered_updates(tmp_path, procs):
     # 1.6 MB of state at 0.4 MB/s: the transfer spans several seconds, i.e. dozens of steps
     # (steps: more than the test ever runs; it stops the job once the newcomer is in step)
-    job = LocalJob(TINY, [*BASE, f"steps={UNBOUNDED}", "ft.catchup_rate_limit_mbps=0.4"], tmp_path, replicas=2,
-                   procs=procs)
+    job = LocalJob(
+        TINY, [*BASE, f"steps={UNBOUNDED}", "ft.catchup_rate_limit_mbps=0.4"], tmp_path, replicas=2, procs=procs
+    )
     job.start_coordinator()
     job.start_replica(0)
     job.start_replica(1, die_at="5:forward")
@@ -108,8 +111,13 @@ def test_catchup_longer_than_the_ram_buffer_spills_to_disk_and_completes(tmp_pat
     # 0.3 MB/s) spans dozens of steps. An older design evicted the oldest updates past a fixed count,
     # so every snapshot arrived already too old to be replayed and the newcomer never caught up.
     ram_mib = 1
-    job = LocalJob(TINY, [*BASE, f"steps={UNBOUNDED}", "ft.catchup_rate_limit_mbps=0.3",
-                          f"ft.catchup_buffer_mib={ram_mib}"], tmp_path, replicas=2, procs=procs)
+    job = LocalJob(
+        TINY,
+        [*BASE, f"steps={UNBOUNDED}", "ft.catchup_rate_limit_mbps=0.3", f"ft.catchup_buffer_mib={ram_mib}"],
+        tmp_path,
+        replicas=2,
+        procs=procs,
+    )
     job.start_coordinator()
     job.start_replica(0)
     job.start_replica(1, die_at="5:forward")
@@ -129,8 +137,9 @@ def test_catchup_longer_than_the_ram_buffer_spills_to_disk_and_completes(tmp_pat
 
 @pytest.mark.slow
 def test_source_killed_mid_transfer_newcomer_uses_another(tmp_path, procs):
-    job = LocalJob(TINY, [*BASE, f"steps={UNBOUNDED}", "ft.catchup_rate_limit_mbps=0.3"], tmp_path, replicas=3,
-                   procs=procs)
+    job = LocalJob(
+        TINY, [*BASE, f"steps={UNBOUNDED}", "ft.catchup_rate_limit_mbps=0.3"], tmp_path, replicas=3, procs=procs
+    )
     job.start_coordinator()
     for r in (0, 1):
         job.start_replica(r)

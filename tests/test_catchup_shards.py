@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-from ftjax.catchup import HostShards, LayoutMismatch, ShardTransport, source_hosts
-from ftjax.events import ReplicaEvent as E
-from ftjax.protocol import HealOrder, StepProtocol
-from ftjax.replay import ReplayBuffer
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_protocol import Events, OneHost, participant, quorum
+
+from ftjax.runs.events import ReplicaEvent as E
+from ftjax.runtime.catchup import HostShards, LayoutMismatch, ShardTransport, source_hosts
+from ftjax.runtime.protocol import HealOrder, StepProtocol
+from ftjax.runtime.replay import ReplayBuffer
 
 TOKEN = "test-token"
 
@@ -28,16 +29,19 @@ def state_on(m: Mesh):
     """A small train state: a sharded matrix, a replicated vector, a bfloat16 leaf and a scalar."""
     rng = np.random.default_rng(0)
     return {
-        "params": {"w": jax.device_put(rng.standard_normal((8, 6), np.float32), NamedSharding(m, P("x"))),
-                   "b": jax.device_put(rng.standard_normal(6).astype(np.float32), NamedSharding(m, P()))},
+        "params": {
+            "w": jax.device_put(rng.standard_normal((8, 6), np.float32), NamedSharding(m, P("x"))),
+            "b": jax.device_put(rng.standard_normal(6).astype(np.float32), NamedSharding(m, P())),
+        },
         "mu": jax.device_put(jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16), NamedSharding(m, P(None, "x"))),
         "count": jax.device_put(jnp.int32(7), NamedSharding(m, P())),
     }
 
 
 def abstract(state, m: Mesh):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, a.sharding.spec)),
-                        state)
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, a.sharding.spec)), state
+    )
 
 
 def assert_same(got, want) -> None:
@@ -108,7 +112,7 @@ def test_a_reduced_newcomer_fetches_from_every_host_of_its_source_over_the_netwo
     servers = [ShardTransport(TOKEN, rate_limit_mbps=None, timeout_s=30) for _ in range(2)]
     client = ShardTransport(TOKEN, rate_limit_mbps=None, timeout_s=30)
     try:
-        from ftjax.catchup import _Snapshot
+        from ftjax.runtime.catchup import _Snapshot
 
         for h, server in enumerate(servers):  # host h of a 2-host source serves its half
             server.server.publish(_Snapshot("b/1", 12, {"step": 12}, _host_part(src, h, 2)))
@@ -133,8 +137,15 @@ def test_a_host_that_lacks_a_region_it_needs_is_an_error_naming_the_leaf():
     half = HostShards(whole.leaves, [p for p in whole.pieces if p.leaf != "['params']['w']" or p.region[0][1] <= 4])
     rows = NamedSharding(mesh(2), P("x"))  # device 0 needs rows 0-3 (held), device 1 rows 4-7 (not)
     with pytest.raises(LayoutMismatch, match=r"\['params'\]\['w'\]: this host needs region \[\(4, 8\), \(0, 6\)\]"):
-        half.to_state({**abstract(src, mesh(2)), "params": {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=rows),
-                                                            "b": abstract(src, mesh(2))["params"]["b"]}})
+        half.to_state(
+            {
+                **abstract(src, mesh(2)),
+                "params": {
+                    "w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=rows),
+                    "b": abstract(src, mesh(2))["params"]["b"],
+                },
+            }
+        )
     bad = {**abstract(src, mesh(4)), "count": jax.ShapeDtypeStruct((), jnp.float32)}
     with pytest.raises(LayoutMismatch, match=r"\['count'\]: the source has shape/dtype"):
         whole.to_state(bad)
@@ -160,17 +171,31 @@ def done(step):
 RUNNING = {"done": False, "error": None, "step": None}
 
 
-@pytest.mark.parametrize("hosts, order, event", [
-    ([done(9), done(9)], HealOrder(install=True), None),
-    ([done(9), RUNNING], HealOrder(), None),  # host 1 still fetching: wait for it
-    ([RUNNING, {"done": True, "error": "ConnectionError: reset", "step": None}],
-     HealOrder(drop=True, fetch_min_step=10), E.CATCHUP_FAILED),  # no waiting for the others: again at once
-    ([done(9), done(10)], HealOrder(drop=True, fetch_min_step=10), E.CATCHUP_FAILED),  # parts of two states
-])
+@pytest.mark.parametrize(
+    "hosts, order, event",
+    [
+        ([done(9), done(9)], HealOrder(install=True), None),
+        ([done(9), RUNNING], HealOrder(), None),  # host 1 still fetching: wait for it
+        (
+            [RUNNING, {"done": True, "error": "ConnectionError: reset", "step": None}],
+            HealOrder(drop=True, fetch_min_step=10),
+            E.CATCHUP_FAILED,
+        ),  # no waiting for the others: again at once
+        ([done(9), done(10)], HealOrder(drop=True, fetch_min_step=10), E.CATCHUP_FAILED),  # parts of two states
+    ],
+)
 def test_the_leader_installs_only_what_every_host_fetched_of_one_step(tmp_path, hosts, order, event):
     log = Events()
-    p = StepProtocol(replica_id="me", incarnation="me-inc", group=OneHost(), reducer=None, transport=None,
-                     quorums=None, buffer=ReplayBuffer(tmp_path / "replay", 8), log=log)
+    p = StepProtocol(
+        replica_id="me",
+        incarnation="me-inc",
+        group=OneHost(),
+        reducer=None,
+        transport=None,
+        quorums=None,
+        buffer=ReplayBuffer(tmp_path / "replay", 8),
+        log=log,
+    )
     p.fetch = Fetch()
     assert p._heal_bookkeeping(healing_quorum(), hosts) == order
     assert (log.kinds()[:1] or [None])[0] == event
@@ -189,8 +214,16 @@ def test_every_host_fetches_from_the_same_host_of_the_source(tmp_path):
             asked.append((address, key, source, min_step))
             return Fetch(source)
 
-    p = StepProtocol(replica_id="me", incarnation="me-inc", group=Host1(), reducer=None, transport=Transport(),
-                     quorums=None, buffer=ReplayBuffer(tmp_path / "replay", 8), log=Events())
+    p = StepProtocol(
+        replica_id="me",
+        incarnation="me-inc",
+        group=Host1(),
+        reducer=None,
+        transport=Transport(),
+        quorums=None,
+        buffer=ReplayBuffer(tmp_path / "replay", 8),
+        log=Events(),
+    )
     q = healing_quorum()
     q = type(q)(**{**q.__dict__, "heal_source_addresses": ("a-host0:2", "a-host1:2")})
     assert p._carry_out(q, HealOrder(fetch_min_step=7)).install is None

@@ -6,14 +6,13 @@ import subprocess
 
 import numpy as np
 import pytest
-
-from ftjax import checkpoint
-from ftjax.data import make_stream
-from ftjax.digest import state_digest
-from ftjax.step import build_program
-from ftjax.train import build_parser, parse_config, run_standalone
-
 from conftest import FTJAX, REPO
+
+from ftjax.cli.train import build_parser, parse_config, run_standalone
+from ftjax.program.data import make_stream
+from ftjax.program.digest import state_digest
+from ftjax.program.step import build_program
+from ftjax.runtime import checkpoint
 
 TINY = f"{REPO}/configs/tiny.yaml"
 BASE = ["steps=3", "checkpoint.every=3"]
@@ -29,8 +28,9 @@ def open_checkpoints(run_dir, *overrides):
     """(config, program, RUN/checkpoints as the tiny config with `overrides` opens them)."""
     cfg = parse_config(build_parser().parse_intermixed_args([TINY, *overrides]))
     program = build_program(cfg)
-    ck = checkpoint.DurableCheckpoints.from_config(cfg, run_dir, data_fingerprint=make_stream(cfg).fingerprint,
-                                                   params=program.abstract_state()["params"])
+    ck = checkpoint.DurableCheckpoints.from_config(
+        cfg, run_dir, data_fingerprint=make_stream(cfg).fingerprint, params=program.abstract_state()["params"]
+    )
     return cfg, program, ck
 
 
@@ -42,12 +42,15 @@ def old_run(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("override, field, ours", [
-    ("seed=1", "seed", "1"),
-    ("data.source=synthetic", "data.source", "synthetic"),
-    ("optim.lr=1e-3", "optim.lr", "0.001"),
-    ("model.d_model=32", "model.d_model", "32"),  # refused by its identity, not by a shape error
-])
+@pytest.mark.parametrize(
+    "override, field, ours",
+    [
+        ("seed=1", "seed", "1"),
+        ("data.source=synthetic", "data.source", "synthetic"),
+        ("optim.lr=1e-3", "optim.lr", "0.001"),
+        ("model.d_model=32", "model.d_model", "32"),  # refused by its identity, not by a shape error
+    ],
+)
 def test_another_job_is_refused(tmp_path, old_run, override, field, ours):
     ckpt_dir = old_run / "checkpoints"
     with pytest.raises(ValueError) as exc:
@@ -102,8 +105,13 @@ def test_checkpoint_without_identity_is_refused(tmp_path):
 def test_cli_resume_with_another_seed_exits_2(tmp_path, old_run):
     out = tmp_path / "run"
     shutil.copytree(old_run, out)
-    r = subprocess.run([*FTJAX, "train", "configs/tiny.yaml", "--out", str(out), *BASE, "seed=7", "--resume"],
-                       cwd=REPO, capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [*FTJAX, "train", "configs/tiny.yaml", "--out", str(out), *BASE, "seed=7", "--resume"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
     assert "seed: checkpoint 0, this job 7" in r.stderr, r.stderr[-3000:]
     assert str(out / "checkpoints") in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]

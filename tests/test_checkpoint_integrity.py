@@ -6,11 +6,10 @@ import json
 import shutil
 
 import pytest
-
-from ftjax import checkpoint
-from ftjax.train import build_parser, parse_config, run_standalone
-
 from conftest import REPO
+
+from ftjax.cli.train import build_parser, parse_config, run_standalone
+from ftjax.runtime import checkpoint
 
 TINY = f"{REPO}/configs/tiny.yaml"
 

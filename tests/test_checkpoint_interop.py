@@ -11,16 +11,15 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
-from ftjax import checkpoint
-from ftjax.data import make_stream
-from ftjax.digest import params_digest, state_digest
-from ftjax.launch import cli as launch_cli
-from ftjax.metrics import read_jsonl, read_metrics
-from ftjax.step import build_program, device_batch, where
-from ftjax.train import build_parser, main, parse_config, run_standalone
-
 from conftest import FTJAX, REPO
+
+from ftjax.cli.train import build_parser, main, parse_config, run_standalone
+from ftjax.launch import cli as launch_cli
+from ftjax.program.data import make_stream
+from ftjax.program.digest import params_digest, state_digest
+from ftjax.program.step import build_program, device_batch, where
+from ftjax.runtime import checkpoint
+from ftjax.runtime.metrics import read_jsonl, read_metrics
 
 TINY = f"{REPO}/configs/tiny.yaml"
 
@@ -93,8 +92,13 @@ def run(tmp_path_factory):
 
 
 def test_plain_orbax_restores_the_params_and_verifies_their_digest(run):
-    r = subprocess.run([sys.executable, "-c", PLAIN_READER, str(run / "checkpoints")], cwd=run,
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [sys.executable, "-c", PLAIN_READER, str(run / "checkpoints")],
+        cwd=run,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     # orbax's own step discovery sees exactly the steps (corrupt/ and the checksums are not steps)
@@ -128,7 +132,7 @@ def test_init_from_a_plain_checkpoint_of_params(tmp_path):
 def test_init_opt_from_an_ftjax_run_takes_params_and_optimizer_state(run):
     """An ftjax run's RUN/checkpoints/STEP/state, with checkpoint.init_opt: the same parameters and
     optimizer state as that run's own restore."""
-    cfg, program = program_of("steps=6")
+    _cfg, program = program_of("steps=6")
     loaded = checkpoint.load_init(run / "checkpoints" / "6" / "state", program.abstract_state(), opt=True)
     ck = checkpoint.DurableCheckpoints(run / "checkpoints", every=2, keep=3, async_save=False)
     state, meta = ck.restore(program.abstract_state(), 6)
@@ -142,8 +146,9 @@ def test_init_opt_from_an_ftjax_run_takes_params_and_optimizer_state(run):
 
 def test_init_from_is_part_of_the_job_identity(tmp_path):
     plain, _ = program_of()
-    cfg = parse_config(build_parser().parse_intermixed_args([TINY, "--init-from", str(tmp_path),
-                                                            "checkpoint.init_opt=true"]))
+    cfg = parse_config(
+        build_parser().parse_intermixed_args([TINY, "--init-from", str(tmp_path), "checkpoint.init_opt=true"])
+    )
     assert cfg.checkpoint.init_from == str(tmp_path.absolute())
     identity = checkpoint.job_identity(cfg, "fp")
     assert identity["checkpoint.init_from"] == str(tmp_path) and identity["checkpoint.init_opt"] is True
@@ -164,8 +169,13 @@ def test_another_models_checkpoint_is_refused_naming_every_leaf(tmp_path):
 
     differ = [name for name, shape in shapes(ours).items() if shapes(small)[name] != shape]
     assert len(differ) > 10
-    r = subprocess.run([*FTJAX, "train", TINY, "--out", str(tmp_path / "run"), "steps=2", "--init-from", str(init)],
-                       cwd=REPO, capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [*FTJAX, "train", TINY, "--out", str(tmp_path / "run"), "steps=2", "--init-from", str(init)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("ftjax train: error:")]
@@ -198,8 +208,9 @@ def test_init_opt_needs_the_optimizer_state_in_the_checkpoint(tmp_path):
 
 
 def test_launch_passes_init_from_to_its_replicas(tmp_path, capsys):
-    args = launch_cli.build_parser().parse_intermixed_args([TINY, "--init-from", str(tmp_path), "--out",
-                                                            str(tmp_path / "job")])
+    args = launch_cli.build_parser().parse_intermixed_args(
+        [TINY, "--init-from", str(tmp_path), "--out", str(tmp_path / "job")]
+    )
     cfg, overrides, *_ = launch_cli.prepare(args)
     assert cfg.checkpoint.init_from == str(tmp_path)
     assert overrides[-1] == f'checkpoint.init_from="{tmp_path}"'  # LocalJob gives every replica its overrides

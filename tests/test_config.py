@@ -1,12 +1,11 @@
 import subprocess
 
 import pytest
+from conftest import FTJAX, REPO
 
+from ftjax.config import ConfigError, CoordinatorConfig, load_config, load_config_dict
 from ftjax.coordinator.quorum import Settings
 from ftjax.coordinator.server import _parser as coordinator_parser
-from ftjax.config import ConfigError, CoordinatorConfig, load_config, load_config_dict
-
-from conftest import FTJAX, REPO
 
 
 def test_defaults_and_overrides():
@@ -14,25 +13,36 @@ def test_defaults_and_overrides():
     assert (cfg.steps, cfg.model.d_model, cfg.optim.lr) == (7, 32, 1e-4)
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (["model.d_model=-3"], "model.d_model"),
-    (["model.widht=3"], "model.widht: unknown key"),
-    (["steps=many"], "steps"),
-    (["data.source=web"], "data.source"),
-    (["mesh.devices_per_host=3"], "data.batch_size (8) must be divisible"),
-    (["mesh.devices_per_host=8", "data.batch_size=16", "model.d_model=36"], "model.d_model (36) must be divisible"),
-    (["model.n_heads=3"], "n_heads"),
-    (["model=3"], "model"),
-    (["nonsense"], "expected KEY=VALUE"),
-    (["coordinator.heartbeat_timeout_ms=2000"],
-     "coordinator.heartbeat_timeout_ms: unknown key (renamed coordinator.heartbeat_timeout_s, in seconds)"),
-    (["coordinator.join_timeout_ms=1000"], "coordinator.join_timeout_ms: unknown key (renamed coordinator.join_timeout_s"),
-    (["log_every=5"], "log_every: unknown key (removed"),
-    (["coordinator.heartbeat_timeout_s=0"], "coordinator.heartbeat_timeout_s: Input should be greater than 0"),
-    (["coordinator.suspect_window_s=2"], "coordinator: suspect_window_s (2) must be shorter than heartbeat_timeout_s (2)"),
-    # issue 26 item 9a: was accepted, and the process grew until the OS killed it
-    (["data.batch_size=100000000"], "data.batch_size (100000000) x model.seq_len (64) = 6,400,000,000 tokens"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["model.d_model=-3"], "model.d_model"),
+        (["model.widht=3"], "model.widht: unknown key"),
+        (["steps=many"], "steps"),
+        (["data.source=web"], "data.source"),
+        (["mesh.devices_per_host=3"], "data.batch_size (8) must be divisible"),
+        (["mesh.devices_per_host=8", "data.batch_size=16", "model.d_model=36"], "model.d_model (36) must be divisible"),
+        (["model.n_heads=3"], "n_heads"),
+        (["model=3"], "model"),
+        (["nonsense"], "expected KEY=VALUE"),
+        (
+            ["coordinator.heartbeat_timeout_ms=2000"],
+            "coordinator.heartbeat_timeout_ms: unknown key (renamed coordinator.heartbeat_timeout_s, in seconds)",
+        ),
+        (
+            ["coordinator.join_timeout_ms=1000"],
+            "coordinator.join_timeout_ms: unknown key (renamed coordinator.join_timeout_s",
+        ),
+        (["log_every=5"], "log_every: unknown key (removed"),
+        (["coordinator.heartbeat_timeout_s=0"], "coordinator.heartbeat_timeout_s: Input should be greater than 0"),
+        (
+            ["coordinator.suspect_window_s=2"],
+            "coordinator: suspect_window_s (2) must be shorter than heartbeat_timeout_s (2)",
+        ),
+        # issue 26 item 9a: was accepted, and the process grew until the OS killed it
+        (["data.batch_size=100000000"], "data.batch_size (100000000) x model.seq_len (64) = 6,400,000,000 tokens"),
+    ],
+)
 def test_bad_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:
         load_config(f"{REPO}/configs/tiny.yaml", overrides)

@@ -1,5 +1,5 @@
 """A failure changes the time, not the math: with `ft.global_batch: constant` every step trains the
-same R batches whoever is alive (ftjax/batches.py, docs/design.md "Constant global batch")."""
+same R batches whoever is alive (ftjax/base/batches.py, docs/design.md "Constant global batch")."""
 
 from __future__ import annotations
 
@@ -9,34 +9,36 @@ import threading
 import jax
 import numpy as np
 import pytest
+from conftest import FTJAX
 
-from ftjax.batches import assign, check_tiling, chunk_sizes, for_others
+from ftjax.base.batches import assign, check_tiling, chunk_sizes, for_others
 from ftjax.config import ConfigError, load_config
 from ftjax.ftar import FTAREndpoint, FTARError
-
-from conftest import FTJAX
 
 TOKEN = "test-token"
 
 
 # --- the assignment: a pure function of the quorum, by tables of cases ----------------------------
-@pytest.mark.parametrize("streams, rows, unit, contributors, expected", [
-    # everybody there: each its own batch, nothing else (the elastic program)
-    (3, 8, 2, [0, 1, 2], {0: ((0, 0, 8),), 1: ((1, 0, 8),), 2: ((2, 0, 8),)}),
-    # one of three away: its 4 units split 2 / 2 -> each computes 1.5 batches (R / C), not 2
-    (3, 8, 2, [0, 2], {0: ((0, 0, 8), (1, 0, 4)), 2: ((2, 0, 8), (1, 4, 8))}),
-    # two of three away: the last one computes all three batches
-    (3, 8, 2, [1], {1: ((1, 0, 8), (0, 0, 8), (2, 0, 8))}),
-    # 4 streams, one away, 3 contributors: 4 units as 2 / 1 / 1, the first by id gets the extra
-    (4, 8, 2, [0, 1, 3], {0: ((0, 0, 8), (2, 0, 4)), 1: ((1, 0, 8), (2, 4, 6)), 3: ((3, 0, 8), (2, 6, 8))}),
-    # two away among 4, units of a whole batch: one each
-    (4, 8, 8, [2, 3], {2: ((2, 0, 8), (0, 0, 8)), 3: ((3, 0, 8), (1, 0, 8))}),
-    # a run of units crosses two orphan streams: two pieces
-    (4, 4, 2, [3], {3: ((3, 0, 4), (0, 0, 4), (1, 0, 4), (2, 0, 4))}),
-    (4, 4, 2, [0, 3], {0: ((0, 0, 4), (1, 0, 4)), 3: ((3, 0, 4), (2, 0, 4))}),
-    # order and duplicates of the contributors do not matter
-    (3, 8, 2, [2, 0, 2], {0: ((0, 0, 8), (1, 0, 4)), 2: ((2, 0, 8), (1, 4, 8))}),
-])
+@pytest.mark.parametrize(
+    "streams, rows, unit, contributors, expected",
+    [
+        # everybody there: each its own batch, nothing else (the elastic program)
+        (3, 8, 2, [0, 1, 2], {0: ((0, 0, 8),), 1: ((1, 0, 8),), 2: ((2, 0, 8),)}),
+        # one of three away: its 4 units split 2 / 2 -> each computes 1.5 batches (R / C), not 2
+        (3, 8, 2, [0, 2], {0: ((0, 0, 8), (1, 0, 4)), 2: ((2, 0, 8), (1, 4, 8))}),
+        # two of three away: the last one computes all three batches
+        (3, 8, 2, [1], {1: ((1, 0, 8), (0, 0, 8), (2, 0, 8))}),
+        # 4 streams, one away, 3 contributors: 4 units as 2 / 1 / 1, the first by id gets the extra
+        (4, 8, 2, [0, 1, 3], {0: ((0, 0, 8), (2, 0, 4)), 1: ((1, 0, 8), (2, 4, 6)), 3: ((3, 0, 8), (2, 6, 8))}),
+        # two away among 4, units of a whole batch: one each
+        (4, 8, 8, [2, 3], {2: ((2, 0, 8), (0, 0, 8)), 3: ((3, 0, 8), (1, 0, 8))}),
+        # a run of units crosses two orphan streams: two pieces
+        (4, 4, 2, [3], {3: ((3, 0, 4), (0, 0, 4), (1, 0, 4), (2, 0, 4))}),
+        (4, 4, 2, [0, 3], {0: ((0, 0, 4), (1, 0, 4)), 3: ((3, 0, 4), (2, 0, 4))}),
+        # order and duplicates of the contributors do not matter
+        (3, 8, 2, [2, 0, 2], {0: ((0, 0, 8), (1, 0, 4)), 2: ((2, 0, 8), (1, 4, 8))}),
+    ],
+)
 def test_missing_batches_are_dealt_out_evenly_in_stream_order(streams, rows, unit, contributors, expected):
     got = assign(streams, rows, unit, contributors)
     assert got == expected
@@ -50,16 +52,23 @@ REDUCED = {  # (streams, rows, unit, contributors, own rows) -> assignment
     # a reduced replica (1 of 2 hosts) computes half its batch; the full one takes the other half
     "2 replicas, one at half degree": (2, 8, 2, [0, 1], {1: 4}, {0: ((0, 0, 8), (1, 4, 8)), 1: ((1, 0, 4),)}),
     # the orphan's units go where the work per device is least: 2 / 1 to the full / the reduced
-    "one away, one reduced": (3, 8, 2, [0, 1], {1: 4},
-                              {0: ((0, 0, 8), (1, 4, 8), (2, 0, 4)), 1: ((1, 0, 4), (2, 4, 8))}),
+    "one away, one reduced": (
+        3,
+        8,
+        2,
+        [0, 1],
+        {1: 4},
+        {0: ((0, 0, 8), (1, 4, 8), (2, 0, 4)), 1: ((1, 0, 4), (2, 4, 8))},
+    ),
     "a reduced replica alone computes everything": (2, 8, 2, [1], {1: 4}, {1: ((1, 0, 4), (0, 0, 8), (1, 4, 8))}),
     "quarter degree": (2, 8, 2, [0, 1], {1: 2}, {0: ((0, 0, 8), (1, 2, 8)), 1: ((1, 0, 2),)}),
 }
 
 
 @pytest.mark.parametrize("streams, rows, unit, contributors, own, expected", REDUCED.values(), ids=REDUCED.keys())
-def test_a_reduced_replica_computes_its_share_and_the_rest_is_dealt_out(streams, rows, unit, contributors, own,
-                                                                       expected):
+def test_a_reduced_replica_computes_its_share_and_the_rest_is_dealt_out(
+    streams, rows, unit, contributors, own, expected
+):
     got = assign(streams, rows, unit, contributors, own_rows=own)
     assert got == expected
     assert check_tiling(streams, rows, [[c, *p] for c, pieces in got.items() for p in pieces]) is None
@@ -70,8 +79,10 @@ def test_a_reduced_share_must_be_whole_units():
         assign(2, 8, 2, [0, 1], own_rows={1: 3})
 
 
-@pytest.mark.parametrize("rows, sizes, want", [(16, (8, 2), [8, 8]), (12, (8, 2), [8, 2, 2]), (4, (8, 2), [2, 2]),
-                                               (8, (8,), [8]), (0, (8, 2), [])])
+@pytest.mark.parametrize(
+    "rows, sizes, want",
+    [(16, (8, 2), [8, 8]), (12, (8, 2), [8, 2, 2]), (4, (8, 2), [2, 2]), (8, (8,), [8]), (0, (8, 2), [])],
+)
 def test_a_share_is_computed_in_whole_batches_then_micro_batches(rows, sizes, want):
     assert chunk_sizes(rows, sizes) == want
 
@@ -81,25 +92,31 @@ def test_who_computes_whose_rows_reads_for_people():
     assert (for_others(work, 0), for_others(work, 2), for_others(work, 1)) == ("r1[0:4]", "r1[4:8]", "")
 
 
-@pytest.mark.parametrize("args, message", [
-    ((3, 8, 3, [0]), "unit: 3 rows do not divide a batch of 8"),
-    ((3, 8, 2, []), "contributors: none"),
-    ((3, 8, 2, [0, 3]), r"contributors: \[0, 3\] are not all streams of 0..2"),
-    ((0, 8, 2, [0]), "streams"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((3, 8, 3, [0]), "unit: 3 rows do not divide a batch of 8"),
+        ((3, 8, 2, []), "contributors: none"),
+        ((3, 8, 2, [0, 3]), r"contributors: \[0, 3\] are not all streams of 0..2"),
+        ((0, 8, 2, [0]), "streams"),
+    ],
+)
 def test_a_bad_assignment_request_names_the_argument(args, message):
     with pytest.raises(ValueError, match=message):
         assign(*args)
 
 
-@pytest.mark.parametrize("work, why", [
-    ([[0, 0, 0, 8], [1, 1, 0, 8]], None),
-    ([[0, 0, 0, 8], [0, 1, 0, 4], [1, 1, 4, 8]], None),
-    ([[0, 0, 0, 8]], "stream 1: rows 0..8 not trained"),
-    ([[0, 0, 0, 8], [0, 1, 0, 6], [1, 1, 4, 8]], "stream 1: rows 6..4 trained twice"),
-    ([[0, 0, 0, 8], [0, 1, 0, 4], [1, 1, 6, 8]], "stream 1: rows 4..6 not trained"),
-    ([[0, 0, 0, 8], [1, 1, 0, 8], [1, 2, 0, 8]], "not rows of a stream"),
-])
+@pytest.mark.parametrize(
+    "work, why",
+    [
+        ([[0, 0, 0, 8], [1, 1, 0, 8]], None),
+        ([[0, 0, 0, 8], [0, 1, 0, 4], [1, 1, 4, 8]], None),
+        ([[0, 0, 0, 8]], "stream 1: rows 0..8 not trained"),
+        ([[0, 0, 0, 8], [0, 1, 0, 6], [1, 1, 4, 8]], "stream 1: rows 6..4 trained twice"),
+        ([[0, 0, 0, 8], [0, 1, 0, 4], [1, 1, 6, 8]], "stream 1: rows 4..6 not trained"),
+        ([[0, 0, 0, 8], [1, 1, 0, 8], [1, 2, 0, 8]], "not rows of a stream"),
+    ],
+)
 def test_the_tiling_check_finds_rows_missed_or_trained_twice(work, why):
     got = check_tiling(2, 8, work)
     assert (got is None) if why is None else (why in got), got
@@ -125,8 +142,9 @@ def test_ftar_divides_the_contributors_sum_by_the_job_batch_count_and_members_mu
 
             def call(i):
                 try:
-                    out[i] = eps[i].allreduce(bufs[i], quorum_id=qid, step=0, members=members, rank=i,
-                                              divisor=divisors[i])
+                    out[i] = eps[i].allreduce(
+                        bufs[i], quorum_id=qid, step=0, members=members, rank=i, divisor=divisors[i]
+                    )
                 except FTARError as e:
                     errors[i] = e
 
@@ -141,8 +159,9 @@ def test_ftar_divides_the_contributors_sum_by_the_job_batch_count_and_members_mu
                 assert errors == [None, None] and all(np.all(o == np.float32(expect)) for o in out)
         alone = FTAREndpoint(TOKEN)
         try:
-            got = alone.allreduce(np.full(4, 9.0, np.float32), quorum_id=1, step=0, members=[alone.address], rank=0,
-                                  divisor=3)
+            got = alone.allreduce(
+                np.full(4, 9.0, np.float32), quorum_id=1, step=0, members=[alone.address], rank=0, divisor=3
+            )
             assert np.all(got == 3.0)
             with pytest.raises(ValueError, match="divisor"):
                 alone.allreduce(got, quorum_id=2, step=0, members=[alone.address], rank=0, divisor=0)
@@ -161,7 +180,7 @@ def _committed(records):
 def job_losses(metric_files, streams: int, rows: int) -> dict[int, float]:
     """Each step's loss over all R*B rows of the step, from the committed records' loss sums (a
     step whose rows are not all in the records, its contributor killed as it committed, is left out)."""
-    from ftjax.jsonl import read_jsonl
+    from ftjax.runs.jsonl import read_jsonl
 
     pieces: dict[int, dict[tuple, float]] = {}
     for f in metric_files:
@@ -180,14 +199,15 @@ def largest_relative_difference(a: dict[int, float], b: dict[int, float]) -> flo
 
 
 def final_params(run_dir, overrides):
-    from ftjax.checkpoint import DurableCheckpoints
-    from ftjax.data import make_stream
-    from ftjax.step import build_program
+    from ftjax.program.data import make_stream
+    from ftjax.program.step import build_program
+    from ftjax.runtime.checkpoint import DurableCheckpoints
 
     cfg = load_config("tiny", [*overrides, "ft.replicas=3"])
     program = build_program(cfg)
-    ckpt = DurableCheckpoints.from_config(cfg, run_dir, data_fingerprint=make_stream(cfg).fingerprint,
-                                          params=program.abstract_state()["params"])
+    ckpt = DurableCheckpoints.from_config(
+        cfg, run_dir, data_fingerprint=make_stream(cfg).fingerprint, params=program.abstract_state()["params"]
+    )
     try:
         state, meta = ckpt.restore(program.abstract_state())
     finally:
@@ -205,8 +225,9 @@ def test_without_failures_constant_and_elastic_are_the_same_program(launch):
     for r in range(3):
         losses = {m: [(s["step"], s["loss"]) for s in _committed(runs[m].metrics(r))] for m in runs}
         assert len(losses["constant"]) == 15 and losses["constant"] == losses["elastic"]  # bitwise
-    assert ({d["param_digest"] for d in runs["constant"].summary()["replicas"].values()}
-            == {d["param_digest"] for d in runs["elastic"].summary()["replicas"].values()})
+    assert {d["param_digest"] for d in runs["constant"].summary()["replicas"].values()} == {
+        d["param_digest"] for d in runs["elastic"].summary()["replicas"].values()
+    }
     assert runs["constant"].summary()["constant_batch"]["steps_with_reassigned_rows"] == 0
 
 
@@ -224,12 +245,15 @@ def test_kills_at_three_steps_and_phases_change_the_time_not_the_math(launch, tm
     job = [f"steps={steps}", "ft.global_batch=constant", f"checkpoint.every={steps}"]
     free = launch("--replicas", "3", *job, name="free")
     assert free.wait(600) == 0, free.output()
-    alone = procs.start([*FTJAX, "train", "tiny", *job, "ft.replicas=3",
-                         "--out", str(tmp_path / "alone")], stdout=open(tmp_path / "alone.out", "w"),
-                        stderr=subprocess.STDOUT)
+    alone = procs.start(
+        [*FTJAX, "train", "tiny", *job, "ft.replicas=3", "--out", str(tmp_path / "alone")],
+        stdout=open(tmp_path / "alone.out", "w"),
+        stderr=subprocess.STDOUT,
+    )
     assert alone.wait(600) == 0, (tmp_path / "alone.out").read_text()[-3000:]
-    chaos = launch("--replicas", "3", *job, "ft.drain_timeout_s=300", "--kill", "1@5:catchup",
-                   "--kill", "2@15:ftar", name="chaos")
+    chaos = launch(
+        "--replicas", "3", *job, "ft.drain_timeout_s=300", "--kill", "1@5:catchup", "--kill", "2@15:ftar", name="chaos"
+    )
     assert chaos.wait(900) == 0, chaos.output()
 
     s = chaos.summary()

@@ -2,13 +2,12 @@
 
 import numpy as np
 import pytest
-
-from ftjax.config import load_config
-from ftjax.data import make_stream
-from ftjax.step import build_program, device_batch, where
-
 from ftjob import final_params
 from launchrun import TINY
+
+from ftjax.config import load_config
+from ftjax.program.data import make_stream
+from ftjax.program.step import build_program, device_batch, where
 
 STEPS = 200
 COMMON = ["--replicas", "3", f"steps={STEPS}", f"checkpoint.every={STEPS}"]  # the final state, on disk
@@ -25,8 +24,10 @@ def held_out_loss(ckpt_dirs) -> list[float]:
     program = build_program(cfg)
     stream = make_stream(cfg, replica=0)
     batches = [device_batch(program, stream.batch(100_000 + i)) for i in range(16)]
-    return [float(np.mean([program.grads(final_params(TINY, overrides, d), {}, b, where(0, 0, 0))[0] for b in batches]))
-            for d in ckpt_dirs]
+    return [
+        float(np.mean([program.grads(final_params(TINY, overrides, d), {}, b, where(0, 0, 0))[0] for b in batches]))
+        for d in ckpt_dirs
+    ]
 
 
 @pytest.mark.slow
@@ -42,8 +43,9 @@ def test_three_kills_in_three_phases_converge_like_no_failure(launch):
     code = ft.wait(timeout=400)
     b, s = base.summary(), ft.summary()
     assert b["failures"] == 0 and b["digests_equal"] and b["exactly_once"]
-    base_loss, ft_loss = held_out_loss([base.run_dir / "replica-0" / "checkpoints",
-                                        ft.run_dir / "replica-0" / "checkpoints"])
+    base_loss, ft_loss = held_out_loss(
+        [base.run_dir / "replica-0" / "checkpoints", ft.run_dir / "replica-0" / "checkpoints"]
+    )
     assert abs(ft_loss - base_loss) <= 0.02 * base_loss, (ft_loss, base_loss, s["final_loss"], b["final_loss"])
     causes = sorted((e["replica"], e["cause"], e.get("at")) for e in s["failure_events"])
     assert causes[0] == (1, "kill", "150:forward") and causes[-1] == (2, "kill", "160:commit"), causes

@@ -7,15 +7,15 @@ import time
 
 import grpc
 import pytest
+from conftest import FTJAX
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ftjax.coordinator import coordinator_pb2 as pb
-from ftjax.coordinator.client import CoordinatorClient, MemberInfo, new_incarnation
+from ftjax.coordinator.client import CoordinatorClient
 from ftjax.coordinator.lifetime import EXIT_DONE, EXIT_IDLE, JobEnd
 from ftjax.coordinator.quorum import Settings
 from ftjax.coordinator.server import SERVICE, CoordinatorServer
-
-from conftest import FTJAX
+from ftjax.coordinator.types import MemberInfo, new_incarnation
 
 TOKEN = "health-test-token"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -26,8 +26,10 @@ def _member(rid: str) -> MemberInfo:
 
 
 def test_health_service_answers_serving_without_the_token_and_nothing_else_opens():
-    with CoordinatorServer(Settings(), TOKEN, startup_grace=0.0) as server, \
-            grpc.insecure_channel(server.address) as channel:
+    with (
+        CoordinatorServer(Settings(), TOKEN, startup_grace=0.0) as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", SERVICE):  # the server as a whole, and the coordinator's own service
             assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == SERVING
@@ -39,8 +41,11 @@ def test_health_service_answers_serving_without_the_token_and_nothing_else_opens
         assert next(watch).status == SERVING
         watch.cancel()
         # the coordinator's own calls still need the job token
-        report = channel.unary_unary(f"/{SERVICE}/ReportFailure", request_serializer=pb.FailureReport.SerializeToString,
-                                     response_deserializer=pb.FailureVerdict.FromString)
+        report = channel.unary_unary(
+            f"/{SERVICE}/ReportFailure",
+            request_serializer=pb.FailureReport.SerializeToString,
+            response_deserializer=pb.FailureVerdict.FromString,
+        )
         with pytest.raises(grpc.RpcError) as e:
             report(pb.FailureReport(quorum_id=1, replica_id="0", incarnation="x"), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -75,9 +80,26 @@ def _start(tmp_path, *flags) -> tuple[subprocess.Popen, str]:
     token = tmp_path / "token"
     token.write_text(TOKEN)
     ready = tmp_path / "ready.json"
-    proc = subprocess.Popen([*FTJAX, "coordinator", "--host", "127.0.0.1", "--startup-grace-s", "0",
-                             "--heartbeat-timeout-s", "1", "--token-file", str(token), "--ready-file", str(ready),
-                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            *FTJAX,
+            "coordinator",
+            "--host",
+            "127.0.0.1",
+            "--startup-grace-s",
+            "0",
+            "--heartbeat-timeout-s",
+            "1",
+            "--token-file",
+            str(token),
+            "--ready-file",
+            str(ready),
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=5)[0]
@@ -101,8 +123,7 @@ def test_coordinator_exits_0_when_every_replica_finished_and_3_when_the_job_is_g
 
         # gone: a replica joined, then nobody is alive for --idle-exit-s
         (tmp_path / "b").mkdir()
-        proc, address = _start(tmp_path / "b", "--expected-replicas", "2", "--final-step", "30",
-                               "--idle-exit-s", "1")
+        proc, address = _start(tmp_path / "b", "--expected-replicas", "2", "--final-step", "30", "--idle-exit-s", "1")
         procs.append(proc)
         with CoordinatorClient(address, TOKEN, _member("0"), heartbeat_interval_s=0.05) as client:
             time.sleep(1.5)
@@ -120,6 +141,10 @@ def test_coordinator_exits_0_when_every_replica_finished_and_3_when_the_job_is_g
 def test_bad_lifetime_flags_exit_2(tmp_path):
     (tmp_path / "token").write_text(TOKEN)
     for flags in (["--final-step", "5"], ["--final-step", "0", "--expected-replicas", "2"], ["--idle-exit-s", "0"]):
-        r = subprocess.run([*FTJAX, "coordinator", "--token-file", str(tmp_path / "token"), *flags],
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [*FTJAX, "coordinator", "--token-file", str(tmp_path / "token"), *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2 and "ftjax coordinator:" in r.stderr, (flags, r.stderr)

@@ -13,9 +13,9 @@ import threading
 import time
 
 import pytest
-
 from conftest import FTJAX
-from ftjax.coordinator.quorum import split_address
+
+from ftjax.base.net import split_address
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEARTBEAT_TIMEOUT_S = 1.0
@@ -30,9 +30,18 @@ class Replica:
     def __init__(self, procs, tmp_path, address: str, token_file: str, rid: str) -> None:
         self.rid = rid
         self.commands = str(tmp_path / f"commands-{rid}.json")
-        self.proc = procs.python(os.path.join(HERE, "coord_client_proc.py"), "--address", address,
-                                 "--token-file", token_file, "--replica-id", rid, "--commands", self.commands,
-                                 stdout=subprocess.PIPE)
+        self.proc = procs.python(
+            os.path.join(HERE, "coord_client_proc.py"),
+            "--address",
+            address,
+            "--token-file",
+            token_file,
+            "--replica-id",
+            rid,
+            "--commands",
+            self.commands,
+            stdout=subprocess.PIPE,
+        )
         self.events: queue.Queue = queue.Queue()
         self.seen: list[dict] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -69,10 +78,29 @@ def members(event: dict) -> set[str]:
 
 def start_coordinator(procs, tmp_path, token_file: str, port: int = 0):
     ready = tmp_path / f"ready-{time.monotonic_ns()}.json"
-    proc = procs.start([*FTJAX, "coordinator", "--port", str(port), "--http-port", "0", "--min-replicas", "2",
-                        "--join-timeout-s", "30", "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
-                        "--suspect-window-s", str(SUSPECT_S), "--token-file", token_file,
-                        "--ready-file", str(ready)], stdout=subprocess.DEVNULL)
+    proc = procs.start(
+        [
+            *FTJAX,
+            "coordinator",
+            "--port",
+            str(port),
+            "--http-port",
+            "0",
+            "--min-replicas",
+            "2",
+            "--join-timeout-s",
+            "30",
+            "--heartbeat-timeout-s",
+            str(HEARTBEAT_TIMEOUT_S),
+            "--suspect-window-s",
+            str(SUSPECT_S),
+            "--token-file",
+            token_file,
+            "--ready-file",
+            str(ready),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while not ready.exists():
         assert proc.poll() is None, f"the coordinator exited with {proc.returncode}"
@@ -90,8 +118,15 @@ def job(procs, tmp_path):
     coordinator, addresses = start_coordinator(procs, tmp_path, token_file)
     replicas = {rid: Replica(procs, tmp_path, addresses["grpc"], token_file, rid) for rid in "abc"}
     full = {rid: r.next(lambda e: e["event"] == "quorum" and members(e) == set("abc")) for rid, r in replicas.items()}
-    return dict(coordinator=coordinator, addresses=addresses, replicas=replicas, full=full,
-                token_file=token_file, procs=procs, tmp_path=tmp_path)
+    return dict(
+        coordinator=coordinator,
+        addresses=addresses,
+        replicas=replicas,
+        full=full,
+        token_file=token_file,
+        procs=procs,
+        tmp_path=tmp_path,
+    )
 
 
 def first_quorum_without(replica: Replica, gone: str, after: float) -> dict:
@@ -125,7 +160,7 @@ def test_killed_replica_is_out_within_the_heartbeat_timeout_without_a_report(job
 
 
 def test_hung_replica_is_out_at_the_heartbeat_timeout_and_heals_when_it_wakes_up(job):
-    a, b, c = (job["replicas"][r] for r in "abc")
+    a, _b, c = (job["replicas"][r] for r in "abc")
     t_stop = time.monotonic()
     job["procs"].kill(c.proc, signal.SIGSTOP)  # alive to the kernel (its sockets stay open), silent
     q = first_quorum_without(a, "c", t_stop)
@@ -151,7 +186,9 @@ def test_coordinator_restart_mid_run_loses_nothing(job):
     before = {rid: r.seen[-1] for rid, r in replicas.items()}
     start_coordinator(job["procs"], job["tmp_path"], job["token_file"], port=port)
     t_restart = time.monotonic()
-    after = {rid: r.next(lambda e: e["event"] == "quorum" and e["t"] > t_kill, timeout=20) for rid, r in replicas.items()}
+    after = {
+        rid: r.next(lambda e: e["event"] == "quorum" and e["t"] > t_kill, timeout=20) for rid, r in replicas.items()
+    }
     for rid, q in after.items():
         assert members(q) == set("abc"), q
         assert q["quorum_id"] > before[rid]["quorum_id"]  # ids never repeat across the restart
@@ -165,8 +202,12 @@ def test_coordinator_restart_mid_run_loses_nothing(job):
 
 def test_the_benchmark_runs_and_reports_one_json_line():
     # --timeout-s: the benchmark gives up (and kills what it started) before this test would
-    result = subprocess.run([*FTJAX, "bench", "coordinator", "--replicas", "20", "--steps", "5", "--step-ms", "20",
-                             "--timeout-s", "40"], capture_output=True, text=True, timeout=90)
+    result = subprocess.run(
+        [*FTJAX, "bench", "coordinator", "--replicas", "20", "--steps", "5", "--step-ms", "20", "--timeout-s", "40"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert result.returncode == 0, result.stderr
     line = json.loads(result.stdout.strip().splitlines()[-1])
     assert line["bench"] == "coordinator" and line["replicas"] == 20 and line["steps"] == 3

@@ -16,10 +16,11 @@ import pytest
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
-from ftjax.coordinator.client import CoordinatorClient, CoordinatorError, JobFinished, MemberInfo, new_incarnation
+from ftjax.coordinator.client import CoordinatorClient, CoordinatorError
 from ftjax.coordinator.quorum import MemberReport, Settings
 from ftjax.coordinator.server import CoordinatorServer, main
 from ftjax.coordinator.state import CoordinatorState
+from ftjax.coordinator.types import JobFinished, MemberInfo, new_incarnation
 
 TOKEN = "test-token"
 FAST = Settings(min_replicas=2, join_timeout_s=5.0, heartbeat_timeout_s=2.0, suspect_window_s=0.3)
@@ -31,8 +32,9 @@ _PORTS = {rid: 100 + i for i, rid in enumerate("abcdefgh")}
 
 def info(rid: str, *, inc: str | None = None, fp: str = "fp", topology: str = "") -> MemberInfo:
     n = _PORTS.get(rid, 99)
-    return MemberInfo(rid, inc or new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), (f"127.0.0.1:{30000 + n}",), fp,
-                      topology)
+    return MemberInfo(
+        rid, inc or new_incarnation(), 1, (f"127.0.0.1:{20000 + n}",), (f"127.0.0.1:{30000 + n}",), fp, topology
+    )
 
 
 @pytest.fixture
@@ -53,10 +55,24 @@ def make_server():
 def make_client():
     clients = []
 
-    def make(server: CoordinatorServer, rid: str, *, token: str = TOKEN, start: bool = True,
-             quorum_timeout: float = 10.0, duplicate_grace_s: float = 5.0, **kw) -> CoordinatorClient:
-        client = CoordinatorClient(server.address, token, info(rid, **kw), heartbeat_interval_s=0.05,
-                                   quorum_timeout_s=quorum_timeout, duplicate_grace_s=duplicate_grace_s)
+    def make(
+        server: CoordinatorServer,
+        rid: str,
+        *,
+        token: str = TOKEN,
+        start: bool = True,
+        quorum_timeout: float = 10.0,
+        duplicate_grace_s: float = 5.0,
+        **kw,
+    ) -> CoordinatorClient:
+        client = CoordinatorClient(
+            server.address,
+            token,
+            info(rid, **kw),
+            heartbeat_interval_s=0.05,
+            quorum_timeout_s=quorum_timeout,
+            duplicate_grace_s=duplicate_grace_s,
+        )
         if start:
             client.start()
         clients.append(client)
@@ -117,8 +133,17 @@ def raw():
 
 
 def member_proto(rid: str = "x", **fields) -> pb.Member:
-    base = dict(replica_id=rid, incarnation="inc-1", step=0, data_position=0, has_state=True, num_hosts=1,
-                ftar_addresses=["127.0.0.1:1"], catchup_addresses=["127.0.0.1:2"], topology_fingerprint="fp")
+    base = dict(
+        replica_id=rid,
+        incarnation="inc-1",
+        step=0,
+        data_position=0,
+        has_state=True,
+        num_hosts=1,
+        ftar_addresses=["127.0.0.1:1"],
+        catchup_addresses=["127.0.0.1:2"],
+        topology_fingerprint="fp",
+    )
     base.update(fields)
     return pb.Member(**base)
 
@@ -126,10 +151,27 @@ def member_proto(rid: str = "x", **fields) -> pb.Member:
 def membership(server: CoordinatorServer):
     """Everything a request could change (not counters, not heartbeat ages)."""
     s = server.state.snapshot(time.monotonic())
-    replicas = sorted((r["replica_id"], r["incarnation"], r["step"], r["data_position"], r["has_state"],
-                       r["requesting"], r["suspected"], r["alive"]) for r in s["replicas"])
-    return replicas, s["quorum"], [h["quorum_id"] for h in s["history"]], s["topology_fingerprint"], \
-        s["failure_epoch"], len(s["failures"])
+    replicas = sorted(
+        (
+            r["replica_id"],
+            r["incarnation"],
+            r["step"],
+            r["data_position"],
+            r["has_state"],
+            r["requesting"],
+            r["suspected"],
+            r["alive"],
+        )
+        for r in s["replicas"]
+    )
+    return (
+        replicas,
+        s["quorum"],
+        [h["quorum_id"] for h in s["history"]],
+        s["topology_fingerprint"],
+        s["failure_epoch"],
+        len(s["failures"]),
+    )
 
 
 def wait_pending(server: CoordinatorServer, rid: str, timeout: float = 5.0) -> None:
@@ -227,7 +269,7 @@ def test_quorum_times_out_with_the_reason(make_server, make_client):
 def test_a_requester_that_hangs_up_is_withdrawn_and_its_broken_stream_makes_it_a_suspect(make_server, raw):
     server = make_server()
     r = raw(server)
-    hb, hb_call = r.heartbeat_stream(pb.HeartbeatRequest(member=member_proto("a")))
+    _hb, hb_call = r.heartbeat_stream(pb.HeartbeatRequest(member=member_proto("a")))
     requests, call = r.quorum_stream()
     requests.put(pb.QuorumRequest(member=member_proto("a"), timeout_ms=10_000))
     wait_pending(server, "a")
@@ -245,7 +287,7 @@ def test_a_new_incarnation_aborts_the_old_ones_pending_request(make_server, raw)
     requests, old = r.quorum_stream()
     requests.put(pb.QuorumRequest(member=member_proto("a", incarnation="old"), timeout_ms=10_000))
     wait_pending(server, "a")
-    requests2, new = r.quorum_stream()
+    requests2, _new = r.quorum_stream()
     requests2.put(pb.QuorumRequest(member=member_proto("a", incarnation="new"), timeout_ms=10_000))
     with pytest.raises(grpc.RpcError) as e:
         next(old)
@@ -326,12 +368,18 @@ BAD_QUORUM_REQUESTS = [
     ("member.step", pb.QuorumRequest(member=member_proto(step=-1), timeout_ms=1000)),
     ("member.data_position", pb.QuorumRequest(member=member_proto(data_position=-3), timeout_ms=1000)),
     ("member.commit_failures", pb.QuorumRequest(member=member_proto(commit_failures=-1), timeout_ms=1000)),
-    ("member.catchup_addresses[0]", pb.QuorumRequest(member=member_proto(catchup_addresses=["h:1" + "0" * 10_000]),
-                                                timeout_ms=1000)),
-    ("member.topology_fingerprint", pb.QuorumRequest(member=member_proto(topology_fingerprint="f" * 300),
-                                                     timeout_ms=1000)),
-    ("member.num_hosts", pb.QuorumRequest(member=member_proto(num_hosts=2000, ftar_addresses=["h:1"] * 2000),
-                                          timeout_ms=1000)),
+    (
+        "member.catchup_addresses[0]",
+        pb.QuorumRequest(member=member_proto(catchup_addresses=["h:1" + "0" * 10_000]), timeout_ms=1000),
+    ),
+    (
+        "member.topology_fingerprint",
+        pb.QuorumRequest(member=member_proto(topology_fingerprint="f" * 300), timeout_ms=1000),
+    ),
+    (
+        "member.num_hosts",
+        pb.QuorumRequest(member=member_proto(num_hosts=2000, ftar_addresses=["h:1"] * 2000), timeout_ms=1000),
+    ),
     ("member.catchup_addresses", pb.QuorumRequest(member=member_proto(num_hosts=2), timeout_ms=1000)),
     ("member.ftar_addresses[0]", pb.QuorumRequest(member=member_proto(ftar_addresses=["no-port"]), timeout_ms=1000)),
     ("member", pb.QuorumRequest(timeout_ms=1000)),
@@ -340,9 +388,12 @@ BAD_QUORUM_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("field,request_", BAD_QUORUM_REQUESTS, ids=[f"{i}-{f}" for i, (f, _) in enumerate(BAD_QUORUM_REQUESTS)])
-def test_bad_quorum_requests_are_refused_naming_the_field_and_change_nothing(make_server, make_client, raw,
-                                                                             field, request_):
+@pytest.mark.parametrize(
+    "field,request_", BAD_QUORUM_REQUESTS, ids=[f"{i}-{f}" for i, (f, _) in enumerate(BAD_QUORUM_REQUESTS)]
+)
+def test_bad_quorum_requests_are_refused_naming_the_field_and_change_nothing(
+    make_server, make_client, raw, field, request_
+):
     server = make_server()
     a = make_client(server, "x")  # the garbled requests reuse its id: they must not touch it
     a.quorum_async(3, 30, True)
@@ -358,22 +409,28 @@ def test_bad_quorum_requests_are_refused_naming_the_field_and_change_nothing(mak
 def test_bad_first_heartbeats_are_refused(make_server, raw):
     server = make_server()
     r = raw(server)
-    for first, field in [(pb.HeartbeatRequest(), "member"),
-                         (pb.HeartbeatRequest(member=member_proto("a b")), "member.replica_id"),
-                         (pb.HeartbeatRequest(member=member_proto(step=-2)), "member.step")]:
+    for first, field in [
+        (pb.HeartbeatRequest(), "member"),
+        (pb.HeartbeatRequest(member=member_proto("a b")), "member.replica_id"),
+        (pb.HeartbeatRequest(member=member_proto(step=-2)), "member.step"),
+    ]:
         _, call = r.heartbeat_stream(first)
         error = call.exception(5)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith(field)
     assert server.state.members == {} and server.state.departed == {}
 
 
-@pytest.mark.parametrize("fields,field", [
-    (dict(quorum_id=-1, replica_id="a", incarnation="i"), "quorum_id"),
-    (dict(quorum_id=1, replica_id="a/b", incarnation="i"), "replica_id"),
-    (dict(quorum_id=1, replica_id="a", incarnation=""), "incarnation"),
-    (dict(quorum_id=1, replica_id="a", incarnation="i", reason="r" * 5000), "reason"),
-    (dict(quorum_id=1, replica_id="a", incarnation="i", reporter_id="not ok"), "reporter_id"),
-], ids=["quorum_id", "replica_id", "incarnation", "reason", "reporter_id"])
+@pytest.mark.parametrize(
+    "fields,field",
+    [
+        (dict(quorum_id=-1, replica_id="a", incarnation="i"), "quorum_id"),
+        (dict(quorum_id=1, replica_id="a/b", incarnation="i"), "replica_id"),
+        (dict(quorum_id=1, replica_id="a", incarnation=""), "incarnation"),
+        (dict(quorum_id=1, replica_id="a", incarnation="i", reason="r" * 5000), "reason"),
+        (dict(quorum_id=1, replica_id="a", incarnation="i", reporter_id="not ok"), "reporter_id"),
+    ],
+    ids=["quorum_id", "replica_id", "incarnation", "reason", "reporter_id"],
+)
 def test_bad_failure_reports_are_refused(make_server, make_client, raw, fields, field):
     server = make_server()
     a = make_client(server, "a", inc="i")
@@ -426,8 +483,10 @@ def test_status_page_json_and_metrics(make_server, make_client):
             return r.read().decode()
 
     status = json.loads(get("/status"))
-    assert [(r["replica_id"], r["step"], r["data_position"], r["alive"]) for r in status["replicas"]] == \
-        [("a", 4, 40, True), ("b", 4, 41, True)]
+    assert [(r["replica_id"], r["step"], r["data_position"], r["alive"]) for r in status["replicas"]] == [
+        ("a", 4, 40, True),
+        ("b", 4, 41, True),
+    ]
     assert status["quorum"]["quorum_id"] == 1 and status["history"][0]["participants"] == ["a", "b"]
     metrics = get("/metrics")
     assert "ftjax_coordinator_quorums_total 1.0" in metrics
@@ -451,15 +510,18 @@ def test_cli_refuses_to_start_without_a_token(monkeypatch, capsys):
 
 
 def test_an_absurd_step_from_an_authenticated_member_is_refused_reported_and_changes_nothing(
-        make_server, make_client, raw):
+    make_server, make_client, raw
+):
     server = make_server()
     a, b = make_client(server, "a"), make_client(server, "b")
     settle([a.quorum_async(5, 5, True), b.quorum_async(5, 5, True)])
     pending = a.quorum_async(6, 6, True)
     wait_pending(server, "a")
     before = membership(server)
-    for member in (member_proto("evil", step=2**62), member_proto("b", incarnation=b.member.incarnation,
-                                                                  step=6, data_position=10**6)):
+    for member in (
+        member_proto("evil", step=2**62),
+        member_proto("b", incarnation=b.member.incarnation, step=6, data_position=10**6),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             raw(server).quorum_once(pb.QuorumRequest(member=member, timeout_ms=1000))
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -475,8 +537,9 @@ def test_an_absurd_step_from_an_authenticated_member_is_refused_reported_and_cha
 def test_a_restarted_coordinator_rebuilds_positions_from_the_members_heartbeat_streams(make_server, raw):
     server = make_server()
     known = [pb.ReplicaPosition(replica_id="a", data_position=7), pb.ReplicaPosition(replica_id="c", data_position=41)]
-    _, call = raw(server).heartbeat_stream(pb.HeartbeatRequest(member=member_proto("a", step=7, data_position=7),
-                                                               known_positions=known))
+    _, _call = raw(server).heartbeat_stream(
+        pb.HeartbeatRequest(member=member_proto("a", step=7, data_position=7), known_positions=known)
+    )
     wait_registered(server, "a")
     assert server.state.ledger.positions == {"a": 7, "c": 41}
     # replica c, down across the restart, comes back with no state and no memory of its stream
@@ -490,10 +553,13 @@ def test_a_restarted_coordinator_rebuilds_positions_from_the_members_heartbeat_s
     assert got.healing and got.data_position == 41
 
 
-@pytest.mark.parametrize("entry,field", [
-    (pb.ReplicaPosition(replica_id="no spaces", data_position=1), "known_positions[0].replica_id"),
-    (pb.ReplicaPosition(replica_id="c", data_position=-1), "known_positions[0].data_position"),
-])
+@pytest.mark.parametrize(
+    "entry,field",
+    [
+        (pb.ReplicaPosition(replica_id="no spaces", data_position=1), "known_positions[0].replica_id"),
+        (pb.ReplicaPosition(replica_id="c", data_position=-1), "known_positions[0].data_position"),
+    ],
+)
 def test_bad_known_positions_are_refused_naming_the_entry(make_server, raw, entry, field):
     server = make_server()
     _, call = raw(server).heartbeat_stream(pb.HeartbeatRequest(member=member_proto("a"), known_positions=[entry]))
@@ -529,7 +595,7 @@ def test_a_member_behind_a_finished_job_heals_from_a_holder_else_is_told_the_job
     back = make_client(server, "b", inc=late)
     asked = back.quorum_async(2, 2, True)
     _wait_until(lambda: server.state.members.get("b") and server.state.members["b"].requested_at is not None)
-    drain, healed = settle([a.quorum_async(4, 4, True), asked])
+    _drain, healed = settle([a.quorum_async(4, 4, True), asked])
     assert healed.healing and healed.heal_source == "a" and healed.step == 4
     # a has left; b, still behind, is told that the job finished: it never trains steps 3-4 alone
     a.close()
@@ -598,6 +664,8 @@ def test_a_replica_whose_layout_differs_is_refused_naming_the_leaves(make_server
     with pytest.raises(CoordinatorError) as e:
         b.quorum(0, 0, True)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert ("1 items differ: ['params']['w'] (job: (64, 64) float32 (); this replica: (128, 128) float32 ())"
-            in e.value.details), e.value.details
+    assert (
+        "1 items differ: ['params']['w'] (job: (64, 64) float32 (); this replica: (128, 128) float32 ())"
+        in e.value.details
+    ), e.value.details
     assert a.member.replica_id in server.state.members and "b" not in server.state.members

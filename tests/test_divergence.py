@@ -6,12 +6,11 @@ import json
 import time
 
 import pytest
-
-from ftjax.launch import LocalJob
-from ftjax.launch.summary import build_summary, exit_code
-
 from conftest import REPO
 from ftjob import committed_digests, records
+
+from ftjax.launch import LocalJob
+from ftjax.runs.summary import build_summary, exit_code
 
 TINY = f"{REPO}/configs/tiny.yaml"
 FLIP = 8
@@ -46,9 +45,15 @@ def test_a_flipped_bit_is_detected_at_the_next_quorum_and_healed_from_the_kept_s
     assert final[0] == final[1] == d0[steps]
 
     # the job's summary (the launcher's record of this run: it ended well) lists the incident
-    (tmp_path / "launcher.jsonl").write_text("".join(json.dumps(e) + "\n" for e in (
-        {"time": time.time() - 60, "event": "launch", "replicas": 2, "hosts": 1, "devices": 1, "steps": steps},
-        {"time": time.time(), "event": "end", "ok": True})))
+    (tmp_path / "launcher.jsonl").write_text(
+        "".join(
+            json.dumps(e) + "\n"
+            for e in (
+                {"time": time.time() - 60, "event": "launch", "replicas": 2, "hosts": 1, "devices": 1, "steps": steps},
+                {"time": time.time(), "event": "end", "ok": True},
+            )
+        )
+    )
     summary = build_summary(tmp_path)
     assert [(d["replica"], d["step"], d["source"]) for d in summary["divergences"]] == [(1, FLIP, "0")]
     assert summary["digests_equal"] and exit_code(summary, 0) == (0, "")

@@ -18,13 +18,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from conftest import REPO
 from kubernetes_validate import utils as kv
 from referencing import Registry, Resource
 
-from ftjax.launch.emit import COORDINATOR_PORT, EmitError, EmitOptions, emit
 from ftjax.launch.cli import main
-
-from conftest import REPO
+from ftjax.launch.emit import COORDINATOR_PORT, EmitError, EmitOptions, emit
 
 TINY = f"{REPO}/configs/tiny.yaml"
 CI = os.environ.get("CI") == "true"
@@ -36,38 +35,66 @@ JOBSET_SCHEMA = Path(REPO, "tests", "data", "jobset", "jobset.x-k8s.io_v1alpha2.
 
 SLURM_VARIANTS = {
     "plain": EmitOptions(name="plain"),
-    "all-options": EmitOptions(name="big-job", gpus_per_host=8, cpus_per_host=32, mem_per_host_gib=480, time="2-00:00:00",
-                               partition="gpu,gpu-long", account="ml", exclusive=True, max_restarts=0,
-                               restart_delay_s=30),
+    "all-options": EmitOptions(
+        name="big-job",
+        gpus_per_host=8,
+        cpus_per_host=32,
+        mem_per_host_gib=480,
+        time="2-00:00:00",
+        partition="gpu,gpu-long",
+        account="ml",
+        exclusive=True,
+        max_restarts=0,
+        restart_delay_s=30,
+    ),
 }
 K8S_VARIANTS = {
     "plain": EmitOptions(name="plain"),
     "pvc": EmitOptions(name="with-claim", pvc="shared-runs"),
-    "all-options": EmitOptions(name="big-job", image="registry.example/ftjax:0.1.0", gpus_per_host=8, cpus_per_host=32,
-                               mem_per_host_gib=480, pvc="big-job-runs", pvc_size="1Ti", storage_class="fast-rwx",
-                               max_restarts=7, idle_exit_s=1800),
+    "all-options": EmitOptions(
+        name="big-job",
+        image="registry.example/ftjax:0.1.0",
+        gpus_per_host=8,
+        cpus_per_host=32,
+        mem_per_host_gib=480,
+        pvc="big-job-runs",
+        pvc_size="1Ti",
+        storage_class="fast-rwx",
+        max_restarts=7,
+        idle_exit_s=1800,
+    ),
 }
 
 
 # --- Slurm ------------------------------------------------------------------------------------------
 REDUCE = ["ft.global_batch=constant", "ft.on_host_loss=reduce"]
-SHELLCHECK_CASES = [(v, h, []) for v in SLURM_VARIANTS for h in (1, 2)] + [("plain", 4, REDUCE), ("all-options", 2, REDUCE)]
+SHELLCHECK_CASES = [(v, h, []) for v in SLURM_VARIANTS for h in (1, 2)] + [
+    ("plain", 4, REDUCE),
+    ("all-options", 2, REDUCE),
+]
 
 
-@pytest.mark.parametrize("variant,hosts,policy", SHELLCHECK_CASES,
-                         ids=[f"{v}-{h}-{'reduce' if p else 'restart'}" for v, h, p in SHELLCHECK_CASES])
+@pytest.mark.parametrize(
+    "variant,hosts,policy",
+    SHELLCHECK_CASES,
+    ids=[f"{v}-{h}-{'reduce' if p else 'restart'}" for v, h, p in SHELLCHECK_CASES],
+)
 def test_emitted_slurm_scripts_pass_shellcheck(tmp_path, variant, hosts, policy):
     if shutil.which("shellcheck") is None:
         if CI:
             pytest.fail("shellcheck is not installed (apt-get install shellcheck; .ci/run does)")
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
-    files = emit("slurm", tmp_path / "job", TINY, [*JOB, f"mesh.hosts={hosts}", *policy],
-                 options=SLURM_VARIANTS[variant])
+    files = emit(
+        "slurm", tmp_path / "job", TINY, [*JOB, f"mesh.hosts={hosts}", *policy], options=SLURM_VARIANTS[variant]
+    )
     scripts = [str(p) for p in files if p.suffix in (".sbatch", ".sh")]
     assert len(scripts) == 6  # coordinator, 3 replicas, finish, submit
-    r = subprocess.run(["shellcheck", "--severity=style", "--shell=bash", *scripts, str(Path(REPO, "scripts",
-                                                                                               "local_slurm.sh"))],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["shellcheck", "--severity=style", "--shell=bash", *scripts, str(Path(REPO, "scripts", "local_slurm.sh"))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -75,10 +102,21 @@ def test_slurm_scripts_ask_for_what_the_options_say(tmp_path):
     emit("slurm", tmp_path / "job", TINY, JOB, options=SLURM_VARIANTS["all-options"])
     replica = (tmp_path / "job" / "replica-2.sbatch").read_text()
     directives = re.findall(r"^#SBATCH (\S+)", replica, re.M)
-    assert directives == ["--job-name=big-job-replica-2", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=32",
-                          "--mem=491520M", "--gpus-per-node=8", "--exclusive", "--time=2-00:00:00",
-                          "--partition=gpu,gpu-long", "--account=ml", "--requeue", "--open-mode=append",
-                          "--output=slurm-%x-%j.out"]
+    assert directives == [
+        "--job-name=big-job-replica-2",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=32",
+        "--mem=491520M",
+        "--gpus-per-node=8",
+        "--exclusive",
+        "--time=2-00:00:00",
+        "--partition=gpu,gpu-long",
+        "--account=ml",
+        "--requeue",
+        "--open-mode=append",
+        "--output=slurm-%x-%j.out",
+    ]
     assert "--cpus-per-task=32 \\" in replica  # srun does not inherit it
     assert 'while [ "$(restarts)" -le 0 ]' in replica and "sleep 30" in replica
     coordinator = (tmp_path / "job" / "coordinator.sbatch").read_text()
@@ -98,11 +136,21 @@ def test_a_missing_or_empty_token_stops_a_replica_script(tmp_path):
         (job / "token").unlink(missing_ok=True)
         if state == "empty":
             (job / "token").write_text("")
-        r = subprocess.run(["bash", str(job / "replica-0.sbatch")], env={**os.environ, "FTJAX_JOB_DIR": str(job)},
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            ["bash", str(job / "replica-0.sbatch")],
+            env={**os.environ, "FTJAX_JOB_DIR": str(job)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2 and f"no job token in {job}/token" in r.stderr, (state, r.stderr)
-        r = subprocess.run(["bash", str(job / "coordinator.sbatch")], env={**os.environ, "FTJAX_JOB_DIR": str(job)},
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            ["bash", str(job / "coordinator.sbatch")],
+            env={**os.environ, "FTJAX_JOB_DIR": str(job)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2 and "no job token" in r.stderr, (state, r.stderr)
 
 
@@ -132,14 +180,27 @@ esac""",
 }
 
 
-def _run_replica_script(tmp_path, overrides: list[str], steps: list[str], *, restarts: int = 0,
-                        events: str = "", attempts: int = 0, hosts: int = 2) -> tuple[list[dict], list[list[str]], str]:
+def _run_replica_script(
+    tmp_path,
+    overrides: list[str],
+    steps: list[str],
+    *,
+    restarts: int = 0,
+    events: str = "",
+    attempts: int = 0,
+    hosts: int = 2,
+) -> tuple[list[dict], list[list[str]], str]:
     """Replica 0's script of a job of `hosts`-host replicas, run against the fake Slurm: its events,
     each srun's arguments, and its stderr."""
     job, stub = tmp_path / "job", tmp_path / "stub"
     nodes = ",".join(f"n{k}" for k in range(1, hosts + 1))
-    emit("slurm", job, TINY, ["ft.replicas=2", f"mesh.hosts={hosts}", "data.batch_size=16", *overrides],
-         options=EmitOptions(name="fake", restart_delay_s=0))
+    emit(
+        "slurm",
+        job,
+        TINY,
+        ["ft.replicas=2", f"mesh.hosts={hosts}", "data.batch_size=16", *overrides],
+        options=EmitOptions(name="fake", restart_delay_s=0),
+    )
     stub.mkdir()
     for command, body in _FAKE_SLURM.items():
         (stub / command).write_text("#!/bin/bash\n" + body + "\n")
@@ -152,8 +213,15 @@ def _run_replica_script(tmp_path, overrides: list[str], steps: list[str], *, res
     (out / "slurm-events.jsonl").write_text(events)
     if attempts:
         (out / "slurm-attempts").write_text(f"{attempts}\n")
-    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "STUB": str(stub), "FTJAX_JOB_DIR": str(job),
-           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": nodes, "SLURM_RESTART_COUNT": str(restarts)}
+    env = {
+        **os.environ,
+        "PATH": f"{stub}:{os.environ['PATH']}",
+        "STUB": str(stub),
+        "FTJAX_JOB_DIR": str(job),
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": nodes,
+        "SLURM_RESTART_COUNT": str(restarts),
+    }
     r = subprocess.run(["bash", str(job / "replica-0.sbatch")], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     calls = int((stub / "calls").read_text())
@@ -165,7 +233,7 @@ def _srun_places(args: list[str]) -> tuple[str, list[str]]:
     """(--nodelist, the overrides after the config) of one srun."""
     nodelist = next(a.split("=", 1)[1] for a in args if a.startswith("--nodelist="))
     config = next(i for i, a in enumerate(args) if a.endswith("config.yaml"))
-    return nodelist, args[config + 1:args.index("--out")]
+    return nodelist, args[config + 1 : args.index("--out")]
 
 
 def test_a_slurm_replica_that_loses_a_node_goes_on_at_reduced_degree_then_whole(tmp_path):
@@ -177,10 +245,14 @@ def test_a_slurm_replica_that_loses_a_node_goes_on_at_reduced_degree_then_whole(
     assert [_srun_places(a) for a in sruns] == [("n1,n2", []), ("n1", ["mesh.live_hosts=1"]), ("n1,n2", [])]
     assert "--nodes=1" in sruns[1] and "--ntasks=1" in sruns[1] and "--nodes=2" in sruns[2]
     assert [(e["event"], e.get("cause"), e.get("hosts"), e.get("reduced")) for e in events] == [
-        ("replica_started", None, [0, 1], False), ("replica_down", "exit", None, None),
-        ("replica_started", None, [0], True), ("back_to_full_degree", None, [0], None),
-        ("replica_down", "left", None, None), ("replica_started", None, [0, 1], False),
-        ("replica_done", None, None, None)]
+        ("replica_started", None, [0, 1], False),
+        ("replica_down", "exit", None, None),
+        ("replica_started", None, [0], True),
+        ("back_to_full_degree", None, [0], None),
+        ("replica_down", "left", None, None),
+        ("replica_started", None, [0, 1], False),
+        ("replica_done", None, None, None),
+    ]
     assert events[1]["host"] == 1 and events[4]["codes"] == [76]
     assert [e["incarnation"] for e in events if e["event"] == "replica_started"] == [1, 2, 3]
     assert (tmp_path / "stub" / "scancel.log").read_text() == "--signal=TERM 7\n"
@@ -192,8 +264,9 @@ def test_a_slurm_replica_that_loses_a_node_goes_on_at_reduced_degree_then_whole(
 def test_a_4_host_slurm_replica_runs_on_the_first_hosts_up_of_the_reduced_degree(tmp_path, fraction, second):
     """Host 1 of 4 lost: 3 up, the largest divisor of 4 they cover is 2 (hosts 0 and 2); with
     ft.reduced_min_fraction 0.75 that is too few, and the replica restarts whole, as with restart."""
-    events, sruns, _ = _run_replica_script(tmp_path, [*REDUCE, f"ft.reduced_min_fraction={fraction}"],
-                                           ["lose n2", "0"], hosts=4)
+    events, sruns, _ = _run_replica_script(
+        tmp_path, [*REDUCE, f"ft.reduced_min_fraction={fraction}"], ["lose n2", "0"], hosts=4
+    )
     assert [_srun_places(a) for a in sruns] == [("n1,n2,n3,n4", []), second]
     assert events[1]["host"] == 1 and events[2]["reduced"] is (second[1] != [])
 
@@ -202,21 +275,35 @@ def test_the_reduced_degree_table_follows_the_launcher_rule(tmp_path):
     """The script's DEGREE table is `reduced_degree` (the local launcher's rule) at emit time; with
     too few up and a node gone from the (--no-kill) allocation the job requeues itself."""
     job = tmp_path / "job"
-    emit("slurm", job, TINY, ["ft.replicas=2", "mesh.hosts=4", *REDUCE, "ft.reduced_min_fraction=0.75",
-                              "data.batch_size=16"], options=EmitOptions(name="few"))
+    emit(
+        "slurm",
+        job,
+        TINY,
+        ["ft.replicas=2", "mesh.hosts=4", *REDUCE, "ft.reduced_min_fraction=0.75", "data.batch_size=16"],
+        options=EmitOptions(name="few"),
+    )
     script = (job / "replica-0.sbatch").read_text()
     assert "DEGREE=(0 0 0 0 4)" in script  # 3 of 4 up: 2 hosts, under 0.75 of 4
-    emit("slurm", tmp_path / "half", TINY, ["ft.replicas=2", "mesh.hosts=4", *REDUCE, "data.batch_size=16"],
-         options=EmitOptions(name="half"))
+    emit(
+        "slurm",
+        tmp_path / "half",
+        TINY,
+        ["ft.replicas=2", "mesh.hosts=4", *REDUCE, "data.batch_size=16"],
+        options=EmitOptions(name="half"),
+    )
     assert "DEGREE=(0 0 2 2 4)" in (tmp_path / "half" / "replica-0.sbatch").read_text()
-    assert "if [ \"$(allocated | wc -l)\" -lt 4 ]" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert 'if [ "$(allocated | wc -l)" -lt 4 ]' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
 
 
 def test_with_ft_on_host_loss_restart_a_slurm_replica_restarts_whole(tmp_path):
     events, sruns, _ = _run_replica_script(tmp_path, [], ["lose n2", "0"])
     assert [_srun_places(a) for a in sruns] == [("n1,n2", []), ("n1,n2", [])]
     assert [(e["event"], e.get("reduced")) for e in events] == [
-        ("replica_started", False), ("replica_down", None), ("replica_started", False), ("replica_done", None)]
+        ("replica_started", False),
+        ("replica_down", None),
+        ("replica_started", False),
+        ("replica_done", None),
+    ]
     assert "--no-kill" not in (tmp_path / "job" / "replica-0.sbatch").read_text()
 
 
@@ -224,10 +311,19 @@ def test_a_requeued_slurm_replica_records_the_requeue_as_a_failure(tmp_path):
     """Its node died while it ran (nobody recorded the end): the requeued job (SLURM_RESTART_COUNT
     1) records replica_down with cause requeue before it starts again, so the summary lists it."""
     events, _, _ = _run_replica_script(
-        tmp_path, [], ["0"], restarts=1, attempts=1,
-        events='{"time": 1.0, "event": "replica_started", "replica": 0, "incarnation": 1}\n')
+        tmp_path,
+        [],
+        ["0"],
+        restarts=1,
+        attempts=1,
+        events='{"time": 1.0, "event": "replica_started", "replica": 0, "incarnation": 1}\n',
+    )
     assert [(e["event"], e.get("cause")) for e in events] == [
-        ("replica_started", None), ("replica_down", "requeue"), ("replica_started", None), ("replica_done", None)]
+        ("replica_started", None),
+        ("replica_down", "requeue"),
+        ("replica_started", None),
+        ("replica_done", None),
+    ]
     assert events[2]["incarnation"] == 2
 
 
@@ -240,8 +336,11 @@ def _strict(schema):
     if not isinstance(schema, dict):
         return schema
     out = {k: _strict(v) if k not in ("enum", "required", "default", "example") else v for k, v in schema.items()}
-    if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields") \
-            and "additionalProperties" not in schema:
+    if (
+        "properties" in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+        and "additionalProperties" not in schema
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -295,8 +394,7 @@ def _manifests(tmp_path, options: EmitOptions) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("variant", K8S_VARIANTS)
 def test_every_emitted_manifest_validates_strictly(tmp_path, variant):
     manifests = _manifests(tmp_path, K8S_VARIANTS[variant])
-    assert sorted(manifests) == ["coordinator.yaml", "replica-0.yaml", "replica-1.yaml", "replica-2.yaml",
-                                 "token.yaml"]
+    assert sorted(manifests) == ["coordinator.yaml", "replica-0.yaml", "replica-1.yaml", "replica-2.yaml", "token.yaml"]
     kinds = [d["kind"] for docs in manifests.values() for d in docs]
     assert kinds.count("JobSet") == 3 and {"Secret", "ConfigMap", "Job", "Service"} <= set(kinds)
     for version in K8S_VERSIONS:
@@ -316,10 +414,16 @@ TYPOS = [
     ("replica-1.yaml", ("JobSet", "spec", "network"), "enableDNSHostnames"),
     ("replica-1.yaml", ("JobSet", "metadata"), "labels"),
     ("replica-1.yaml", ("JobSet", "spec", "replicatedJobs", 0, "template", "spec"), "completionMode"),
-    ("replica-1.yaml", ("JobSet", "spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers", 0,
-                        "resources"), "requests"),
-    ("replica-1.yaml", ("JobSet", "spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "volumes", 1),
-     "persistentVolumeClaim"),
+    (
+        "replica-1.yaml",
+        ("JobSet", "spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers", 0, "resources"),
+        "requests",
+    ),
+    (
+        "replica-1.yaml",
+        ("JobSet", "spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "volumes", 1),
+        "persistentVolumeClaim",
+    ),
 ]
 
 
@@ -372,9 +476,14 @@ def test_the_token_is_only_in_a_file_its_owner_alone_reads(tmp_path):
     # every pod takes it from the Secret
     manifests = _manifests(tmp_path, EmitOptions(name="job2"))
     (job,) = [d for d in manifests["coordinator.yaml"] if d["kind"] == "Job"]
-    containers = [job["spec"]["template"]["spec"]["containers"][0],
-                  *(d["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
-                    for r in range(3) for d in manifests[f"replica-{r}.yaml"])]
+    containers = [
+        job["spec"]["template"]["spec"]["containers"][0],
+        *(
+            d["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+            for r in range(3)
+            for d in manifests[f"replica-{r}.yaml"]
+        ),
+    ]
     for c in containers:
         (env,) = [e for e in c["env"] if e["name"] == "FTJAX_TOKEN"]
         assert env["valueFrom"]["secretKeyRef"] == {"name": "job2-token", "key": "token"}
@@ -393,8 +502,10 @@ def test_coordinator_probes_requests_lifetime_and_outputs(tmp_path):
     assert (flags["--expected-replicas"], flags["--final-step"], flags["--idle-exit-s"]) == ("3", "77", "1800")
     # it ends with the job: exit 0 completes the Job; 2 and 3 fail it; an eviction is not a failure
     rules = job["spec"]["podFailurePolicy"]["rules"]
-    assert rules[0] == {"action": "FailJob", "onExitCodes": {"containerName": "coordinator", "operator": "In",
-                                                             "values": [2, 3]}}
+    assert rules[0] == {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": "coordinator", "operator": "In", "values": [2, 3]},
+    }
     assert docs["Service"]["spec"]["selector"] == job["spec"]["template"]["metadata"]["labels"]
     assert docs["PersistentVolumeClaim"]["metadata"]["name"] == "big-job-runs"
     assert docs["PersistentVolumeClaim"]["spec"]["storageClassName"] == "fast-rwx"
@@ -404,8 +515,10 @@ def test_coordinator_probes_requests_lifetime_and_outputs(tmp_path):
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     train = pod["containers"][0]
     assert train["image"] == "registry.example/ftjax:0.1.0"
-    assert train["resources"] == {"requests": {"cpu": "32", "memory": "491520Mi"},
-                                  "limits": {"memory": "491520Mi", "nvidia.com/gpu": "8"}}
+    assert train["resources"] == {
+        "requests": {"cpu": "32", "memory": "491520Mi"},
+        "limits": {"memory": "491520Mi", "nvidia.com/gpu": "8"},
+    }
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["run"] == {"name": "run", "persistentVolumeClaim": {"claimName": "big-job-runs"}}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
@@ -455,8 +568,13 @@ def test_bad_emit_options_write_nothing(tmp_path, capsys, args, problem):
 
 def test_gpus_must_cover_the_devices_each_host_trains_on(tmp_path):
     with pytest.raises(EmitError, match="mesh.devices_per_host"):
-        emit("k8s", tmp_path / "x", TINY, [*JOB, "mesh.devices_per_host=4", "data.batch_size=16"],
-             options=EmitOptions(name="x", gpus_per_host=2))
+        emit(
+            "k8s",
+            tmp_path / "x",
+            TINY,
+            [*JOB, "mesh.devices_per_host=4", "data.batch_size=16"],
+            options=EmitOptions(name="x", gpus_per_host=2),
+        )
 
 
 # --- the image ------------------------------------------------------------------------------------
@@ -477,15 +595,37 @@ def test_the_dockerfile_installs_the_package_as_the_readme_says(tmp_path):
             *sources, _ = ln.split()[1:]
             for src in sources:
                 path = Path(REPO, src)
-                (shutil.copytree(path, context / src, ignore=shutil.ignore_patterns("__pycache__"), symlinks=True)
-                 if path.is_dir() else shutil.copy(path, context / src))
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                        str(tmp_path), str(context)], capture_output=True, text=True, timeout=240)
+                (
+                    shutil.copytree(path, context / src, ignore=shutil.ignore_patterns("__pycache__"), symlinks=True)
+                    if path.is_dir()
+                    else shutil.copy(path, context / src)
+                )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(context),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr
     (wheel,) = tmp_path.glob("ftjax-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for needed in ("ftjax/configs/tiny.yaml", "ftjax/coordinator/coordinator.proto", "ftjax/launch/emit.py",
-                   "ftjax/coordinator/lifetime.py"):
+    for needed in (
+        "ftjax/configs/tiny.yaml",
+        "ftjax/coordinator/coordinator.proto",
+        "ftjax/launch/emit.py",
+        "ftjax/coordinator/lifetime.py",
+    ):
         assert needed in names
     assert "grpcio-health-checking" in Path(REPO, "pyproject.toml").read_text()
 
@@ -495,11 +635,18 @@ def _job_over(script: str, run: Path, me: int, events: dict[int, list[str]]) -> 
     for r, names in events.items():
         (run / f"replica-{r}").mkdir(parents=True, exist_ok=True)
         (run / f"replica-{r}" / "slurm-events.jsonl").write_text(
-            "".join(f'{{"time": {i}, "event": "{n}", "replica": {r}}}\n' for i, n in enumerate(names)))
-    functions = "".join(re.search(rf"^{name}\(\) \{{[^\n]*\n.*?^\}}\n", script, re.M | re.S).group()
-                        for name in ("lifecycle", "job_over"))
-    r = subprocess.run(["bash", "-c", f'{functions}\nRUN_DIR="$1"; OUT="$1/replica-{me}"; job_over', "-", str(run)],
-                       capture_output=True, text=True, timeout=30)
+            "".join(f'{{"time": {i}, "event": "{n}", "replica": {r}}}\n' for i, n in enumerate(names))
+        )
+    functions = "".join(
+        re.search(rf"^{name}\(\) \{{[^\n]*\n.*?^\}}\n", script, re.M | re.S).group()
+        for name in ("lifecycle", "job_over")
+    )
+    r = subprocess.run(
+        ["bash", "-c", f'{functions}\nRUN_DIR="$1"; OUT="$1/replica-{me}"; job_over', "-", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode in (0, 1), r.stderr
     return r.returncode == 0
 

@@ -2,12 +2,11 @@
 
 import numpy as np
 import pytest
-
-from ftjax.launch import LocalJob
-from ftjax.train import build_parser, parse_config, run_standalone
-
 from conftest import REPO
 from ftjob import committed_digests, final_params, max_gap, records
+
+from ftjax.cli.train import build_parser, parse_config, run_standalone
+from ftjax.launch import LocalJob
 
 TINY = f"{REPO}/configs/tiny.yaml"
 STEPS = 20
@@ -18,9 +17,19 @@ def _equivalence(tmp_path, procs, hosts, devices_per_host):
 
     The exactness model is the token MLP: the GPT has parameters whose true gradient is zero (the
     key bias: softmax ignores a constant shift), which Adam turns into updates of pure fp32 noise."""
-    common = ["model.kind=mlp", f"steps={STEPS}", f"checkpoint.every={STEPS}", f"mesh.devices_per_host={devices_per_host}"]
-    job = LocalJob(TINY, [*common, f"mesh.hosts={hosts}", "data.batch_size=8", "coordinator.min_replicas=2"],
-                   tmp_path / "ft", replicas=2, procs=procs)
+    common = [
+        "model.kind=mlp",
+        f"steps={STEPS}",
+        f"checkpoint.every={STEPS}",
+        f"mesh.devices_per_host={devices_per_host}",
+    ]
+    job = LocalJob(
+        TINY,
+        [*common, f"mesh.hosts={hosts}", "data.batch_size=8", "coordinator.min_replicas=2"],
+        tmp_path / "ft",
+        replicas=2,
+        procs=procs,
+    )
     job.start_coordinator()
     for r in range(2):
         job.start_replica(r)
@@ -75,9 +84,18 @@ def test_two_multihost_replicas_equal_one_with_twice_the_batch(tmp_path, procs):
 @pytest.mark.slow
 def test_survivors_finish_when_a_replica_dies_in_ftar(tmp_path, procs):
     steps = 30
-    job = LocalJob(TINY, [f"steps={steps}", "coordinator.min_replicas=2", "coordinator.heartbeat_timeout_s=2",
-                          "ft.drain_timeout_s=0"],  # replica 2 is not coming back: no waiting for it at the end
-                   tmp_path, replicas=3, procs=procs)
+    job = LocalJob(
+        TINY,
+        [
+            f"steps={steps}",
+            "coordinator.min_replicas=2",
+            "coordinator.heartbeat_timeout_s=2",
+            "ft.drain_timeout_s=0",
+        ],  # replica 2 is not coming back: no waiting for it at the end
+        tmp_path,
+        replicas=3,
+        procs=procs,
+    )
     job.start_coordinator()
     job.start_replica(0)
     job.start_replica(1)

@@ -33,8 +33,18 @@ def start_allreduce(members, *, quorum_id, n, iters=1, verify=False, step=0, ran
     addresses = [m.address for m in members]
     ranks = range(len(members)) if ranks is None else ranks
     for rank in ranks:
-        members[rank].send(op="allreduce", quorum_id=quorum_id, step=step, members=addresses, rank=rank, n=n,
-                           dtype="float32", seeds=[100 + r for r in range(len(members))], iters=iters, verify=verify)
+        members[rank].send(
+            op="allreduce",
+            quorum_id=quorum_id,
+            step=step,
+            members=addresses,
+            rank=rank,
+            n=n,
+            dtype="float32",
+            seeds=[100 + r for r in range(len(members))],
+            iters=iters,
+            verify=verify,
+        )
     for rank in ranks:
         assert members[rank].reply()["event"] == "started"
 

@@ -18,8 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftjax.ftar import FTAREndpoint, FTARError, HandshakeRefused, PeerFailed, PeerTimeout, ProtocolError, wire
-from ftjax.ftar import shm
+from ftjax.ftar import FTAREndpoint, FTARError, HandshakeRefused, PeerFailed, PeerTimeout, ProtocolError, shm, wire
 from ftjax.ftar.ring import AG, RS, schedule
 
 TOKEN = "test-token"
@@ -37,9 +36,15 @@ def run_ring(endpoints, bufs, contributors=None, *, quorum_id=None, step=0, memb
 
     def member(i):
         try:
-            results[i] = endpoints[i].allreduce(bufs[i], quorum_id=quorum_id, step=step, members=members,
-                                                rank=members.index(endpoints[i].address), contributors=contributors)
-        except Exception as exc:  # noqa: BLE001 - reported to the test
+            results[i] = endpoints[i].allreduce(
+                bufs[i],
+                quorum_id=quorum_id,
+                step=step,
+                members=members,
+                rank=members.index(endpoints[i].address),
+                contributors=contributors,
+            )
+        except Exception as exc:
             errors[i] = exc
 
     threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(len(endpoints))]
@@ -86,7 +91,7 @@ def test_schedule_is_consistent_and_reduces_correctly(n, world, chunk):
             while sent[r] < len(sends) and sends[sent[r]].need < done[r]:
                 c = sends[sent[r]]
                 src = res[r] if c.phase == AG else (data[r] if c.first else acc[r])
-                inbox[(r + 1) % world].append((c, src[c.start:c.stop].copy()))
+                inbox[(r + 1) % world].append((c, src[c.start : c.stop].copy()))
                 sent[r] += 1
                 progress = True
             while inbox[r]:
@@ -94,11 +99,11 @@ def test_schedule_is_consistent_and_reduces_correctly(n, world, chunk):
                 mine = recvs[done[r]]
                 assert (mine.phase, mine.start, mine.stop) == (c.phase, c.start, c.stop)
                 if c.phase == RS:
-                    acc[r][c.start:c.stop] = payload + data[r][c.start:c.stop]
+                    acc[r][c.start : c.stop] = payload + data[r][c.start : c.stop]
                     if mine.owned:
-                        res[r][c.start:c.stop] = acc[r][c.start:c.stop]
+                        res[r][c.start : c.stop] = acc[r][c.start : c.stop]
                 else:
-                    res[r][c.start:c.stop] = payload
+                    res[r][c.start : c.stop] = payload
                 done[r] += 1
                 progress = True
     assert sent == [len(p[0]) for p in plans] and done == [len(p[1]) for p in plans]
@@ -186,7 +191,7 @@ def test_same_host_links_use_shared_memory_and_leave_no_file_behind():
     try:
         bufs = [np.arange(1000, dtype=np.float32) * (r + 1) for r in range(3)]
         for quorum_members in (eps, eps[::-1], eps[:2]):  # new links each time, some kept
-            results, errors = run_ring(quorum_members, bufs[:len(quorum_members)])
+            results, errors = run_ring(quorum_members, bufs[: len(quorum_members)])
             assert errors == [None] * len(quorum_members)
             scale = sum(range(1, len(quorum_members) + 1)) / len(quorum_members)
             np.testing.assert_array_equal(results[0], np.arange(1000, dtype=np.float32) * np.float32(scale))
@@ -221,8 +226,8 @@ def test_offers_of_a_segment_the_listener_cannot_verify_are_declined_and_bad_one
         missing = shm.OFFER.pack(shm.OFFER_MAGIC, 43, 2, 64, bytes(16)) + (shm.NAME_PREFIX + "0" * 32).encode()
         assert fake.dial(ep.address, 3, missing)[1] == wire.STATUS_OK and fake.mapped == 0
         # a real segment, but the offer's nonce is not the one written in it
-        offer, segment, path = shm.create_offer(2, 64)
-        forged = offer[:shm.OFFER.size - 16] + bytes(16) + offer[shm.OFFER.size:]
+        offer, _segment, path = shm.create_offer(2, 64)
+        forged = offer[: shm.OFFER.size - 16] + bytes(16) + offer[shm.OFFER.size :]
         assert fake.dial(ep.address, 3, forged)[1] == wire.STATUS_OK and fake.mapped == 0
         assert fake.dial(ep.address, 3, offer)[1] == wire.STATUS_OK and fake.mapped == 1  # the true one
         shm.discard_offer(path)
@@ -238,18 +243,21 @@ def test_offers_of_a_segment_the_listener_cannot_verify_are_declined_and_bad_one
 
 
 # --- bad input -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("change, field", [
-    (dict(buf=np.zeros((2, 2), np.float32)), "buf"),
-    (dict(buf=np.zeros(4, np.float64)), "buf"),
-    (dict(rank=1), "rank"),
-    (dict(rank=-1), "rank"),
-    (dict(step=-3), "step"),
-    (dict(contributors=[True]), "contributors"),
-    (dict(contributors=[False, False]), "contributors"),
-    (dict(members=["nohost", "x:1"]), "members"),
-    (dict(out=np.zeros(3, np.float32)), "out"),
-    (dict(quorum_id=0), "quorum_id"),  # older than the quorum already run below
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(buf=np.zeros((2, 2), np.float32)), "buf"),
+        (dict(buf=np.zeros(4, np.float64)), "buf"),
+        (dict(rank=1), "rank"),
+        (dict(rank=-1), "rank"),
+        (dict(step=-3), "step"),
+        (dict(contributors=[True]), "contributors"),
+        (dict(contributors=[False, False]), "contributors"),
+        (dict(members=["nohost", "x:1"]), "members"),
+        (dict(out=np.zeros(3, np.float32)), "out"),
+        (dict(quorum_id=0), "quorum_id"),  # older than the quorum already run below
+    ],
+)
 def test_bad_input_is_refused_and_changes_nothing(change, field):
     a, b = (FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES) for _ in range(2))
     try:
@@ -336,7 +344,9 @@ def test_frame_that_does_not_belong_raises_and_endpoint_recovers(fault, link):
 
         t = threading.Thread(target=call)
         t.start()
-        offer, segment, path = shm.create_offer(shm.DEFAULT_SLOTS, CHUNK_BYTES) if link == "shm" else (shm.NO_OFFER, None, None)
+        offer, segment, path = (
+            shm.create_offer(shm.DEFAULT_SLOTS, CHUNK_BYTES) if link == "shm" else (shm.NO_OFFER, None, None)
+        )
         sock, status = fake.dial(ep.address, q, offer)
         shm.discard_offer(path)
         assert status == wire.STATUS_OK and fake.mapped == (link == "shm")
@@ -360,8 +370,14 @@ def test_frame_that_does_not_belong_raises_and_endpoint_recovers(fault, link):
         assert not t.is_alive()
         err = box["err"]
         assert isinstance(err, ProtocolError) and err.peer == fake.address
-        assert {"step": "step", "quorum_id": "quorum_id", "meta": "fingerprint", "length": "length",
-                "checksum": "checksum", "place": "shared memory"}[fault] in str(err)
+        assert {
+            "step": "step",
+            "quorum_id": "quorum_id",
+            "meta": "fingerprint",
+            "length": "length",
+            "checksum": "checksum",
+            "place": "shared memory",
+        }[fault] in str(err)
         sock.close()
         # the endpoint serves the next quorum with real peers
         other = FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=5, checksum=checksum)
@@ -448,7 +464,7 @@ def test_left_neighbour_dying_before_it_dials_is_named_at_once():
         fake.close()
         caller.join(15)
         assert not caller.is_alive()
-        (exc, took), = errors
+        ((exc, took),) = errors
         assert isinstance(exc, PeerFailed) and exc.peer == fake.address, exc
         assert "refuses connections" in str(exc)
         assert took < 2.0, f"raised after {took:.2f} s"
@@ -536,7 +552,7 @@ def test_idle_connections_are_capped_and_a_ring_still_works():
             peak = max(peak, threading.active_count())
             time.sleep(0.01)
         assert peak <= base + cap + 4, (peak, base)
-        for s in idle[:3 * cap]:  # the oldest were closed by the listener
+        for s in idle[: 3 * cap]:  # the oldest were closed by the listener
             assert s.recv(1) == b""
         # the newest idle ones still hold every slot: a peer's link evicts one and the ring works
         results, errors = run_ring(eps, [np.full(50, r, np.float32) for r in range(2)])

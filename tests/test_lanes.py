@@ -1,4 +1,4 @@
-"""Gradient lanes (ftjax/lanes.py): the same buffers from any replica degree, and a full and a
+"""Gradient lanes (ftjax/runtime/lanes.py): the same buffers from any replica degree, and a full and a
 reduced-degree replica averaging together as one replica would on both sample sets."""
 
 import threading
@@ -7,25 +7,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from ftjax.batches import assign
+from ftjax.base.batches import assign
 from ftjax.config import load_config
-from ftjax.coordinator.client import QuorumResult
 from ftjax.coordinator.layout import layout_difference
 from ftjax.coordinator.quorum import Participant
-from ftjax.data import make_stream
+from ftjax.coordinator.types import QuorumResult
 from ftjax.ftar import FTAREndpoint
-from ftjax.lanes import LaneFlattener, lane_regions
-from ftjax.reduce import FTARReducer
-from ftjax.sharding import replica_mesh
-from ftjax.step import build_program, device_batch, topology_fingerprint, where
+from ftjax.program.data import make_stream
+from ftjax.program.sharding import replica_mesh
+from ftjax.program.step import build_program, device_batch, topology_fingerprint, where
+from ftjax.runtime.lanes import LaneFlattener, lane_regions
+from ftjax.runtime.reduce import FTARReducer
 
 LANE_CASES = {
-    "sharded rows, 2 lanes of 2 devices": ((8, 3), P("fsdp", None), 2, 2,
-                                           [[((0, 2), (0, 3)), ((2, 4), (0, 3))], [((4, 6), (0, 3)), ((6, 8), (0, 3))]]),
-    "sharded columns, 2 lanes of 1 device": ((2, 4), P(None, "fsdp"), 2, 1,
-                                             [[((0, 2), (0, 2))], [((0, 2), (2, 4))]]),
+    "sharded rows, 2 lanes of 2 devices": (
+        (8, 3),
+        P("fsdp", None),
+        2,
+        2,
+        [[((0, 2), (0, 3)), ((2, 4), (0, 3))], [((4, 6), (0, 3)), ((6, 8), (0, 3))]],
+    ),
+    "sharded columns, 2 lanes of 1 device": ((2, 4), P(None, "fsdp"), 2, 1, [[((0, 2), (0, 2))], [((0, 2), (2, 4))]]),
     "replicated: whole in every lane": ((5,), P(), 2, 2, [[((0, 5),)], [((0, 5),)]]),
     "one lane": ((4, 4), P("fsdp"), 1, 2, [[((0, 2), (0, 4)), ((2, 4), (0, 4))]]),
 }
@@ -44,14 +49,17 @@ def test_an_axis_other_than_fsdp_is_refused_naming_it():
 def _tree(devices: int):
     mesh = replica_mesh(jax.devices()[:devices])
     tree = {"a": jnp.arange(32.0).reshape(8, 4), "b": jnp.arange(5.0) - 2, "c": {"d": jnp.arange(16.0).reshape(4, 4)}}
-    shard = {"a": NamedSharding(mesh, P("fsdp", None)), "b": NamedSharding(mesh, P()),
-             "c": {"d": NamedSharding(mesh, P(None, "fsdp"))}}
+    shard = {
+        "a": NamedSharding(mesh, P("fsdp", None)),
+        "b": NamedSharding(mesh, P()),
+        "c": {"d": NamedSharding(mesh, P(None, "fsdp"))},
+    }
     return jax.device_put(tree, shard), shard
 
 
 def test_every_degree_makes_the_same_lane_buffers_and_takes_them_back():
-    full, full_shard = _tree(4)        # a full replica: 2 hosts x 2 devices (all in this process)
-    reduced, red_shard = _tree(2)      # the same values on a reduced one: 1 host x 2 devices
+    full, full_shard = _tree(4)  # a full replica: 2 hosts x 2 devices (all in this process)
+    reduced, red_shard = _tree(2)  # the same values on a reduced one: 1 host x 2 devices
     f_full = LaneFlattener(full, full_shard, lanes=2, devices_per_host=2, served=[0, 1])
     f_host1 = LaneFlattener(full, full_shard, lanes=2, devices_per_host=2, served=[1])
     f_red = LaneFlattener(reduced, red_shard, lanes=2, devices_per_host=2, served=[0, 1])
@@ -69,8 +77,18 @@ def test_every_degree_makes_the_same_lane_buffers_and_takes_them_back():
 
 def _quorum(rank: int, lanes: list[list[str]]) -> QuorumResult:
     parts = tuple(Participant(str(i), "inc", 3, 3, tuple(a), ("c:1",), False, "") for i, a in enumerate(lanes))
-    return QuorumResult(quorum_id=7, step=3, participants=parts, rank=rank, healing=False, heal_source="",
-                        heal_source_addresses=(), num_contributors=len(parts), data_position=3, no_state=False)
+    return QuorumResult(
+        quorum_id=7,
+        step=3,
+        participants=parts,
+        rank=rank,
+        healing=False,
+        heal_source="",
+        heal_source_addresses=(),
+        num_contributors=len(parts),
+        data_position=3,
+        no_state=False,
+    )
 
 
 def test_a_full_and_a_reduced_replica_average_as_one_replica_on_both_sample_sets():
@@ -91,14 +109,21 @@ def test_a_full_and_a_reduced_replica_average_as_one_replica_on_both_sample_sets
         g = program.zeros()
         rows = np.concatenate([batches[s][a:c] for s, a, c in pieces])
         for i in range(0, len(rows), full_cfg.micro_rows):
-            g, _ = program.accumulate(g, p, {}, device_batch(program, rows[i:i + full_cfg.micro_rows]), where(3, 0, i))
+            g, _ = program.accumulate(
+                g, p, {}, device_batch(program, rows[i : i + full_cfg.micro_rows]), where(3, 0, i)
+            )
         return g
 
     g_full, g_red = grads(full, params, work[0]), grads(red, red_params, work[1])
     shapes = full.abstract_update()
-    reducers = [FTARReducer([FTAREndpoint("t") for _ in range(2)],
-                            LaneFlattener(shapes, prog.grad_shardings, lanes=2, devices_per_host=1, served=[0, 1]),
-                            divisor=2) for prog in (full, red)]
+    reducers = [
+        FTARReducer(
+            [FTAREndpoint("t") for _ in range(2)],
+            LaneFlattener(shapes, prog.grad_shardings, lanes=2, devices_per_host=1, served=[0, 1]),
+            divisor=2,
+        )
+        for prog in (full, red)
+    ]
     lanes = [[e.address for e in r.endpoints] for r in reducers]
     results = {}
 
@@ -116,10 +141,13 @@ def test_a_full_and_a_reduced_replica_average_as_one_replica_on_both_sample_sets
         np.testing.assert_allclose(np.asarray(got_full), np.asarray(w), rtol=2e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("live, lanes, served", [(1, 1, [[0]]), (2, 2, [[0], [1]]), (1, 2, [[0, 1]]),
-                                                  (2, 4, [[0, 1], [2, 3]]), (3, 6, [[0, 1], [2, 3], [4, 5]])])
+@pytest.mark.parametrize(
+    "live, lanes, served",
+    [(1, 1, [[0]]), (2, 2, [[0], [1]]), (1, 2, [[0, 1]]), (2, 4, [[0, 1], [2, 3]]), (3, 6, [[0, 1], [2, 3], [4, 5]])],
+)
 def test_each_lane_is_served_by_exactly_one_host_and_lane_host_finds_it(live, lanes, served):
-    from ftjax.lanes import lane_host, served_lanes
+    from ftjax.runtime.lanes import lane_host, served_lanes
+
     assert [served_lanes(h, live, lanes) for h in range(live)] == served
     assert [lane_host(lane, live, lanes) for lane in range(lanes)] == [h for h in range(live) for _ in served[h]]
 

@@ -5,7 +5,6 @@ import signal
 import time
 
 import pytest
-
 from launchrun import live_in_groups
 
 
@@ -31,8 +30,9 @@ def test_killed_replica_restarts_and_ends_equal(launch):
 def test_one_dead_host_restarts_its_replica_only_and_ctrl_c_stops_everything(launch):
     """Host 1 of 2-host replica 1 dies: the launcher kills its host 0 and starts both hosts again,
     while replica 0 trains on alone. Then Ctrl-C (SIGINT) to the launcher: every process is gone."""
-    run = launch("--replicas", "2", "--hosts-per-replica", "2", "--kill-host", "1@5:1", "ft.digest_every=0",
-                 "steps=100000")  # runs until interrupted
+    run = launch(
+        "--replicas", "2", "--hosts-per-replica", "2", "--kill-host", "1@5:1", "ft.digest_every=0", "steps=100000"
+    )  # runs until interrupted
     restarted = run.wait_for(lambda e: e["event"] == "replica_started" and e["incarnation"] == 2, timeout=400)
     # replica 0 commits a few steps of its own after the restart: it was never stopped
     deadline = time.monotonic() + 120
@@ -102,14 +102,31 @@ def test_a_reduced_degree_replica_updates_with_the_full_replicas_bits(launch):
     and a norm summed in another order would give other bits: every step both replicas committed
     has one digest, and no divergence had to be healed. (The job runs until 10 steps of the reduced
     replica are in, then Ctrl-C: a fixed step count could end before a loaded machine starts it.)"""
-    run = launch("--replicas", "2", "--hosts-per-replica", "2", "ft.global_batch=constant",
-                 "ft.on_host_loss=reduce", "--kill-host", "1@5:1", "--host-repair-s", "100000",
-                 "optim.clip_norm=0.01", "steps=100000")
+    run = launch(
+        "--replicas",
+        "2",
+        "--hosts-per-replica",
+        "2",
+        "ft.global_batch=constant",
+        "ft.on_host_loss=reduce",
+        "--kill-host",
+        "1@5:1",
+        "--host-repair-s",
+        "100000",
+        "optim.clip_norm=0.01",
+        "steps=100000",
+    )
     reduced = run.wait_for(lambda e: e["event"] == "replica_started" and e.get("reduced"), timeout=400)
 
     def digests():
-        return [{m["step"]: m["param_digest"] for m in run.metrics(r) if m.get("committed") and "param_digest" in m
-                 and m["time"] > reduced["time"]} for r in (0, 1)]
+        return [
+            {
+                m["step"]: m["param_digest"]
+                for m in run.metrics(r)
+                if m.get("committed") and "param_digest" in m and m["time"] > reduced["time"]
+            }
+            for r in (0, 1)
+        ]
 
     def both():  # the steps of the reduced replica that the full one committed too
         d = digests()

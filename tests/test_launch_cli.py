@@ -7,7 +7,9 @@ import subprocess
 
 import pytest
 import yaml
+from conftest import REPO
 
+from ftjax.cli.train import build_parser, parse_config
 from ftjax.launch.cli import main
 from ftjax.launch.supervisor import (
     FaultPlan,
@@ -18,9 +20,6 @@ from ftjax.launch.supervisor import (
     parse_kill,
     parse_kill_host,
 )
-from ftjax.train import build_parser, parse_config
-
-from conftest import REPO
 
 TINY = f"{REPO}/configs/tiny.yaml"
 
@@ -33,22 +32,35 @@ def test_parse_kill():
     assert parse_hang("0@2.5") == Hang(0, 2.5)
 
 
-@pytest.mark.parametrize("parse,text", [
-    (parse_kill, "1"), (parse_kill, "x@10"), (parse_kill, "1@0"), (parse_kill, "1@10:bogus"), (parse_kill, "1@"),
-    (parse_kill_host, "1@5"), (parse_kill_host, "1@5:h"), (parse_hang, "0@-1"), (parse_hang, "0@soon"),
-])
+@pytest.mark.parametrize(
+    "parse,text",
+    [
+        (parse_kill, "1"),
+        (parse_kill, "x@10"),
+        (parse_kill, "1@0"),
+        (parse_kill, "1@10:bogus"),
+        (parse_kill, "1@"),
+        (parse_kill_host, "1@5"),
+        (parse_kill_host, "1@5:h"),
+        (parse_hang, "0@-1"),
+        (parse_hang, "0@soon"),
+    ],
+)
 def test_bad_fault_flags_name_the_flag(parse, text):
     flag = "--" + parse.__name__.removeprefix("parse_").replace("_", "-")
     with pytest.raises(ValueError, match=flag):
         parse(text)
 
 
-@pytest.mark.parametrize("plan,problem", [
-    (FaultPlan(injections=(Injection(2, 5),)), "--kill: replica 2 is not in"),
-    (FaultPlan(injections=(Injection(0, 31),)), "--kill: step 31 is not in"),
-    (FaultPlan(injections=(Injection(0, 5, host=1, kind="kill_host"),)), "--kill-host: host 1 is not in"),
-    (FaultPlan(hangs=(Hang(3, 1.0),)), "--hang: replica 3"),
-])
+@pytest.mark.parametrize(
+    "plan,problem",
+    [
+        (FaultPlan(injections=(Injection(2, 5),)), "--kill: replica 2 is not in"),
+        (FaultPlan(injections=(Injection(0, 31),)), "--kill: step 31 is not in"),
+        (FaultPlan(injections=(Injection(0, 5, host=1, kind="kill_host"),)), "--kill-host: host 1 is not in"),
+        (FaultPlan(hangs=(Hang(3, 1.0),)), "--hang: replica 3"),
+    ],
+)
 def test_fault_plan_must_fit_the_job(plan, problem):
     with pytest.raises(ValueError, match=problem):
         plan.validate(replicas=2, hosts=1, steps=30)
@@ -56,17 +68,20 @@ def test_fault_plan_must_fit_the_job(plan, problem):
         FaultPlan(mtbf_s=5).validate(replicas=1, hosts=1, steps=30)
 
 
-@pytest.mark.parametrize("args,problem", [
-    (["--replicas", "2", "--kill", "5@3"], "--kill: replica 5"),
-    (["--replicas", "0"], "--replicas"),
-    (["--replicas", "2", "model.d_model=abc"], "model.d_model"),
-    (["--replicas", "2", "coordinator.min_replicas=3"], "coordinator.min_replicas"),
-    (["--replicas", "2", "--hosts-per-replica", "3"], "mesh"),  # batch 8 does not split over 3 hosts
-    (["--replicas", "2", "--mtbf-s", "0"], "--mtbf-s"),
-    (["--replicas", "2", "--restart-delay-s", "-1"], "--restart-delay-s"),
-    (["--replicas", "2", "--kill-coordinator-at", "x"], "--kill-coordinator-at"),
-    (["--replicas", "2", "--bogus"], "--bogus"),
-])
+@pytest.mark.parametrize(
+    "args,problem",
+    [
+        (["--replicas", "2", "--kill", "5@3"], "--kill: replica 5"),
+        (["--replicas", "0"], "--replicas"),
+        (["--replicas", "2", "model.d_model=abc"], "model.d_model"),
+        (["--replicas", "2", "coordinator.min_replicas=3"], "coordinator.min_replicas"),
+        (["--replicas", "2", "--hosts-per-replica", "3"], "mesh"),  # batch 8 does not split over 3 hosts
+        (["--replicas", "2", "--mtbf-s", "0"], "--mtbf-s"),
+        (["--replicas", "2", "--restart-delay-s", "-1"], "--restart-delay-s"),
+        (["--replicas", "2", "--kill-coordinator-at", "x"], "--kill-coordinator-at"),
+        (["--replicas", "2", "--bogus"], "--bogus"),
+    ],
+)
 def test_bad_options_start_nothing(tmp_path, capsys, args, problem):
     out = tmp_path / "run"
     assert main([TINY, "--out", str(out), *args]) == 2
@@ -105,7 +120,7 @@ BAD_OPTIONS = [
 def test_every_launch_option_is_checked_before_anything_starts(tmp_path, monkeypatch, capsys, args, problem):
     """Through the `ftjax` command itself: exit code 2, one line naming the option, no traceback;
     no job run, no job files emitted, no directory created."""
-    import ftjax.cli
+    import ftjax.cli.main
     import ftjax.launch.cli
     import ftjax.launch.emit
 
@@ -116,7 +131,7 @@ def test_every_launch_option_is_checked_before_anything_starts(tmp_path, monkeyp
     existing = tmp_path / "notes.txt"
     existing.write_text("keep me")
     args = [a.replace("{file}", str(existing)) for a in args]
-    code = ftjax.cli.main(["launch", TINY, "--replicas", "2", "--out", str(tmp_path / "run"), *args])
+    code = ftjax.cli.main.main(["launch", TINY, "--replicas", "2", "--out", str(tmp_path / "run"), *args])
     err = capsys.readouterr().err
     assert code == 2, err
     assert problem in err and "Traceback" not in err
@@ -152,8 +167,9 @@ def test_metrics_tail_returns_complete_lines_once(tmp_path):
 # --- --emit -----------------------------------------------------------------------------------------
 def _emit(tmp_path, kind, *extra):
     out = tmp_path / kind
-    assert main([TINY, "--replicas", "3", "--hosts-per-replica", "2", "steps=77", "--emit", kind, str(out),
-                 *extra]) == 0
+    assert (
+        main([TINY, "--replicas", "3", "--hosts-per-replica", "2", "steps=77", "--emit", kind, str(out), *extra]) == 0
+    )
     return out
 
 
@@ -170,8 +186,16 @@ def _check_train_args(argv, config_file, replica, hosts=2):
 def test_emit_slurm(tmp_path):
     out = _emit(tmp_path, "slurm")
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["config.yaml", "coordinator.sbatch", "finish.sbatch", "replica-0.sbatch", "replica-1.sbatch",
-                     "replica-2.sbatch", "submit.sh", "token"]
+    assert names == [
+        "config.yaml",
+        "coordinator.sbatch",
+        "finish.sbatch",
+        "replica-0.sbatch",
+        "replica-1.sbatch",
+        "replica-2.sbatch",
+        "submit.sh",
+        "token",
+    ]
     assert (out / "token").stat().st_mode & 0o077 == 0  # the job token is private
     for name in names:
         if name.endswith((".sbatch", ".sh")):
@@ -179,9 +203,14 @@ def test_emit_slurm(tmp_path):
     text = (out / "replica-1.sbatch").read_text()
     assert "#SBATCH --nodes=2" in text and "--kill-on-bad-exit=1" in text
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("ftjax train"))
-    argv = shlex.split(line.replace('"$JOB_DIR/', '"/job/').replace('"$COORDINATOR"', "node1:29400")
-                       .replace('"$DIST"', "node0:41234").replace('"$OUT"', "/job/run/replica-1")
-                       .replace('"${REDUCED[@]}"', "").removesuffix(" &"))  # a whole attempt: no reduced args
+    argv = shlex.split(
+        line.replace('"$JOB_DIR/', '"/job/')
+        .replace('"$COORDINATOR"', "node1:29400")
+        .replace('"$DIST"', "node0:41234")
+        .replace('"$OUT"', "/job/run/replica-1")
+        .replace('"${REDUCED[@]}"', "")
+        .removesuffix(" &")
+    )  # a whole attempt: no reduced args
     _check_train_args(argv + ["--process-id", "1"], str(out / "config.yaml"), replica=1)
     coord = (out / "coordinator.sbatch").read_text()
     assert "ftjax coordinator --port" in coord and "--token-file" in coord and "--host " not in coord

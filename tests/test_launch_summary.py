@@ -6,15 +6,24 @@ from dataclasses import asdict
 import pytest
 
 from ftjax.launch.plots import write_loss, write_timeline
-from ftjax.launch.summary import build_summary, load_run, timeline, write_summary
 from ftjax.launch.supervisor import FaultPlan, Hang
+from ftjax.runs.summary import build_summary, load_run, timeline, write_summary
 
 T = 100.0  # launch time
 
 
 def _step(t, step, *, batch=None, position=0, loss=None, healing=False, committed=True):
-    return {"time": t, "step": step, "committed": committed, "healing": healing, "loss": loss,
-            "batch_id": batch, "data_position": position, "participants": 2, "contributors": 2}
+    return {
+        "time": t,
+        "step": step,
+        "committed": committed,
+        "healing": healing,
+        "loss": loss,
+        "batch_id": batch,
+        "data_position": position,
+        "participants": 2,
+        "contributors": 2,
+    }
 
 
 def _write(path, records):
@@ -25,40 +34,65 @@ def _write(path, records):
 def make_run(tmp_path, *, r1_own_batches=(9, 11, 13), peers=(1, 3, 5, 7), torn_line=False):
     """Two replicas, 10 steps. Replica 0 never fails and stalls once (0.6 s between steps 5 and 6).
     Replica 1 trains steps 1-3, is killed, restarts, heals through steps 6-7 and trains 8-10."""
-    _write(tmp_path / "launcher.jsonl", [
-        {"time": T, "event": "launch", "replicas": 2, "hosts": 1, "devices": 1, "steps": 10, "config": "c.yaml",
-         "overrides": [], "out": str(tmp_path)},
-        {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
-        {"time": T, "event": "replica_started", "replica": 1, "incarnation": 1},
-        {"time": 110.35, "event": "replica_down", "replica": 1, "incarnation": 1, "cause": "kill", "step": 3,
-         "at": "4:ftar"},
-        {"time": 110.45, "event": "replica_started", "replica": 1, "incarnation": 2},
-        {"time": 111.25, "event": "rejoined", "replica": 1, "at_step": 7, "catchup_s": 0.7, "source": "0"},
-        {"time": 111.6, "event": "replica_done", "replica": 0, "incarnation": 1, "step": 10},
-        {"time": 111.6, "event": "replica_done", "replica": 1, "incarnation": 2, "step": 10},
-        {"time": 111.7, "event": "end", "ok": True},
-    ])
+    _write(
+        tmp_path / "launcher.jsonl",
+        [
+            {
+                "time": T,
+                "event": "launch",
+                "replicas": 2,
+                "hosts": 1,
+                "devices": 1,
+                "steps": 10,
+                "config": "c.yaml",
+                "overrides": [],
+                "out": str(tmp_path),
+            },
+            {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
+            {"time": T, "event": "replica_started", "replica": 1, "incarnation": 1},
+            {
+                "time": 110.35,
+                "event": "replica_down",
+                "replica": 1,
+                "incarnation": 1,
+                "cause": "kill",
+                "step": 3,
+                "at": "4:ftar",
+            },
+            {"time": 110.45, "event": "replica_started", "replica": 1, "incarnation": 2},
+            {"time": 111.25, "event": "rejoined", "replica": 1, "at_step": 7, "catchup_s": 0.7, "source": "0"},
+            {"time": 111.6, "event": "replica_done", "replica": 0, "incarnation": 1, "step": 10},
+            {"time": 111.6, "event": "replica_done", "replica": 1, "incarnation": 2, "step": 10},
+            {"time": 111.7, "event": "end", "ok": True},
+        ],
+    )
     r0_times = [110.1, 110.2, 110.3, 110.4, 110.5, 111.1, 111.2, 111.3, 111.4, 111.5]
-    _write(tmp_path / "replica-0" / "metrics.jsonl",
-           [{"time": 105.0, "event": "start"}]
-           + [_step(t, k + 1, batch=2 * k, position=k + 1, loss=3.0 - 0.1 * k) for k, t in enumerate(r0_times)])
+    _write(
+        tmp_path / "replica-0" / "metrics.jsonl",
+        [{"time": 105.0, "event": "start"}]
+        + [_step(t, k + 1, batch=2 * k, position=k + 1, loss=3.0 - 0.1 * k) for k, t in enumerate(r0_times)],
+    )
     r1 = [{"time": 105.0, "event": "start"}]
     r1 += [_step(110.1 + 0.1 * k, k + 1, batch=2 * k + 1, position=k + 1, loss=3.05 - 0.1 * k) for k in range(3)]
-    r1 += [{"time": 110.5, "event": "start"},
-           {"time": 110.55, "event": "batches_committed_by_peers", "batch_ids": list(peers)},
-           {"time": 110.55, "event": "catchup_started", "source": "0", "at_step": 5},
-           _step(111.1, 6, position=4, healing=True, committed=False),
-           _step(111.2, 7, position=4, healing=True, committed=False),
-           {"time": 111.25, "event": "catchup_done", "source": "0", "catchup_s": 0.7, "at_step": 7}]
-    r1 += [_step(111.3 + 0.1 * i, 8 + i, batch=b, position=5 + i, loss=2.2 + 0.1 * i)
-           for i, b in enumerate(r1_own_batches)]
+    r1 += [
+        {"time": 110.5, "event": "start"},
+        {"time": 110.55, "event": "batches_committed_by_peers", "batch_ids": list(peers)},
+        {"time": 110.55, "event": "catchup_started", "source": "0", "at_step": 5},
+        _step(111.1, 6, position=4, healing=True, committed=False),
+        _step(111.2, 7, position=4, healing=True, committed=False),
+        {"time": 111.25, "event": "catchup_done", "source": "0", "catchup_s": 0.7, "at_step": 7},
+    ]
+    r1 += [
+        _step(111.3 + 0.1 * i, 8 + i, batch=b, position=5 + i, loss=2.2 + 0.1 * i) for i, b in enumerate(r1_own_batches)
+    ]
     _write(tmp_path / "replica-1" / "metrics.jsonl", r1)
     if torn_line:  # a SIGKILL in the middle of a write leaves half a line
         with open(tmp_path / "replica-1" / "metrics.jsonl", "a") as f:
             f.write('{"time": 111.55, "step": 1')
     for r, position in ((0, 10), (1, 4 + len(r1_own_batches))):
         (tmp_path / f"replica-{r}" / "summary.json").write_text(
-            json.dumps({"param_digest": "abc", "data_position": position, "final_loss": 2.0}))
+            json.dumps({"param_digest": "abc", "data_position": position, "final_loss": 2.0})
+        )
     return tmp_path
 
 
@@ -77,8 +111,16 @@ def test_summary_figures_match_the_hand_computed_ones(tmp_path):
     assert s["ettr"] == pytest.approx((0.9 + 0.45) / 2.8, abs=1e-4)
     assert s["final_loss"] == pytest.approx((2.1 + 2.4) / 2)  # the last 5% of 10 steps: step 10 of each
     assert s["failures"] == 1
-    assert s["failure_events"] == [{"time_s": pytest.approx(10.35), "replica": 1, "cause": "kill", "step": 3,
-                                    "at": "4:ftar", "recovery_s": pytest.approx(0.9)}]
+    assert s["failure_events"] == [
+        {
+            "time_s": pytest.approx(10.35),
+            "replica": 1,
+            "cause": "kill",
+            "step": 3,
+            "at": "4:ftar",
+            "recovery_s": pytest.approx(0.9),
+        }
+    ]
     assert s["exactly_once"] and s["digests_equal"]
     r0, r1 = s["replicas"]["0"], s["replicas"]["1"]
     assert (r0["restarts"], r0["failures"], r0["steps_committed"]) == (0, 0, 10)
@@ -92,12 +134,23 @@ def test_timeline_states(tmp_path):
     run = load_run(make_run(tmp_path))
     segs = timeline(run, median_s=0.1)
     states0 = [(round(a, 2), round(b, 2), st) for a, b, st in segs[0]]
-    assert states0 == [(100.0, 110.1, "starting"), (110.1, 110.5, "training"), (110.5, 111.1, "stalled"),
-                       (111.1, 111.6, "training"), (111.6, 111.7, "done")]
+    assert states0 == [
+        (100.0, 110.1, "starting"),
+        (110.1, 110.5, "training"),
+        (110.5, 111.1, "stalled"),
+        (111.1, 111.6, "training"),
+        (111.6, 111.7, "done"),
+    ]
     states1 = [(round(a, 2), round(b, 2), st) for a, b, st in segs[1]]
-    assert states1 == [(100.0, 110.1, "starting"), (110.1, 110.35, "training"), (110.35, 110.45, "down"),
-                       (110.45, 110.55, "starting"), (110.55, 111.3, "catching up"), (111.3, 111.6, "training"),
-                       (111.6, 111.7, "done")]
+    assert states1 == [
+        (100.0, 110.1, "starting"),
+        (110.1, 110.35, "training"),
+        (110.35, 110.45, "down"),
+        (110.45, 110.55, "starting"),
+        (110.55, 111.3, "catching up"),
+        (111.3, 111.6, "training"),
+        (111.6, 111.7, "done"),
+    ]
 
 
 def test_a_batch_trained_twice_breaks_exactly_once(tmp_path):
@@ -127,7 +180,7 @@ def test_different_digests_are_reported(tmp_path):
 
 
 def test_replicas_that_end_with_different_digests_make_the_launch_fail(tmp_path):
-    from ftjax.launch.summary import exit_code
+    from ftjax.runs.summary import exit_code
 
     make_run(tmp_path)
     assert exit_code(build_summary(tmp_path), 0) == (0, "")
@@ -141,10 +194,22 @@ def test_replicas_that_end_with_different_digests_make_the_launch_fail(tmp_path)
 def test_a_divergence_incident_is_in_the_summary(tmp_path):
     make_run(tmp_path)
     with open(tmp_path / "replica-1" / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"time": 111.32, "event": "diverged", "step": 8, "digest": "bad",
-                            "majority_digest": "good", "source": "0"}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "time": 111.32,
+                    "event": "diverged",
+                    "step": 8,
+                    "digest": "bad",
+                    "majority_digest": "good",
+                    "source": "0",
+                }
+            )
+            + "\n"
+        )
     assert build_summary(tmp_path)["divergences"] == [
-        {"time_s": 11.32, "replica": 1, "step": 8, "digest": "bad", "majority_digest": "good", "source": "0"}]
+        {"time_s": 11.32, "replica": 1, "step": 8, "digest": "bad", "majority_digest": "good", "source": "0"}
+    ]
 
 
 def test_a_replica_without_a_digest_is_no_difference(tmp_path):
@@ -195,27 +260,46 @@ def make_frozen_run(tmp_path):
     r0_times = [round(110.1 + 0.1 * k, 3) for k in range(5)] + [round(112.4 + 0.1 * k, 3) for k in range(140)]
     steps = len(r0_times)
     r1_own_from = next(k for k, t in enumerate(r0_times) if t >= 125.7)  # replica 0's step at 125.7
-    _write(tmp_path / "launcher.jsonl", [
-        {"time": T, "event": "launch", "replicas": 2, "hosts": 1, "devices": 1, "steps": steps, "config": "c.yaml",
-         "overrides": [], "out": str(tmp_path), "restart_delay_s": 1.0,
-         "faults": asdict(FaultPlan(hangs=(Hang(1, 0.4),)))},
-        {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
-        {"time": T, "event": "replica_started", "replica": 1, "incarnation": 1},
-        {"time": 110.1, "event": "warm", "step": 1},
-        {"time": 110.55, "event": "fault", "kind": "hang", "replica": 1, "step": 5},
-        {"time": r0_times[-1] + 0.05, "event": "replica_done", "replica": 0, "incarnation": 1, "step": steps},
-        {"time": r0_times[-1] + 0.05, "event": "replica_done", "replica": 1, "incarnation": 1, "step": steps},
-        {"time": r0_times[-1] + 0.1, "event": "end", "ok": True},
-    ])
-    _write(tmp_path / "replica-0" / "metrics.jsonl",
-           [{"time": 105.0, "event": "start"}]
-           + [_step(t, k + 1, batch=2 * k, position=k + 1, loss=2.0) for k, t in enumerate(r0_times)])
-    _write(tmp_path / "replica-1" / "metrics.jsonl",
-           [{"time": 105.0, "event": "start"}]
-           + [_step(r0_times[k], k + 1, batch=2 * k + 1, position=k + 1, loss=2.0) for k in range(5)]
-           + [_step(125.6, r1_own_from, position=5, healing=True, committed=False)]
-           + [_step(r0_times[k], k + 1, batch=2 * (k - r1_own_from + 5) + 1, position=k - r1_own_from + 6, loss=2.0)
-              for k in range(r1_own_from, steps)])
+    _write(
+        tmp_path / "launcher.jsonl",
+        [
+            {
+                "time": T,
+                "event": "launch",
+                "replicas": 2,
+                "hosts": 1,
+                "devices": 1,
+                "steps": steps,
+                "config": "c.yaml",
+                "overrides": [],
+                "out": str(tmp_path),
+                "restart_delay_s": 1.0,
+                "faults": asdict(FaultPlan(hangs=(Hang(1, 0.4),))),
+            },
+            {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
+            {"time": T, "event": "replica_started", "replica": 1, "incarnation": 1},
+            {"time": 110.1, "event": "warm", "step": 1},
+            {"time": 110.55, "event": "fault", "kind": "hang", "replica": 1, "step": 5},
+            {"time": r0_times[-1] + 0.05, "event": "replica_done", "replica": 0, "incarnation": 1, "step": steps},
+            {"time": r0_times[-1] + 0.05, "event": "replica_done", "replica": 1, "incarnation": 1, "step": steps},
+            {"time": r0_times[-1] + 0.1, "event": "end", "ok": True},
+        ],
+    )
+    _write(
+        tmp_path / "replica-0" / "metrics.jsonl",
+        [{"time": 105.0, "event": "start"}]
+        + [_step(t, k + 1, batch=2 * k, position=k + 1, loss=2.0) for k, t in enumerate(r0_times)],
+    )
+    _write(
+        tmp_path / "replica-1" / "metrics.jsonl",
+        [{"time": 105.0, "event": "start"}]
+        + [_step(r0_times[k], k + 1, batch=2 * k + 1, position=k + 1, loss=2.0) for k in range(5)]
+        + [_step(125.6, r1_own_from, position=5, healing=True, committed=False)]
+        + [
+            _step(r0_times[k], k + 1, batch=2 * (k - r1_own_from + 5) + 1, position=k - r1_own_from + 6, loss=2.0)
+            for k in range(r1_own_from, steps)
+        ],
+    )
     return tmp_path
 
 
@@ -231,7 +315,7 @@ def test_a_constant_batch_stall_does_not_count_the_rows_taken_over_from_an_absen
     """With a constant global batch, replica 0 computes replica 1's rows while it is away: that
     longer step is work, not a wait. Its stall is the gap less those rows at the median rate of one
     batch (median step / rows of a batch); `max_healthy_gap_s` keeps the gap itself."""
-    from ftjax.launch.summary import median_step, warm_time
+    from ftjax.runs.summary import median_step, warm_time
 
     run_dir = make_run(tmp_path)
     path = run_dir / "replica-0" / "metrics.jsonl"
@@ -256,21 +340,67 @@ def test_overlapping_partitions_are_each_checked_over_their_own_window(tmp_path)
     read from its cut to its own end (matched by number): #2's check must see step 14. Before, both
     cuts took the first end record (120) and #2 read [115, 120]: `isolated_commits: []`."""
     r1h0 = ["r1h0"]
-    _write(tmp_path / "launcher.jsonl", [
-        {"time": T, "event": "launch", "replicas": 2, "hosts": 1, "devices": 1, "steps": 20, "config": "c.yaml",
-         "overrides": [], "out": str(tmp_path)},
-        {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
-        {"time": T, "event": "replica_started", "replica": 1, "incarnation": 1},
-        {"time": 110.0, "event": "fault", "kind": "partition", "replica": 1, "host": None, "step": 10,
-         "seconds": 10.0, "hosts": r1h0, "cut": 1},
-        {"time": 115.0, "event": "fault", "kind": "partition", "replica": 1, "host": None, "step": 12,
-         "seconds": 10.0, "hosts": r1h0, "cut": 2},
-        {"time": 120.0, "event": "partition_ended", "replica": 1, "host": None, "hosts": r1h0, "seconds": 10.0,
-         "cut": 1, "restored": []},
-        {"time": 125.0, "event": "partition_ended", "replica": 1, "host": None, "hosts": r1h0, "seconds": 10.0,
-         "cut": 2, "restored": r1h0},
-        {"time": 131.0, "event": "end", "ok": True},
-    ])
+    _write(
+        tmp_path / "launcher.jsonl",
+        [
+            {
+                "time": T,
+                "event": "launch",
+                "replicas": 2,
+                "hosts": 1,
+                "devices": 1,
+                "steps": 20,
+                "config": "c.yaml",
+                "overrides": [],
+                "out": str(tmp_path),
+            },
+            {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
+            {"time": T, "event": "replica_started", "replica": 1, "incarnation": 1},
+            {
+                "time": 110.0,
+                "event": "fault",
+                "kind": "partition",
+                "replica": 1,
+                "host": None,
+                "step": 10,
+                "seconds": 10.0,
+                "hosts": r1h0,
+                "cut": 1,
+            },
+            {
+                "time": 115.0,
+                "event": "fault",
+                "kind": "partition",
+                "replica": 1,
+                "host": None,
+                "step": 12,
+                "seconds": 10.0,
+                "hosts": r1h0,
+                "cut": 2,
+            },
+            {
+                "time": 120.0,
+                "event": "partition_ended",
+                "replica": 1,
+                "host": None,
+                "hosts": r1h0,
+                "seconds": 10.0,
+                "cut": 1,
+                "restored": [],
+            },
+            {
+                "time": 125.0,
+                "event": "partition_ended",
+                "replica": 1,
+                "host": None,
+                "hosts": r1h0,
+                "seconds": 10.0,
+                "cut": 2,
+                "restored": r1h0,
+            },
+            {"time": 131.0, "event": "end", "ok": True},
+        ],
+    )
     r0 = [_step(100.0 + k, k + 1, batch=2 * k, position=k + 1, loss=2.0) for k in range(20)]  # steps 1-20 at 100-119
     r1 = [_step(100.0 + k, k + 1, batch=2 * k + 1, position=k + 1, loss=2.0) for k in range(10)]  # 1-10 by 109
     r1 += [_step(122.0, 14, batch=27, position=11, loss=2.0)]  # committed while still cut off by #2
@@ -285,22 +415,41 @@ def make_split_run(tmp_path, *, late_trains_again: bool):
     """Issue 26 item 2 in small: replica 1 is cut off after step 2 while replica 0 trains steps 3-4
     in quorum 2 and finishes. Back, replica 1 either trains steps 3-4 again alone in quorum 3 (a
     split history) or is told that the job finished and exits (`job_finished`)."""
-    _write(tmp_path / "launcher.jsonl", [
-        {"time": T, "event": "launch", "replicas": 2, "hosts": 1, "devices": 1, "steps": 4, "config": "c.yaml",
-         "overrides": [], "out": str(tmp_path)},
-        {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
-        {"time": T, "event": "replica_started", "replica": 1, "incarnation": 1},
-        {"time": 112.0, "event": "replica_done", "replica": 0, "incarnation": 1, "step": 4},
-        {"time": 120.0, "event": "replica_done", "replica": 1, "incarnation": 1, "step": 4},
-        {"time": 120.1, "event": "end", "ok": True},
-    ])
+    _write(
+        tmp_path / "launcher.jsonl",
+        [
+            {
+                "time": T,
+                "event": "launch",
+                "replicas": 2,
+                "hosts": 1,
+                "devices": 1,
+                "steps": 4,
+                "config": "c.yaml",
+                "overrides": [],
+                "out": str(tmp_path),
+            },
+            {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
+            {"time": T, "event": "replica_started", "replica": 1, "incarnation": 1},
+            {"time": 112.0, "event": "replica_done", "replica": 0, "incarnation": 1, "step": 4},
+            {"time": 120.0, "event": "replica_done", "replica": 1, "incarnation": 1, "step": 4},
+            {"time": 120.1, "event": "end", "ok": True},
+        ],
+    )
 
     def step(t, n, q, digest, batch, position):
         return _step(t, n, batch=batch, position=position, loss=1.0) | {"quorum_id": q, "param_digest": digest}
 
-    _write(tmp_path / "replica-0" / "metrics.jsonl", [
-        {"time": 105.0, "event": "start"}, step(110.1, 1, 1, "d1", 0, 1), step(110.2, 2, 1, "d2", 2, 2),
-        step(111.0, 3, 2, "d3", 4, 3), step(111.1, 4, 2, "d4", 6, 4)])
+    _write(
+        tmp_path / "replica-0" / "metrics.jsonl",
+        [
+            {"time": 105.0, "event": "start"},
+            step(110.1, 1, 1, "d1", 0, 1),
+            step(110.2, 2, 1, "d2", 2, 2),
+            step(111.0, 3, 2, "d3", 4, 3),
+            step(111.1, 4, 2, "d4", 6, 4),
+        ],
+    )
     r1 = [{"time": 105.0, "event": "start"}, step(110.1, 1, 1, "d1", 1, 1), step(110.2, 2, 1, "d2", 3, 2)]
     if late_trains_again:
         r1 += [step(119.0, 3, 3, "x3", 5, 3), step(119.1, 4, 3, "x4", 7, 4)]
@@ -316,8 +465,13 @@ def make_split_run(tmp_path, *, late_trains_again: bool):
 def test_a_step_committed_in_two_lineages_is_a_split_history_and_not_ok(tmp_path):
     s = build_summary(make_split_run(tmp_path, late_trains_again=True))
     assert s["split_history"]["steps"] == [3, 4]
-    assert s["split_history"]["first"] == {"step": 3, "commits": [
-        {"quorum_id": 2, "param_digest": "d3", "replicas": [0]}, {"quorum_id": 3, "param_digest": "x3", "replicas": [1]}]}
+    assert s["split_history"]["first"] == {
+        "step": 3,
+        "commits": [
+            {"quorum_id": 2, "param_digest": "d3", "replicas": [0]},
+            {"quorum_id": 3, "param_digest": "x3", "replicas": [1]},
+        ],
+    }
     assert not s["ok"]  # the launcher said ok: the summary knows better (and the launcher exits 1)
 
 

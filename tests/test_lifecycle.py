@@ -1,4 +1,4 @@
-"""A replica's lifecycle (ftjax/lifecycle.py): the transition table and the stall rule as tables of
+"""A replica's lifecycle (ftjax/runs/lifecycle.py): the transition table and the stall rule as tables of
 cases, the fold, and one recorded run folded by the launcher's live path and by the summary: the
 same segments."""
 
@@ -9,14 +9,15 @@ import math
 from pathlib import Path
 
 import pytest
-
-from ftjax.events import EVENT, REPLICA, TIME, LauncherEvent as L, ReplicaEvent as E, StepField
-from ftjax.launch.summary import build_summary, load_run, median_step, timeline, warm_time
-from ftjax.launch.supervisor import POLL_S, FaultPlan, RunLog, Supervisor
-from ftjax.lifecycle import Lifecycle, Phase, Segment, is_stall, next_phase, segments, signal
-
 from test_launch_summary import make_frozen_run, make_run
 from test_supervisor_rules import _Job
+
+from ftjax.launch.supervisor import POLL_S, FaultPlan, RunLog, Supervisor
+from ftjax.runs.events import EVENT, REPLICA, TIME, StepField
+from ftjax.runs.events import LauncherEvent as L
+from ftjax.runs.events import ReplicaEvent as E
+from ftjax.runs.lifecycle import Lifecycle, Phase, Segment, is_stall, next_phase, segments, signal
+from ftjax.runs.summary import build_summary, load_run, median_step, timeline, warm_time
 
 RECORDED = Path(__file__).parent / "data" / "launch_kill_restart"
 STARTING, TRAINING, STALLED, CATCHING_UP = Phase.STARTING, Phase.TRAINING, Phase.STALLED, Phase.CATCHING_UP
@@ -24,8 +25,17 @@ DOWN, DONE, GONE = Phase.DOWN, Phase.DONE, Phase.GONE
 
 
 def step(t=0.0, n=5, *, committed=True, healing=False):
-    return {TIME: t, "step": n, "committed": committed, "healing": healing, "loss": None if healing else 2.0,
-            "batch_id": None, "data_position": 3, "participants": 2, "contributors": 2}
+    return {
+        TIME: t,
+        "step": n,
+        "committed": committed,
+        "healing": healing,
+        "loss": None if healing else 2.0,
+        "batch_id": None,
+        "data_position": 3,
+        "participants": 2,
+        "contributors": 2,
+    }
 
 
 def ev(name, t=0.0, **fields):
@@ -66,8 +76,11 @@ TRANSITIONS = {
     "a late record of an abandoned one": (GONE, ev(E.CATCHUP_STARTED), GONE),
     "a step read after the end": (DONE, step(), DONE),
     "a commit failure does not end a stall": (STALLED, ev(E.COMMIT_FAILURE, step=6, errors=[]), STALLED),
-    "the launcher's copy of a commit failure (it has a step)": (TRAINING, ev(L.COMMIT_FAILURE, replica=0, step=6),
-                                                                TRAINING),
+    "the launcher's copy of a commit failure (it has a step)": (
+        TRAINING,
+        ev(L.COMMIT_FAILURE, replica=0, step=6),
+        TRAINING,
+    ),
     "a peer unreachable does not end a stall": (STALLED, ev(E.PEER_UNREACHABLE, step=6, peer="10.0.0.2:5"), STALLED),
     "nor does the launcher's copy": (STALLED, ev(L.PEER_UNREACHABLE, replica=0, step=6, peer="10.0.0.2:5"), STALLED),
     "rejoined copies catchup_done": (CATCHING_UP, ev(L.REJOINED, replica=1, at_step=9), CATCHING_UP),
@@ -81,8 +94,17 @@ def test_next_phase(before, record, after):
     assert next_phase(before, record) is after
 
 
-SIGNALLED = {E.START, E.CATCHUP_STARTED, E.STALE_STATE, E.CATCHUP_DONE, L.REPLICA_STARTED, L.REPLICA_DOWN,
-             L.REPLICA_DONE, L.NOT_RESTARTED, L.ABANDONED}
+SIGNALLED = {
+    E.START,
+    E.CATCHUP_STARTED,
+    E.STALE_STATE,
+    E.CATCHUP_DONE,
+    L.REPLICA_STARTED,
+    L.REPLICA_DOWN,
+    L.REPLICA_DONE,
+    L.NOT_RESTARTED,
+    L.ABANDONED,
+}
 
 
 @pytest.mark.parametrize("phase", list(Phase))
@@ -111,21 +133,41 @@ def test_stall_rule(gap, median, stall):
 
 def _kill_restart_catchup():
     """Replica 1 of a 20-step job, step time 1 s: a stall (3 s), a death, a catch-up, the end."""
-    return [ev(L.REPLICA_STARTED, 0.0, replica=1), ev(E.START, 2.0), ev(E.INIT, 3.0),
-            *(step(t, n) for n, t in enumerate((10.0, 11.0, 12.0, 15.0, 16.0), 1)),
-            ev(L.REPLICA_DOWN, 16.5, replica=1), ev(L.REPLICA_STARTED, 17.0, replica=1), ev(E.START, 18.0),
-            ev(E.CATCHUP_STARTED, 18.5), step(19.0, 12, committed=False, healing=True), ev(E.CATCHUP_DONE, 19.5),
-            ev(L.REJOINED, 19.6, replica=1), step(20.0, 13), step(21.0, 14), ev(L.REPLICA_DONE, 21.5, replica=1)]
+    return [
+        ev(L.REPLICA_STARTED, 0.0, replica=1),
+        ev(E.START, 2.0),
+        ev(E.INIT, 3.0),
+        *(step(t, n) for n, t in enumerate((10.0, 11.0, 12.0, 15.0, 16.0), 1)),
+        ev(L.REPLICA_DOWN, 16.5, replica=1),
+        ev(L.REPLICA_STARTED, 17.0, replica=1),
+        ev(E.START, 18.0),
+        ev(E.CATCHUP_STARTED, 18.5),
+        step(19.0, 12, committed=False, healing=True),
+        ev(E.CATCHUP_DONE, 19.5),
+        ev(L.REJOINED, 19.6, replica=1),
+        step(20.0, 13),
+        step(21.0, 14),
+        ev(L.REPLICA_DONE, 21.5, replica=1),
+    ]
 
 
 def test_fold():
     assert segments(_kill_restart_catchup(), 1.0, until=22.0, steps=20) == [
-        Segment(0.0, 10.0, STARTING), Segment(10.0, 12.0, TRAINING), Segment(12.0, 15.0, STALLED),
-        Segment(15.0, 16.5, TRAINING), Segment(16.5, 17.0, DOWN), Segment(17.0, 18.5, STARTING),
-        Segment(18.5, 20.0, CATCHING_UP), Segment(20.0, 21.5, TRAINING), Segment(21.5, 22.0, DONE)]
+        Segment(0.0, 10.0, STARTING),
+        Segment(10.0, 12.0, TRAINING),
+        Segment(12.0, 15.0, STALLED),
+        Segment(15.0, 16.5, TRAINING),
+        Segment(16.5, 17.0, DOWN),
+        Segment(17.0, 18.5, STARTING),
+        Segment(18.5, 20.0, CATCHING_UP),
+        Segment(20.0, 21.5, TRAINING),
+        Segment(21.5, 22.0, DONE),
+    ]
     # no median: no stall; `until` cuts the fold short
     assert segments(_kill_restart_catchup(), None, until=16.0) == [
-        Segment(0.0, 10.0, STARTING), Segment(10.0, 16.0, TRAINING)]
+        Segment(0.0, 10.0, STARTING),
+        Segment(10.0, 16.0, TRAINING),
+    ]
 
 
 def test_the_wait_after_the_last_step_is_no_stall():
@@ -154,9 +196,18 @@ def test_waiting_for_state():
     for record in _kill_restart_catchup()[8:]:  # from the death on
         lifecycle.feed(record)
         waiting.append((record.get(EVENT) or "step", lifecycle.waiting_for_state))
-    assert waiting == [("replica_down", False), ("replica_started", True), ("start", True),
-                       ("catchup_started", True), ("step", True), ("catchup_done", False), ("rejoined", False),
-                       ("step", False), ("step", False), ("replica_done", False)]
+    assert waiting == [
+        ("replica_down", False),
+        ("replica_started", True),
+        ("start", True),
+        ("catchup_started", True),
+        ("step", True),
+        ("catchup_done", False),
+        ("rejoined", False),
+        ("step", False),
+        ("step", False),
+        ("replica_done", False),
+    ]
 
 
 def test_a_replica_that_rejoins_at_the_next_to_last_step_holds_the_state_to_the_end():
@@ -165,10 +216,13 @@ def test_a_replica_that_rejoins_at_the_next_to_last_step_holds_the_state_to_the_
     installed state, so it is not waiting for state when its peers finish (a run where it was
     abandoned for that, its summary digest equal to the peers', made `ftjax launch` exit 1)."""
     lifecycle = Lifecycle(steps=100)
-    for record in ({TIME: 1.0, EVENT: "start"}, {TIME: 1.1, EVENT: "catchup_started"},
-                   {TIME: 1.2, "step": 99, "committed": False, "healing": True},
-                   {TIME: 1.3, EVENT: "catchup_done"},
-                   {TIME: 1.4, "step": 100, "committed": True, "healing": True}):
+    for record in (
+        {TIME: 1.0, EVENT: "start"},
+        {TIME: 1.1, EVENT: "catchup_started"},
+        {TIME: 1.2, "step": 99, "committed": False, "healing": True},
+        {TIME: 1.3, EVENT: "catchup_done"},
+        {TIME: 1.4, "step": 100, "committed": True, "healing": True},
+    ):
         lifecycle.feed(record)
     assert lifecycle.phase is CATCHING_UP and not lifecycle.waiting_for_state
     lifecycle.feed({TIME: 1.5, "step": 101, "committed": False, "healing": True})  # a discarded relay: not proof
@@ -188,8 +242,9 @@ def replay_live(run_dir: Path, tmp_path: Path) -> tuple[Supervisor, list[tuple[f
     job.cfg.steps = run.steps
     for r in range(run.replicas):
         job.replica_dir(r).mkdir(parents=True)
-    supervisor = Supervisor(job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl"), hang_timeout_s=math.inf,
-                            startup_timeout_s=math.inf)
+    supervisor = Supervisor(
+        job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl"), hang_timeout_s=math.inf, startup_timeout_s=math.inf
+    )
     lines = [(rec[TIME], 0, r, rec) for r in range(run.replicas) for rec in run.metrics[r]]
     events = [(e[TIME], 1, e[REPLICA], e) for e in run.events if e.get(REPLICA) is not None]
     items = sorted(lines + events, key=lambda item: item[:2])

@@ -16,14 +16,14 @@ import urllib.request
 
 import numpy as np
 import pytest
-
-from ftjax import net
-from ftjax.config import ConfigError, load_config
-from ftjax.coordinator.quorum import Settings, split_address
-from ftjax.env import run_env
-from ftjax.ftar import FTAREndpoint
-
 from conftest import FTJAX, REPO, need_namespaces
+
+from ftjax.base import net
+from ftjax.base.env import run_env
+from ftjax.base.net import split_address
+from ftjax.config import ConfigError, load_config
+from ftjax.coordinator.quorum import Settings
+from ftjax.ftar import FTAREndpoint
 
 TOKEN = "test-token"
 TINY = f"{REPO}/configs/tiny.yaml"
@@ -105,8 +105,9 @@ def test_net_config_is_checked():
 def test_ftar_endpoints_bound_to_every_interface_meet_over_ipv4_and_ipv6():
     """One endpoint advertises its IPv6 loopback address, the other its IPv4 one; both listen on one
     dual-stack socket, so each dials the other in its own family."""
-    eps = [FTAREndpoint(TOKEN, host="", advertise=adv, timeout_s=10, shared_memory=False)
-           for adv in ("::1", "127.0.0.1")]
+    eps = [
+        FTAREndpoint(TOKEN, host="", advertise=adv, timeout_s=10, shared_memory=False) for adv in ("::1", "127.0.0.1")
+    ]
     try:
         assert eps[0].address.startswith("[::1]:") and eps[1].address.startswith("127.0.0.1:")
         members = [ep.address for ep in eps]
@@ -116,7 +117,7 @@ def test_ftar_endpoints_bound_to_every_interface_meet_over_ipv4_and_ipv6():
         def member(i):
             try:
                 results[i] = eps[i].allreduce(bufs[i], quorum_id=1, step=0, members=members, rank=i)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 errors[i] = e
 
         threads = [threading.Thread(target=member, args=(i,)) for i in range(2)]
@@ -134,9 +135,10 @@ def test_ftar_endpoints_bound_to_every_interface_meet_over_ipv4_and_ipv6():
 
 @needs_ipv6
 def test_coordinator_and_catchup_servers_bound_to_every_interface_answer_over_ipv6(tmp_path):
-    from ftjax.catchup import SnapshotServer
-    from ftjax.coordinator.client import CoordinatorClient, MemberInfo, new_incarnation
+    from ftjax.coordinator.client import CoordinatorClient
     from ftjax.coordinator.server import CoordinatorServer
+    from ftjax.coordinator.types import MemberInfo, new_incarnation
+    from ftjax.runtime.catchup import SnapshotServer
 
     server = CoordinatorServer(Settings(min_replicas=1), TOKEN, host="", advertise="::1", startup_grace=0.0).start()
     client = None
@@ -176,8 +178,13 @@ def test_the_coordinator_command_binds_every_interface_and_advertises_an_address
     """`ftjax coordinator` with no --host binds every interface and prints the address it
     advertises: this machine's, not loopback (where the machine has another address)."""
     ready = tmp_path / "ready.json"
-    proc = subprocess.Popen([*FTJAX, "coordinator", "--ready-file", str(ready)], env={**run_env(), "FTJAX_TOKEN": "t"},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*FTJAX, "coordinator", "--ready-file", str(ready)],
+        env={**run_env(), "FTJAX_TOKEN": "t"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert "bound to every interface" in line, line
@@ -210,13 +217,24 @@ def test_a_run_is_not_forced_onto_simulated_cpu_devices_nor_one_thread():
 
 def test_a_platform_that_is_not_there_is_an_error_naming_it(tmp_path):
     env = {k: v for k, v in run_env().items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    r = subprocess.run([*FTJAX, "train", TINY, "--out", str(tmp_path), "platform=tpu", "steps=1"],
-                       capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    r = subprocess.run(
+        [*FTJAX, "train", TINY, "--out", str(tmp_path), "platform=tpu", "steps=1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=REPO,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "platform: tpu" in r.stderr
-    r = subprocess.run([*FTJAX, "train", TINY, "--out", str(tmp_path), "platform=auto", "mesh.devices_per_host=2",
-                        "steps=1"], capture_output=True, text=True, timeout=240, env={**env, "JAX_PLATFORMS": "cpu"},
-                       cwd=REPO)
+    r = subprocess.run(
+        [*FTJAX, "train", TINY, "--out", str(tmp_path), "platform=auto", "mesh.devices_per_host=2", "steps=1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        cwd=REPO,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "mesh.devices_per_host=2" in r.stderr and "platform: cpu" in r.stderr
 
@@ -233,7 +251,7 @@ def test_emitted_cluster_files_do_not_force_cpu(tmp_path):
 
 # --- no silent hang -------------------------------------------------------------------------------
 def test_a_peer_failing_every_attempt_is_reported_once_after_ten_seconds():
-    from ftjax.protocol import UnreachablePeers
+    from ftjax.runtime.protocol import UnreachablePeers
 
     u = UnreachablePeers(after_s=10.0)
     # refused at once, attempt after attempt: reported once 10 s have passed since the first began
@@ -276,19 +294,32 @@ class _Quorums:
         from ftjax.coordinator.quorum import Participant
 
         self.known_positions, self.reports, self.qid = {}, [], 0
-        self.members = (Participant("0", "inc0", 0, 0, (me,), "", False, ""),
-                        Participant("1", "inc1", 0, 0, (peer,), "", False, ""))
+        self.members = (
+            Participant("0", "inc0", 0, 0, (me,), "", False, ""),
+            Participant("1", "inc1", 0, 0, (peer,), "", False, ""),
+        )
 
     def quorum_async(self, step, data_position, has_state, commit_failures=0, digest=""):
         from concurrent.futures import Future
 
-        from ftjax.coordinator.client import QuorumResult
+        from ftjax.coordinator.types import QuorumResult
 
         self.qid += 1
         future = Future()
-        future.set_result(QuorumResult(quorum_id=self.qid, step=0, participants=self.members, rank=0, healing=False,
-                                       heal_source="", heal_source_addresses=(), num_contributors=2, data_position=0,
-                                       no_state=False))
+        future.set_result(
+            QuorumResult(
+                quorum_id=self.qid,
+                step=0,
+                participants=self.members,
+                rank=0,
+                healing=False,
+                heal_source="",
+                heal_source_addresses=(),
+                num_contributors=2,
+                data_position=0,
+                no_state=False,
+            )
+        )
         return future
 
     def report_failure(self, quorum_id, replica_id, incarnation, reason=""):
@@ -307,8 +338,13 @@ class _FTAR:
         self.endpoint = endpoint
 
     def average(self, q, grads):
-        return self.endpoint.allreduce(np.zeros(64, np.float32), quorum_id=q.quorum_id, step=q.step,
-                                       members=[p.ftar_addresses[0] for p in q.participants], rank=q.rank)
+        return self.endpoint.allreduce(
+            np.zeros(64, np.float32),
+            quorum_id=q.quorum_id,
+            step=q.step,
+            members=[p.ftar_addresses[0] for p in q.participants],
+            rank=q.rank,
+        )
 
     def tree(self, update):
         return update
@@ -321,15 +357,23 @@ def test_a_replica_given_an_unreachable_peer_address_names_it_within_30_s(tmp_pa
     """The issue's hang: a peer that heartbeats (so the coordinator keeps it) at an address nobody
     listens on. Every step fails on it; within 30 s the replica names the address, on stderr and
     in its log, with what to check."""
-    from ftjax.procs import free_port
-    from ftjax.protocol import StepProtocol
-    from ftjax.replay import ReplayBuffer
+    from ftjax.base.procs import free_port
+    from ftjax.runtime.protocol import StepProtocol
+    from ftjax.runtime.replay import ReplayBuffer
 
     dead = f"127.0.0.1:{free_port()}"  # nobody listens there
     endpoint = FTAREndpoint(TOKEN, timeout_s=10, shared_memory=False)
     quorums, log = _Quorums(endpoint.address, dead), _Log()
-    protocol = StepProtocol(replica_id="0", incarnation="inc0", group=_Group(), reducer=_FTAR(endpoint),
-                            transport=None, quorums=quorums, buffer=ReplayBuffer(tmp_path / "replay", 0), log=log)
+    protocol = StepProtocol(
+        replica_id="0",
+        incarnation="inc0",
+        group=_Group(),
+        reducer=_FTAR(endpoint),
+        transport=None,
+        quorums=quorums,
+        buffer=ReplayBuffer(tmp_path / "replay", 0),
+        log=log,
+    )
     t0 = time.monotonic()
     try:
         while time.monotonic() - t0 < 30 and not any(kind == "peer_unreachable" for kind, _ in log.events):
@@ -361,8 +405,15 @@ def test_the_coordinator_status_says_the_job_makes_no_progress_and_why(prefix):
     state = CoordinatorState(Settings(min_replicas=2, heartbeat_timeout_s=2.0), 0.0, startup_grace=0.0)
 
     def report(rid, step, failures):
-        return MemberReport(rid, f"inc{rid}", step=step, ftar_addresses=(f"{prefix}{rid}:1",), catchup_addresses=(f"{prefix}{rid}:2",),
-                            topology_fingerprint="fp", commit_failures=failures)
+        return MemberReport(
+            rid,
+            f"inc{rid}",
+            step=step,
+            ftar_addresses=(f"{prefix}{rid}:1",),
+            catchup_addresses=(f"{prefix}{rid}:2",),
+            topology_fingerprint="fp",
+            commit_failures=failures,
+        )
 
     def one_quorum(now, step, failures):
         for rid in "12":
@@ -386,8 +437,10 @@ def test_the_coordinator_status_says_the_job_makes_no_progress_and_why(prefix):
     text = snap["no_progress"]
     assert text and text.startswith("no progress since ") and "at step 1" in text, text
     assert f"{prefix}2:1" in text and "replica '1' accused '2'" in text and "heartbeats" in text, text
-    loopback = f"advertising a loopback address (only their own machine reaches it: right only if every replica " \
-               f"runs there): 1 ({prefix}1:1), 2 ({prefix}2:1)"
+    loopback = (
+        f"advertising a loopback address (only their own machine reaches it: right only if every replica "
+        f"runs there): 1 ({prefix}1:1), 2 ({prefix}2:1)"
+    )
     assert (loopback in text) == (prefix == "127.0.0."), text
     assert snap["progress"]["step"] == 1 and snap["progress"]["retries_since"] >= 40
     assert state.summary(t)["stalled"] and "no progress since" in status_page(snap)
@@ -436,15 +489,27 @@ class Machines:
     def start(self, machine: str, argv: list[str], log_name: str) -> subprocess.Popen:
         """`argv` on `machine` (its network namespace, a private /dev/shm and temp dir); output to a log file."""
         log = open(self.root / machine / log_name, "w")
-        proc = subprocess.Popen(self.cluster.command(machine, argv), env=self.env(machine), stdout=log,
-                                stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(
+            self.cluster.command(machine, argv),
+            env=self.env(machine),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
         log.close()
         self.procs.append(proc)
         return proc
 
     def run(self, machine: str, argv: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run(self.cluster.command(machine, argv, private=False), env=self.env(machine),
-                              capture_output=True, text=True, timeout=60, cwd=REPO)
+        return subprocess.run(
+            self.cluster.command(machine, argv, private=False),
+            env=self.env(machine),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
 
     def close(self) -> None:
         for proc in self.procs:
@@ -474,8 +539,9 @@ def machines(tmp_path_factory):
 
 
 def test_each_machine_advertises_the_address_of_its_route_to_the_coordinator(machines):
-    code = ("import sys; from ftjax import net; "
-            "print(net.choose(sys.argv[1], environ={}).address(1), net.host_address())")
+    code = (
+        "import sys; from ftjax import net; print(net.choose(sys.argv[1], environ={}).address(1), net.host_address())"
+    )
     for family in ("ipv4", "ipv6") if machines.no_ipv6 is None else ("ipv4",):
         coordinator = machines.address("a", family)
         for machine in MACHINES:
@@ -496,8 +562,22 @@ def test_two_replicas_on_two_machines_train_and_end_equal(machines, family):
         pytest.skip(f"no IPv6 in the namespaces: {machines.no_ipv6}")
     port = 29400 if family == "ipv4" else 29410
     coordinator = net.format_address(machines.address("a", family), port)
-    coord = machines.start("a", [sys.executable, "-m", "ftjax", "coordinator", "--port", str(port),
-                                 "--http-port", str(port + 1), "--expected-replicas", "2"], f"coordinator-{family}.log")
+    coord = machines.start(
+        "a",
+        [
+            sys.executable,
+            "-m",
+            "ftjax",
+            "coordinator",
+            "--port",
+            str(port),
+            "--http-port",
+            str(port + 1),
+            "--expected-replicas",
+            "2",
+        ],
+        f"coordinator-{family}.log",
+    )
     log = machines.root / "a" / f"coordinator-{family}.log"
     deadline = time.monotonic() + 30
     while "coordinator listening" not in log.read_text():
@@ -506,13 +586,29 @@ def test_two_replicas_on_two_machines_train_and_end_equal(machines, family):
     runs = {}
     for r, machine in enumerate(MACHINES):
         runs[machine] = machines.root / machine / f"run-{family}"
-        machines.start(machine, [sys.executable, "-m", "ftjax", "train", TINY, "ft.replicas=2", "steps=30",
-                                 "--replica-id", str(r), "--coordinator", coordinator, "--out", str(runs[machine])],
-                       f"replica-{r}-{family}.log")
+        machines.start(
+            machine,
+            [
+                sys.executable,
+                "-m",
+                "ftjax",
+                "train",
+                TINY,
+                "ft.replicas=2",
+                "steps=30",
+                "--replica-id",
+                str(r),
+                "--coordinator",
+                coordinator,
+                "--out",
+                str(runs[machine]),
+            ],
+            f"replica-{r}-{family}.log",
+        )
     codes = [p.wait(300) for p in machines.procs[-2:]]
     logs = {m: (machines.root / m / f"replica-{r}-{family}.log").read_text() for r, m in enumerate(MACHINES)}
     assert codes == [0, 0], {m: text[-3000:] for m, text in logs.items()}
-    for r, machine in enumerate(MACHINES):
+    for machine in MACHINES:
         here = machines.address(machine, family)
         assert f"peers reach this process at {here} (chosen by the route to the coordinator" in logs[machine]
         assert "no progress" not in logs[machine]
@@ -523,9 +619,15 @@ def test_two_replicas_on_two_machines_train_and_end_equal(machines, family):
         assert all(s["participants"] == 2 and s["contributors"] == 2 for s in committed)  # trained together
     digests = [json.loads((runs[m] / "summary.json").read_text())["param_digest"] for m in MACHINES]
     assert digests[0] == digests[1], digests
-    status = machines.run("a", [sys.executable, "-c", "import sys, urllib.request; print(urllib.request.urlopen("
-                                "sys.argv[1], timeout=10).read().decode())",
-                                f"http://{net.format_address(machines.address('a'), port + 1)}/status"])
+    status = machines.run(
+        "a",
+        [
+            sys.executable,
+            "-c",
+            "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())",
+            f"http://{net.format_address(machines.address('a'), port + 1)}/status",
+        ],
+    )
     assert status.returncode == 0, status.stderr
     status = json.loads(status.stdout)
     assert status["no_progress"] is None and status["progress"]["step"] == 30, status["progress"]

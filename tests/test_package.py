@@ -10,11 +10,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-from ftjax.cli import version
-from ftjax.config import ConfigError, builtin_configs, load_config, resolve_config_path
-
 from conftest import FTJAX, REPO
+
+from ftjax.cli.main import version
+from ftjax.config import ConfigError, builtin_configs, load_config, resolve_config_path
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +22,20 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     # Built from a copy of the checkout (without its run outputs or an earlier build), so the build
     # leaves no build/ or *.egg-info here. --no-build-isolation: setuptools from this venv, no network.
     src = out / "src"
-    shutil.copytree(REPO, src, symlinks=True, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "runs", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(out), str(src)], capture_output=True, text=True, timeout=240)
+    shutil.copytree(
+        REPO,
+        src,
+        symlinks=True,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "runs", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"
+        ),
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr
     (whl,) = out.glob("ftjax-*.whl")
     with zipfile.ZipFile(whl) as z:
@@ -35,15 +44,21 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 
 def test_wheel_contents(wheel):
     names = wheel.namelist()
-    for needed in ("ftjax/configs/tiny.yaml", "ftjax/configs/gpt_small.yaml", "ftjax/coordinator/coordinator.proto",
-                   "ftjax/cli.py", "ftjax_bench/step.py"):
+    for needed in (
+        "ftjax/configs/tiny.yaml",
+        "ftjax/configs/gpt_small.yaml",
+        "ftjax/coordinator/coordinator.proto",
+        "ftjax/cli/main.py",
+        "ftjax_bench/step.py",
+    ):
         assert needed in names, needed
     (lic,) = [n for n in names if re.fullmatch(r"ftjax-[^/]+\.dist-info/(licenses/)?LICENSE", n)]
     assert "Apache License" in wheel.read(lic).decode() and "Version 2.0" in wheel.read(lic).decode()
     (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
     metadata = wheel.read(meta).decode()
-    assert re.search(r"^License-Expression: Apache-2\.0$", metadata, re.M) or \
-        re.search(r"^License: Apache", metadata, re.M), metadata[:2000]
+    assert re.search(r"^License-Expression: Apache-2\.0$", metadata, re.M) or re.search(
+        r"^License: Apache", metadata, re.M
+    ), metadata[:2000]
     assert not [n for n in names if n.startswith(("runs/", "tests/", "configs/", "build/")) or "/runs/" in n]
 
 

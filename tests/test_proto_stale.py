@@ -6,13 +6,21 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ["scripts/gen_proto.py", "ftjax/coordinator/coordinator.proto", "ftjax/coordinator/coordinator_pb2.py",
-         "ftjax/coordinator/coordinator_pb2_grpc.py"]
+FILES = [
+    "scripts/gen_proto.py",
+    "ftjax/coordinator/coordinator.proto",
+    "ftjax/coordinator/coordinator_pb2.py",
+    "ftjax/coordinator/coordinator_pb2_grpc.py",
+]
 
 
 def _check(root: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(root, "scripts/gen_proto.py"), "--check"],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, os.path.join(root, "scripts/gen_proto.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_committed_stubs_are_current():

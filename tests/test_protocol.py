@@ -7,12 +7,13 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ftjax.coordinator.client import QuorumResult, decode_quorum, encode_quorum
+from ftjax.coordinator.codec import decode_quorum, encode_quorum
 from ftjax.coordinator.quorum import Participant
-from ftjax.catchup import FetchResult
+from ftjax.coordinator.types import QuorumResult
 from ftjax.ftar import PeerFailed
-from ftjax.protocol import HealOrder, StepProtocol, _decode_agreement, _encode_agreement
-from ftjax.replay import ReplayBuffer
+from ftjax.runtime.catchup import FetchResult
+from ftjax.runtime.protocol import HealOrder, StepProtocol, _decode_agreement, _encode_agreement
+from ftjax.runtime.replay import ReplayBuffer
 
 
 def participant(rid, step=0, position=0, healing=False, source=""):
@@ -21,9 +22,18 @@ def participant(rid, step=0, position=0, healing=False, source=""):
 
 def quorum(qid, step, members, me, *, healing=False, source="", position=0):
     rank = [p.replica_id for p in members].index(me)
-    return QuorumResult(quorum_id=qid, step=step, participants=tuple(members), rank=rank, healing=healing,
-                        heal_source=source, heal_source_addresses=(f"{source}-host:2",) if source else (),
-                        num_contributors=sum(not p.healing for p in members), data_position=position, no_state=False)
+    return QuorumResult(
+        quorum_id=qid,
+        step=step,
+        participants=tuple(members),
+        rank=rank,
+        healing=healing,
+        heal_source=source,
+        heal_source_addresses=(f"{source}-host:2",) if source else (),
+        num_contributors=sum(not p.healing for p in members),
+        data_position=position,
+        no_state=False,
+    )
 
 
 class FakeQuorums:
@@ -52,7 +62,8 @@ class FakeQuorums:
 class FakeReducer:
     """Sums what it is given with a peer's fixed contribution; fails the calls it is told to."""
 
-    def __init__(self, fail_steps=(), peer=np.full(4, 2.0, np.float32)):
+    def __init__(self, fail_steps=(), peer=None):
+        peer = np.full(4, 2.0, np.float32) if peer is None else peer
         self.fail_steps, self.peer, self.calls = set(fail_steps), peer, []
 
     def average(self, q, grads):
@@ -125,9 +136,16 @@ class Events:
 
 
 def protocol(tmp_path, quorums, reducer, transport=None):
-    return StepProtocol(replica_id="a", incarnation="a-inc", group=OneHost(), reducer=reducer,
-                        transport=transport or FakeTransport(), quorums=quorums,
-                        buffer=ReplayBuffer(tmp_path / "replay", 8), log=Events())
+    return StepProtocol(
+        replica_id="a",
+        incarnation="a-inc",
+        group=OneHost(),
+        reducer=reducer,
+        transport=transport or FakeTransport(),
+        quorums=quorums,
+        buffer=ReplayBuffer(tmp_path / "replay", 8),
+        log=Events(),
+    )
 
 
 def test_a_failed_average_is_voted_down_reported_and_retried_with_the_same_batch(tmp_path):
@@ -165,9 +183,12 @@ def test_a_newcomer_heals_and_replays_the_updates_it_kept(tmp_path):
     src = participant("b", 5, 5)
     me = participant("a", 0, 2, healing=True, source="b")
     transport = FakeTransport()
-    quorums = FakeQuorums([quorum(3, 5, [me, src], "a", healing=True, source="b", position=2),
-                           quorum(3, 6, [me._replace(step=0), src._replace(step=6)], "a", healing=True,
-                                  source="b", position=2)])
+    quorums = FakeQuorums(
+        [
+            quorum(3, 5, [me, src], "a", healing=True, source="b", position=2),
+            quorum(3, 6, [me._replace(step=0), src._replace(step=6)], "a", healing=True, source="b", position=2),
+        ]
+    )
     p = protocol(tmp_path, quorums, FakeReducer(), transport)
 
     p.ask(0, 0, False)
@@ -198,8 +219,15 @@ def test_a_newcomer_heals_and_replays_the_updates_it_kept(tmp_path):
 
 
 def test_the_quorum_travels_to_the_other_hosts_as_the_coordinators_message():
-    q = quorum(9, 4, [participant("a", 4, 4), participant("b", 0, 1, healing=True, source="a")], "b",
-               healing=True, source="a", position=1)
+    q = quorum(
+        9,
+        4,
+        [participant("a", 4, 4), participant("b", 0, 1, healing=True, source="a")],
+        "b",
+        healing=True,
+        source="a",
+        position=1,
+    )
     assert decode_quorum(encode_quorum(q)) == q
     for order in (HealOrder(), HealOrder(drop=True, fetch_min_step=3), HealOrder(install=True)):
         assert _decode_agreement(_encode_agreement(q, order)) == (q, order)
@@ -226,8 +254,16 @@ class TwoHosts(OneHost):
 def test_a_replica_asked_to_leave_asks_no_quorum_and_every_host_leaves_at_the_boundary(tmp_path):
     a, b = participant("a", 3, 3), participant("b", 3, 3)
     quorums = FakeQuorums([quorum(1, 3, [a, b], "a")])
-    p = StepProtocol(replica_id="a", incarnation="a-inc", group=TwoHosts(), reducer=FakeReducer(),
-                     transport=FakeTransport(), quorums=quorums, buffer=ReplayBuffer(tmp_path / "r", 8), log=Events())
+    p = StepProtocol(
+        replica_id="a",
+        incarnation="a-inc",
+        group=TwoHosts(),
+        reducer=FakeReducer(),
+        transport=FakeTransport(),
+        quorums=quorums,
+        buffer=ReplayBuffer(tmp_path / "r", 8),
+        log=Events(),
+    )
     p.ask(3, 3, True)
     p.leaving = "SIGTERM"  # arrives while a quorum is under way: that step is trained first
     assert p.agree().quorum.quorum_id == 1
@@ -256,5 +292,5 @@ def test_a_failure_report_that_cannot_reach_the_coordinator_is_logged_not_fatal(
     update, error = p.average(q, np.ones(4, np.float32))
     assert update is None and error["peer"] == "b-host:1"
     assert p.vote(q, error) is False and p.commit_failures == 1
-    (kind, fields), = [e for e in p.log.events if e[0] == "report_undelivered"]
+    ((_kind, fields),) = [e for e in p.log.events if e[0] == "report_undelivered"]
     assert fields["replica"] == "b" and "DEADLINE_EXCEEDED" in fields["error"]

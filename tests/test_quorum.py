@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings as hsettings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from ftjax.coordinator.quorum import (
     InvalidField,
@@ -25,14 +27,34 @@ NOW = 100.0
 S = Settings(min_replicas=2, join_timeout_s=1.0, heartbeat_timeout_s=2.0, suspect_window_s=0.3)
 
 
-def report(rid: str, *, inc: str = "1", step: int = 5, pos: int = 0, state: bool = True, failures: int = 0,
-           known: int = 0, fp: str = "fp") -> MemberReport:
-    return MemberReport(rid, inc, step, pos, state, (f"10.0.0.1:{1000 + ord(rid[0])}",), (f"10.0.0.1:{2000 + ord(rid[0])}",),
-                        fp, failures, known)
+def report(
+    rid: str,
+    *,
+    inc: str = "1",
+    step: int = 5,
+    pos: int = 0,
+    state: bool = True,
+    failures: int = 0,
+    known: int = 0,
+    fp: str = "fp",
+) -> MemberReport:
+    return MemberReport(
+        rid,
+        inc,
+        step,
+        pos,
+        state,
+        (f"10.0.0.1:{1000 + ord(rid[0])}",),
+        (f"10.0.0.1:{2000 + ord(rid[0])}",),
+        fp,
+        failures,
+        known,
+    )
 
 
-def member(rid: str, *, seen: float = NOW - 0.05, asked: float | None = NOW - 0.1, suspected: float | None = None,
-           **kw) -> MemberState:
+def member(
+    rid: str, *, seen: float = NOW - 0.05, asked: float | None = NOW - 0.1, suspected: float | None = None, **kw
+) -> MemberState:
     return MemberState(report(rid, **kw), seen, asked, suspected)
 
 
@@ -47,59 +69,166 @@ def prev_quorum(qid: int, *rids: str, inc: str = "1", epoch: int = 0) -> Quorum:
 # name, previous quorum, members, expected participants (None: wait), expected reason (substring),
 # expected quorum id (formed) or wake-up time (waiting)
 FORMATION = [
-    ("below min_replicas", None,
-     table(member("a"), member("b", asked=None)), None, "min_replicas=2", None),
-    ("first quorum: every alive member asked", None,
-     table(member("a"), member("b"), member("c")), "abc", "all_joined", 1),
-    ("straggler inside the join timeout: wait for it", None,
-     table(member("a", asked=NOW - 0.5), member("b", asked=NOW - 0.4), member("c", asked=None)),
-     None, "join timeout", NOW + 0.5),
-    ("straggler after the join timeout: left out", None,
-     table(member("a", asked=NOW - 1.5), member("b", asked=NOW - 0.2), member("c", asked=None)),
-     "ab", "join_timeout", 1),
-    ("split brain: 2 requesters of 5 alive never form", None,
-     table(member("a", asked=NOW - 5), member("b", asked=NOW - 5), member("c", asked=None, seen=NOW - 1.5),
-           member("d", asked=None), member("e", asked=None)),
-     None, "more than half", NOW + 0.5),  # c's heartbeat expires first
-    ("split brain: exactly half is not enough", None,
-     table(member("a", asked=NOW - 5), member("b", asked=NOW - 5), member("c", asked=None), member("d", asked=None)),
-     None, "more than half", NOW - 0.05 + 2.0),
-    ("fast path: the previous quorum is back, a straggler is not waited for", prev_quorum(7, "a", "b", "c"),
-     table(member("a"), member("b"), member("c"), member("d", asked=None)), "abc", "fast_path", 7),
-    ("fast path takes in a new member that asked", prev_quorum(7, "a", "b"),
-     table(member("a"), member("b"), member("d")), "abd", "fast_path", 8),
-    ("a restarted member (new incarnation) is not the fast path", prev_quorum(7, "a", "b", "c"),
-     table(member("a"), member("b"), member("c", inc="2"), member("d", asked=None)), None, "join timeout", NOW + 0.9),
-    ("join during a shrink: c died, d joined", prev_quorum(7, "a", "b", "c"),
-     table(member("a"), member("b"), member("c", asked=None, seen=NOW - 2.5), member("d")), "abd", "all_joined", 8),
-    ("join during a shrink, c not expired yet: wait for its death", prev_quorum(7, "a", "b", "c"),
-     table(member("a", asked=NOW - 0.2), member("b"), member("c", asked=None, seen=NOW - 1.5), member("d")),
-     None, "previous quorum", NOW + 0.5),
+    ("below min_replicas", None, table(member("a"), member("b", asked=None)), None, "min_replicas=2", None),
+    (
+        "first quorum: every alive member asked",
+        None,
+        table(member("a"), member("b"), member("c")),
+        "abc",
+        "all_joined",
+        1,
+    ),
+    (
+        "straggler inside the join timeout: wait for it",
+        None,
+        table(member("a", asked=NOW - 0.5), member("b", asked=NOW - 0.4), member("c", asked=None)),
+        None,
+        "join timeout",
+        NOW + 0.5,
+    ),
+    (
+        "straggler after the join timeout: left out",
+        None,
+        table(member("a", asked=NOW - 1.5), member("b", asked=NOW - 0.2), member("c", asked=None)),
+        "ab",
+        "join_timeout",
+        1,
+    ),
+    (
+        "split brain: 2 requesters of 5 alive never form",
+        None,
+        table(
+            member("a", asked=NOW - 5),
+            member("b", asked=NOW - 5),
+            member("c", asked=None, seen=NOW - 1.5),
+            member("d", asked=None),
+            member("e", asked=None),
+        ),
+        None,
+        "more than half",
+        NOW + 0.5,
+    ),  # c's heartbeat expires first
+    (
+        "split brain: exactly half is not enough",
+        None,
+        table(member("a", asked=NOW - 5), member("b", asked=NOW - 5), member("c", asked=None), member("d", asked=None)),
+        None,
+        "more than half",
+        NOW - 0.05 + 2.0,
+    ),
+    (
+        "fast path: the previous quorum is back, a straggler is not waited for",
+        prev_quorum(7, "a", "b", "c"),
+        table(member("a"), member("b"), member("c"), member("d", asked=None)),
+        "abc",
+        "fast_path",
+        7,
+    ),
+    (
+        "fast path takes in a new member that asked",
+        prev_quorum(7, "a", "b"),
+        table(member("a"), member("b"), member("d")),
+        "abd",
+        "fast_path",
+        8,
+    ),
+    (
+        "a restarted member (new incarnation) is not the fast path",
+        prev_quorum(7, "a", "b", "c"),
+        table(member("a"), member("b"), member("c", inc="2"), member("d", asked=None)),
+        None,
+        "join timeout",
+        NOW + 0.9,
+    ),
+    (
+        "join during a shrink: c died, d joined",
+        prev_quorum(7, "a", "b", "c"),
+        table(member("a"), member("b"), member("c", asked=None, seen=NOW - 2.5), member("d")),
+        "abd",
+        "all_joined",
+        8,
+    ),
+    (
+        "join during a shrink, c not expired yet: wait for its death",
+        prev_quorum(7, "a", "b", "c"),
+        table(member("a", asked=NOW - 0.2), member("b"), member("c", asked=None, seen=NOW - 1.5), member("d")),
+        None,
+        "previous quorum",
+        NOW + 0.5,
+    ),
     # a live member of the previous quorum may be committing its step: never left out while alive
-    ("join during a shrink, join timeout passed: still wait for the previous member's death",
-     prev_quorum(7, "a", "b", "c"),
-     table(member("a", asked=NOW - 1.2), member("b"), member("c", asked=None, seen=NOW - 1.5), member("d")),
-     None, "previous quorum", NOW + 0.5),
-    ("join during a shrink, the previous member dead: the newcomer is in", prev_quorum(7, "a", "b", "c"),
-     table(member("a", asked=NOW - 1.2), member("b"), member("c", asked=None, seen=NOW - 2.1), member("d")),
-     "abd", "all_joined", 8),
-    ("a new member after the join timeout is left out; a previous one is not",
-     prev_quorum(7, "a", "b"),
-     table(member("a", asked=NOW - 1.5), member("b"), member("d", asked=None)), "ab", "fast_path", 7),
-    ("shrink without a newcomer", prev_quorum(7, "a", "b", "c"),
-     table(member("a"), member("b"), member("c", seen=NOW - 2.0)), "ab", "all_joined", 8),
-    ("a silent suspect is dead at once", prev_quorum(7, "a", "b", "c"),
-     table(member("a"), member("b"), member("c", asked=None, seen=NOW - 0.31, suspected=NOW - 0.1)), "ab",
-     "all_joined", 8),
-    ("a suspect heard from recently is still alive", prev_quorum(7, "a", "b", "c"),
-     table(member("a"), member("b"), member("c", asked=None, seen=NOW - 0.1, suspected=NOW - 0.05)), None,
-     "previous quorum", NOW + 0.2),
-    ("a dead requester is not a participant", None,
-     table(member("a"), member("b"), member("c", seen=NOW - 2.01)), "ab", "all_joined", 1),
-    ("commit failures force a new id", prev_quorum(7, "a", "b"),
-     table(member("a"), member("b", failures=1)), "ab", "fast_path", 8),
-    ("ids stay above what members hold (coordinator restart)", None,
-     table(member("a", known=41), member("b", known=40)), "ab", "all_joined", 42),
+    (
+        "join during a shrink, join timeout passed: still wait for the previous member's death",
+        prev_quorum(7, "a", "b", "c"),
+        table(member("a", asked=NOW - 1.2), member("b"), member("c", asked=None, seen=NOW - 1.5), member("d")),
+        None,
+        "previous quorum",
+        NOW + 0.5,
+    ),
+    (
+        "join during a shrink, the previous member dead: the newcomer is in",
+        prev_quorum(7, "a", "b", "c"),
+        table(member("a", asked=NOW - 1.2), member("b"), member("c", asked=None, seen=NOW - 2.1), member("d")),
+        "abd",
+        "all_joined",
+        8,
+    ),
+    (
+        "a new member after the join timeout is left out; a previous one is not",
+        prev_quorum(7, "a", "b"),
+        table(member("a", asked=NOW - 1.5), member("b"), member("d", asked=None)),
+        "ab",
+        "fast_path",
+        7,
+    ),
+    (
+        "shrink without a newcomer",
+        prev_quorum(7, "a", "b", "c"),
+        table(member("a"), member("b"), member("c", seen=NOW - 2.0)),
+        "ab",
+        "all_joined",
+        8,
+    ),
+    (
+        "a silent suspect is dead at once",
+        prev_quorum(7, "a", "b", "c"),
+        table(member("a"), member("b"), member("c", asked=None, seen=NOW - 0.31, suspected=NOW - 0.1)),
+        "ab",
+        "all_joined",
+        8,
+    ),
+    (
+        "a suspect heard from recently is still alive",
+        prev_quorum(7, "a", "b", "c"),
+        table(member("a"), member("b"), member("c", asked=None, seen=NOW - 0.1, suspected=NOW - 0.05)),
+        None,
+        "previous quorum",
+        NOW + 0.2,
+    ),
+    (
+        "a dead requester is not a participant",
+        None,
+        table(member("a"), member("b"), member("c", seen=NOW - 2.01)),
+        "ab",
+        "all_joined",
+        1,
+    ),
+    (
+        "commit failures force a new id",
+        prev_quorum(7, "a", "b"),
+        table(member("a"), member("b", failures=1)),
+        "ab",
+        "fast_path",
+        8,
+    ),
+    (
+        "ids stay above what members hold (coordinator restart)",
+        None,
+        table(member("a", known=41), member("b", known=40)),
+        "ab",
+        "all_joined",
+        42,
+    ),
 ]
 
 
@@ -131,7 +260,9 @@ def test_nothing_forms_before_the_coordinator_has_listened_long_enough():
 
 
 def test_job_start_waits_for_the_expected_replicas_until_the_startup_timeout():
-    s = Settings(min_replicas=1, join_timeout_s=1.0, heartbeat_timeout_s=2.0, expected_replicas=3, startup_timeout_s=2.5)
+    s = Settings(
+        min_replicas=1, join_timeout_s=1.0, heartbeat_timeout_s=2.0, expected_replicas=3, startup_timeout_s=2.5
+    )
     fresh = table(member("a", state=False, asked=NOW - 2), member("b", state=False, asked=NOW - 1.5))
     d = compute_quorum(None, fresh, NOW, s)
     assert d.quorum is None and "2 of 3 expected" in d.reason and d.wake_at == NOW + 0.5
@@ -153,12 +284,28 @@ HEALING = [
     ("one behind heals from the up-to-date", {"a": (5, True), "b": (5, True), "c": (3, True)}, {"c": "a"}, 5, False),
     ("a restarted replica without state heals", {"a": (5, True), "b": (0, False)}, {"b": "a"}, 5, False),
     ("stateless but claiming a high step still heals", {"a": (5, True), "b": (9, False)}, {"b": "a"}, 5, False),
-    ("healers spread over sources round robin",
-     {"a": (7, True), "b": (7, True), "c": (7, True), "d": (7, True), "e": (0, False), "f": (6, True), "g": (2, True)},
-     {"e": "a", "f": "b", "g": "c"}, 7, False),
-    ("more healers than sources wrap around",
-     {"a": (4, True), "b": (1, True), "c": (4, True), "d": (0, False), "e": (3, True), "f": (0, False)},
-     {"b": "a", "d": "c", "e": "a", "f": "c"}, 4, False),
+    (
+        "healers spread over sources round robin",
+        {
+            "a": (7, True),
+            "b": (7, True),
+            "c": (7, True),
+            "d": (7, True),
+            "e": (0, False),
+            "f": (6, True),
+            "g": (2, True),
+        },
+        {"e": "a", "f": "b", "g": "c"},
+        7,
+        False,
+    ),
+    (
+        "more healers than sources wrap around",
+        {"a": (4, True), "b": (1, True), "c": (4, True), "d": (0, False), "e": (3, True), "f": (0, False)},
+        {"b": "a", "d": "c", "e": "a", "f": "c"},
+        4,
+        False,
+    ),
     ("nobody has state: nobody heals, flagged", {"a": (0, False), "b": (3, False)}, {}, 3, True),
 ]
 
@@ -179,24 +326,27 @@ DIVERGENCE = [
     ("a tie keeps the first replica id's digest", {"a": (5, "x"), "b": (5, "y")}, {"b": "a"}, {"b": "x"}),
     ("one without a digest of this step is no vote", {"a": (5, "x"), "b": (5, ""), "c": (5, "x")}, {}, {}),
     ("a digest of an older step is no vote", {"a": (5, "x"), "b": (4, "y"), "c": (5, "x")}, {"b": "a"}, {}),
-    ("two minorities heal, from the majority only",
-     {"a": (5, "x"), "b": (5, "y"), "c": (5, "z"), "d": (5, "y"), "e": (3, "")},
-     {"a": "b", "c": "d", "e": "b"}, {"a": "y", "c": "y"}),
+    (
+        "two minorities heal, from the majority only",
+        {"a": (5, "x"), "b": (5, "y"), "c": (5, "z"), "d": (5, "y"), "e": (3, "")},
+        {"a": "b", "c": "d", "e": "b"},
+        {"a": "y", "c": "y"},
+    ),
 ]
 
 
 @pytest.mark.parametrize("name,replicas,healing,diverged", DIVERGENCE, ids=[c[0] for c in DIVERGENCE])
 def test_a_replica_whose_digest_differs_from_the_majority_heals_from_it(name, replicas, healing, diverged):
-    members = table(*(MemberState(report(r, step=s)._replace(digest=d), NOW - 0.05, NOW - 0.1)
-                      for r, (s, d) in replicas.items()))
+    members = table(
+        *(MemberState(report(r, step=s)._replace(digest=d), NOW - 0.05, NOW - 0.1) for r, (s, d) in replicas.items())
+    )
     q = compute_quorum(None, members, NOW, S).quorum
     assert {p.replica_id: p.heal_source for p in q.participants if p.healing} == healing
     assert dict(q.diverged) == diverged
 
 
 def test_the_diverged_replica_is_told_the_digest_kept_and_its_peers_are_not():
-    from ftjax.coordinator.client import decode_quorum
-    from ftjax.coordinator.codec import QuorumEncoding
+    from ftjax.coordinator.codec import QuorumEncoding, decode_quorum
 
     members = table(*(MemberState(report(r)._replace(digest=d), NOW - 0.05, NOW - 0.1) for r, d in zip("ab", "xy")))
     enc = QuorumEncoding(compute_quorum(None, members, NOW, S).quorum)
@@ -222,8 +372,9 @@ def test_liveness_boundaries():
 
 
 def _quorum_at(step: int, *parts: tuple[str, int, bool]) -> Quorum:
-    return Quorum(1, step, tuple(Participant(r, "1", step, pos, (), "", heal, "x" if heal else "")
-                                 for r, pos, heal in parts))
+    return Quorum(
+        1, step, tuple(Participant(r, "1", step, pos, (), "", heal, "x" if heal else "") for r, pos, heal in parts)
+    )
 
 
 def test_ledger_advances_every_contributor_once_somebody_committed():
@@ -276,7 +427,7 @@ BAD_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize("field,change", BAD_FIELDS, ids=[f"{f}:{list(c)[0]}" for f, c in BAD_FIELDS])
+@pytest.mark.parametrize("field,change", BAD_FIELDS, ids=[f"{f}:{next(iter(c))}" for f, c in BAD_FIELDS])
 def test_validation_names_the_bad_field(field, change):
     with pytest.raises(InvalidField) as e:
         report("a")._replace(**change).validate()
@@ -284,8 +435,9 @@ def test_validation_names_the_bad_field(field, change):
 
 
 def test_valid_report_and_ipv6_address_pass():
-    report("a")._replace(ftar_addresses=("[::1]:5000", "host-2.example:6000"),
-                         catchup_addresses=("[::1]:5001", "host-2.example:6001")).validate()
+    report("a")._replace(
+        ftar_addresses=("[::1]:5000", "host-2.example:6000"), catchup_addresses=("[::1]:5001", "host-2.example:6001")
+    ).validate()
 
 
 def test_each_host_serves_the_same_number_of_lanes():
@@ -305,6 +457,7 @@ def test_settings_are_checked():
 
 
 # -- the state around the rules (explicit clock) ------------------------------------------------------
+
 
 def new_state(**kw) -> CoordinatorState:
     return CoordinatorState(dataclasses.replace(S, **kw), 0.0, startup_grace=0.0)
@@ -402,9 +555,16 @@ def test_restart_grace_waits_one_heartbeat_timeout_by_default():
 
 # -- the O(1) pre-check never hides a quorum that the pure function would form ------------------------
 
-EVENTS = st.lists(st.tuples(st.sampled_from(["request"] * 5 + ["heartbeat"] * 3 + ["withdraw", "disconnect", "accuse", "tick"]),
-                            st.sampled_from("abcde"), st.sampled_from(["1", "1", "2"]),
-                            st.floats(min_value=0.0, max_value=0.8)), min_size=1, max_size=40)
+EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["request"] * 5 + ["heartbeat"] * 3 + ["withdraw", "disconnect", "accuse", "tick"]),
+        st.sampled_from("abcde"),
+        st.sampled_from(["1", "1", "2"]),
+        st.floats(min_value=0.0, max_value=0.8),
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
 @hsettings(max_examples=200, deadline=None)
@@ -427,8 +587,14 @@ def test_may_form_is_never_false_when_a_quorum_would_form(events, min_replicas):
                 state.accuse(rid, inc, now)
         except Rejected:
             pass
-        would = compute_quorum(state.prev, dict(state.members), now, state.settings,
-                               failure_epoch=state.failure_epoch, not_before=state.not_before)
+        would = compute_quorum(
+            state.prev,
+            dict(state.members),
+            now,
+            state.settings,
+            failure_epoch=state.failure_epoch,
+            not_before=state.not_before,
+        )
         if would.quorum is not None:
             assert state.may_form(now), (kind, rid, would.reason)
             formed = state.evaluate(now).quorum
@@ -437,13 +603,16 @@ def test_may_form_is_never_false_when_a_quorum_would_form(events, min_replicas):
         assert wake is None or wake > now
 
 
-@pytest.mark.parametrize("address, expected", [
-    ("127.0.0.1:80", ("127.0.0.1", 80)),
-    ("node-3.cluster:29400", ("node-3.cluster", 29400)),
-    ("[::1]:8080", ("::1", 8080)),  # brackets removed: socket calls take the bare host
-    ("::1:8080", ("::1", 8080)),  # the port is after the last colon
-    *[(bad, None) for bad in ("h", "h:", ":80", "[]:80", "h:0", "h:65536", "h:+80", "h:8 ", "h:\u0663")],
-])
+@pytest.mark.parametrize(
+    "address, expected",
+    [
+        ("127.0.0.1:80", ("127.0.0.1", 80)),
+        ("node-3.cluster:29400", ("node-3.cluster", 29400)),
+        ("[::1]:8080", ("::1", 8080)),  # brackets removed: socket calls take the bare host
+        ("::1:8080", ("::1", 8080)),  # the port is after the last colon
+        *[(bad, None) for bad in ("h", "h:", ":80", "[]:80", "h:0", "h:65536", "h:+80", "h:8 ", "h:\u0663")],
+    ],
+)
 def test_split_address(address, expected):
     if expected is None:
         with pytest.raises(ValueError, match="is not host:port"):

@@ -6,11 +6,10 @@ import time
 from collections import Counter
 
 import pytest
-
-from ftjax.launch import LocalJob
-
 from conftest import REPO
 from ftjob import records
+
+from ftjax.launch import LocalJob
 
 TINY = f"{REPO}/configs/tiny.yaml"
 BASE = ["data.batch_size=32", "coordinator.min_replicas=1", "coordinator.heartbeat_timeout_s=1"]
@@ -22,7 +21,7 @@ def trained_batches(run_dir) -> tuple[Counter, set[int]]:
     behind). A new incarnation names in the latter whatever it did not train itself."""
     own: Counter = Counter()
     by_peers: set[int] = set()
-    for rec in sum(records(run_dir), []):
+    for rec in (rec for replica in records(run_dir) for rec in replica):
         if rec.get("event") == "batches_committed_by_peers":
             by_peers.update(rec["batch_ids"])
         elif "event" not in rec and rec.get("committed") and rec.get("batch_id") is not None:
@@ -134,7 +133,8 @@ def _assert_healthy_within(job, healthy, bound_s):
     for r in healthy:
         steps, events = records(job.replica_dir(r))
         assert [e["event"] for e in events].count("start") == 1 and not [
-            e for e in events if e["event"] == "progress_timeout"], events
+            e for e in events if e["event"] == "progress_timeout"
+        ], events
         times = [s["time"] for s in steps if s["committed"]]
         gap = max(b - a for a, b in zip(times, times[1:]))
         assert gap <= bound_s, f"replica {r}: largest gap {gap:.2f} s"
@@ -144,9 +144,10 @@ def _assert_healthy_within(job, healthy, bound_s):
 def _wait_for_step(job, r, step, timeout=300.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (job.replica_dir(r) / "metrics.jsonl").exists():
-            if any(s["step"] >= step for s in records(job.replica_dir(r))[0]):
-                return
+        if (job.replica_dir(r) / "metrics.jsonl").exists() and any(
+            s["step"] >= step for s in records(job.replica_dir(r))[0]
+        ):
+            return
         time.sleep(0.05)
     raise TimeoutError(f"replica {r} did not reach step {step}:\n{job.log_tail(r)}")
 

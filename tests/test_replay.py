@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ftjax.replay import ReplayBuffer, SpillError
+from ftjax.runtime.replay import ReplayBuffer, SpillError
 
 
 def _update(step: int, n: int = 1000) -> np.ndarray:

@@ -16,16 +16,17 @@ from contextlib import ExitStack
 import grpc
 import numpy as np
 import pytest
-
 from conftest import FTJAX
+
+from ftjax.base.net import split_address
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
 from ftjax.coordinator.http import Metrics, StatusHTTPServer
-from ftjax.coordinator.quorum import Settings, split_address
+from ftjax.coordinator.quorum import Settings
 from ftjax.coordinator.server import _collect_old_generation
 from ftjax.coordinator.state import CoordinatorState
-from ftjax.catchup import HostShards, Piece, SnapshotFetch, SnapshotServer, _Snapshot
+from ftjax.runtime.catchup import HostShards, Piece, SnapshotFetch, SnapshotServer, _Snapshot
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "bounds-token"
@@ -44,8 +45,9 @@ def start_coordinator(procs, tmp_path):
     """`ftjax coordinator` as its own process: its collector settings are the ones under test."""
     token_file, ready = tmp_path / "token", tmp_path / "ready.json"
     token_file.write_text(TOKEN)
-    proc = procs.start([*FTJAX, "coordinator", "--http-port", "-1", "--token-file", str(token_file),
-                        "--ready-file", str(ready)])
+    proc = procs.start(
+        [*FTJAX, "coordinator", "--http-port", "-1", "--token-file", str(token_file), "--ready-file", str(ready)]
+    )
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert proc.poll() is None, f"the coordinator exited with {proc.returncode}"
@@ -92,8 +94,9 @@ def test_backstop_collects_once_the_old_generation_grew():
     # at the start is frozen out of it; the collector is off: only the backstop collects, and only
     # collections promote.)
     stop = threading.Event()
-    backstop = threading.Thread(target=_collect_old_generation, args=(stop,),
-                                kwargs=dict(check_s=0.02, growth=5_000, every_s=1e9), daemon=True)
+    backstop = threading.Thread(
+        target=_collect_old_generation, args=(stop,), kwargs=dict(check_s=0.02, growth=5_000, every_s=1e9), daemon=True
+    )
     full = []
     batches = []
 
@@ -195,8 +198,10 @@ class Catchup:
 
     def offer(self, leaves: dict[str, np.ndarray], step: int = 7) -> None:
         """What `offer` holds once the state is in host memory (without JAX)."""
-        shards = HostShards({k: (v.shape, v.dtype.name) for k, v in leaves.items()},
-                            [Piece(k, tuple((0, n) for n in v.shape), v) for k, v in leaves.items()])
+        shards = HostShards(
+            {k: (v.shape, v.dtype.name) for k, v in leaves.items()},
+            [Piece(k, tuple((0, n) for n in v.shape), v) for k, v in leaves.items()],
+        )
         self.server.publish(_Snapshot("peer", step, {"k": 1}, shards))
 
     def fetch(self, timeout: float = 30.0):

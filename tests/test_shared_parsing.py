@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ftjax.env import read_token
-from ftjax.faults import parse_die_at, parse_step_phase
-from ftjax.jsonl import parse_jsonl, read_jsonl
+from ftjax.base.env import read_token
+from ftjax.runs.jsonl import parse_jsonl, read_jsonl
+from ftjax.runtime.faults import parse_die_at, parse_step_phase
 
 
 def test_parse_step_phase():

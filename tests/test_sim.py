@@ -41,15 +41,22 @@ def hosts_hit(cfg: SimConfig, seed_index: int = 0):
 
 
 # ft-stall recovery with a linear curve: the reduced-degree model the closed forms cover.
-LINEAR_REDUCED = dict(reduced_recovery="ft-stall", reduced_curve=((0.0, 0.0), (1.0, 1.0)), min_degree=0.0,
-                      packing=False)
+LINEAR_REDUCED = dict(
+    reduced_recovery="ft-stall", reduced_curve=((0.0, 0.0), (1.0, 1.0)), min_degree=0.0, packing=False
+)
 
 
 @pytest.mark.parametrize("policy", ["queue", "restart", "absorb"])
 @pytest.mark.parametrize("interval,cost", [(0.0, 0.0), (0.3, 0.05)])
 def test_sync_matches_renewal_reward(policy, interval, cost):
-    cfg = config(gpus=96, sync_stall_min=0.3, restart_policy=policy, checkpoint_interval_min=interval,
-                 checkpoint_cost_min=cost, steps=15_000)
+    cfg = config(
+        gpus=96,
+        sync_stall_min=0.3,
+        restart_policy=policy,
+        checkpoint_interval_min=interval,
+        checkpoint_cost_min=cost,
+        steps=15_000,
+    )
     assert ettr(cfg, "sync") == pytest.approx(cf.sync_ettr(1.0, 0.3, policy, interval, cost), rel=REL)
 
 
@@ -69,13 +76,15 @@ def test_sync_queue_reproduces_the_paper_arithmetic():
     assert ettr(cfg, "sync") == pytest.approx((18 - 10) / 18, rel=REL)
 
 
-@pytest.mark.parametrize("strategy,shape", [
-    ("ft-hsdp", dict(gpus=32, replicas=4)),          # 4 replicas of 1 host
-    ("reduced-degree", dict(gpus=64, replicas=4)),   # 8 hosts
-])
+@pytest.mark.parametrize(
+    "strategy,shape",
+    [
+        ("ft-hsdp", dict(gpus=32, replicas=4)),  # 4 replicas of 1 host
+        ("reduced-degree", dict(gpus=64, replicas=4)),  # 8 hosts
+    ],
+)
 def test_units_out_match_closed_form(strategy, shape):
-    cfg = config(**shape, ft_stall_min=0.2, replica_restart_min=1.5, overlap="restart", steps=12_000,
-                 **LINEAR_REDUCED)
+    cfg = config(**shape, ft_stall_min=0.2, replica_restart_min=1.5, overlap="restart", steps=12_000, **LINEAR_REDUCED)
     units = cfg.replicas if strategy == "ft-hsdp" else cfg.hosts
     expected = cf.units_out_ettr_restart(1.0, 0.2, 1.5, units)
     # The reduced throughput while units are out is a sizeable part of the loss here.
@@ -92,8 +101,16 @@ def test_ft_hsdp_stall_fraction_matches_closed_form(overlap):
 
 def test_weibull_with_shape_one_is_exponential():
     # Exercises the per-host renewal sampler: Weibull(k=1) lifetimes are exponential.
-    cfg = config(gpus=32, replicas=4, ft_stall_min=0.2, replica_restart_min=1.5, overlap="restart",
-                 failure_dist="weibull", weibull_shape=1.0, steps=12_000)
+    cfg = config(
+        gpus=32,
+        replicas=4,
+        ft_stall_min=0.2,
+        replica_restart_min=1.5,
+        overlap="restart",
+        failure_dist="weibull",
+        weibull_shape=1.0,
+        steps=12_000,
+    )
     expected = cf.units_out_ettr_restart(1.0, 0.2, 1.5, 4)
     assert ettr(cfg, "ft-hsdp") == pytest.approx(expected, rel=REL)
 
@@ -130,8 +147,16 @@ def test_weibull_shape_below_one_clusters_failures_per_host():
 @pytest.mark.parametrize("groups,r,steps", [(64, 2, 10_000), (12, 3, 5_000)])
 @pytest.mark.parametrize("strategy", ["replication", "spare"])
 def test_shards_masked_failures_match_exact_mean(groups, r, steps, strategy):
-    cfg = config(gpus=groups, gpus_per_host=1, replicas=groups, redundancy=r, sync_stall_min=0.0,
-                 ft_stall_min=0.0, replica_restart_min=math.inf, steps=steps)
+    cfg = config(
+        gpus=groups,
+        gpus_per_host=1,
+        replicas=groups,
+        redundancy=r,
+        sync_stall_min=0.0,
+        ft_stall_min=0.0,
+        replica_restart_min=math.inf,
+        steps=steps,
+    )
     counts = simulate(cfg, [strategy])[strategy].counts
     assert counts["fatal"] > 1000  # per seed
     assert counts["masked"] / counts["fatal"] == pytest.approx(cf.masked_failures_exact(groups, r), rel=REL)
@@ -149,8 +174,17 @@ def test_spare_formula_is_the_large_n_limit_of_the_exact_mean():
 
 
 def test_breakdown_accounts_for_all_gpu_time():
-    cfg = config(gpus=64, replicas=4, sync_stall_min=0.5, ft_stall_min=0.2, replica_restart_min=1.0,
-                 rejoin_stall_min=0.1, checkpoint_interval_min=0.5, checkpoint_cost_min=0.05, steps=2_000)
+    cfg = config(
+        gpus=64,
+        replicas=4,
+        sync_stall_min=0.5,
+        ft_stall_min=0.2,
+        replica_restart_min=1.0,
+        rejoin_stall_min=0.1,
+        checkpoint_interval_min=0.5,
+        checkpoint_cost_min=0.05,
+        steps=2_000,
+    )
     for name in STRATEGIES:
         outcome = one_run(cfg, name)
         assert outcome.finished

@@ -13,7 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from ftjax.sim import checkpoints, closed_form as cf, reduced
+from ftjax.sim import checkpoints, reduced
+from ftjax.sim import closed_form as cf
 from ftjax.sim.config import INIT_EXPONENT, SimConfig
 from ftjax.sim.failures import Failure, TraceError, events, read_trace, write_trace
 from ftjax.sim.model import run
@@ -35,8 +36,13 @@ def exact(tmp_path, rows: list[tuple], strategy: str, **overrides):
     ((time_min, first_gpu[, gpus[, hardware]]) ...)."""
     trace = tmp_path / "trace.csv"
     cfg = config(steps=100, failure_trace=str(trace), seeds=1, **overrides)
-    write_trace(trace, [Failure(r[0], r[1], r[2] if len(r) > 2 else cfg.blast_gpus, bool(r[3]) if len(r) > 3 else False)
-                        for r in rows])
+    write_trace(
+        trace,
+        [
+            Failure(r[0], r[1], r[2] if len(r) > 2 else cfg.blast_gpus, bool(r[3]) if len(r) > 3 else False)
+            for r in rows
+        ],
+    )
     return run(STRATEGIES[strategy](cfg), events(cfg, 0), cfg.work_min, cfg.max_slowdown)
 
 
@@ -45,24 +51,27 @@ SYNC = dict(sync_stall_min=10.0, checkpoint_interval_min=30.0, checkpoint_cost_m
 FT = dict(gpus=32, replicas=4, ft_stall_min=2.0, replica_restart_min=8.0)
 
 
-@pytest.mark.parametrize("rows,strategy,knobs,wall", [
-    ([], "sync", SYNC, 100),                                     # no failure
-    ([], "replication", dict(redundancy=2), 200),                # every shard twice
-    ([], "spare", dict(redundancy=2), 100),                      # early all-reduce: no copy with no group out
-    ([(50, 0)], "sync", SYNC, 130),                              # 20 min since the checkpoint at 30, 10 restart
-    ([(50, 0)], "sync", dict(SYNC, checkpoint_interval_min=0.0), 110),  # lost work inside the 10
-    ([(50, 0), (51, 0)], "sync", dict(SYNC, restart_policy="queue"), 140),    # a second restart after
-    ([(50, 0), (51, 0)], "sync", dict(SYNC, restart_policy="absorb"), 130),   # the restart absorbs it
-    ([(50, 0), (51, 0)], "sync", dict(SYNC, restart_policy="restart"), 131),  # starts over at 51
-    ([(50, 0, 8, 1)], "sync", dict(SYNC, hardware_share=1.0, spare_hosts=0.0, repair_min=30.0), 160),  # repair
-    ([(50, 0, 8, 1)], "sync", dict(SYNC, hardware_share=1.0, spare_hosts=1.0, repair_min=30.0), 130),  # spare
-    ([(50, 0)], "ft-hsdp", FT, 104),                             # 2 stall + 8 min at 3/4
-    ([(50, 0)], "ft-hsdp", dict(FT, train_for="steps"), 102),    # steps do not wait for the missing replica
-    ([(50, 0)], "ft-hsdp", dict(FT, init_min=3.0, init_exponent=1.0), 104.1875),  # + 3 x 1/4 min of init
-    ([(50, 0)], "ft-hsdp", dict(FT, rejoin_stall_min=1.0), 105),
-    ([(50, 0), (55, 0)], "ft-hsdp", FT, 105.25),                 # out again: 15 min out, one stall
-    ([(50, 0, 16)], "ft-hsdp", FT, 106),                         # a 2-replica blast: 2 x 8 min at 1/4
-])
+@pytest.mark.parametrize(
+    "rows,strategy,knobs,wall",
+    [
+        ([], "sync", SYNC, 100),  # no failure
+        ([], "replication", dict(redundancy=2), 200),  # every shard twice
+        ([], "spare", dict(redundancy=2), 100),  # early all-reduce: no copy with no group out
+        ([(50, 0)], "sync", SYNC, 130),  # 20 min since the checkpoint at 30, 10 restart
+        ([(50, 0)], "sync", dict(SYNC, checkpoint_interval_min=0.0), 110),  # lost work inside the 10
+        ([(50, 0), (51, 0)], "sync", dict(SYNC, restart_policy="queue"), 140),  # a second restart after
+        ([(50, 0), (51, 0)], "sync", dict(SYNC, restart_policy="absorb"), 130),  # the restart absorbs it
+        ([(50, 0), (51, 0)], "sync", dict(SYNC, restart_policy="restart"), 131),  # starts over at 51
+        ([(50, 0, 8, 1)], "sync", dict(SYNC, hardware_share=1.0, spare_hosts=0.0, repair_min=30.0), 160),  # repair
+        ([(50, 0, 8, 1)], "sync", dict(SYNC, hardware_share=1.0, spare_hosts=1.0, repair_min=30.0), 130),  # spare
+        ([(50, 0)], "ft-hsdp", FT, 104),  # 2 stall + 8 min at 3/4
+        ([(50, 0)], "ft-hsdp", dict(FT, train_for="steps"), 102),  # steps do not wait for the missing replica
+        ([(50, 0)], "ft-hsdp", dict(FT, init_min=3.0, init_exponent=1.0), 104.1875),  # + 3 x 1/4 min of init
+        ([(50, 0)], "ft-hsdp", dict(FT, rejoin_stall_min=1.0), 105),
+        ([(50, 0), (55, 0)], "ft-hsdp", FT, 105.25),  # out again: 15 min out, one stall
+        ([(50, 0, 16)], "ft-hsdp", FT, 106),  # a 2-replica blast: 2 x 8 min at 1/4
+    ],
+)
 def test_traces_give_exact_times_to_train(tmp_path, rows, strategy, knobs, wall):
     out = exact(tmp_path, rows, strategy, **knobs)
     assert out.finished
@@ -70,30 +79,50 @@ def test_traces_give_exact_times_to_train(tmp_path, rows, strategy, knobs, wall)
     assert out.minutes["productive"] == pytest.approx(100 if knobs.get("train_for") != "steps" else 98)
 
 
-@pytest.mark.parametrize("policy,rows,wall,counts", [
-    # 12 groups, r = 2, a group out 20 min after its failure: groups 0 and 1 out together is fatal
-    # (restart 2 -> 12, every group back); by then 1.5 min of work is done (1/2 while group 0 was out).
-    ("absorb", [(1, 0), (2, 8), (5, 40)], 110.5, {"absorbed by a restart": 1, "masked": 1, "fatal": 1}),
-    ("queue", [(1, 0), (2, 8), (5, 40)], 120.5, {"queued behind a restart": 1, "masked": 2}),  # group 5 out 12-32
-    ("restart", [(1, 0), (2, 8), (5, 40)], 117, {"during a restart": 1, "masked": 2}),         # group 5 out 5-25
-    ("restart", [(1, 0), (2, 8), (5, 40), (6, 48)], 114.5,                                     # 5 and 6: over again
-     {"during a restart": 2, "restarts started over": 1, "fatal": 2}),
-    ("queue", [(1, 0), (2, 8), (5, 40), (6, 48)], 120.5, {"queued behind a restart": 2, "fatal": 2}),  # 12-22
-])
+@pytest.mark.parametrize(
+    "policy,rows,wall,counts",
+    [
+        # 12 groups, r = 2, a group out 20 min after its failure: groups 0 and 1 out together is fatal
+        # (restart 2 -> 12, every group back); by then 1.5 min of work is done (1/2 while group 0 was out).
+        ("absorb", [(1, 0), (2, 8), (5, 40)], 110.5, {"absorbed by a restart": 1, "masked": 1, "fatal": 1}),
+        ("queue", [(1, 0), (2, 8), (5, 40)], 120.5, {"queued behind a restart": 1, "masked": 2}),  # group 5 out 12-32
+        ("restart", [(1, 0), (2, 8), (5, 40)], 117, {"during a restart": 1, "masked": 2}),  # group 5 out 5-25
+        (
+            "restart",
+            [(1, 0), (2, 8), (5, 40), (6, 48)],
+            114.5,  # 5 and 6: over again
+            {"during a restart": 2, "restarts started over": 1, "fatal": 2},
+        ),
+        ("queue", [(1, 0), (2, 8), (5, 40), (6, 48)], 120.5, {"queued behind a restart": 2, "fatal": 2}),  # 12-22
+    ],
+)
 def test_failures_during_a_shard_restart_follow_the_policy(tmp_path, policy, rows, wall, counts):
-    out = exact(tmp_path, rows, "spare", gpus=96, replicas=12, redundancy=2, ft_stall_min=0.0,
-                replica_restart_min=20.0, sync_stall_min=10.0, restart_policy=policy)
+    out = exact(
+        tmp_path,
+        rows,
+        "spare",
+        gpus=96,
+        replicas=12,
+        redundancy=2,
+        ft_stall_min=0.0,
+        replica_restart_min=20.0,
+        sync_stall_min=10.0,
+        restart_policy=policy,
+    )
     assert out.wall_min == pytest.approx(wall)
     for key, n in counts.items():
         assert out.counts.get(key, 0) == n, out.counts
 
 
-@pytest.mark.parametrize("failed,spare,replication", [
-    ([], 1.0, 1 / 3),
-    ([0], 1 / 2, 1 / 3),                           # ceil(12 / 11) = 2
-    ([0, 2, 4, 6, 8, 10], 1 / 2, 1 / 3),           # ceil(12 / 6) = 2
-    ([0, 1, 3, 4, 6, 7, 9], 1 / 3, 1 / 3),         # ceil(12 / 5) = 3
-])
+@pytest.mark.parametrize(
+    "failed,spare,replication",
+    [
+        ([], 1.0, 1 / 3),
+        ([0], 1 / 2, 1 / 3),  # ceil(12 / 11) = 2
+        ([0, 2, 4, 6, 8, 10], 1 / 2, 1 / 3),  # ceil(12 / 6) = 2
+        ([0, 1, 3, 4, 6, 7, 9], 1 / 3, 1 / 3),  # ceil(12 / 5) = 3
+    ],
+)
 def test_spare_trains_at_one_over_ceil_n_over_live(tmp_path, failed, spare, replication):
     knobs = dict(gpus=96, replicas=12, redundancy=3, ft_stall_min=0.0, replica_restart_min=INF)
     rows = [(0.0, 8 * g) for g in failed]
@@ -104,15 +133,18 @@ def test_spare_trains_at_one_over_ceil_n_over_live(tmp_path, failed, spare, repl
     assert cf.spare_useful(12, len(failed)) == pytest.approx(spare)
 
 
-@pytest.mark.parametrize("text,error", [
-    ("time\n1\n", "time_min"),
-    ("time_min,where\n1,2\n", "where"),
-    ("time_min\n1\nabc\n", ":3: time_min: not a number"),
-    ("time_min\n5\n4\n", ":3: time_min: 4 is before"),
-    ("time_min,gpus\n1,100000\n", ":2: gpus"),
-    ("time_min,hardware\n1,2\n", ":2: hardware"),
-    ("", "no header row"),
-])
+@pytest.mark.parametrize(
+    "text,error",
+    [
+        ("time\n1\n", "time_min"),
+        ("time_min,where\n1,2\n", "where"),
+        ("time_min\n1\nabc\n", ":3: time_min: not a number"),
+        ("time_min\n5\n4\n", ":3: time_min: 4 is before"),
+        ("time_min,gpus\n1,100000\n", ":2: gpus"),
+        ("time_min,hardware\n1,2\n", ":2: hardware"),
+        ("", "no header row"),
+    ],
+)
 def test_bad_traces_are_refused_naming_line_and_column(tmp_path, text, error):
     path = tmp_path / "t.csv"
     path.write_text(text)
@@ -123,29 +155,48 @@ def test_bad_traces_are_refused_naming_line_and_column(tmp_path, text, error):
 
 
 # --- restart policies, repairs and spares against renewal-reward --------------------------------------
-@pytest.mark.parametrize("policy,hardware,spares,repair,expected", [
-    ("absorb", 0.0, INF, 0.0, cf.sync_ettr(1.0, 0.3, "absorb")),
-    ("absorb", 1.0, 0.0, 0.5, cf.sync_ettr(1.0, 0.3, "absorb", repair=0.5)),   # every restart waits
-    ("absorb", 1.0, INF, 0.5, cf.sync_ettr(1.0, 0.3, "absorb")),               # always a spare
-    ("queue", 1.0, INF, 0.5, cf.sync_ettr(1.0, 0.3, "queue")),
-    ("restart", 0.0, INF, 0.0, cf.sync_ettr(1.0, 0.3, "restart")),
-])
+@pytest.mark.parametrize(
+    "policy,hardware,spares,repair,expected",
+    [
+        ("absorb", 0.0, INF, 0.0, cf.sync_ettr(1.0, 0.3, "absorb")),
+        ("absorb", 1.0, 0.0, 0.5, cf.sync_ettr(1.0, 0.3, "absorb", repair=0.5)),  # every restart waits
+        ("absorb", 1.0, INF, 0.5, cf.sync_ettr(1.0, 0.3, "absorb")),  # always a spare
+        ("queue", 1.0, INF, 0.5, cf.sync_ettr(1.0, 0.3, "queue")),
+        ("restart", 0.0, INF, 0.0, cf.sync_ettr(1.0, 0.3, "restart")),
+    ],
+)
 def test_sync_restart_policy_repair_and_spares(policy, hardware, spares, repair, expected):
-    cfg = config(gpus=96, sync_stall_min=0.3, restart_policy=policy, hardware_share=hardware, spare_hosts=spares,
-                 repair_min=repair, steps=8_000)
+    cfg = config(
+        gpus=96,
+        sync_stall_min=0.3,
+        restart_policy=policy,
+        hardware_share=hardware,
+        spare_hosts=spares,
+        repair_min=repair,
+        steps=8_000,
+    )
     assert simulate(cfg, ["sync"])["sync"].ettr == pytest.approx(expected, rel=REL)
 
 
 def test_a_small_spare_pool_sits_between_none_and_always():
-    base = dict(gpus=96, sync_stall_min=0.3, restart_policy="absorb", hardware_share=1.0, repair_min=5.0,
-                steps=3_000)
+    base = dict(gpus=96, sync_stall_min=0.3, restart_policy="absorb", hardware_share=1.0, repair_min=5.0, steps=3_000)
     ettrs = [simulate(config(spare_hosts=s, **base), ["sync"])["sync"].ettr for s in (0.0, 2.0, INF)]
     assert ettrs[0] < ettrs[1] < ettrs[2]
     # ft-hsdp: without a spare the replica is out for the repair instead of the restart
-    ft = dict(gpus=32, replicas=4, ft_stall_min=0.2, replica_restart_min=1.5, overlap="restart", hardware_share=1.0,
-              repair_min=3.0, spare_hosts=0.0, steps=6_000)
+    ft = dict(
+        gpus=32,
+        replicas=4,
+        ft_stall_min=0.2,
+        replica_restart_min=1.5,
+        overlap="restart",
+        hardware_share=1.0,
+        repair_min=3.0,
+        spare_hosts=0.0,
+        steps=6_000,
+    )
     assert simulate(config(**ft), ["ft-hsdp"])["ft-hsdp"].ettr == pytest.approx(
-        cf.units_out_ettr_restart(1.0, 0.2, 3.0 - 0.2 + 1.5, 4), rel=REL)
+        cf.units_out_ettr_restart(1.0, 0.2, 3.0 - 0.2 + 1.5, 4), rel=REL
+    )
 
 
 @pytest.mark.parametrize("policy", ["absorb", "queue", "restart"])
@@ -162,7 +213,7 @@ def test_spare_600k_finishes_for_every_seed_under_every_restart_policy(policy):
 
 
 # --- restart time at scale -----------------------------------------------------------------------------
-@pytest.mark.parametrize("gpus,init_s", [(16_384, 17.0), (98_304, 200.0), (32_768, 17.0 * 2 ** INIT_EXPONENT)])
+@pytest.mark.parametrize("gpus,init_s", [(16_384, 17.0), (98_304, 200.0), (32_768, 17.0 * 2**INIT_EXPONENT)])
 def test_init_time_grows_with_the_gpu_count(gpus, init_s):
     cfg = config(gpus=16_384, replicas=8, init_min=17 / 60, sync_stall_min=1.0)
     at = cfg.at_gpus(gpus)
@@ -170,7 +221,8 @@ def test_init_time_grows_with_the_gpu_count(gpus, init_s):
     assert at.job_restart_min() == pytest.approx(1.0 + init_s / 60, rel=0.01)
     # a replica restarts with init at its own size
     assert at.unit_restart_min(at.gpus_per_replica) == pytest.approx(
-        at.replica_restart_min + at.init_min * (1 / at.replicas) ** INIT_EXPONENT)
+        at.replica_restart_min + at.init_min * (1 / at.replicas) ** INIT_EXPONENT
+    )
 
 
 def test_sync_restart_includes_init():
@@ -192,8 +244,14 @@ def test_checkpoint_rules_against_a_brute_force_scan(cost, mtbf):
 
 @pytest.mark.parametrize("rule", ["young", "daly", "optimal"])
 def test_the_chosen_interval_is_used_and_simulates_to_its_closed_form(rule):
-    cfg = config(gpus=96, sync_stall_min=0.3, checkpoint_interval_min=rule, checkpoint_cost_min=0.05,
-                 restart_policy="absorb", steps=3_000)
+    cfg = config(
+        gpus=96,
+        sync_stall_min=0.3,
+        checkpoint_interval_min=rule,
+        checkpoint_cost_min=0.05,
+        restart_policy="absorb",
+        steps=3_000,
+    )
     res = simulate(cfg, ["sync"])["sync"]
     tau = getattr(checkpoints, rule)(0.05, 1.0)
     assert res.checkpoint_interval_min == pytest.approx(tau)
@@ -210,12 +268,15 @@ def _dispersion(cfg: SimConfig, window: float, windows: int = 4_000) -> tuple[fl
     return len(times) / (window * windows), counts.var() / counts.mean()
 
 
-@pytest.mark.parametrize("level,shape,gpus,bursty", [
-    ("job", 1.0, 96, False),
-    ("job", 0.5, 96, True),        # job-level Weibull k < 1: failures come in bursts
-    ("domain", 0.5, 96, True),     # 12 hosts of short lives: bursts per host show
-    ("domain", 0.5, 98_304, False),  # 12,288 hosts: the superposition is Poisson, the shape has no effect
-])
+@pytest.mark.parametrize(
+    "level,shape,gpus,bursty",
+    [
+        ("job", 1.0, 96, False),
+        ("job", 0.5, 96, True),  # job-level Weibull k < 1: failures come in bursts
+        ("domain", 0.5, 96, True),  # 12 hosts of short lives: bursts per host show
+        ("domain", 0.5, 98_304, False),  # 12,288 hosts: the superposition is Poisson, the shape has no effect
+    ],
+)
 def test_job_level_weibull_keeps_the_mtbf_and_shows_its_shape(level, shape, gpus, bursty):
     cfg = config(gpus=gpus, failure_level=level, failure_dist="weibull", weibull_shape=shape)
     rate, dispersion = _dispersion(cfg, window=5.0)
@@ -223,14 +284,33 @@ def test_job_level_weibull_keeps_the_mtbf_and_shows_its_shape(level, shape, gpus
     assert (dispersion > 1.3) == bursty, dispersion
 
 
-@pytest.mark.parametrize("strategy,blast,units", [
-    ("ft-hsdp", "gpu", 4), ("ft-hsdp", "host", 4), ("ft-hsdp", "rack", 4),   # racks inside replicas
-    ("reduced-degree", "gpu", 64), ("reduced-degree", "host", 16), ("reduced-degree", "rack", 8),
-])
+@pytest.mark.parametrize(
+    "strategy,blast,units",
+    [
+        ("ft-hsdp", "gpu", 4),
+        ("ft-hsdp", "host", 4),
+        ("ft-hsdp", "rack", 4),  # racks inside replicas
+        ("reduced-degree", "gpu", 64),
+        ("reduced-degree", "host", 16),
+        ("reduced-degree", "rack", 8),
+    ],
+)
 def test_blast_radius_sets_the_units_that_fail(strategy, blast, units):
-    cfg = config(gpus=64, gpus_per_host=4, replicas=4, hosts_per_rack=2, blast_radius=blast, ft_stall_min=0.2,
-                 replica_restart_min=1.5, overlap="restart", reduced_recovery="ft-stall", reduced_curve=LINEAR,
-                 min_degree=0.0, packing=False, steps=8_000)
+    cfg = config(
+        gpus=64,
+        gpus_per_host=4,
+        replicas=4,
+        hosts_per_rack=2,
+        blast_radius=blast,
+        ft_stall_min=0.2,
+        replica_restart_min=1.5,
+        overlap="restart",
+        reduced_recovery="ft-stall",
+        reduced_curve=LINEAR,
+        min_degree=0.0,
+        packing=False,
+        steps=8_000,
+    )
     expected = cf.units_out_ettr_restart(1.0, 0.2, 1.5, units)
     assert cf.analytic_ettr(cfg, strategy) == pytest.approx(expected)
     assert simulate(cfg, [strategy])[strategy].ettr == pytest.approx(expected, rel=REL)
@@ -238,48 +318,79 @@ def test_blast_radius_sets_the_units_that_fail(strategy, blast, units):
 
 def test_a_rack_across_replicas_takes_them_all_out():
     # 16 replicas of one host, racks of 2 hosts: each failure takes out 2 replicas (8 rack units).
-    cfg = config(gpus=64, gpus_per_host=4, replicas=16, hosts_per_rack=2, blast_radius="rack", ft_stall_min=0.2,
-                 replica_restart_min=1.5, overlap="restart", steps=8_000)
+    cfg = config(
+        gpus=64,
+        gpus_per_host=4,
+        replicas=16,
+        hosts_per_rack=2,
+        blast_radius="rack",
+        ft_stall_min=0.2,
+        replica_restart_min=1.5,
+        overlap="restart",
+        steps=8_000,
+    )
     assert simulate(cfg, ["ft-hsdp"])["ft-hsdp"].ettr == pytest.approx(
-        cf.units_out_ettr_restart(1.0, 0.2, 1.5, 8), rel=REL)
+        cf.units_out_ettr_restart(1.0, 0.2, 1.5, 8), rel=REL
+    )
 
 
 # --- reduced degree ----------------------------------------------------------------------------------------
 CURVE = ((0.0, 0.0), (0.5, 0.4), (0.75, 0.65), (0.875, 0.8), (1.0, 1.0))
 
 
-@pytest.mark.parametrize("missing,curve,boost,min_degree,packing,expected", [
-    ({}, CURVE, 0.0, 0.5, False, (1.0, 0.0, 0.0)),
-    ({0: 1}, CURVE, 0.0, 0.5, False, ((3 + 0.8) / 4, 0.125 / 4, 0.075 / 4)),   # 7/8 alive runs at 0.8
-    ({0: 1}, LINEAR, 0.0, 0.5, False, ((3 + 0.875) / 4, 0.125 / 4, 0.0)),      # its share, exactly
-    ({0: 1, 1: 1}, CURVE, 0.0, 0.5, False, ((2 + 2 * 0.8) / 4, 0.25 / 4, 0.15 / 4)),
-    ({0: 1, 1: 1}, CURVE, 0.0, 0.5, True, ((3 + 0.65) / 4, 0.25 / 4, 0.1 / 4)),  # packed: one replica at 6/8
-    ({0: 1}, CURVE, 0.3, 0.5, False, (1.0, 0.0, 0.0)),                         # boosted: it keeps up
-    ({0: 1}, CURVE, 0.05, 0.5, False, ((3 + 0.84) / 4, 0.125 / 4, 0.035 / 4)),
-    ({0: 5}, CURVE, 0.0, 0.5, False, (3 / 4, 1 / 4, 0.0)),                     # 3/8 alive: below min degree
-    ({0: 1, 1: 1}, CURVE, 0.0, 1.0, False, (2 / 4, 2 / 4, 0.0)),               # any failure stops a replica
-    ({0: 1, 1: 1}, CURVE, 0.0, 1.0, True, (3 / 4, 1 / 4, 0.0)),                # packed into one stopped replica
-])
+@pytest.mark.parametrize(
+    "missing,curve,boost,min_degree,packing,expected",
+    [
+        ({}, CURVE, 0.0, 0.5, False, (1.0, 0.0, 0.0)),
+        ({0: 1}, CURVE, 0.0, 0.5, False, ((3 + 0.8) / 4, 0.125 / 4, 0.075 / 4)),  # 7/8 alive runs at 0.8
+        ({0: 1}, LINEAR, 0.0, 0.5, False, ((3 + 0.875) / 4, 0.125 / 4, 0.0)),  # its share, exactly
+        ({0: 1, 1: 1}, CURVE, 0.0, 0.5, False, ((2 + 2 * 0.8) / 4, 0.25 / 4, 0.15 / 4)),
+        ({0: 1, 1: 1}, CURVE, 0.0, 0.5, True, ((3 + 0.65) / 4, 0.25 / 4, 0.1 / 4)),  # packed: one replica at 6/8
+        ({0: 1}, CURVE, 0.3, 0.5, False, (1.0, 0.0, 0.0)),  # boosted: it keeps up
+        ({0: 1}, CURVE, 0.05, 0.5, False, ((3 + 0.84) / 4, 0.125 / 4, 0.035 / 4)),
+        ({0: 5}, CURVE, 0.0, 0.5, False, (3 / 4, 1 / 4, 0.0)),  # 3/8 alive: below min degree
+        ({0: 1, 1: 1}, CURVE, 0.0, 1.0, False, (2 / 4, 2 / 4, 0.0)),  # any failure stops a replica
+        ({0: 1, 1: 1}, CURVE, 0.0, 1.0, True, (3 / 4, 1 / 4, 0.0)),  # packed into one stopped replica
+    ],
+)
 def test_reduced_degree_throughput(missing, curve, boost, min_degree, packing, expected):
     got = reduced.job_rates(missing, 8, 4, curve, boost, min_degree, packing)
     assert got == pytest.approx(expected)
     assert sum(got) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("missing,min_degree,packed", [
-    ([1, 1, 1], 0.5, [3]), ([3, 3], 0.5, [4, 2]), ([2, 2], 1.0, [4]), ([8, 8, 8, 8, 8], 0.5, [4, 4, 4, 8]),
-])
+@pytest.mark.parametrize(
+    "missing,min_degree,packed",
+    [
+        ([1, 1, 1], 0.5, [3]),
+        ([3, 3], 0.5, [4, 2]),
+        ([2, 2], 1.0, [4]),
+        ([8, 8, 8, 8, 8], 0.5, [4, 4, 4, 8]),
+    ],
+)
 def test_packing(missing, min_degree, packed):
     assert reduced.pack(missing, 8, 4, min_degree) == packed
 
 
-@pytest.mark.parametrize("recovery,hardware,relation", [
-    ("job-restart", 0.0, "sync"),          # a restart fixes a software failure: exactly sync
-    ("job-restart", 1.0, "better"),        # no spare, days of repair: NTP runs on, sync waits
-])
+@pytest.mark.parametrize(
+    "recovery,hardware,relation",
+    [
+        ("job-restart", 0.0, "sync"),  # a restart fixes a software failure: exactly sync
+        ("job-restart", 1.0, "better"),  # no spare, days of repair: NTP runs on, sync waits
+    ],
+)
 def test_ntp_restarts_the_job_and_runs_degraded_only_on_hardware(recovery, hardware, relation):
-    cfg = config(gpus=96, replicas=4, sync_stall_min=0.3, reduced_recovery=recovery, hardware_share=hardware,
-                 spare_hosts=0.0, repair_min=30.0, restart_policy="absorb", steps=2_000)
+    cfg = config(
+        gpus=96,
+        replicas=4,
+        sync_stall_min=0.3,
+        reduced_recovery=recovery,
+        hardware_share=hardware,
+        spare_hosts=0.0,
+        repair_min=30.0,
+        restart_policy="absorb",
+        steps=2_000,
+    )
     res = simulate(cfg, ["sync", "reduced-degree"])
     if relation == "sync":
         assert res["reduced-degree"].ettr == pytest.approx(res["sync"].ettr)
@@ -289,22 +400,41 @@ def test_ntp_restarts_the_job_and_runs_degraded_only_on_hardware(recovery, hardw
 
 
 # --- stragglers, pauses, step scaling ---------------------------------------------------------------------
-@pytest.mark.parametrize("strategy,detect,expected", [
-    ("sync", 1.0, cf.lockstep_straggler_ettr(1.0, 0.5, 2.0)),
-    ("ft-hsdp", INF, cf.lockstep_straggler_ettr(1.0, 0.5, 2.0)),   # never left out: like sync
-    ("ft-hsdp", 0.0, cf.left_out_straggler_ettr(1.0, 0.5, 4)),     # left out at once: (R - slow) / R
-])
+@pytest.mark.parametrize(
+    "strategy,detect,expected",
+    [
+        ("sync", 1.0, cf.lockstep_straggler_ettr(1.0, 0.5, 2.0)),
+        ("ft-hsdp", INF, cf.lockstep_straggler_ettr(1.0, 0.5, 2.0)),  # never left out: like sync
+        ("ft-hsdp", 0.0, cf.left_out_straggler_ettr(1.0, 0.5, 4)),  # left out at once: (R - slow) / R
+    ],
+)
 def test_a_slow_replica_under_sync_and_ft_hsdp(strategy, detect, expected):
-    cfg = config(gpus=32, replicas=4, mtbf_min=1e9, straggler_mtbs_min=1.0, straggler_min=0.5, straggler_slowdown=2.0,
-                 straggler_detect_min=detect, steps=8_000)
+    cfg = config(
+        gpus=32,
+        replicas=4,
+        mtbf_min=1e9,
+        straggler_mtbs_min=1.0,
+        straggler_min=0.5,
+        straggler_slowdown=2.0,
+        straggler_detect_min=detect,
+        steps=8_000,
+    )
     res = simulate(cfg, [strategy])[strategy]
     assert res.ettr == pytest.approx(expected, rel=REL)
     assert res.breakdown["straggler"] == pytest.approx(1 - expected, rel=0.05)
 
 
 def test_ft_hsdp_leaves_a_slow_replica_out_after_detection():
-    cfg = config(gpus=32, replicas=4, mtbf_min=1e9, straggler_mtbs_min=10.0, straggler_min=5.0,
-                 straggler_slowdown=3.0, straggler_detect_min=0.5, steps=4_000)
+    cfg = config(
+        gpus=32,
+        replicas=4,
+        mtbf_min=1e9,
+        straggler_mtbs_min=10.0,
+        straggler_min=5.0,
+        straggler_slowdown=3.0,
+        straggler_detect_min=0.5,
+        steps=4_000,
+    )
     res = simulate(cfg, ["sync", "ft-hsdp"])
     # sync: 39% of the time at 1/3; ft-hsdp: one replica of 4 left out after half a minute
     assert res["sync"].ettr == pytest.approx(cf.lockstep_straggler_ettr(10.0, 5.0, 3.0), rel=REL)
@@ -321,16 +451,33 @@ def test_pauses_cost_their_fraction():
 
 def test_step_scaling_speeds_steps_while_replicas_are_out(tmp_path):
     # 2 replicas, one out from 50 to 60: alone, steps take half the time (20 steps in 10 min).
-    out = exact(tmp_path, [(50, 0)], "ft-hsdp", gpus=16, replicas=2, ft_stall_min=0.0, replica_restart_min=10.0,
-                train_for="steps", step_scaling=((0.5, 0.5), (1.0, 1.0)))
+    out = exact(
+        tmp_path,
+        [(50, 0)],
+        "ft-hsdp",
+        gpus=16,
+        replicas=2,
+        ft_stall_min=0.0,
+        replica_restart_min=10.0,
+        train_for="steps",
+        step_scaling=((0.5, 0.5), (1.0, 1.0)),
+    )
     assert out.wall_min == pytest.approx(90)
     assert out.ettr == pytest.approx(85 / 90)
 
 
 # --- the outputs ---------------------------------------------------------------------------------------------
 def test_availability_time_to_train_and_effective_mtbf():
-    cfg = config(gpus=96, replicas=4, sync_stall_min=0.3, ft_stall_min=0.2, replica_restart_min=1.5,
-                 restart_policy="queue", overlap="restart", steps=8_000)
+    cfg = config(
+        gpus=96,
+        replicas=4,
+        sync_stall_min=0.3,
+        ft_stall_min=0.2,
+        replica_restart_min=1.5,
+        restart_policy="queue",
+        overlap="restart",
+        steps=8_000,
+    )
     res = simulate(cfg, ["sync", "ft-hsdp"])
     sync, ft = res["sync"], res["ft-hsdp"]
     assert sync.availability == pytest.approx(cf.sync_availability(1.0, 0.3, "queue"), rel=REL)
@@ -344,15 +491,18 @@ def test_availability_time_to_train_and_effective_mtbf():
     assert set(ft.to_json()) >= {"ettr", "availability", "ttt_ratio", "effective_mtbf_min", "counts", "breakdown"}
 
 
-@pytest.mark.parametrize("global_batch, train_for, wall, data", [
-    # FT: 4 replicas, one out 8 min after a 2-min stall. Counting steps whole, elastic finishes
-    # 102 min in but its model lacks a quarter of 8 min of batches; constant trains them all, its
-    # steps taking 4/3 as long meanwhile: the same 104 min as counting tokens.
-    ("elastic", "steps", 102, 0.98),
-    ("constant", "steps", 104, 1.0),
-    ("elastic", "tokens", 104, 1.0),
-    ("constant", "tokens", 104, 1.0),
-])
+@pytest.mark.parametrize(
+    "global_batch, train_for, wall, data",
+    [
+        # FT: 4 replicas, one out 8 min after a 2-min stall. Counting steps whole, elastic finishes
+        # 102 min in but its model lacks a quarter of 8 min of batches; constant trains them all, its
+        # steps taking 4/3 as long meanwhile: the same 104 min as counting tokens.
+        ("elastic", "steps", 102, 0.98),
+        ("constant", "steps", 104, 1.0),
+        ("elastic", "tokens", 104, 1.0),
+        ("constant", "tokens", 104, 1.0),
+    ],
+)
 def test_a_constant_global_batch_trades_time_for_the_lost_data(tmp_path, global_batch, train_for, wall, data):
     out = exact(tmp_path, [(50, 0)], "ft-hsdp", **FT, train_for=train_for, global_batch=global_batch)
     assert out.wall_min == pytest.approx(wall)

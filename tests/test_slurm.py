@@ -29,12 +29,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from ftjax.env import limited_env
-from ftjax.launch.emit import EmitOptions, emit
-from ftjax.launch.summary import build_summary
-
 from conftest import REPO
+
+from ftjax.base.env import limited_env
+from ftjax.launch.emit import EmitOptions, emit
+from ftjax.runs.summary import build_summary
 
 USER_TASK = f"{REPO}/tests/usertasks/scaled_ce.yaml"  # tiny's model and batch, a user module's loss
 STEPS = 500  # enough for three restarts in a row (reduced, whole, requeued) on a loaded machine
@@ -62,8 +61,11 @@ def _run(args, env, timeout=30) -> str:
 def _committed(path: Path) -> int:
     if not path.exists():
         return 0
-    return sum(1 for line in path.read_text().splitlines()
-               if line.endswith("}") and '"committed": true' in line and '"healing": false' in line)
+    return sum(
+        1
+        for line in path.read_text().splitlines()
+        if line.endswith("}") and '"committed": true' in line and '"healing": false' in line
+    )
 
 
 def _pids_of(job_dir: Path, replica: int, process_id: int) -> list[int]:
@@ -77,15 +79,20 @@ def _pids_of(job_dir: Path, replica: int, process_id: int) -> list[int]:
         except OSError:
             continue
         flags = dict(zip(argv, argv[1:]))
-        if "train" in argv and str(job_dir / "config.yaml") in argv and flags.get("--replica-id") == str(replica) \
-                and flags.get("--process-id") == str(process_id):
+        if (
+            "train" in argv
+            and str(job_dir / "config.yaml") in argv
+            and flags.get("--replica-id") == str(replica)
+            and flags.get("--process-id") == str(process_id)
+        ):
             pids.append(int(entry.name))
     return pids
 
 
 def _queue(env, ids: list[str]) -> list[str]:
-    out = subprocess.run(["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"], env=env, capture_output=True,
-                         text=True, timeout=30).stdout
+    out = subprocess.run(
+        ["squeue", "-h", "-j", ",".join(ids), "-o", "%i %T"], env=env, capture_output=True, text=True, timeout=30
+    ).stdout
     return [line for line in out.splitlines() if line.strip()]
 
 
@@ -131,13 +138,28 @@ def test_emitted_job_survives_a_lost_host_at_reduced_degree_on_a_real_slurm_clus
         pytest.fail(f"no Slurm cluster (SLURM_CONF={SLURM_CONF}): run scripts/local_slurm.sh up ({e})")
     assert len([line for line in nodes.splitlines() if "idle" in line or "mix" in line]) >= 2, nodes
 
-    emit("slurm", job_dir, USER_TASK, ["ft.replicas=2", "mesh.hosts=2", "platform=cpu", f"steps={STEPS}",
-                                  "ft.global_batch=constant", "ft.on_host_loss=reduce"],
-         options=EmitOptions(name="ftjax-slurm-test", max_restarts=4))
+    emit(
+        "slurm",
+        job_dir,
+        USER_TASK,
+        [
+            "ft.replicas=2",
+            "mesh.hosts=2",
+            "platform=cpu",
+            f"steps={STEPS}",
+            "ft.global_batch=constant",
+            "ft.on_host_loss=reduce",
+        ],
+        options=EmitOptions(name="ftjax-slurm-test", max_restarts=4),
+    )
     t0 = time.monotonic()
     submitted = _run([str(job_dir / "submit.sh")], env)
-    ids = [i for part in submitted.split("job ftjax-slurm-test: ")[1].split("\n")[0].replace(",", " ").split()
-           for i in part.split(":") if i.isdigit()]
+    ids = [
+        i
+        for part in submitted.split("job ftjax-slurm-test: ")[1].split("\n")[0].replace(",", " ").split()
+        for i in part.split(":")
+        if i.isdigit()
+    ]
     assert len(ids) == 4, submitted  # coordinator, 2 replicas, finish
     run = job_dir / "run"
     drained = None
@@ -148,8 +170,13 @@ def test_emitted_job_survives_a_lost_host_at_reduced_degree_on_a_real_slurm_clus
     try:
         # both replicas train (so that a live peer holds the state), then host 1 of replica 1 fails:
         # its node is drained and its process killed
-        _wait(lambda: _committed(run / "replica-1" / "metrics.jsonl") >= 5
-              and _committed(run / "replica-0" / "metrics.jsonl") >= 5, lambda: (_queue(env, ids), list(run.rglob("*"))))
+        _wait(
+            lambda: (
+                _committed(run / "replica-1" / "metrics.jsonl") >= 5
+                and _committed(run / "replica-0" / "metrics.jsonl") >= 5
+            ),
+            lambda: (_queue(env, ids), list(run.rglob("*"))),
+        )
         allocation = _run(["squeue", "-h", "-j", ids[2], "-o", "%N"], env).strip()
         drained = _run(["scontrol", "show", "hostnames", allocation], env).split()[1]
         _run(["scontrol", "update", f"NodeName={drained}", "State=DRAIN", "Reason=ftjax-slurm-test"], env)
@@ -169,8 +196,11 @@ def test_emitted_job_survives_a_lost_host_at_reduced_degree_on_a_real_slurm_clus
 
         # it leaves, comes back whole, catches up and trains; then replica 0's job is requeued
         def whole_again():
-            later = [e for e in _events(run, 1) if e["event"] == "replica_started" and not e["reduced"]
-                     and e["time"] > reduced_start()["time"]]
+            later = [
+                e
+                for e in _events(run, 1)
+                if e["event"] == "replica_started" and not e["reduced"] and e["time"] > reduced_start()["time"]
+            ]
             return later[0] if later else None
 
         _wait(lambda: whole_again() and len(_own_steps(run, 1, whole_again()["time"])) >= 1, state)
@@ -186,8 +216,9 @@ def test_emitted_job_survives_a_lost_host_at_reduced_degree_on_a_real_slurm_clus
     finally:
         subprocess.run(["scancel", *ids], env=env, capture_output=True, timeout=30)
         if drained is not None:
-            subprocess.run(["scontrol", "update", f"NodeName={drained}", "State=RESUME"], env=env,
-                           capture_output=True, timeout=30)
+            subprocess.run(
+                ["scontrol", "update", f"NodeName={drained}", "State=RESUME"], env=env, capture_output=True, timeout=30
+            )
 
     logs = {p.name: p.read_text() for p in job_dir.glob("slurm-*.out")}
     assert (run / "summary.json").exists(), logs  # finish.sbatch wrote it; the same functions read run/ here
@@ -197,13 +228,23 @@ def test_emitted_job_survives_a_lost_host_at_reduced_degree_on_a_real_slurm_clus
     started = [e for e in events if e["event"] == "replica_started" and e["replica"] == 1]
     reduced = [e for e in started if e["reduced"]]
     reduced_steps = [m for m in _own_steps(run, 1, reduced[0]["time"]) if m["time"] < whole_again()["time"]]
-    print(json.dumps({"elapsed_s": round(elapsed, 1), "killed_after_s": round(killed_at - t0, 1),
-                      "resumed_after_s": round(resumed_at - t0, 1), "requeued_after_s": round(requeued_at - t0, 1),
-                      "wall_s": summary["wall_s"], "median_step_s": summary["median_step_s"],
-                      "restarts": [r0["restarts"], r1["restarts"]], "catchup_s": r1["catchup_s"],
-                      "replica_1_reduced_steps": len(reduced_steps),
-                      "replica_1_steps_after_restart": len(_own_steps(run, 1, started[-1]["time"])),
-                      "failures": [(e["replica"], e["cause"], round(e["time_s"], 1)) for e in summary["failure_events"]]}))
+    print(
+        json.dumps(
+            {
+                "elapsed_s": round(elapsed, 1),
+                "killed_after_s": round(killed_at - t0, 1),
+                "resumed_after_s": round(resumed_at - t0, 1),
+                "requeued_after_s": round(requeued_at - t0, 1),
+                "wall_s": summary["wall_s"],
+                "median_step_s": summary["median_step_s"],
+                "restarts": [r0["restarts"], r1["restarts"]],
+                "catchup_s": r1["catchup_s"],
+                "replica_1_reduced_steps": len(reduced_steps),
+                "replica_1_steps_after_restart": len(_own_steps(run, 1, started[-1]["time"])),
+                "failures": [(e["replica"], e["cause"], round(e["time_s"], 1)) for e in summary["failure_events"]],
+            }
+        )
+    )
     assert summary["ok"], (summary, logs)
     # replica 1: down with host 1 lost, at once on host 0 alone (the drained node's host), asked
     # back when its node was resumed, left at a step boundary, and whole again
@@ -237,6 +278,7 @@ def test_emitted_job_survives_a_lost_host_at_reduced_degree_on_a_real_slurm_clus
         assert [e["incarnation"] for e in started] == list(range(1, len(started) + 1)) and len(started) >= 2
         assert {e["slurm_job"] for e in started} == {ids[1 + r]}
         for p in (0, 1):
-            assert (run / f"replica-{r}" / f"host-{p}.log").read_text().count("--- attempt") == \
-                sum(len(e["hosts"]) > p for e in started)
+            assert (run / f"replica-{r}" / f"host-{p}.log").read_text().count("--- attempt") == sum(
+                len(e["hosts"]) > p for e in started
+            )
     shutil.rmtree(job_dir.parent)

@@ -22,17 +22,17 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import REPO
 
-from ftjax.coordinator.client import CoordinatorClient, CoordinatorError, MemberInfo, new_incarnation
+from ftjax.coordinator.client import CoordinatorClient, CoordinatorError
 from ftjax.coordinator.page import status_page
 from ftjax.coordinator.progress import StepFigures
 from ftjax.coordinator.quorum import MemberReport, Settings
 from ftjax.coordinator.server import CoordinatorServer
 from ftjax.coordinator.state import CoordinatorState
+from ftjax.coordinator.types import MemberInfo, new_incarnation
 from ftjax.launch import LocalJob
 from ftjax.launch.view import CoordinatorProbe, LiveView
-
-from conftest import REPO
 
 TINY = f"{REPO}/configs/tiny.yaml"
 TOKEN = "test-token"
@@ -57,7 +57,7 @@ def text_of(html: str) -> str:
 
 def row_states(html: str) -> dict[str, str]:
     """Replica id -> the state class of its row in the replicas table."""
-    return dict((rid, st) for st, rid in re.findall(r'<tr class="st-([a-z-]+)"><td class="rid">([^<]+)</td>', html))
+    return {rid: st for st, rid in re.findall(r'<tr class="st-([a-z-]+)"><td class="rid">([^<]+)</td>', html)}
 
 
 # --- the story, on a fake clock -------------------------------------------------------------------
@@ -66,8 +66,9 @@ class FakeJob:
     with each request, one killed (its stream ends, a peer reports it), restarted, healing, back."""
 
     def __init__(self) -> None:
-        self.state = CoordinatorState(Settings(min_replicas=1, heartbeat_timeout_s=2.0, expected_replicas=3), 0.0,
-                                      startup_grace=0.0)
+        self.state = CoordinatorState(
+            Settings(min_replicas=1, heartbeat_timeout_s=2.0, expected_replicas=3), 0.0, startup_grace=0.0
+        )
         self.t = 0.0
         self.inc = {r: f"inc{r}a" for r in "012"}
         self.pos = dict.fromkeys("012", 0)
@@ -77,16 +78,28 @@ class FakeJob:
         self.step = 0
 
     def member(self, r: str) -> MemberReport:
-        return MemberReport(r, self.inc[r], step=self.mine[r], data_position=self.pos[r], has_state=self.have[r],
-                            ftar_addresses=(f"127.0.0.1:{100 + int(r)}",), catchup_addresses=("127.0.0.1:9",),
-                            topology_fingerprint="fp")
+        return MemberReport(
+            r,
+            self.inc[r],
+            step=self.mine[r],
+            data_position=self.pos[r],
+            has_state=self.have[r],
+            ftar_addresses=(f"127.0.0.1:{100 + int(r)}",),
+            catchup_addresses=("127.0.0.1:9",),
+            topology_fingerprint="fp",
+        )
 
     def quorum(self, dt: float = 0.1):
         self.t += dt
         for r in sorted(self.alive):
             contributed = self.mine[r] == self.step and self.have[r]
-            fig = StepFigures(self.mine[r], True, contributed, 5.0 - 0.01 * self.step, 0.1,
-                              4096 if contributed else 0, 300, 3) if self.mine[r] else None
+            fig = (
+                StepFigures(
+                    self.mine[r], True, contributed, 5.0 - 0.01 * self.step, 0.1, 4096 if contributed else 0, 300, 3
+                )
+                if self.mine[r]
+                else None
+            )
             self.state.request(self.member(r), self.t, fig)
         q = self.state.evaluate(self.t).quorum
         assert q is not None, self.state.explain(self.t)
@@ -175,7 +188,7 @@ def test_the_page_tells_a_failure_and_what_happened_next():
     phases = [seg[2] for seg in snap["timeline"]["replicas"]["1"]]
     assert phases == ["starting", "training", "down", "starting", "catching up", "training"], phases
     assert [f[1] for f in snap["timeline"]["failures"]] == ["1"]
-    assert "<svg class=\"timeline\"" in page and "<svg class=\"loss\"" in page
+    assert '<svg class="timeline"' in page and '<svg class="loss"' in page
     assert 0.7 < snap["job"]["ettr"] < 1.0  # replica 1 was out for ~5.6 s of ~16 s
 
     # the job reaches its target, the replicas finish and leave: done, not down
@@ -226,8 +239,18 @@ def _client(server, rid):
 def _steps(clients, steps, first=1):
     for step in range(first, first + steps):
         for c in clients:
-            c.report_step({"step": step, "committed": True, "healing": False, "loss": 3.0 - step / 100,
-                           "tokens": 1024, "step_time_s": 0.05}, target_steps=40, replicas=2)
+            c.report_step(
+                {
+                    "step": step,
+                    "committed": True,
+                    "healing": False,
+                    "loss": 3.0 - step / 100,
+                    "tokens": 1024,
+                    "step_time_s": 0.05,
+                },
+                target_steps=40,
+                replicas=2,
+            )
         futures = [c.quorum_async(step, step, True) for c in clients]
         for f in futures:
             f.result(10)
@@ -281,21 +304,38 @@ def test_metrics_pass_promtool_and_have_per_replica_series(server, tmp_path):
     (tmp_path / "metrics.txt").write_text(text)
     checked = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    for line in ('ftjax_replica_up{replica="a"} 1.0', 'ftjax_replica_up{replica="b"} 0.0',
-                 'ftjax_replica_state{replica="b",state="down"} 1.0',
-                 'ftjax_replica_step{replica="a"} 12.0', 'ftjax_replica_step_seconds{replica="a"} 0.05',
-                 'ftjax_replica_tokens_per_second{replica="a"} 20480.0',
-                 'ftjax_job_target_steps 40.0', 'ftjax_job_committed_steps 12.0', 'ftjax_job_replicas 2.0',
-                 'ftjax_coordinator_failures_total{kind="stream_ended",source="disconnect"} 1.0'):
+    for line in (
+        'ftjax_replica_up{replica="a"} 1.0',
+        'ftjax_replica_up{replica="b"} 0.0',
+        'ftjax_replica_state{replica="b",state="down"} 1.0',
+        'ftjax_replica_step{replica="a"} 12.0',
+        'ftjax_replica_step_seconds{replica="a"} 0.05',
+        'ftjax_replica_tokens_per_second{replica="a"} 20480.0',
+        "ftjax_job_target_steps 40.0",
+        "ftjax_job_committed_steps 12.0",
+        "ftjax_job_replicas 2.0",
+        'ftjax_coordinator_failures_total{kind="stream_ended",source="disconnect"} 1.0',
+    ):
         assert line in text, f"{line!r} not in\n{text}"
     # one departure of b, labelled by what saw it and why (its stream ended, then it stayed silent)
-    assert re.search(r'^ftjax_coordinator_failures_total\{kind="(suspect_silent|heartbeat_timeout)",'
-                     r'source="departed"\} 1.0$', text, re.M), text
+    assert re.search(
+        r'^ftjax_coordinator_failures_total\{kind="(suspect_silent|heartbeat_timeout)",'
+        r'source="departed"\} 1.0$',
+        text,
+        re.M,
+    ), text
     # a has trained alone since (or stalled: its quorums stopped with the test's steps), b is down
     assert re.search(r'^ftjax_replica_state\{replica="a",state="(training|stalled)"\} 1.0$', text, re.M)
     assert len(re.findall(r'^ftjax_replica_state\{replica="a",state="[a-z ]+"\} 1.0$', text, re.M)) == 1
-    for name in ("ftjax_replica_loss", "ftjax_job_loss", "ftjax_job_tokens_total", "ftjax_job_eta_seconds",
-                 "ftjax_job_tokens_per_second", "ftjax_job_ettr", "ftjax_job_goodput_tokens_per_second"):
+    for name in (
+        "ftjax_replica_loss",
+        "ftjax_job_loss",
+        "ftjax_job_tokens_total",
+        "ftjax_job_eta_seconds",
+        "ftjax_job_tokens_per_second",
+        "ftjax_job_ettr",
+        "ftjax_job_goodput_tokens_per_second",
+    ):
         assert re.search(rf"^{name}(\{{[^}}]*\}})? [0-9.e+-]+$", text, re.M), f"no sample of {name}"
     loss = float(re.search(r'^ftjax_replica_loss\{replica="a"\} (\S+)$', text, re.M).group(1))
     assert loss == pytest.approx(3.0 - 12 / 100) or loss == pytest.approx(3.0 - 11 / 100)
@@ -330,7 +370,7 @@ def test_the_launchers_header_follows_the_coordinator(server):
         finally:
             a.close()
             b.close()
-        assert header(coordinator="down") .endswith("coordinator DOWN (restarting)")
+        assert header(coordinator="down").endswith("coordinator DOWN (restarting)")
         probe.address = "127.0.0.1:1"  # nothing listens there
         deadline = time.monotonic() + 10
         while "not answering" not in header(address="127.0.0.1:1") and time.monotonic() < deadline:
@@ -350,9 +390,21 @@ class Browser:
 
     def look(self, url: str, name: str, procs) -> str:
         shot = self.shots / f"{name}.png"
-        args = [self.chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                "--no-default-browser-check", "--disable-extensions", f"--user-data-dir={self.profile}",
-                "--hide-scrollbars", "--window-size=1200,1500", f"--screenshot={shot}", "--dump-dom", url]
+        args = [
+            self.chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--no-default-browser-check",
+            "--disable-extensions",
+            f"--user-data-dir={self.profile}",
+            "--hide-scrollbars",
+            "--window-size=1200,1500",
+            f"--screenshot={shot}",
+            "--dump-dom",
+            url,
+        ]
         child = procs.start(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         try:
             dom, _ = child.communicate(timeout=90)
@@ -398,8 +450,13 @@ def test_the_status_page_in_chromium_during_a_job_with_a_kill(tmp_path, procs):
     shots = Path(os.environ.get("FTJAX_SCREENSHOTS") or tmp_path / "shots")
     browser = Browser(chromium, tmp_path / "profile", shots)
     # the job never ends by itself (the test stops it); min_replicas 1: the survivor trains alone
-    job = LocalJob(TINY, ["steps=100000", "coordinator.min_replicas=1", "coordinator.heartbeat_timeout_s=2"],
-                   tmp_path / "run", replicas=2, procs=procs)
+    job = LocalJob(
+        TINY,
+        ["steps=100000", "coordinator.min_replicas=1", "coordinator.heartbeat_timeout_s=2"],
+        tmp_path / "run",
+        replicas=2,
+        procs=procs,
+    )
     job.start_coordinator()
     url = f"http://{job.coordinator_http}/"
     dom = browser.look(url, "0-starting", procs)
@@ -428,13 +485,18 @@ def test_the_status_page_in_chromium_during_a_job_with_a_kill(tmp_path, procs):
     assert "reduced: 1 of 2 replicas" in text
 
     job.start_replica(1)
-    healed = _wait(job, "replica 1 back", lambda s: training(s, "1", incarnation=2)
-                   and s["incidents"] and s["incidents"][0]["back_after_s"] is not None, 300)
+    healed = _wait(
+        job,
+        "replica 1 back",
+        lambda s: training(s, "1", incarnation=2) and s["incidents"] and s["incidents"][0]["back_after_s"] is not None,
+        300,
+    )
     dom = browser.look(url, "3-healed", procs)
     states, text = row_states(dom), text_of(dom)
     assert states["0"] in LIVE and states["1"] in LIVE, text[:3000]
-    assert "restarted" in text and "caught up from replica 0 in" in text and "training again at step" in text, \
-        text[:3000]
+    assert "restarted" in text and "caught up from replica 0 in" in text and "training again at step" in text, text[
+        :3000
+    ]
     inc = healed["incidents"][0]
     assert inc["healing_from"] == "0" and inc["catchup_s"] is not None and inc["restarted_after_s"] > 0
     phases = [seg[2] for seg in healed["timeline"]["replicas"]["1"]]
@@ -442,8 +504,7 @@ def test_the_status_page_in_chromium_during_a_job_with_a_kill(tmp_path, procs):
     promtool = shutil.which("promtool")
     if promtool:  # the live job's /metrics too
         text = _get(job.coordinator_http, "/metrics")
-        checked = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
-                                 timeout=60)
+        checked = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
         assert checked.returncode == 0, checked.stdout + checked.stderr
         assert 'ftjax_replica_restarts_total{replica="1"} 1.0' in text
         assert math.isfinite(float(re.search(r'^ftjax_replica_loss\{replica="1"\} (\S+)$', text, re.M).group(1)))

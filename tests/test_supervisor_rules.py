@@ -19,11 +19,14 @@ def _steps(first, last, every=1.0):
 
 # is_hung(now, last, peers' step times, T): the rule alone. Replica silent since `last`.
 RULE = {
-    "job-wide stall, one peer resumes a poll earlier": (130.1, 100.0, [_steps(90, 100) + [130.0], _steps(90, 100)],
-                                                        False),
+    "job-wide stall, one peer resumes a poll earlier": (
+        130.1,
+        100.0,
+        [_steps(90, 100) + [130.0], _steps(90, 100)],
+        False,
+    ),
     "frozen while its peers train on": (130.6, 100.0, [_steps(90, 100) + _steps(110.5, 130.5)], True),
-    "any one peer training is enough": (130.6, 100.0, [_steps(90, 100), _steps(90, 100) + _steps(110.5, 130.5)],
-                                        True),
+    "any one peer training is enough": (130.6, 100.0, [_steps(90, 100), _steps(90, 100) + _steps(110.5, 130.5)], True),
     "no record yet (the startup timeout's business)": (130.5, None, [_steps(90, 130)], False),
     "silent, but not for the hang timeout yet": (119.5, 100.0, [_steps(90, 119)], False),
     "everyone stalled (the coordinator is away)": (125.0, 100.0, [_steps(90, 100), _steps(90, 100)], False),
@@ -45,8 +48,11 @@ class _Job:
 
     def __init__(self, root, replicas):
         self.root, self.replicas = root, replicas
-        self.cfg = SimpleNamespace(steps=10_000, mesh=SimpleNamespace(hosts=1), ft=SimpleNamespace(ftar_timeout_s=T / 2, on_host_loss="restart",
-                                                                  reduced_min_fraction=0.5))
+        self.cfg = SimpleNamespace(
+            steps=10_000,
+            mesh=SimpleNamespace(hosts=1),
+            ft=SimpleNamespace(ftar_timeout_s=T / 2, on_host_loss="restart", reduced_min_fraction=0.5),
+        )
         self.hosts, self.placement = {}, {}
 
     def replica_dir(self, r):
@@ -65,12 +71,26 @@ def _hung_by_supervisor(tmp_path, steps, now, started_s_ago=200.0):
     job = _Job(tmp_path, len(steps))
     for r, times in enumerate(steps):
         job.replica_dir(r).mkdir(parents=True)
-        (job.replica_dir(r) / "metrics.jsonl").write_text("".join(
-            json.dumps({"time": t, "step": k + 1, "committed": True, "healing": False, "loss": 1.0,
-                        "participants": len(steps)}) + "\n" for k, t in enumerate(times)))
+        (job.replica_dir(r) / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "time": t,
+                        "step": k + 1,
+                        "committed": True,
+                        "healing": False,
+                        "loss": 1.0,
+                        "participants": len(steps),
+                    }
+                )
+                + "\n"
+                for k, t in enumerate(times)
+            )
+        )
     events = []
-    supervisor = Supervisor(job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl", listener=events.append),
-                            hang_timeout_s=T)
+    supervisor = Supervisor(
+        job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl", listener=events.append), hang_timeout_s=T
+    )
     for s in supervisor.status:
         s.started_at = now - started_s_ago
     supervisor._read_metrics(now)
@@ -82,8 +102,11 @@ def _hung_by_supervisor(tmp_path, steps, now, started_s_ago=200.0):
 CASES = {
     # the whole job stalled 30 s (longer than T) for a quorum; replica 1 logged its first step after
     # it one poll before the others: they are not hung, they resume a moment later
-    "job-wide stall, one peer resumes a poll earlier": ([_steps(90, 100), _steps(90, 100) + [130.0],
-                                                         _steps(90, 100)], 130.1, set()),
+    "job-wide stall, one peer resumes a poll earlier": (
+        [_steps(90, 100), _steps(90, 100) + [130.0], _steps(90, 100)],
+        130.1,
+        set(),
+    ),
     # replica 0 froze at 100; replica 1 waited one FTAR timeout (T / 2) for it, then trained on alone
     "frozen while its peer trains on": ([_steps(90, 100), _steps(90, 100) + _steps(110.5, 130.5)], 130.6, {0}),
     # after a job-wide stall the peer has trained for more than T / 2 and replica 0 is still silent
@@ -114,9 +137,22 @@ def test_a_restarted_replicas_row_starts_empty(tmp_path):
     job.coordinator_http = None
     for r in range(2):
         job.replica_dir(r).mkdir(parents=True)
-        (job.replica_dir(r) / "metrics.jsonl").write_text("".join(
-            json.dumps({"time": 100.0 + k, "step": k + 1, "committed": True, "healing": False, "loss": 2.5,
-                        "participants": 2}) + "\n" for k in range(5)))
+        (job.replica_dir(r) / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "time": 100.0 + k,
+                        "step": k + 1,
+                        "committed": True,
+                        "healing": False,
+                        "loss": 2.5,
+                        "participants": 2,
+                    }
+                )
+                + "\n"
+                for k in range(5)
+            )
+        )
     supervisor = Supervisor(job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl"), hang_timeout_s=T)
     supervisor._read_metrics(105.0)
     s = supervisor.status[1]
@@ -126,19 +162,23 @@ def test_a_restarted_replicas_row_starts_empty(tmp_path):
     assert supervisor.job_view()["step"] == 5  # the job's step is its other replica's
 
 
-@pytest.mark.parametrize("hosts, up, min_fraction, live", [
-    (2, 1, 0.5, 1),    # issue 18's case: a 2-host replica goes on with its surviving host
-    (2, 1, 0.75, None),  # below the minimum fraction: it waits to restart whole
-    (2, 2, 0.5, None),  # every host up: nothing to reduce
-    (4, 3, 0.5, 2),    # 3 hosts up: the largest divisor of 4 they cover (each host serves 2 lanes)
-    (4, 1, 0.5, None),  # 1 of 4 is below half
-    (4, 1, 0.25, 1),
-    (6, 5, 0.5, 3),
-    (3, 2, 0.3, 1),    # 2 does not divide 3: one host serves all three lanes
-    (1, 0, 0.0, None),  # nothing up
-])
+@pytest.mark.parametrize(
+    "hosts, up, min_fraction, live",
+    [
+        (2, 1, 0.5, 1),  # issue 18's case: a 2-host replica goes on with its surviving host
+        (2, 1, 0.75, None),  # below the minimum fraction: it waits to restart whole
+        (2, 2, 0.5, None),  # every host up: nothing to reduce
+        (4, 3, 0.5, 2),  # 3 hosts up: the largest divisor of 4 they cover (each host serves 2 lanes)
+        (4, 1, 0.5, None),  # 1 of 4 is below half
+        (4, 1, 0.25, 1),
+        (6, 5, 0.5, 3),
+        (3, 2, 0.3, 1),  # 2 does not divide 3: one host serves all three lanes
+        (1, 0, 0.0, None),  # nothing up
+    ],
+)
 def test_reduced_degree_is_the_largest_divisor_the_surviving_hosts_cover(hosts, up, min_fraction, live):
     from ftjax.launch.supervisor import reduced_degree
+
     assert reduced_degree(hosts, up, min_fraction) == live
 
 
@@ -163,8 +203,9 @@ def test_overlapping_partitions_of_a_replica_restore_its_links_when_the_last_win
     job.host_names = lambda r: [f"r{r}h0", f"r{r}h1"]
     job.host_name = lambda r, h: f"r{r}h{h}"
     events = []
-    supervisor = Supervisor(job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl", listener=events.append),
-                            hang_timeout_s=T)
+    supervisor = Supervisor(
+        job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl", listener=events.append), hang_timeout_s=T
+    )
     whole, host0 = Partition(1, 10, 10.0), Partition(1, 12, 10.0, 0)
     supervisor._cut(whole, 100.0)
     supervisor._cut(host0, 105.0)

@@ -1,4 +1,4 @@
-"""Token files (ftjax/tokens.py), `ftjax data prepare` (ftjax/prepare.py) and the `token_lm` task.
+"""Token files (ftjax/program/tokens.py), `ftjax data prepare` (ftjax/cli/prepare.py) and the `token_lm` task.
 
 A corpus of a few hundred short documents and a byte-level BPE tokenizer (vocabulary 300) are made
 here, once per module; nothing is downloaded."""
@@ -12,11 +12,28 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import FTJAX
 
 VOCAB = 300
-WORDS = "the a cat dog runs sat on mat tree blue green fast slow token file window replica".split()
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "runs",
+    "sat",
+    "on",
+    "mat",
+    "tree",
+    "blue",
+    "green",
+    "fast",
+    "slow",
+    "token",
+    "file",
+    "window",
+    "replica",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +52,47 @@ def corpus(tmp_path_factory) -> dict:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train_from_iterator(
+        texts,
+        trainer=trainers.BpeTrainer(
+            vocab_size=VOCAB,
+            special_tokens=["</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.save(str(root / "tokenizer.json"))
-    return {"root": root, "texts": texts, "tok": tok, "eos": tok.token_to_id("</s>"),
-            "inputs": [str(root / "docs"), str(root / "more.jsonl")], "tokenizer": str(root / "tokenizer.json")}
+    return {
+        "root": root,
+        "texts": texts,
+        "tok": tok,
+        "eos": tok.token_to_id("</s>"),
+        "inputs": [str(root / "docs"), str(root / "more.jsonl")],
+        "tokenizer": str(root / "tokenizer.json"),
+    }
 
 
 def prepare(corpus, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*FTJAX, "data", "prepare", *corpus["inputs"], "--field", "body", "--tokenizer",
-                           corpus["tokenizer"], "--out", str(out), "--heldout-fraction", "0.1", *extra],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [
+            *FTJAX,
+            "data",
+            "prepare",
+            *corpus["inputs"],
+            "--field",
+            "body",
+            "--tokenizer",
+            corpus["tokenizer"],
+            "--out",
+            str(out),
+            "--heldout-fraction",
+            "0.1",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +122,21 @@ def doc_index(corpus, doc: np.ndarray) -> int:
 def test_prepare_twice_writes_the_same_bytes_whatever_the_workers_and_chunks(prepared):
     a, b = prepared
     files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
-    assert [str(f) for f in files] == ["heldout/offsets.npy", "heldout/tokens.bin", "index.json",
-                                       "train/offsets.npy", "train/tokens.bin"]
+    assert [str(f) for f in files] == [
+        "heldout/offsets.npy",
+        "heldout/tokens.bin",
+        "index.json",
+        "train/offsets.npy",
+        "train/tokens.bin",
+    ]
     assert sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file()) == files
     for f in files:
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
     assert not list(a.parent.glob(".*")), "a temporary directory was left behind"
     index = json.loads((a / "index.json").read_text())
-    assert index["dtype"] == "uint16" and index["vocab_size"] == VOCAB and index["tokenizer"]["name"] == "tokenizer.json"
+    assert (
+        index["dtype"] == "uint16" and index["vocab_size"] == VOCAB and index["tokenizer"]["name"] == "tokenizer.json"
+    )
 
 
 def test_documents_end_with_eos_and_the_heldout_split_is_disjoint_by_document(corpus, prepared):
@@ -103,7 +156,7 @@ def test_documents_end_with_eos_and_the_heldout_split_is_disjoint_by_document(co
 
 
 def test_token_windows_are_the_encoded_documents_in_fixed_windows(corpus, prepared):
-    from ftjax.tokens import TokenWindows
+    from ftjax.program.tokens import TokenWindows
 
     a, b = prepared
     stream = []
@@ -113,17 +166,19 @@ def test_token_windows_are_the_encoded_documents_in_fixed_windows(corpus, prepar
     assert len(src) == len(stream) // 33 > 100
     for i in (0, 1, len(src) // 2, len(src) - 1):
         window = src[i]
-        assert window.dtype == np.int32 and window.tolist() == stream[i * 33:(i + 1) * 33]
+        assert window.dtype == np.int32 and window.tolist() == stream[i * 33 : (i + 1) * 33]
     with pytest.raises(IndexError):
         src[len(src)]
     # the fingerprint names the content, split and window, not the directory
     assert TokenWindows(b, "train", 33).fingerprint == src.fingerprint
-    assert len({src.fingerprint, TokenWindows(a, "heldout", 33).fingerprint,
-                TokenWindows(a, "train", 17).fingerprint}) == 3
+    assert (
+        len({src.fingerprint, TokenWindows(a, "heldout", 33).fingerprint, TokenWindows(a, "train", 17).fingerprint})
+        == 3
+    )
 
 
 def test_reading_maps_the_file_and_pickling_does_not_copy_it(prepared):
-    from ftjax.tokens import TokenWindows
+    from ftjax.program.tokens import TokenWindows
 
     src = TokenWindows(prepared[0], "train", 33)
     assert isinstance(src.tokens, np.memmap) and src.tokens.mode == "r"
@@ -137,13 +192,47 @@ def test_reading_maps_the_file_and_pickling_does_not_copy_it(prepared):
 def test_a_jsonl_line_without_the_field_or_not_json_exits_2_naming_path_and_line(corpus, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"body": "one"}\n\n{"body": "two"}\n{"text": "three"}\n')
-    done = subprocess.run([*FTJAX, "data", "prepare", str(bad), "--field", "body", "--tokenizer", corpus["tokenizer"],
-                           "--out", str(tmp_path / "out"), "--workers", "1"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            *FTJAX,
+            "data",
+            "prepare",
+            str(bad),
+            "--field",
+            "body",
+            "--tokenizer",
+            corpus["tokenizer"],
+            "--out",
+            str(tmp_path / "out"),
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert f"{bad}:4: no field 'body'" in done.stderr and "Traceback" not in done.stderr
     bad.write_text('{"body": "one"}\n{"body": "two"\n')
-    done = subprocess.run([*FTJAX, "data", "prepare", str(bad), "--field", "body", "--tokenizer", corpus["tokenizer"],
-                           "--out", str(tmp_path / "out"), "--workers", "1"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            *FTJAX,
+            "data",
+            "prepare",
+            str(bad),
+            "--field",
+            "body",
+            "--tokenizer",
+            corpus["tokenizer"],
+            "--out",
+            str(tmp_path / "out"),
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and f"{bad}:2: not a JSON line" in done.stderr
     assert not list(tmp_path.glob("*out*")) and not list(tmp_path.glob(".*")), "partial output left behind"
 
@@ -151,12 +240,16 @@ def test_a_jsonl_line_without_the_field_or_not_json_exits_2_naming_path_and_line
 def test_a_tokenizer_without_a_default_eos_names_the_flag(corpus, tmp_path, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from ftjax import prepare
+    from ftjax.cli import prepare
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(corpus["texts"][:20], trainer=trainers.BpeTrainer(
-        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        corpus["texts"][:20],
+        trainer=trainers.BpeTrainer(
+            vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        ),
+    )
     tok.save(str(tmp_path / "no_eos.json"))
     argv = ["prepare", corpus["inputs"][0], "--tokenizer", str(tmp_path / "no_eos.json"), "--out", str(tmp_path / "o")]
     assert prepare.main(argv) == 2
@@ -167,22 +260,32 @@ def test_a_tokenizer_without_a_default_eos_names_the_flag(corpus, tmp_path, caps
 
 def test_token_lm_refuses_a_model_vocabulary_smaller_than_the_files(prepared):
     from ftjax.config import load_config
-    from ftjax.task import TaskError, load_task
+    from ftjax.program.task import TaskError, load_task
 
     cfg = load_config("tiny", ["model.vocab_size=256", "model.seq_len=32"])
-    with pytest.raises(TaskError, match=r"model.vocab_size \(256\) is smaller than the token files' vocabulary "
-                                        rf"\({VOCAB}"):
-        load_task("ftjax.tasks:token_lm", cfg, {"dir": str(prepared[0])})
+    with pytest.raises(
+        TaskError,
+        match=r"model.vocab_size \(256\) is smaller than the token files' vocabulary "
+        rf"\({VOCAB}",
+    ):
+        load_task("ftjax.program.tasks:token_lm", cfg, {"dir": str(prepared[0])})
     with pytest.raises(TaskError, match="task_args.dir: .*index.json: no such file"):
-        load_task("ftjax.tasks:token_lm", cfg, {"dir": str(prepared[0] / "nowhere")})
+        load_task("ftjax.program.tasks:token_lm", cfg, {"dir": str(prepared[0] / "nowhere")})
 
 
 def test_ftjax_train_runs_token_lm_on_the_prepared_files(prepared, tmp_path):
     run = tmp_path / "run"
-    args = ["task=ftjax.tasks:token_lm", f"task_args={json.dumps({'dir': str(prepared[0])})}", "model.vocab_size=320",
-            "model.seq_len=32", "steps=5", "ft.digest_every=0"]
-    done = subprocess.run([*FTJAX, "train", "tiny", *args, "--out", str(run)], capture_output=True, text=True,
-                          timeout=120)
+    args = [
+        "task=ftjax.program.tasks:token_lm",
+        f"task_args={json.dumps({'dir': str(prepared[0])})}",
+        "model.vocab_size=320",
+        "model.seq_len=32",
+        "steps=5",
+        "ft.digest_every=0",
+    ]
+    done = subprocess.run(
+        [*FTJAX, "train", "tiny", *args, "--out", str(run)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "step" in r]
@@ -196,5 +299,7 @@ def test_a_token_lm_config_is_checked_like_the_built_in_model():
     from ftjax.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"model.d_model \(64\) must be divisible by the replica's 3 devices"):
-        load_config("tiny", ["task=ftjax.tasks:token_lm", "task_args={dir: x}", "mesh.devices_per_host=3",
-                             "data.batch_size=9"])
+        load_config(
+            "tiny",
+            ["task=ftjax.program.tasks:token_lm", "task_args={dir: x}", "mesh.devices_per_host=3", "data.batch_size=9"],
+        )

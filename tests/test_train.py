@@ -6,12 +6,11 @@ import subprocess
 
 import numpy as np
 import pytest
-
-from ftjax.metrics import read_metrics
-from ftjax.procs import free_port
-from ftjax.train import build_parser, parse_config, run_standalone
-
 from conftest import FTJAX, REPO
+
+from ftjax.base.procs import free_port
+from ftjax.cli.train import build_parser, parse_config, run_standalone
+from ftjax.runtime.metrics import read_metrics
 
 TINY = f"{REPO}/configs/tiny.yaml"
 
@@ -37,8 +36,14 @@ def test_cli_tiny_trains_and_its_output_redirected_to_a_file_is_a_readable_log(t
     a terminal) has plain lines: the progress every few steps and the final loss."""
     run = tmp_path / "run"
     with open(tmp_path / "log", "w") as log:
-        r = subprocess.run([*FTJAX, "train", "configs/tiny.yaml", "--out", str(run), "steps=30"],
-                           cwd=REPO, stdout=log, stderr=subprocess.PIPE, text=True, timeout=240)
+        r = subprocess.run(
+            [*FTJAX, "train", "configs/tiny.yaml", "--out", str(run), "steps=30"],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=240,
+        )
     assert r.returncode == 0, r.stderr[-3000:]
     text = (tmp_path / "log").read_text()
     lines = text.splitlines()
@@ -67,9 +72,26 @@ def test_two_processes_match_one(tmp_path, procs, four_devices):
     port = free_port()
     logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
     children = [
-        procs.start([*FTJAX, "train", TINY, "--out", str(tmp_path / "run"), "steps=12", "mesh.devices_per_host=2",
-                     "--num-processes", "2", "--process-id", str(i), "--dist-address", f"127.0.0.1:{port}"],
-                    device_count=2, stdout=logs[i], stderr=subprocess.STDOUT)
+        procs.start(
+            [
+                *FTJAX,
+                "train",
+                TINY,
+                "--out",
+                str(tmp_path / "run"),
+                "steps=12",
+                "mesh.devices_per_host=2",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--dist-address",
+                f"127.0.0.1:{port}",
+            ],
+            device_count=2,
+            stdout=logs[i],
+            stderr=subprocess.STDOUT,
+        )
         for i in range(2)
     ]
     for i, c in enumerate(children):
@@ -85,7 +107,7 @@ def test_resume_is_bitwise(tmp_path):
     _, straight = run_inprocess(tmp_path / "straight", *ck)
     first, _ = run_inprocess(tmp_path / "resumed", *ck, "--stop-after", "20")
     assert first[-1]["step"] == 20
-    second, resumed = run_inprocess(tmp_path / "resumed", *ck, "--resume")
+    _second, resumed = run_inprocess(tmp_path / "resumed", *ck, "--resume")
     recs = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in recs] == list(range(1, 31)), [r["step"] for r in recs]
     assert [r["batch_id"] for r in recs] == list(range(30))  # the data stream resumed where it stopped
@@ -96,10 +118,25 @@ def test_resume_is_bitwise(tmp_path):
 def test_a_wrong_coordinator_address_is_one_clear_error(tmp_path):
     """Issue 26 item 9e: a raw traceback after ft.quorum_timeout_s (120 s by default)."""
     address = f"127.0.0.1:{free_port()}"  # nobody listens there
-    r = subprocess.run([*FTJAX, "train", "configs/tiny.yaml", "--replica-id", "0", "--coordinator", address,
-                        "--out", str(tmp_path), "ft.quorum_timeout_s=2"],
-                       cwd=REPO, env={**os.environ, "FTJAX_TOKEN": "t0ken"}, capture_output=True, text=True,
-                       timeout=240)
+    r = subprocess.run(
+        [
+            *FTJAX,
+            "train",
+            "configs/tiny.yaml",
+            "--replica-id",
+            "0",
+            "--coordinator",
+            address,
+            "--out",
+            str(tmp_path),
+            "ft.quorum_timeout_s=2",
+        ],
+        cwd=REPO,
+        env={**os.environ, "FTJAX_TOKEN": "t0ken"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
     assert len(errors) == 1 and f"{address} (--coordinator)" in errors[0], r.stderr[-3000:]

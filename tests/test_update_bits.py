@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ftjax.config import load_config
-from ftjax.digest import state_digest
-from ftjax.sharding import replica_mesh
-from ftjax.step import build_program
+from ftjax.program.digest import state_digest
+from ftjax.program.sharding import replica_mesh
+from ftjax.program.step import build_program
 
 
 def _adversarial_gradient(shapes, specs):

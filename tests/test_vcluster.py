@@ -16,12 +16,11 @@ import sys
 import time
 
 import pytest
-
-from ftjax.launch.summary import load_run, median_step, warm_time
-from ftjax.launch.supervisor import BandwidthCap, FaultPlan, Partition, parse_bandwidth, parse_partition
-
 from conftest import FTJAX, REPO, need_namespaces
 from launchrun import TINY
+
+from ftjax.launch.supervisor import BandwidthCap, FaultPlan, Partition, parse_bandwidth, parse_partition
+from ftjax.runs.summary import load_run, median_step, warm_time
 
 
 @pytest.fixture
@@ -59,15 +58,23 @@ def test_partition_and_bandwidth_options_are_parsed_and_checked():
         FaultPlan(bandwidth=(BandwidthCap(10.0, 0, 2),)).validate(2, 2, 10)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--partition", "1@3:1"], "--partition: needs --virtual-cluster"),
-    (["--bandwidth-mbit", "all=10"], "--bandwidth-mbit: needs --virtual-cluster"),
-    (["--virtual-cluster", "--partition", "2@3:1"], "--partition: replica 2 is not in [0, 2)"),
-    (["--virtual-cluster", "--emit", "slurm", "x"], "--virtual-cluster: runs the job on this machine"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--partition", "1@3:1"], "--partition: needs --virtual-cluster"),
+        (["--bandwidth-mbit", "all=10"], "--bandwidth-mbit: needs --virtual-cluster"),
+        (["--virtual-cluster", "--partition", "2@3:1"], "--partition: replica 2 is not in [0, 2)"),
+        (["--virtual-cluster", "--emit", "slurm", "x"], "--virtual-cluster: runs the job on this machine"),
+    ],
+)
 def test_launch_refuses_bad_network_fault_options_naming_the_flag(tmp_path, args, message):
-    r = subprocess.run([*FTJAX, "launch", TINY, "--replicas", "2", "--out", str(tmp_path / "run"), *args],
-                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    r = subprocess.run(
+        [*FTJAX, "launch", TINY, "--replicas", "2", "--out", str(tmp_path / "run"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
 
@@ -105,14 +112,23 @@ def test_hosts_share_nothing_but_the_network_and_links_can_be_cut_and_capped(nam
     try:
         a, b = cluster.address("a"), cluster.address("b")
         assert a != b and a.startswith("10.") and not (a.startswith("127.") or b.startswith("127."))
-        server = subprocess.Popen(cluster.command("b", [sys.executable, "-c", _PROBE, "serve", b]),
-                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
+        server = subprocess.Popen(
+            cluster.command("b", [sys.executable, "-c", _PROBE, "serve", b]),
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         procs.append(server)
         name, address, shm, tmp = server.stdout.readline().split(" ", 3)
         assert (name, address, shm) == ("b", b, "[]") and tmp.strip() == str(cluster.host("b").tmp)
         time.sleep(0.3)
-        client = subprocess.Popen(cluster.command("a", [sys.executable, "-c", _PROBE, "dial", b]),
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        client = subprocess.Popen(
+            cluster.command("a", [sys.executable, "-c", _PROBE, "dial", b]),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         procs.append(client)
         assert client.stdout.readline().split(" ")[:3] == ["a", a, "[]"]  # b's /dev/shm file is not here
 
@@ -146,7 +162,8 @@ def test_hosts_share_nothing_but_the_network_and_links_can_be_cut_and_capped(nam
 
 
 def test_namespaces_of_a_dead_creator_are_removed(namespaces):
-    from ftjax.launch.vcluster import PREFIX, namespaces as all_namespaces, remove_stale
+    from ftjax.launch.vcluster import PREFIX, remove_stale
+    from ftjax.launch.vcluster import namespaces as all_namespaces
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -175,8 +192,11 @@ def _waited(run, r: int, since: float, until: float = float("inf")) -> list[tupl
     replica's import and compile take a core from r, so r's compute slows too: that is load, not
     waiting for a peer, and the tests' margins must hold under load.)"""
     steps = [m for m in run.metrics(r) if m.get("committed") and "event" not in m]
-    return [(b["time"], round(b["time"] - a["time"] - b["compute_s"] - b["commit_s"], 3))
-            for a, b in zip(steps, steps[1:]) if since <= b["time"] <= until]
+    return [
+        (b["time"], round(b["time"] - a["time"] - b["compute_s"] - b["commit_s"], 3))
+        for a, b in zip(steps, steps[1:])
+        if since <= b["time"] <= until
+    ]
 
 
 @pytest.mark.slow
@@ -185,8 +205,16 @@ def test_one_host_of_a_replica_killed_at_step_30_on_a_virtual_cluster(launch, na
     """Issue 14: 2 replicas x H hosts, 100 steps, one host of replica 1 killed at step 30 and its
     replica restarted: digests equal, every batch exactly once, the healthy replica never waits for
     its peers more than 1.5 x its median step + 0.5 s in a step. Every process on a host of its own."""
-    run = launch("--virtual-cluster", "--replicas", "2", "--hosts-per-replica", str(hosts),
-                 "--kill-host", f"1@30:{hosts - 1}", "steps=100")
+    run = launch(
+        "--virtual-cluster",
+        "--replicas",
+        "2",
+        "--hosts-per-replica",
+        str(hosts),
+        "--kill-host",
+        f"1@30:{hosts - 1}",
+        "steps=100",
+    )
     code = run.wait(timeout=500)
     s = run.summary()
     launched = _events(run, "launch")[0]
@@ -215,31 +243,49 @@ def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_wh
     replica 1 is killed at step 30 and not repaired for 20 s: replica 1 goes on as a 1-host replica
     within seconds (its surviving host serves both gradient lanes and computes a quarter of the
     step's rows); replica 0 never stalls more than 1.5 x its median step + 0.5 s (a stall: a gap
-    less the rows it computed for replica 1, see ftjax/launch/summary.py); the host returns, replica 1
+    less the rows it computed for replica 1, see ftjax/runs/summary.py); the host returns, replica 1
     leaves at a step boundary and comes back with 2 hosts; both end bitwise equal, every row of every
     step exactly once."""
-    run = launch("--virtual-cluster", "--replicas", "2", "--hosts-per-replica", "2", "--kill-host", "1@30:1",
-                 "--host-repair-s", "20", "ft.global_batch=constant", "ft.on_host_loss=reduce", "steps=300")
+    run = launch(
+        "--virtual-cluster",
+        "--replicas",
+        "2",
+        "--hosts-per-replica",
+        "2",
+        "--kill-host",
+        "1@30:1",
+        "--host-repair-s",
+        "20",
+        "ft.global_batch=constant",
+        "ft.on_host_loss=reduce",
+        "steps=300",
+    )
     code = run.wait(timeout=600)
     s = run.summary()
     assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
-    down, = _events(run, "replica_down", replica=1, cause="kill_host")
-    reduced, = _events(run, "replica_started", replica=1, reduced=True)
+    (down,) = _events(run, "replica_down", replica=1, cause="kill_host")
+    (reduced,) = _events(run, "replica_started", replica=1, reduced=True)
     assert reduced["hosts"] == [0] and len(reduced["pids"]) == 1
     assert reduced["time"] - down["time"] < 5.0  # at once on the surviving host: no wait for the repair
     rejoins = _events(run, "rejoined", replica=1)
     assert len(rejoins) == 2, rejoins  # reduced, then whole
     assert rejoins[0]["time"] - down["time"] < 60.0  # start + compile + catch-up on a busy 2-core machine
     # the reduced incarnation trained: its steps computed a quarter of the rows (1 of 4 devices)
-    reduced_steps = [m for m in run.metrics(1) if m.get("committed") and m.get("work")
-                     and m["time"] > rejoins[0]["time"] and m["time"] < _events(run, "host_back")[0]["time"]]
+    reduced_steps = [
+        m
+        for m in run.metrics(1)
+        if m.get("committed")
+        and m.get("work")
+        and m["time"] > rejoins[0]["time"]
+        and m["time"] < _events(run, "host_back")[0]["time"]
+    ]
     assert reduced_steps, "the reduced replica committed no step of its own"
     for m in reduced_steps:
         mine = sum(b - a for who, _, a, b in m["work"] if who == 1)
         assert mine in (0, 4), m["work"]  # 4 of the step's 16 rows (0: a step it healed into)
     assert any(sum(b - a for who, _, a, b in m["work"] if who == 1) == 4 for m in reduced_steps)
     # back at full degree: a 2-host incarnation, started after the reduced one left, trains to the end
-    left, = _events(run, "replica_down", replica=1, cause="left")
+    (left,) = _events(run, "replica_down", replica=1, cause="left")
     assert left["codes"] == [76]  # EXIT_LEFT: it left at a step boundary when asked
     whole = _events(run, "replica_started", replica=1, reduced=False)[-1]
     assert whole["hosts"] == [0, 1] and whole["time"] >= left["time"] and rejoins[1]["time"] > whole["time"]
@@ -265,8 +311,16 @@ def test_a_partitioned_replica_commits_nothing_then_rejoins(launch, namespaces):
     rejoins and catches up; digests equal, exactly once. FTAR's timeout is 2 s, so that replica 0
     trains on within seconds whatever the cut interrupts (with the default 10 s it may wait out the
     whole cut in the FTAR it was in)."""
-    run = launch("--virtual-cluster", "--replicas", "2", "--partition", "1@30:10", "steps=200",
-                 "ft.ftar_timeout_s=2", "ft.progress_timeout_s=5")
+    run = launch(
+        "--virtual-cluster",
+        "--replicas",
+        "2",
+        "--partition",
+        "1@30:10",
+        "steps=200",
+        "ft.ftar_timeout_s=2",
+        "ft.progress_timeout_s=5",
+    )
     code = run.wait(timeout=400)
     s = run.summary()
     (cut,) = _events(run, "fault", kind="partition")
@@ -279,8 +333,10 @@ def test_a_partitioned_replica_commits_nothing_then_rejoins(launch, namespaces):
     assert p["rejoined_at_step"] is not None, p  # replica 1 caught up after the restore
     assert [e["replica"] for e in s["rejoins"]] == [1]
     assert s["replicas"]["0"]["restarts"] == 0
-    digests = [{m["step"]: m["param_digest"] for m in run.metrics(r) if m.get("committed") and "param_digest" in m}
-               for r in (0, 1)]
+    digests = [
+        {m["step"]: m["param_digest"] for m in run.metrics(r) if m.get("committed") and "param_digest" in m}
+        for r in (0, 1)
+    ]
     both = set(digests[0]) & set(digests[1])
     assert len(both) >= 30 and all(digests[0][n] == digests[1][n] for n in both)  # no split brain
     _check_no_leftovers(run)
@@ -295,8 +351,9 @@ def test_with_default_settings_a_cut_non_leader_host_stalls_the_healthy_replica_
     progress deadline was 30 s), and its first retry after the cut failed on a stale FTAR frame
     (`quorum_id is 1, expected 2`). Now replica 1's leader leaves within ft.progress_timeout_s and
     is restarted; the healthy replica waits at most 15 s and is never restarted."""
-    run = launch("--virtual-cluster", "--replicas", "2", "--hosts-per-replica", "2", "--partition", "1/1@20:15",
-                 "steps=60")
+    run = launch(
+        "--virtual-cluster", "--replicas", "2", "--hosts-per-replica", "2", "--partition", "1/1@20:15", "steps=60"
+    )
     code = run.wait(timeout=500)
     s = run.summary()
     (cut,) = _events(run, "fault", kind="partition")
@@ -321,8 +378,13 @@ def test_sigterm_stops_every_process_and_deletes_every_namespace(launch, namespa
 
 # --- ftjax bench ftar --virtual-cluster ----------------------------------------------------------------
 def _bench(*args: str) -> dict:
-    proc = subprocess.Popen([*FTJAX, "bench", "ftar", "--virtual-cluster", "--world", "2", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = subprocess.Popen(
+        [*FTJAX, "bench", "ftar", "--virtual-cluster", "--world", "2", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         out, err = proc.communicate(timeout=240)
     finally:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from ftjax.watchdog import ProgressWatchdog
+from ftjax.runtime.watchdog import ProgressWatchdog
 
 
 class Verdicts:
@@ -27,7 +27,7 @@ def test_silence_past_the_deadline_names_the_phase_it_stopped_in():
         dog.arm()
         dog.beat("commit vote")
         assert verdicts.fired.wait(10)
-        (phase, silent), = verdicts.got
+        ((phase, silent),) = verdicts.got
         assert phase == "commit vote" and silent >= 0.2
     finally:
         dog.close()

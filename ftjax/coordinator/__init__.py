@@ -11,9 +11,9 @@ TOKEN_METADATA_KEY = "x-ftjax-token"  # call metadata carrying the job's shared 
 _EXPORTS = {
     "CoordinatorClient": "ftjax.coordinator.client",
     "CoordinatorError": "ftjax.coordinator.client",
-    "MemberInfo": "ftjax.coordinator.client",
-    "QuorumResult": "ftjax.coordinator.client",
-    "new_incarnation": "ftjax.coordinator.client",
+    "MemberInfo": "ftjax.coordinator.types",
+    "QuorumResult": "ftjax.coordinator.types",
+    "new_incarnation": "ftjax.coordinator.types",
     "CoordinatorServer": "ftjax.coordinator.server",
     "Settings": "ftjax.coordinator.quorum",
     "compute_quorum": "ftjax.coordinator.quorum",
@@ -21,7 +21,19 @@ _EXPORTS = {
     "Participant": "ftjax.coordinator.quorum",
 }
 
-__all__ = ["TOKEN_METADATA_KEY", *_EXPORTS]
+__all__ = [  # noqa: RUF022 (grouped as above)
+    "TOKEN_METADATA_KEY",
+    "CoordinatorClient",
+    "CoordinatorError",
+    "MemberInfo",
+    "QuorumResult",
+    "new_incarnation",
+    "CoordinatorServer",
+    "Settings",
+    "compute_quorum",
+    "Quorum",
+    "Participant",
+]
 
 
 def __getattr__(name: str):

@@ -17,31 +17,36 @@ caller's fault (INVALID_ARGUMENT, FAILED_PRECONDITION, UNAUTHENTICATED, RESOURCE
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import random
-import secrets
 import socket
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import grpc
 
+from ftjax.base.net import split_address
+from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
-from ftjax.coordinator.codec import QuorumEncoding
+from ftjax.coordinator.codec import result_from_proto
 from ftjax.coordinator.layout import MAX_LAYOUT_BYTES
-from ftjax.coordinator.quorum import MAX_REASON_BYTES, MemberReport, Participant, split_address
-from ftjax.coordinator import TOKEN_METADATA_KEY
+from ftjax.coordinator.quorum import MAX_REASON_BYTES
+from ftjax.coordinator.types import JobFinished, MemberInfo, QuorumResult
 
 log = logging.getLogger(__name__)
 
-CALLER_FAULT = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS,
-})
+CALLER_FAULT = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.ALREADY_EXISTS,
+    }
+)
 # ALREADY_EXISTS (another live process holds this replica id) is retried this long before it is
 # final: a predecessor that was just killed may not have been seen to die yet (its heartbeat stream's
 # end reaches the coordinator within milliseconds; a silent one is dead after the heartbeat timeout).
@@ -56,21 +61,6 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-def new_incarnation() -> str:
-    """A fresh incarnation id for this process start."""
-    return f"{os.getpid()}-{secrets.token_hex(6)}"
-
-
-class JobFinished(Exception):
-    """The job finished at `step`, and no live replica holds its state: this replica, behind it,
-    has nothing left to train (training finished steps again would make a second history)."""
-
-    def __init__(self, step: int, replica_id: str, at_step: int) -> None:
-        super().__init__(f"the job finished at step {step}; replica {replica_id} is at step {at_step} and no live "
-                         "replica holds the final state: nothing left to train")
-        self.step = step
-
-
 class CoordinatorError(RuntimeError):
     """The coordinator refused a request, or could not be reached in time. `code` is the gRPC status."""
 
@@ -78,104 +68,6 @@ class CoordinatorError(RuntimeError):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.details = message
-
-
-@dataclass(frozen=True)
-class MemberInfo:
-    """A replica leader's static fields: fixed for the life of its process."""
-
-    replica_id: str
-    incarnation: str
-    num_hosts: int  # the hosts it runs on now (fewer than the job's in a reduced-degree replica)
-    ftar_addresses: tuple[str, ...]  # one per gradient lane (ftjax/lanes.py): the job's mesh.hosts
-    catchup_addresses: tuple[str, ...]  # one per host rank: where host h serves its part of the state
-    topology_fingerprint: str
-    topology: str = ""  # the layout text hashed into the fingerprint (ftjax/coordinator/layout.py)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ftar_addresses", tuple(self.ftar_addresses))
-        object.__setattr__(self, "catchup_addresses", tuple(self.catchup_addresses))
-        if len(self.catchup_addresses) != self.num_hosts or len(self.ftar_addresses) % self.num_hosts:
-            raise ValueError(f"{len(self.catchup_addresses)} catch-up and {len(self.ftar_addresses)} FTAR addresses for "
-                             f"num_hosts={self.num_hosts} (one per host; one per lane, a multiple of the hosts)")
-        MemberReport(self.replica_id, self.incarnation, ftar_addresses=self.ftar_addresses,
-                     catchup_addresses=self.catchup_addresses,
-                     topology_fingerprint=self.topology_fingerprint).validate("member_info")
-
-    def to_proto(self, step: int = 0, data_position: int = 0, has_state: bool = True,
-                 commit_failures: int = 0, digest: str = "") -> pb.Member:
-        return pb.Member(
-            replica_id=self.replica_id, incarnation=self.incarnation, step=step, data_position=data_position,
-            has_state=has_state, num_hosts=self.num_hosts, ftar_addresses=self.ftar_addresses,
-            catchup_addresses=self.catchup_addresses, topology_fingerprint=self.topology_fingerprint,
-            commit_failures=commit_failures, digest=digest,
-        )
-
-
-@dataclass(frozen=True)
-class QuorumResult:
-    """One step's quorum, as this replica sees it."""
-
-    quorum_id: int
-    step: int  # the max step among participants with state
-    participants: tuple[Participant, ...]  # ordered by replica_id
-    rank: int  # this replica's index in participants
-    healing: bool  # this replica must fetch the state of `step` from heal_source
-    heal_source: str
-    heal_source_addresses: tuple[str, ...]  # the source's catch-up address per host rank
-    num_contributors: int  # participants not healing: the divisor of the gradient average
-    data_position: int  # where this replica's data stream resumes
-    no_state: bool  # nobody has state: restore the latest durable checkpoint
-    majority_digest: str = ""  # set: this replica's state diverged from it; it heals from heal_source
-
-    @property
-    def diverged(self) -> dict[str, str]:
-        """As the coordinator's Quorum has it (replica_id -> the digest kept), for this replica only."""
-        return {self.participants[self.rank].replica_id: self.majority_digest} if self.majority_digest else {}
-
-    @property
-    def replica_ids(self) -> tuple[str, ...]:
-        return tuple(p.replica_id for p in self.participants)
-
-    @property
-    def heal_targets(self) -> tuple[Participant, ...]:
-        """The participants that heal from this replica (it must serve them its state)."""
-        me = self.participants[self.rank].replica_id
-        return tuple(p for p in self.participants if p.healing and p.heal_source == me)
-
-
-def result_from_proto(r: pb.QuorumResponse, members: tuple[pb.MemberAddress, ...]) -> QuorumResult:
-    """Join a response's per-participant columns with the quorum's static membership."""
-    n = r.num_participants
-    steps = r.steps or [r.step] * n  # empty: everybody at the quorum's step
-    sources = r.heal_sources or [0] * n  # empty: nobody heals
-    if not (len(members) == len(steps) == len(r.data_positions) == len(sources) == n) or not 0 <= r.rank < n:
-        raise CoordinatorError(grpc.StatusCode.INTERNAL, f"malformed quorum {r.quorum_id}: inconsistent columns")
-    participants = tuple(
-        Participant(
-            replica_id=m.replica_id, incarnation=m.incarnation, step=steps[i], data_position=r.data_positions[i],
-            ftar_addresses=tuple(m.ftar_addresses), catchup_addresses=tuple(m.catchup_addresses),
-            healing=sources[i] > 0, heal_source=members[sources[i] - 1].replica_id if sources[i] > 0 else "",
-        )
-        for i, m in enumerate(members)
-    )
-    return QuorumResult(
-        quorum_id=r.quorum_id, step=r.step, participants=participants, rank=r.rank, healing=r.healing,
-        heal_source=r.heal_source, heal_source_addresses=tuple(r.heal_source_addresses),
-        num_contributors=r.num_contributors, data_position=r.data_position, no_state=r.no_state,
-        majority_digest=r.majority_digest,
-    )
-
-
-def encode_quorum(q: QuorumResult) -> bytes:
-    """A quorum as this replica sees it, as the coordinator's own message (membership included):
-    what a replica's leader hands its other hosts. `decode_quorum` is its inverse."""
-    return QuorumEncoding(q).for_member(q.rank, known_quorum_id=0)  # (0: holds no membership yet)
-
-
-def decode_quorum(data: bytes) -> QuorumResult:
-    r = pb.QuorumResponse.FromString(data)
-    return result_from_proto(r, tuple(r.members))
 
 
 class _Backoff:
@@ -199,7 +91,8 @@ class _QuorumStream:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self.expires = time.monotonic() + _STREAM_LIFETIME_S
         self._call = pb_grpc.CoordinatorStub(channel).Quorum(
-            iter(self._requests.get, None), timeout=_STREAM_LIFETIME_S, metadata=metadata)
+            iter(self._requests.get, None), timeout=_STREAM_LIFETIME_S, metadata=metadata
+        )
 
     def exchange(self, request: pb.QuorumRequest, timeout: float) -> pb.QuorumResponse:
         self._requests.put(request)
@@ -222,9 +115,17 @@ class _QuorumStream:
 class CoordinatorClient:
     """A replica leader's connection to the coordinator (see the module docstring)."""
 
-    def __init__(self, address: str, token: str, member: MemberInfo, *, heartbeat_interval_s: float = 0.1,
-                 rpc_timeout_s: float = 2.0, quorum_timeout_s: float = 60.0,
-                 duplicate_grace_s: float = DUPLICATE_GRACE_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        member: MemberInfo,
+        *,
+        heartbeat_interval_s: float = 0.1,
+        rpc_timeout_s: float = 2.0,
+        quorum_timeout_s: float = 60.0,
+        duplicate_grace_s: float = DUPLICATE_GRACE_S,
+    ) -> None:
         self.address = address
         self.duplicate_grace_s = duplicate_grace_s
         self.member = member
@@ -258,15 +159,19 @@ class CoordinatorClient:
         """Start the heartbeat thread (a daemon)."""
         with self._lock:
             if self._heartbeat_thread is None:
-                self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                                          name=f"ftjax-heartbeat-{self.member.replica_id}")
+                self._heartbeat_thread = threading.Thread(
+                    target=self._heartbeat_loop, daemon=True, name=f"ftjax-heartbeat-{self.member.replica_id}"
+                )
                 self._heartbeat_thread.start()
 
     def _heartbeats(self, done: threading.Event):
         step, position, has_state = self._progress
         known = [pb.ReplicaPosition(replica_id=r, data_position=p) for r, p in dict(self.known_positions).items()]
-        yield pb.HeartbeatRequest(member=self.member.to_proto(step, position, has_state), known_positions=known,
-                                  topology=self.member.topology if len(self.member.topology) <= MAX_LAYOUT_BYTES else "")
+        yield pb.HeartbeatRequest(
+            member=member_proto(self.member, step, position, has_state),
+            known_positions=known,
+            topology=self.member.topology if len(self.member.topology) <= MAX_LAYOUT_BYTES else "",
+        )
         while not done.wait(self.heartbeat_interval_s):
             yield pb.HeartbeatRequest()
 
@@ -277,7 +182,8 @@ class CoordinatorClient:
             done = threading.Event()
             try:
                 call = pb_grpc.CoordinatorStub(channel).Heartbeat.future(
-                    self._heartbeats(done), timeout=_STREAM_LIFETIME_S, metadata=self._metadata)
+                    self._heartbeats(done), timeout=_STREAM_LIFETIME_S, metadata=self._metadata
+                )
                 self._heartbeat_call = call
                 if self._closed.is_set():
                     call.cancel()
@@ -298,8 +204,9 @@ class CoordinatorClient:
 
     # -- quorum -------------------------------------------------------------------------------
 
-    def quorum_async(self, step: int, data_position: int, has_state: bool,
-                     commit_failures: int = 0, digest: str = "") -> Future:
+    def quorum_async(
+        self, step: int, data_position: int, has_state: bool, commit_failures: int = 0, digest: str = ""
+    ) -> Future:
         """Ask for the quorum of `step` in the background; the Future yields a QuorumResult.
         `digest`: of the state at `step`, when computed (the coordinator compares them).
 
@@ -310,26 +217,33 @@ class CoordinatorClient:
         self._requests.put(((step, data_position, has_state, commit_failures, digest), future))
         with self._lock:
             if self._quorum_thread is None:
-                self._quorum_thread = threading.Thread(target=self._quorum_loop, daemon=True,
-                                                       name=f"ftjax-quorum-{self.member.replica_id}")
+                self._quorum_thread = threading.Thread(
+                    target=self._quorum_loop, daemon=True, name=f"ftjax-quorum-{self.member.replica_id}"
+                )
                 self._quorum_thread.start()
         return future
 
     def report_step(self, record: dict, *, target_steps: int = 0, replicas: int = 0) -> None:
-        """Keep a step record of the training loop (ftjax/trainer.py) to send with the next quorum
+        """Keep a step record of the training loop (ftjax/runtime/trainer.py) to send with the next quorum
         request: the coordinator's status page and /metrics show the replicas' loss, step time and
         tokens from them. Records that are not steps are ignored."""
         if "step" not in record or "event" in record:
             return
         loss = record.get("loss")
         self._report = pb.StepReport(
-            step=int(record["step"]), committed=bool(record.get("committed")),
-            contributed=not record.get("healing"), loss=float("nan") if loss is None else float(loss),
-            step_time_s=max(0.0, float(record.get("step_time_s") or 0.0)), tokens=int(record.get("tokens") or 0),
-            target_steps=target_steps, replicas=replicas)
+            step=int(record["step"]),
+            committed=bool(record.get("committed")),
+            contributed=not record.get("healing"),
+            loss=float("nan") if loss is None else float(loss),
+            step_time_s=max(0.0, float(record.get("step_time_s") or 0.0)),
+            tokens=int(record.get("tokens") or 0),
+            target_steps=target_steps,
+            replicas=replicas,
+        )
 
-    def quorum(self, step: int, data_position: int, has_state: bool, commit_failures: int = 0,
-               digest: str = "") -> QuorumResult:
+    def quorum(
+        self, step: int, data_position: int, has_state: bool, commit_failures: int = 0, digest: str = ""
+    ) -> QuorumResult:
         """Blocking `quorum_async`."""
         return self.quorum_async(step, data_position, has_state, commit_failures, digest).result()
 
@@ -346,10 +260,11 @@ class CoordinatorClient:
             except BaseException as e:  # handed to the caller through the future
                 future.set_exception(e)
 
-    def _request_quorum(self, step: int, data_position: int, has_state: bool, commit_failures: int,
-                        digest: str = "") -> QuorumResult:
+    def _request_quorum(
+        self, step: int, data_position: int, has_state: bool, commit_failures: int, digest: str = ""
+    ) -> QuorumResult:
         self._progress = (step, data_position, has_state)
-        member = self.member.to_proto(step, data_position, has_state, commit_failures, digest)
+        member = member_proto(self.member, step, data_position, has_state, commit_failures, digest)
         deadline = time.monotonic() + self.quorum_timeout_s
         backoff = _Backoff()
         last_error = "none"
@@ -361,8 +276,9 @@ class CoordinatorClient:
             if remaining <= 0:
                 raise CoordinatorError(grpc.StatusCode.DEADLINE_EXCEEDED, self._timeout_message(last_error))
             known_id, members = self._membership
-            request = pb.QuorumRequest(member=member, timeout_ms=max(1, int(remaining * 1000)),
-                                       known_quorum_id=known_id)
+            request = pb.QuorumRequest(
+                member=member, timeout_ms=max(1, int(remaining * 1000)), known_quorum_id=known_id
+            )
             report = self._report
             if report is not None:
                 request.report.CopyFrom(report)
@@ -385,9 +301,13 @@ class CoordinatorClient:
                 members = tuple(response.members)
                 self._membership = (response.quorum_id, members)
             elif response.quorum_id != known_id:
-                raise CoordinatorError(grpc.StatusCode.INTERNAL,
-                                       f"quorum {response.quorum_id} came without its membership")
-            return result_from_proto(response, members)
+                raise CoordinatorError(
+                    grpc.StatusCode.INTERNAL, f"quorum {response.quorum_id} came without its membership"
+                )
+            try:
+                return result_from_proto(response, members)
+            except ValueError as e:
+                raise CoordinatorError(grpc.StatusCode.INTERNAL, str(e)) from None
 
     def _timeout_message(self, last_error: str) -> str:
         try:  # (a dropped packet and a refusal both fail this; a coordinator with no quorum does not)
@@ -395,9 +315,11 @@ class CoordinatorClient:
             return f"no quorum within {self.quorum_timeout_s:g} s (last error: {last_error})"
         except (OSError, ValueError):
             pass  # most likely a wrong --coordinator, or a coordinator that is not running
-        return (f"cannot reach the coordinator at {self.address} (--coordinator): no answer in "
-                f"{self.quorum_timeout_s:g} s (ft.quorum_timeout_s; last error: {last_error}). Check the "
-                f"address that `ftjax coordinator` printed, that it runs, and that this machine reaches it")
+        return (
+            f"cannot reach the coordinator at {self.address} (--coordinator): no answer in "
+            f"{self.quorum_timeout_s:g} s (ft.quorum_timeout_s; last error: {last_error}). Check the "
+            f"address that `ftjax coordinator` printed, that it runs, and that this machine reaches it"
+        )
 
     def _open_stream(self, needed_s: float) -> _QuorumStream:
         stream = self._stream
@@ -424,8 +346,13 @@ class CoordinatorClient:
     def report_failure(self, quorum_id: int, replica_id: str, incarnation: str, reason: str = "") -> bool:
         """Report that a peer failed. True if the accused is out of the membership now (it was
         silent: dropped, or already gone); False if it is alive (or unknown, or replaced)."""
-        request = pb.FailureReport(quorum_id=quorum_id, replica_id=replica_id, incarnation=str(incarnation),
-                                   reason=reason, reporter_id=self.member.replica_id)
+        request = pb.FailureReport(
+            quorum_id=quorum_id,
+            replica_id=replica_id,
+            incarnation=str(incarnation),
+            reason=reason,
+            reporter_id=self.member.replica_id,
+        )
         deadline = time.monotonic() + self.rpc_timeout_s
         backoff = _Backoff()
         while True:
@@ -435,7 +362,8 @@ class CoordinatorClient:
                 channel = self._report_channel
             try:
                 verdict = pb_grpc.CoordinatorStub(channel).ReportFailure(
-                    request, timeout=max(0.01, deadline - time.monotonic()), metadata=self._metadata)
+                    request, timeout=max(0.01, deadline - time.monotonic()), metadata=self._metadata
+                )
                 return verdict.dropped
             except grpc.RpcError as e:
                 if e.code() in CALLER_FAULT or time.monotonic() + 0.05 >= deadline:
@@ -490,9 +418,33 @@ class CoordinatorClient:
                 self._report_channel.close()
                 self._report_channel = None
 
-    def __enter__(self) -> "CoordinatorClient":
+    def __enter__(self) -> CoordinatorClient:
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def member_proto(
+    info: MemberInfo,
+    step: int = 0,
+    data_position: int = 0,
+    has_state: bool = True,
+    commit_failures: int = 0,
+    digest: str = "",
+) -> pb.Member:
+    """A member's fields as the coordinator's message: its static ones and this moment's."""
+    return pb.Member(
+        replica_id=info.replica_id,
+        incarnation=info.incarnation,
+        step=step,
+        data_position=data_position,
+        has_state=has_state,
+        num_hosts=info.num_hosts,
+        ftar_addresses=info.ftar_addresses,
+        catchup_addresses=info.catchup_addresses,
+        topology_fingerprint=info.topology_fingerprint,
+        commit_failures=commit_failures,
+        digest=digest,
+    )

@@ -4,7 +4,7 @@
 Served by the standard library's threading HTTP server in a daemon thread; every request reads a
 snapshot of the state under its lock, so the gRPC loop is never blocked for more than a copy.
 `BoundedHTTPServer`, that server with bounds on idle and surplus connections, also serves a
-replica's catch-up snapshots (ftjax/catchup.py).
+replica's catch-up snapshots (ftjax/runtime/catchup.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from ftjax import net
-from ftjax.coordinator.page import status_page  # noqa: F401 (also this module's: tests import it here)
+from ftjax.base import net
+from ftjax.coordinator.page import status_page
 from ftjax.coordinator.state import CoordinatorState
-from ftjax.lifecycle import Phase
+from ftjax.runs.lifecycle import Phase
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -35,8 +35,10 @@ _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 IDLE_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 64
 _BUSY_BODY = b"too many connections: retry later\n"
-_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n"
-         b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+_BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
@@ -59,8 +61,14 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # the listen backlog: a burst of connections is accepted, then judged
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        *,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         if idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be positive, not {idle_timeout_s}")
         if max_connections < 1:
@@ -131,32 +139,41 @@ class _StateCollector:
         s = self._state.summary(now)
         c = s["counters"]
         yield CounterMetricFamily("ftjax_coordinator_heartbeats", "Heartbeats received.", value=c["heartbeats"])
-        yield CounterMetricFamily("ftjax_coordinator_quorum_requests", "Quorum requests received.",
-                                  value=c["quorum_requests"])
+        yield CounterMetricFamily(
+            "ftjax_coordinator_quorum_requests", "Quorum requests received.", value=c["quorum_requests"]
+        )
         yield CounterMetricFamily("ftjax_coordinator_quorums", "Quorums formed.", value=c["quorums"])
-        yield CounterMetricFamily("ftjax_coordinator_quorum_id_changes", "Quorums formed with a new id.",
-                                  value=c["quorum_id_changes"])
+        yield CounterMetricFamily(
+            "ftjax_coordinator_quorum_id_changes", "Quorums formed with a new id.", value=c["quorum_id_changes"]
+        )
         failures = CounterMetricFamily(
             "ftjax_coordinator_failures",
             "Failure signals: source is what saw it (report: a peer's accusation, verdict: its outcome after the "
             "suspect window, disconnect: a heartbeat stream ended, departed: a member left the membership, "
             "implausible: a refused request), kind what it found (the verdict, or why the member departed).",
-            labels=["source", "kind"])
+            labels=["source", "kind"],
+        )
         for (source, kind), n in sorted(s["failure_counts"].items()):
             failures.add_metric([source, kind], n)
         yield failures
         yield GaugeMetricFamily("ftjax_coordinator_alive_replicas", "Replicas alive now.", value=s["alive"])
-        yield GaugeMetricFamily("ftjax_coordinator_quorum_id", "Id of the latest quorum (0: none yet).",
-                                value=s["quorum_id"])
-        yield GaugeMetricFamily("ftjax_coordinator_quorum_size", "Participants of the latest quorum.",
-                                value=s["quorum_size"])
+        yield GaugeMetricFamily(
+            "ftjax_coordinator_quorum_id", "Id of the latest quorum (0: none yet).", value=s["quorum_id"]
+        )
+        yield GaugeMetricFamily(
+            "ftjax_coordinator_quorum_size", "Participants of the latest quorum.", value=s["quorum_size"]
+        )
         yield GaugeMetricFamily("ftjax_coordinator_step", "Step of the latest quorum.", value=s["step"])
-        yield GaugeMetricFamily("ftjax_coordinator_seconds_since_progress",
-                                "Seconds since the job's step last moved (0 before the first quorum).",
-                                value=s["seconds_since_progress"])
-        yield GaugeMetricFamily("ftjax_coordinator_stalled",
-                                "1 while the job makes no progress and failed steps keep forming quorums.",
-                                value=int(s["stalled"]))
+        yield GaugeMetricFamily(
+            "ftjax_coordinator_seconds_since_progress",
+            "Seconds since the job's step last moved (0 before the first quorum).",
+            value=s["seconds_since_progress"],
+        )
+        yield GaugeMetricFamily(
+            "ftjax_coordinator_stalled",
+            "1 while the job makes no progress and failed steps keep forming quorums.",
+            value=int(s["stalled"]),
+        )
         view = self._state.metrics_view(now)
         yield from _job_families(view["job"])
         yield from _replica_families(view["replicas"])
@@ -166,25 +183,31 @@ def _job_families(job: dict):
     gauges = [
         ("ftjax_job_target_steps", "The job's configured steps (from the replicas' reports).", "target_steps"),
         ("ftjax_job_committed_steps", "Steps the job has committed.", "committed_steps"),
-        ("ftjax_job_replicas", "The job's replicas (ft.replicas as reported, else the expected replicas).",
-         "replicas"),
+        ("ftjax_job_replicas", "The job's replicas (ft.replicas as reported, else the expected replicas).", "replicas"),
         ("ftjax_job_replicas_training", "Replicas that contribute to the job's steps now.", "training"),
         ("ftjax_job_steps_per_second", "Committed steps per second over the last minute.", "steps_per_s"),
         ("ftjax_job_eta_seconds", "Estimated seconds to the target step at the recent step rate.", "eta_s"),
         ("ftjax_job_tokens_per_second", "Tokens of committed steps per second over the last 30 s.", "tokens_per_s"),
-        ("ftjax_job_goodput_tokens_per_second",
-         "Goodput: tokens of committed steps per second since warm-up (every replica trained a step).",
-         "goodput_tokens_per_s"),
-        ("ftjax_job_ettr", "Effective training time ratio since warm-up: the replicas' productive time over "
-                           "replicas x elapsed time (as in RUN/summary.json).", "ettr"),
+        (
+            "ftjax_job_goodput_tokens_per_second",
+            "Goodput: tokens of committed steps per second since warm-up (every replica trained a step).",
+            "goodput_tokens_per_s",
+        ),
+        (
+            "ftjax_job_ettr",
+            "Effective training time ratio since warm-up: the replicas' productive time over "
+            "replicas x elapsed time (as in RUN/summary.json).",
+            "ettr",
+        ),
         ("ftjax_job_loss", "Mean of the replicas' latest training losses.", "loss"),
         ("ftjax_job_median_step_seconds", "Median time between the job's steps (recent).", "median_step_s"),
     ]
     for name, help_text, key in gauges:
         if job.get(key) is not None:
             yield GaugeMetricFamily(name, help_text, value=job[key])
-    yield CounterMetricFamily("ftjax_job_tokens", "Tokens of committed steps since this coordinator started.",
-                              value=job["tokens_total"])
+    yield CounterMetricFamily(
+        "ftjax_job_tokens", "Tokens of committed steps since this coordinator started.", value=job["tokens_total"]
+    )
 
 
 def _replica_families(rows: list[dict]):
@@ -197,8 +220,11 @@ def _replica_families(rows: list[dict]):
         return f
 
     yield family(GaugeMetricFamily, "ftjax_replica_up", "1 while the replica heartbeats, 0 once it is out.", "alive")
-    state = GaugeMetricFamily("ftjax_replica_state", "1 for the replica's lifecycle state (starting, training, "
-                              "stalled, catching up, down, done), 0 for the others.", labels=["replica", "state"])
+    state = GaugeMetricFamily(
+        "ftjax_replica_state",
+        "1 for the replica's lifecycle state (starting, training, stalled, catching up, down, done), 0 for the others.",
+        labels=["replica", "state"],
+    )
     for r in rows:
         for phase in Phase:
             if phase is not Phase.GONE:
@@ -206,16 +232,30 @@ def _replica_families(rows: list[dict]):
     yield state
     yield family(GaugeMetricFamily, "ftjax_replica_step", "Steps the replica reported committed.", "step")
     yield family(GaugeMetricFamily, "ftjax_replica_loss", "Training loss of the replica's latest batch.", "loss")
-    yield family(GaugeMetricFamily, "ftjax_replica_step_seconds", "Wall time of the replica's latest step.",
-                 "step_time_s")
-    yield family(GaugeMetricFamily, "ftjax_replica_tokens_per_second",
-                 "Tokens per second of the replica's latest step.", "tokens_per_s")
-    yield family(GaugeMetricFamily, "ftjax_replica_healing", "1 while the latest quorum has the replica heal.",
-                 "healing")
-    yield family(GaugeMetricFamily, "ftjax_replica_heartbeat_age_seconds",
-                 "Seconds since the coordinator last heard from the replica.", "heartbeat_age_s")
-    yield family(CounterMetricFamily, "ftjax_replica_restarts",
-                 "New incarnations of the replica seen by this coordinator after its first.", "restarts")
+    yield family(
+        GaugeMetricFamily, "ftjax_replica_step_seconds", "Wall time of the replica's latest step.", "step_time_s"
+    )
+    yield family(
+        GaugeMetricFamily,
+        "ftjax_replica_tokens_per_second",
+        "Tokens per second of the replica's latest step.",
+        "tokens_per_s",
+    )
+    yield family(
+        GaugeMetricFamily, "ftjax_replica_healing", "1 while the latest quorum has the replica heal.", "healing"
+    )
+    yield family(
+        GaugeMetricFamily,
+        "ftjax_replica_heartbeat_age_seconds",
+        "Seconds since the coordinator last heard from the replica.",
+        "heartbeat_age_s",
+    )
+    yield family(
+        CounterMetricFamily,
+        "ftjax_replica_restarts",
+        "New incarnations of the replica seen by this coordinator after its first.",
+        "restarts",
+    )
 
 
 class Metrics:
@@ -227,13 +267,18 @@ class Metrics:
         self._answer = Histogram(
             "ftjax_coordinator_quorum_latency_seconds",
             "Per participant: from the request that completed its quorum to its answer handed to gRPC.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self._wait = Histogram(
             "ftjax_coordinator_quorum_wait_seconds",
             "From a quorum's first pending request to its formation (waiting for the others).",
-            buckets=_WAIT_BUCKETS, registry=self.registry)
-        self._rejected = Counter("ftjax_coordinator_rejected_calls", "Calls refused, by gRPC status.",
-                                 ["code"], registry=self.registry)
+            buckets=_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self._rejected = Counter(
+            "ftjax_coordinator_rejected_calls", "Calls refused, by gRPC status.", ["code"], registry=self.registry
+        )
 
     def observe_wait(self, seconds: float) -> None:
         self._wait.observe(seconds)
@@ -251,11 +296,19 @@ class Metrics:
 class StatusHTTPServer:
     """Serves `/`, `/status` and `/metrics` from a daemon thread."""
 
-    def __init__(self, state: CoordinatorState, metrics: Metrics, host: str, port: int, *,
-                 advertise: str | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(
+        self,
+        state: CoordinatorState,
+        metrics: Metrics,
+        host: str,
+        port: int,
+        *,
+        advertise: str | None = None,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     self._send(200, CONTENT_TYPE_LATEST, metrics.text())
@@ -277,11 +330,13 @@ class StatusHTTPServer:
             def log_message(self, *args) -> None:  # quiet: the coordinator's stdout is for its address line
                 pass
 
-        self._server = BoundedHTTPServer((host, port), Handler, idle_timeout_s=idle_timeout_s,
-                                         max_connections=max_connections)
+        self._server = BoundedHTTPServer(
+            (host, port), Handler, idle_timeout_s=idle_timeout_s, max_connections=max_connections
+        )
         self.address = net.format_address(net.advertised(host, advertise), self._server.server_address[1])
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="coordinator-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="coordinator-http", daemon=True
+        )
         self._thread.start()
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """What differs between two replicas' layouts, for the coordinator's refusal of a mismatched member.
 
-A replica's topology fingerprint hashes its layout text (`ReplicaProgram.topology`, ftjax/step.py):
+A replica's topology fingerprint hashes its layout text (`ReplicaProgram.topology`, ftjax/program/step.py):
 one `key: value` line per item, the mesh's lanes first, then each state leaf's path, shape, dtype and
 partition spec. Two hashes only say *that* replicas differ; the texts (sent once per heartbeat
 stream) say *where*: `d_model=128` against 64 names the leaves whose shapes changed.

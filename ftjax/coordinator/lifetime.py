@@ -52,12 +52,20 @@ class JobEnd:
     def why(self, code: int) -> str:
         if code == EXIT_DONE:
             return f"the job is over: all {self.expected} replicas reached step {self.final_step} and left"
-        return (f"no replica alive for {self.idle_s:g} s (finished: {len(self.finished)} of {self.expected}): "
-                "the job is gone")
+        return (
+            f"no replica alive for {self.idle_s:g} s (finished: {len(self.finished)} of {self.expected}): "
+            "the job is gone"
+        )
 
 
-def watch(end: JobEnd, snapshot: Callable[[float], dict], on_end: Callable[[int, str], None], *,
-          stop: threading.Event, every_s: float = 1.0) -> threading.Thread:
+def watch(
+    end: JobEnd,
+    snapshot: Callable[[float], dict],
+    on_end: Callable[[int, str], None],
+    *,
+    stop: threading.Event,
+    every_s: float = 1.0,
+) -> threading.Thread:
     """Observe `snapshot(now)` every `every_s` until the job is over (then `on_end(code, why)`) or
     `stop` is set."""
 

@@ -20,7 +20,7 @@ import math
 import time
 from typing import Any
 
-from ftjax.lifecycle import PHASE_COLORS, Phase
+from ftjax.runs.lifecycle import PHASE_COLORS, Phase
 
 REFRESH_S = 2
 HISTORY_ROWS = 10  # quorums shown in the details (the JSON has them all)
@@ -28,8 +28,10 @@ TABLE_ROWS = 200  # replicas listed (the ones not training first)
 TIMELINE_ROWS = 64
 # A replica connects to the coordinator once it has imported JAX and compiled its step: the
 # coordinator knows nothing of it before (measured: 30-45 s for configs/tiny.yaml on a busy 2-core machine).
-STARTUP_NOTE = ("a replica connects once its processes have started JAX and compiled the training step "
-                "(tens of seconds; on a small machine 30-45 s for configs/tiny.yaml)")
+STARTUP_NOTE = (
+    "a replica connects once its processes have started JAX and compiled the training step "
+    "(tens of seconds; on a small machine 30-45 s for configs/tiny.yaml)"
+)
 
 _TEXT_ON = {Phase.STARTING.value: "#08306b", Phase.DONE.value: "#333", Phase.STALLED.value: "#3a1d00"}
 
@@ -99,8 +101,7 @@ def _figures(s: dict) -> str:
     job = s["job"]
     target, done = job["target_steps"], job["committed_steps"]
     pct = f"{100 * done / target:.0f}%" if target else ""
-    bar = (f'<div class="bar"><div style="width:{min(100.0, 100 * done / target):.1f}%"></div></div>'
-           if target else "")
+    bar = f'<div class="bar"><div style="width:{min(100.0, 100 * done / target):.1f}%"></div></div>' if target else ""
     steps = f"{done:,}" + (f" / {target:,}" if target else "")
     rate = f"{job['steps_per_s']:.2f} steps/s" if job["steps_per_s"] else "no step yet"
     eta = ("done" if job["finished"] else duration(job["eta_s"])) if job["eta_s"] is not None else "-"
@@ -117,9 +118,14 @@ def _figures(s: dict) -> str:
         ("ETTR so far", ettr, f"goodput {goodput}" if goodput else "from warm-up (every replica trained) on"),
         ("replicas training", f"{training} of {size}" if size else "0", median),
     ]
-    return '<div class="cards">' + "".join(
-        f'<div class="card"><div class="k">{esc(k)}</div><div class="v">{esc(v)}</div><div class="s">{sub}</div></div>'
-        for k, v, sub in cards) + "</div>"
+    return (
+        '<div class="cards">'
+        + "".join(
+            f'<div class="card"><div class="k">{esc(k)}</div><div class="v">{esc(v)}</div><div class="s">{sub}</div></div>'
+            for k, v, sub in cards
+        )
+        + "</div>"
+    )
 
 
 def _banners(s: dict) -> str:
@@ -130,24 +136,44 @@ def _banners(s: dict) -> str:
     if s["quorum"] is None:
         if connected == 0:
             want = f"{expected} replicas are expected" if expected else "no replica has connected yet"
-            out.append(("info", f"Waiting for the replicas: none has connected yet ({want}). {STARTUP_NOTE[0].upper()}"
-                                f"{STARTUP_NOTE[1:]}, so the first half-minute or so of a job looks empty here."))
+            out.append(
+                (
+                    "info",
+                    f"Waiting for the replicas: none has connected yet ({want}). {STARTUP_NOTE[0].upper()}"
+                    f"{STARTUP_NOTE[1:]}, so the first half-minute or so of a job looks empty here.",
+                )
+            )
         else:
             want = f" of {expected} expected" if expected else ""
-            out.append(("info", f"Starting: {connected}{want} replicas connected, no quorum yet "
-                                f"({s['waiting_because']}). {STARTUP_NOTE[0].upper()}{STARTUP_NOTE[1:]}."))
+            out.append(
+                (
+                    "info",
+                    f"Starting: {connected}{want} replicas connected, no quorum yet "
+                    f"({s['waiting_because']}). {STARTUP_NOTE[0].upper()}{STARTUP_NOTE[1:]}.",
+                )
+            )
     elif not job["finished"]:
         size = job["replicas"] or 0
         if size and job["training"] < size:
-            out.append(("warn", f"Reduced: {job['training']} of {size} replicas train; the others are listed "
-                                "below with what happened to them. The job goes on without them (their data "
-                                "streams wait) and each one catches up from a peer when it is back."))
+            out.append(
+                (
+                    "warn",
+                    f"Reduced: {job['training']} of {size} replicas train; the others are listed "
+                    "below with what happened to them. The job goes on without them (their data "
+                    "streams wait) and each one catches up from a peer when it is back.",
+                )
+            )
     if job["finished"]:
         out.append(("good", f"Finished: {job['committed_steps']:,} steps committed at {clock(job['finished_at'])}."))
     if job.get("first_step"):
-        out.append(("info", f"This coordinator started at {clock(s['started_at'])} ({duration(s['uptime_s'])} ago), "
-                            f"when the job was at step {job['first_step']:,} (it was restarted): its records "
-                            "(failures, timeline, restarts, ETTR) begin then."))
+        out.append(
+            (
+                "info",
+                f"This coordinator started at {clock(s['started_at'])} ({duration(s['uptime_s'])} ago), "
+                f"when the job was at step {job['first_step']:,} (it was restarted): its records "
+                "(failures, timeline, restarts, ETTR) begin then.",
+            )
+        )
     return "".join(f'<div class="banner {kind}">{esc(text)}</div>' for kind, text in out)
 
 
@@ -166,28 +192,34 @@ def _replicas(s: dict) -> str:
         words = "" if r["state_text"] == r["state"] else f' <span class="words">{esc(r["state_text"])}</span>'
         body.append(
             f'<tr class="st-{esc(r["state"].replace(" ", "-"))}"><td class="rid">{esc(r["replica_id"])}</td>'
-            f'<td>{badge(r["state"])}{words}</td>'
+            f"<td>{badge(r['state'])}{words}</td>"
             f'<td class="n">{r["step"]:,}</td><td class="n">{loss}</td><td class="n">{step_time}</td>'
             f'<td class="n">{count(r.get("tokens_per_s"))}</td><td class="n">{r["data_position"]:,}</td>'
-            f'<td class="n">{restarts}</td><td class="n">{esc(heard)}</td></tr>')
+            f'<td class="n">{restarts}</td><td class="n">{esc(heard)}</td></tr>'
+        )
     more = f'<p class="muted">{len(rows) - len(shown)} more in /status.</p>' if len(shown) < len(rows) else ""
     return (
         '<table class="replicas"><tr><th>replica</th><th>state</th><th>step</th><th>loss</th><th>step time</th>'
-        '<th>tokens/s</th><th>data position<sup>*</sup></th><th>restarts</th><th>last heard</th></tr>'
-        + "".join(body) + "</table>" + more
+        "<th>tokens/s</th><th>data position<sup>*</sup></th><th>restarts</th><th>last heard</th></tr>"
+        + "".join(body)
+        + "</table>"
+        + more
         + '<p class="note"><sup>*</sup> data position: the next batch of the replica\'s own data stream, i.e. how '
-          "many of its batches the job has trained. It equals the step count while the replica trains from the "
-          "start; a replica that was down or caught up trails it by the steps the job took without its batches "
-          "(they were not skipped: its stream resumes where it stopped). Step, loss and tokens/s are from the "
-          "replica's latest report; restarts count the incarnations this coordinator has seen.</p>")
+        "many of its batches the job has trained. It equals the step count while the replica trains from the "
+        "start; a replica that was down or caught up trails it by the steps the job took without its batches "
+        "(they were not skipped: its stream resumes where it stopped). Step, loss and tokens/s are from the "
+        "replica's latest report; restarts count the incarnations this coordinator has seen.</p>"
+    )
 
 
 def _incident(inc: dict, s: dict) -> str:
     median = s["job"]["median_step_s"]
     at = f"step {inc['step']:,}" if inc["step"] is not None else "before the first quorum"
-    head = (f'<div class="when">{clock(inc["time"])} <span class="muted">({duration(inc["age_s"])} ago)</span></div>'
-            f'<div class="what">{badge(Phase.DOWN.value, "failure")} <b>replica {esc(inc["replica"])}</b> '
-            f"(incarnation {inc['incarnation']}) went down at {at}: {esc(inc['how'])}</div>")
+    head = (
+        f'<div class="when">{clock(inc["time"])} <span class="muted">({duration(inc["age_s"])} ago)</span></div>'
+        f'<div class="what">{badge(Phase.DOWN.value, "failure")} <b>replica {esc(inc["replica"])}</b> '
+        f"(incarnation {inc['incarnation']}) went down at {at}: {esc(inc['how'])}</div>"
+    )
     then = []
     if inc["stall_s"] is not None:
         waited = inc["stall_s"]
@@ -201,14 +233,17 @@ def _incident(inc: dict, s: dict) -> str:
     if inc["restarted_after_s"] is not None:
         then.append(f"restarted {duration(inc['restarted_after_s'])} after the failure")
     elif inc["open"] and inc.get("outcome") is None:
-        then.append(f"not back yet ({duration(inc['age_s'])}): a restarted replica shows here once its processes "
-                    "have started JAX and compiled, and it connects")
+        then.append(
+            f"not back yet ({duration(inc['age_s'])}): a restarted replica shows here once its processes "
+            "have started JAX and compiled, and it connects"
+        )
     if inc["healing_from"] is not None:
         if inc["catchup_s"] is not None:
             then.append(f"caught up from replica {esc(inc['healing_from'])} in {duration(inc['catchup_s'])}")
         else:
-            then.append(f"healing from replica {esc(inc['healing_from'])} "
-                        f"({duration(inc.get('healing_for_s'))} so far)")
+            then.append(
+                f"healing from replica {esc(inc['healing_from'])} ({duration(inc.get('healing_for_s'))} so far)"
+            )
     if inc["back_after_s"] is not None:
         then.append(f"training again at step {inc['back_step']:,}, {duration(inc['back_after_s'])} after the failure")
     if inc.get("outcome"):
@@ -222,8 +257,11 @@ def _failures(s: dict) -> str:
     if not incidents:
         reports = [f for f in s["failures"] if f["kind"] in ("implausible", "report") and f["outcome"] != "ALIVE"]
         extra = f" ({len(s['failures'])} failure signals are listed in the details below)" if s["failures"] else ""
-        return f'<p class="muted">No replica has failed since this coordinator started{extra}.</p>' if not reports \
+        return (
+            f'<p class="muted">No replica has failed since this coordinator started{extra}.</p>'
+            if not reports
             else f'<p class="muted">No replica went down; {len(reports)} failure reports or refusals below.</p>'
+        )
     return "".join(_incident(inc, s) for inc in incidents[:10])
 
 
@@ -255,29 +293,42 @@ def _timeline(s: dict) -> str:
     base = 10 + row_h * len(rows)
     parts = []
     for t in _ticks(lo, hi):
-        parts.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="10" y2="{base + 4}" class="grid"/>'
-                     f'<text x="{x(t):.1f}" y="{base + 16}" text-anchor="middle" class="tick">{t:g}</text>')
+        parts.append(
+            f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="10" y2="{base + 4}" class="grid"/>'
+            f'<text x="{x(t):.1f}" y="{base + 16}" text-anchor="middle" class="tick">{t:g}</text>'
+        )
     for i, (rid, segs) in enumerate(rows):
         y = 10 + i * row_h
         parts.append(f'<text x="{label_w - 8}" y="{y + 14}" text-anchor="end" class="lbl">replica {esc(rid)}</text>')
         for a, b, phase in segs:
             w = max(x(b) - x(a), 0.8)
-            parts.append(f'<rect x="{x(a):.1f}" y="{y + 2}" width="{w:.1f}" height="{row_h - 4}" '
-                         f'fill="{PHASE_COLORS.get(phase, "#999")}"><title>replica {esc(rid)}: {esc(phase)} '
-                         f'{a:.1f}-{b:.1f} s ({duration(b - a)})</title></rect>')
+            parts.append(
+                f'<rect x="{x(a):.1f}" y="{y + 2}" width="{w:.1f}" height="{row_h - 4}" '
+                f'fill="{PHASE_COLORS.get(phase, "#999")}"><title>replica {esc(rid)}: {esc(phase)} '
+                f"{a:.1f}-{b:.1f} s ({duration(b - a)})</title></rect>"
+            )
     index = {rid: i for i, (rid, _) in enumerate(rows)}
     for t, rid in tl["failures"]:
         if rid in index:
             y = 10 + index[rid] * row_h + row_h / 2
-            parts.append(f'<text x="{x(t):.1f}" y="{y + 5}" text-anchor="middle" class="x">&#x2715;'
-                         f"<title>replica {esc(rid)} failed at {t:.1f} s</title></text>")
-    parts.append(f'<text x="{label_w + plot_w}" y="{base + 30}" text-anchor="end" class="tick">seconds since the '
-                 f"coordinator started ({clock(tl['start'])}); now {clock(s['now'])}</text>")
+            parts.append(
+                f'<text x="{x(t):.1f}" y="{y + 5}" text-anchor="middle" class="x">&#x2715;'
+                f"<title>replica {esc(rid)} failed at {t:.1f} s</title></text>"
+            )
+    parts.append(
+        f'<text x="{label_w + plot_w}" y="{base + 30}" text-anchor="end" class="tick">seconds since the '
+        f"coordinator started ({clock(tl['start'])}); now {clock(s['now'])}</text>"
+    )
     legend = " ".join(badge(p.value) for p in Phase if p is not Phase.GONE) + ' <span class="x">&#x2715;</span> failure'
-    more = (f'<p class="muted">{len(tl["replicas"]) - len(rows)} more replicas in /status.</p>'
-            if len(tl["replicas"]) > len(rows) else "")
-    return (f'<svg class="timeline" viewBox="0 0 {width} {height}" width="100%" role="img" '
-            f'aria-label="replica states over time">{"".join(parts)}</svg><div class="legend">{legend}</div>{more}')
+    more = (
+        f'<p class="muted">{len(tl["replicas"]) - len(rows)} more replicas in /status.</p>'
+        if len(tl["replicas"]) > len(rows)
+        else ""
+    )
+    return (
+        f'<svg class="timeline" viewBox="0 0 {width} {height}" width="100%" role="img" '
+        f'aria-label="replica states over time">{"".join(parts)}</svg><div class="legend">{legend}</div>{more}'
+    )
 
 
 def _loss_curve(s: dict) -> str:
@@ -290,16 +341,22 @@ def _loss_curve(s: dict) -> str:
     hi = hi if hi > lo else lo + 1
 
     def xy(step: int, loss: float) -> str:
-        return (f"{left + (width - left - 10) * (step - s0) / max(1, s1 - s0):.1f},"
-                f"{10 + (height - bottom - 10) * (hi - loss) / (hi - lo):.1f}")
+        return (
+            f"{left + (width - left - 10) * (step - s0) / max(1, s1 - s0):.1f},"
+            f"{10 + (height - bottom - 10) * (hi - loss) / (hi - lo):.1f}"
+        )
 
     line = " ".join(xy(a, b) for a, b in pts)
-    labels = (f'<text x="{left - 6}" y="16" text-anchor="end" class="tick">{hi:.3f}</text>'
-              f'<text x="{left - 6}" y="{height - bottom}" text-anchor="end" class="tick">{lo:.3f}</text>'
-              f'<text x="{left}" y="{height - 6}" class="tick">step {s0:,}</text>'
-              f'<text x="{width - 10}" y="{height - 6}" text-anchor="end" class="tick">step {s1:,}</text>')
-    return (f'<svg class="loss" viewBox="0 0 {width} {height}" width="100%" role="img" aria-label="training loss">'
-            f'<polyline points="{line}" fill="none" stroke="#3182bd" stroke-width="1.5"/>{labels}</svg>')
+    labels = (
+        f'<text x="{left - 6}" y="16" text-anchor="end" class="tick">{hi:.3f}</text>'
+        f'<text x="{left - 6}" y="{height - bottom}" text-anchor="end" class="tick">{lo:.3f}</text>'
+        f'<text x="{left}" y="{height - 6}" class="tick">step {s0:,}</text>'
+        f'<text x="{width - 10}" y="{height - 6}" text-anchor="end" class="tick">step {s1:,}</text>'
+    )
+    return (
+        f'<svg class="loss" viewBox="0 0 {width} {height}" width="100%" role="img" aria-label="training loss">'
+        f'<polyline points="{line}" fill="none" stroke="#3182bd" stroke-width="1.5"/>{labels}</svg>'
+    )
 
 
 def _details(s: dict) -> str:
@@ -309,29 +366,34 @@ def _details(s: dict) -> str:
     else:
         people = ", ".join(
             f"{esc(p['replica_id'])}" + (f" (healing from {esc(p['heal_source'])})" if p["healing"] else "")
-            for p in q["participants"])
-        quorum = (f"<p>Quorum {q['quorum_id']} at step {q['step']:,}: {len(q['participants'])} participants "
-                  f"({people}), {q['num_contributors']} contributing; formed because: {esc(q['reason'])}"
-                  f"{'; nobody had state: restoring durable checkpoints' if q['no_state'] else ''}.</p>")
-    waiting = (f"<p>Waiting for a quorum: {esc(s['waiting_because'])}.</p>" if s.get("pending") else "")
+            for p in q["participants"]
+        )
+        quorum = (
+            f"<p>Quorum {q['quorum_id']} at step {q['step']:,}: {len(q['participants'])} participants "
+            f"({people}), {q['num_contributors']} contributing; formed because: {esc(q['reason'])}"
+            f"{'; nobody had state: restoring durable checkpoints' if q['no_state'] else ''}.</p>"
+        )
+    waiting = f"<p>Waiting for a quorum: {esc(s['waiting_because'])}.</p>" if s.get("pending") else ""
     history = "".join(
         f"<tr><td>{h['quorum_id']}</td><td>{h['step']:,}</td><td>{len(h['participants'])}</td>"
         f"<td>{esc(h['reason'])}</td><td>{h['wait_s'] * 1000:.1f} ms</td>"
         f"<td>{esc(', '.join(f'{k} from {v}' for k, v in h['healing'].items()))}</td></tr>"
-        for h in s["history"][:HISTORY_ROWS])
+        for h in s["history"][:HISTORY_ROWS]
+    )
     failures = "".join(
         f"<tr><td>{clock(f['time'])}</td><td>{esc(f['kind'])}</td><td>{esc(f['replica_id'])}</td>"
         f"<td>{esc(f['reporter'])}</td><td>{esc(f['outcome'])}</td><td>{esc(f['reason'][:300])}</td></tr>"
-        for f in s["failures"][:20])
+        for f in s["failures"][:20]
+    )
     st = s["settings"]
     incarnations = ", ".join(f"{esc(r['replica_id'])}: {esc(r['incarnation'])}" for r in s["replicas"][:50])
     counts = ", ".join(f"{esc(k)} {v}" for k, v in sorted(s["failure_counts"].items())) or "none"
     return f"""
 <details id="d-quorum"><summary>Current quorum and coordinator</summary>{quorum}{waiting}
-<p>Coordinator up {duration(s['uptime_s'])}; settings: min replicas {st['min_replicas']}, join timeout
-{st['join_timeout_s']:g} s, heartbeat timeout {st['heartbeat_timeout_s']:g} s, suspect window {st['suspect_window_s']:g} s;
-expected replicas {s.get('expected_replicas') or '-'}; topology fingerprint {esc(s['topology_fingerprint'] or '-')}.</p>
-<p>Incarnations: {incarnations or '-'}.</p><p>Failure signals by source:kind: {counts}.</p></details>
+<p>Coordinator up {duration(s["uptime_s"])}; settings: min replicas {st["min_replicas"]}, join timeout
+{st["join_timeout_s"]:g} s, heartbeat timeout {st["heartbeat_timeout_s"]:g} s, suspect window {st["suspect_window_s"]:g} s;
+expected replicas {s.get("expected_replicas") or "-"}; topology fingerprint {esc(s["topology_fingerprint"] or "-")}.</p>
+<p>Incarnations: {incarnations or "-"}.</p><p>Failure signals by source:kind: {counts}.</p></details>
 <details id="d-history"><summary>Latest quorums</summary><table><tr><th>id</th><th>step</th><th>participants</th>
 <th>formed because</th><th>waited</th><th>healing</th></tr>{history}</table></details>
 <details id="d-failures"><summary>Failure signals (reports, verdicts, broken streams, refusals)</summary>
@@ -418,7 +480,7 @@ def status_page(snapshot: dict) -> str:
 <noscript><meta http-equiv="refresh" content="5"></noscript>
 <title>{esc(title)}</title><style>{_STYLE}</style></head><body><main id="page">
 <header><h1>ftjax coordinator</h1>{badge(phase, words)}
-<span class="muted">updated {clock(s['now'])} &middot; refreshes every {REFRESH_S} s &middot;
+<span class="muted">updated {clock(s["now"])} &middot; refreshes every {REFRESH_S} s &middot;
 <a href="/status">/status</a> (JSON) &middot; <a href="/metrics">/metrics</a></span></header>
 <div id="offline" class="banner bad"></div>
 {_banners(s)}

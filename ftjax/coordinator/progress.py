@@ -4,7 +4,7 @@
 latest step with a quorum request, takes part in a quorum, is accused, departs) under its lock;
 `JobProgress` turns them into what the status page and /metrics show:
 
-- **per replica**: its lifecycle phase (`ftjax.lifecycle.Phase`, the phases and colours of the
+- **per replica**: its lifecycle phase (`ftjax.runs.lifecycle.Phase`, the phases and colours of the
   launcher's timeline.png): *starting* (connected, not yet contributing), *training* (it contributes
   to the quorums), *stalled* (training, but the gap since its last quorum breaks the stall rule),
   *catching up* (a quorum says it heals, from whom), *down* (departed before the job's last step),
@@ -18,7 +18,7 @@ latest step with a quorum request, takes part in a quorum, is accused, departs) 
 Phases come from quorums (every client takes part in them), figures from step reports (a client
 that sends none still has a phase). A quorum in which a replica contributes is its *step signal*:
 gaps between its signals drive the stall rule and the ETTR, as gaps between its step records do in
-the launcher's summary (ftjax/launch/summary.py).
+the launcher's summary (ftjax/runs/summary.py).
 
 Everything is O(1) per event except a quorum, which is O(participants) like the quorum itself, and
 bounded in memory per replica. Times are the coordinator's monotonic clock; `wall_offset` turns
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ftjax.coordinator.quorum import MAX_STEP, InvalidField, Quorum, check_int
-from ftjax.lifecycle import Phase, is_stall
+from ftjax.runs.lifecycle import Phase, is_stall
 
 MAX_SEGMENTS = 100  # timeline segments kept per replica (the oldest go first)
 MAX_INCIDENTS = 50
@@ -44,7 +44,7 @@ TOKENS_WINDOW_S = 30  # tokens/s: over this many one-second buckets
 LOSS_POINTS = 400  # the loss curve keeps at most this many points (thinned by 2 when full)
 MAX_STEP_TIME_S = 1e7
 MAX_REPLICAS = 1 << 20
-# The stall rule (ftjax.lifecycle.is_stall) judges every gap between a replica's steps, as the
+# The stall rule (ftjax.runs.lifecycle.is_stall) judges every gap between a replica's steps, as the
 # launcher's summary does. A replica is *shown* stalled now only once its current gap is also
 # longer than this: on a busy machine sub-second gaps of a fast job come and go every few steps,
 # and a state word that flickers tells a person nothing (the timeline still shows every one).
@@ -70,8 +70,10 @@ class StepFigures(NamedTuple):
         check_int(f"{prefix}.target_steps", self.target_steps, 0, MAX_STEP)
         check_int(f"{prefix}.replicas", self.replicas, 0, MAX_REPLICAS)
         if not (math.isfinite(self.step_time_s) and 0 <= self.step_time_s <= MAX_STEP_TIME_S):
-            raise InvalidField(f"{prefix}.step_time_s", f"{self.step_time_s} is not a finite number of seconds "
-                                                        f"in [0, {MAX_STEP_TIME_S:g}]")
+            raise InvalidField(
+                f"{prefix}.step_time_s",
+                f"{self.step_time_s} is not a finite number of seconds in [0, {MAX_STEP_TIME_S:g}]",
+            )
 
 
 @dataclass
@@ -95,7 +97,6 @@ class ReplicaView:
     last_signal: float | None = None  # its latest quorum as a contributor (this incarnation, no heal since)
     finished: bool = False  # it contributed to a quorum at the job's target step
     report: StepFigures | None = None
-    report_at: float | None = None
     down_why: str = ""
     phase_before_down: Phase = Phase.STARTING
     accusation: _Accusation | None = None
@@ -112,8 +113,13 @@ class ReplicaView:
 
     def stalled_at(self, now: float, median_s: float | None) -> bool:
         """Whether the replica is stalled now (its open gap; see STALLED_NOW_AFTER_S)."""
-        return (self.phase is Phase.TRAINING and not self.finished and self.last_signal is not None
-                and now - self.last_signal > STALLED_NOW_AFTER_S and is_stall(now - self.last_signal, median_s))
+        return (
+            self.phase is Phase.TRAINING
+            and not self.finished
+            and self.last_signal is not None
+            and now - self.last_signal > STALLED_NOW_AFTER_S
+            and is_stall(now - self.last_signal, median_s)
+        )
 
 
 class JobProgress:
@@ -180,7 +186,7 @@ class JobProgress:
             self._open[rid]["restarted_after_s"] = round(now - self._open[rid]["t"], 3)
         v.incarnation, v.incarnations = incarnation, v.incarnations + 1
         v.last_signal, v.finished, v.heal_source, v.down_why = None, False, "", ""
-        v.report = v.report_at = v.accusation = v.stream_lost_at = None
+        v.report = v.accusation = v.stream_lost_at = None
         v.set_phase(Phase.STARTING, now)
 
     def revived(self, rid: str, now: float) -> None:
@@ -194,7 +200,7 @@ class JobProgress:
 
     def reported(self, rid: str, fig: StepFigures, now: float) -> None:
         v = self._view(rid)
-        v.report, v.report_at = fig, now
+        v.report = fig
         self.target_steps = max(self.target_steps, fig.target_steps)
         self.job_replicas = max(self.job_replicas, fig.replicas)
         if not (fig.committed and fig.contributed):
@@ -263,11 +269,22 @@ class JobProgress:
 
     def _open_incident(self, v: ReplicaView, now: float, how: str) -> None:
         inc = {
-            "t": now, "replica": v.replica_id, "incarnation": v.incarnations, "step": self.step,
-            "replica_step": v.report.step if v.report is not None else None, "how": how,
-            "progress_before": self.last_advance, "stall_s": None, "quorum_after": None,
-            "restarted_after_s": None, "healing_from": None, "heal_started": None, "catchup_s": None,
-            "back_after_s": None, "back_step": None, "outcome": None,
+            "t": now,
+            "replica": v.replica_id,
+            "incarnation": v.incarnations,
+            "step": self.step,
+            "replica_step": v.report.step if v.report is not None else None,
+            "how": how,
+            "progress_before": self.last_advance,
+            "stall_s": None,
+            "quorum_after": None,
+            "restarted_after_s": None,
+            "healing_from": None,
+            "heal_started": None,
+            "catchup_s": None,
+            "back_after_s": None,
+            "back_step": None,
+            "outcome": None,
         }
         self.incidents.append(inc)
         self._open[v.replica_id] = inc
@@ -380,21 +397,39 @@ class JobProgress:
         if self.warm_at is not None and self.size and end - self.warm_at > (self._median or 0.0):
             productive = self.productive_s
             for v in self.replicas.values():  # the open gap of each training replica
-                if v.phase is Phase.TRAINING and v.last_signal is not None and not v.finished \
-                        and v.last_signal >= self.warm_at and end > v.last_signal:
+                if (
+                    v.phase is Phase.TRAINING
+                    and v.last_signal is not None
+                    and not v.finished
+                    and v.last_signal >= self.warm_at
+                    and end > v.last_signal
+                ):
                     gap = end - v.last_signal
                     productive += min(gap, self._median) if is_stall(gap, self._median) else gap
             ettr = min(1.0, productive / (self.size * (end - self.warm_at)))
             goodput = self._tokens_warm / (end - self.warm_at)
-        losses = [v.report.loss for v in self.replicas.values()
-                  if v.phase.alive and v.report is not None and v.report.contributed and math.isfinite(v.report.loss)]
+        losses = [
+            v.report.loss
+            for v in self.replicas.values()
+            if v.phase.alive and v.report is not None and v.report.contributed and math.isfinite(v.report.loss)
+        ]
         training = self._contributing()
         return {
-            "target_steps": self.target_steps or None, "committed_steps": step, "replicas": self.size or None,
-            "alive": alive, "training": training, "steps_per_s": rate, "eta_s": eta,
-            "tokens_per_s": tokens_per_s, "tokens_total": self.tokens_total, "goodput_tokens_per_s": goodput,
-            "ettr": ettr, "loss": statistics.fmean(losses) if losses else None, "median_step_s": self._median,
-            "warm_at": self.wall(self.warm_at), "finished": self.finished_at is not None,
+            "target_steps": self.target_steps or None,
+            "committed_steps": step,
+            "replicas": self.size or None,
+            "alive": alive,
+            "training": training,
+            "steps_per_s": rate,
+            "eta_s": eta,
+            "tokens_per_s": tokens_per_s,
+            "tokens_total": self.tokens_total,
+            "goodput_tokens_per_s": goodput,
+            "ettr": ettr,
+            "loss": statistics.fmean(losses) if losses else None,
+            "median_step_s": self._median,
+            "warm_at": self.wall(self.warm_at),
+            "finished": self.finished_at is not None,
             "first_step": self.first_step,
             "finished_at": self.wall(self.finished_at),
         }
@@ -410,9 +445,12 @@ class JobProgress:
         phase = self.phase_now(v, now)
         r = v.report
         return {
-            "state": phase.value, "state_text": self.describe(v, phase, now),
+            "state": phase.value,
+            "state_text": self.describe(v, phase, now),
             "since_s": round(now - (v.last_signal if phase is Phase.STALLED else v.since), 3),
-            "heal_source": v.heal_source, "incarnation_number": v.incarnations, "restarts": max(0, v.incarnations - 1),
+            "heal_source": v.heal_source,
+            "incarnation_number": v.incarnations,
+            "restarts": max(0, v.incarnations - 1),
             "finished": v.finished,
             "loss": r.loss if r is not None and r.contributed and math.isfinite(r.loss) else None,
             "step_time_s": r.step_time_s if r is not None else None,
@@ -425,8 +463,11 @@ class JobProgress:
         if phase is Phase.STARTING:
             if v.incarnations > 1:
                 return "restarted: joining the job"
-            return "starting: connected, waiting for the job's first quorum" if self.step is None \
+            return (
+                "starting: connected, waiting for the job's first quorum"
+                if self.step is None
                 else "starting: connected, joining the job"
+            )
         if phase is Phase.TRAINING:
             if v.finished:
                 return "finished its steps: serving peers until every replica holds the final state"

@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ftjax.base.net import split_address
 from ftjax.config import CoordinatorConfig, validated
 
 _DEFAULTS = CoordinatorConfig()
@@ -82,18 +83,6 @@ def check_text(field: str, value: str, max_bytes: int = MAX_STRING_BYTES) -> Non
     size = len(value.encode("utf-8", "surrogatepass"))
     if size > max_bytes:
         raise InvalidField(field, f"{size} bytes, at most {max_bytes}")
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """"host:port" -> (host, port), the port in 1-65535; an IPv6 host may be in brackets ("[::1]:80"),
-    which are removed (socket calls take the bare host). ValueError naming the address otherwise."""
-    host, sep, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    digits = port.isascii() and port.isdigit() and len(port) <= 5
-    if not sep or not host or not digits or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{address!r} is not host:port")
-    return host, int(port)
 
 
 def check_address(field: str, value: str) -> None:
@@ -148,8 +137,11 @@ class MemberReport(NamedTuple):
         for i, address in enumerate(self.ftar_addresses):
             check_address(f"{prefix}.ftar_addresses[{i}]", address)
         if len(self.ftar_addresses) % len(self.catchup_addresses):
-            raise InvalidField(f"{prefix}.ftar_addresses", f"{len(self.ftar_addresses)} lanes for "
-                               f"{len(self.catchup_addresses)} hosts: each host serves the same number of lanes")
+            raise InvalidField(
+                f"{prefix}.ftar_addresses",
+                f"{len(self.ftar_addresses)} lanes for "
+                f"{len(self.catchup_addresses)} hosts: each host serves the same number of lanes",
+            )
         for i, address in enumerate(self.catchup_addresses):
             check_address(f"{prefix}.catchup_addresses[{i}]", address)
         check_text(f"{prefix}.topology_fingerprint", self.topology_fingerprint)
@@ -186,13 +178,14 @@ class Settings:
     startup_timeout_s: float = _DEFAULTS.startup_timeout_s
 
     @classmethod
-    def from_config(cls, config: CoordinatorConfig, expected_replicas: int = 0) -> "Settings":
+    def from_config(cls, config: CoordinatorConfig, expected_replicas: int = 0) -> Settings:
         return cls(**config.model_dump(), expected_replicas=expected_replicas)
 
     def __post_init__(self) -> None:
         # the config's checks: ConfigError (a ValueError) naming the field, e.g. coordinator.min_replicas
-        validated(CoordinatorConfig, {name: getattr(self, name) for name in CoordinatorConfig.model_fields},
-                  "coordinator")
+        validated(
+            CoordinatorConfig, {name: getattr(self, name) for name in CoordinatorConfig.model_fields}, "coordinator"
+        )
 
 
 def death_time(member: MemberState, settings: Settings) -> float:
@@ -300,8 +293,11 @@ def compute_quorum(
     if n < settings.expected_replicas and not any(m.report.has_state for m in requesters.values()):
         deadline = first_request + settings.startup_timeout_s
         if now < deadline:
-            return Decision(None, _earliest(deadline, next_death),
-                            f"job start: {n} of {settings.expected_replicas} expected replicas have asked")
+            return Decision(
+                None,
+                _earliest(deadline, next_death),
+                f"job start: {n} of {settings.expected_replicas} expected replicas have asked",
+            )
     # A live member of the previous quorum that has not asked yet may be committing that quorum's
     # step right now: forming a quorum without it would let two groups commit the same step
     # number with different updates (and lose its batch). So it is waited for, join timeout or
@@ -309,13 +305,20 @@ def compute_quorum(
     straggler_death, stragglers = None, []
     for p in prev.participants if prev is not None else ():
         m = members.get(p.replica_id)
-        if (m is not None and m.report.incarnation == p.incarnation and m.requested_at is None
-                and is_alive(m, now, settings)):
+        if (
+            m is not None
+            and m.report.incarnation == p.incarnation
+            and m.requested_at is None
+            and is_alive(m, now, settings)
+        ):
             straggler_death = _earliest(straggler_death, death_time(m, settings))
             stragglers.append(f"{p.replica_id} (incarnation {p.incarnation}, heard {now - m.last_seen:.1f} s ago)")
     if straggler_death is not None:  # (named: a wait that lasts says whom it waits for)
-        return Decision(None, _earliest(straggler_death, next_death),
-                        f"waiting for a live member of the previous quorum to ask: {', '.join(stragglers)}")
+        return Decision(
+            None,
+            _earliest(straggler_death, next_death),
+            f"waiting for a live member of the previous quorum to ask: {', '.join(stragglers)}",
+        )
     if prev is not None and all(
         (r := requesters.get(p.replica_id)) is not None and r.report.incarnation == p.incarnation
         for p in prev.participants
@@ -327,13 +330,20 @@ def compute_quorum(
         reason = "join_timeout"
     else:
         deadline = first_request + settings.join_timeout_s
-        return Decision(None, _earliest(deadline, next_death),
-                        f"{n} of {alive} alive members asked; waiting for the rest until the join timeout")
+        return Decision(
+            None,
+            _earliest(deadline, next_death),
+            f"{n} of {alive} alive members asked; waiting for the rest until the join timeout",
+        )
     quorum = _form(prev, requesters, settings, failure_epoch, positions or {}, reason)
     if not quorum.no_state and quorum.step < committed_step:
-        return Decision(None, next_death, f"the job committed step {committed_step} but the requesters hold step "
-                        f"{quorum.step} at most: waiting for a member that holds it (training from step "
-                        f"{quorum.step} would commit steps {quorum.step + 1}-{committed_step} a second time)")
+        return Decision(
+            None,
+            next_death,
+            f"the job committed step {committed_step} but the requesters hold step "
+            f"{quorum.step} at most: waiting for a member that holds it (training from step "
+            f"{quorum.step} would commit steps {quorum.step + 1}-{committed_step} a second time)",
+        )
     return Decision(quorum, None, reason)
 
 
@@ -357,11 +367,21 @@ def _form(
         heal_source = {rid: sources[i % len(sources)] for i, rid in enumerate(healers)}
     # One lookup of the heal source per member (healing is having one): this runs for every member
     # on every step, on the path between the last request and the first answer.
-    participants = tuple([
-        Participant(r.replica_id, r.incarnation, r.step, max(r.data_position, positions.get(r.replica_id, 0)),
-                    r.ftar_addresses, r.catchup_addresses, bool(source := heal_source.get(r.replica_id, "")), source)
-        for r in reports
-    ])
+    participants = tuple(
+        [
+            Participant(
+                r.replica_id,
+                r.incarnation,
+                r.step,
+                max(r.data_position, positions.get(r.replica_id, 0)),
+                r.ftar_addresses,
+                r.catchup_addresses,
+                bool(source := heal_source.get(r.replica_id, "")),
+                source,
+            )
+            for r in reports
+        ]
+    )
     members = tuple([r.key for r in reports])
     unchanged = (
         prev is not None

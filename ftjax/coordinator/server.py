@@ -30,14 +30,17 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ftjax import net
+from ftjax.base import net
+from ftjax.base.env import TOKEN_ENV, read_token
+from ftjax.base.net import ADVERTISE_ENV, BIND_ENV
+from ftjax.config import CoordinatorConfig, flag_name
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator.codec import QuorumEncoding
-from ftjax.coordinator.progress import StepFigures
 from ftjax.coordinator.http import Metrics, StatusHTTPServer
 from ftjax.coordinator.layout import MAX_LAYOUT_BYTES
 from ftjax.coordinator.lifetime import JobEnd, watch
+from ftjax.coordinator.progress import StepFigures
 from ftjax.coordinator.quorum import (
     MAX_HOSTS,
     MAX_REASON_BYTES,
@@ -51,9 +54,6 @@ from ftjax.coordinator.quorum import (
     check_text,
 )
 from ftjax.coordinator.state import MAX_MEMBERS, Accusation, CoordinatorState, Rejected
-from ftjax.config import CoordinatorConfig, flag_name
-from ftjax.env import TOKEN_ENV, read_token
-from ftjax.net import ADVERTISE_ENV, BIND_ENV
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 # The standard gRPC health service (grpc.health.v1.Health), for probes (Kubernetes' `grpc` probes,
@@ -84,12 +84,22 @@ class MemberDecoder:
         """Raise InvalidField naming the bad field."""
         check_int(f"{prefix}.num_hosts", member.num_hosts, 1, MAX_HOSTS)
         if len(member.catchup_addresses) != member.num_hosts:
-            raise InvalidField(f"{prefix}.catchup_addresses",
-                               f"{len(member.catchup_addresses)} addresses for num_hosts={member.num_hosts}")
+            raise InvalidField(
+                f"{prefix}.catchup_addresses",
+                f"{len(member.catchup_addresses)} addresses for num_hosts={member.num_hosts}",
+            )
         report = MemberReport(
-            member.replica_id, member.incarnation, member.step, member.data_position, member.has_state,
-            tuple(member.ftar_addresses), tuple(member.catchup_addresses), member.topology_fingerprint,
-            member.commit_failures, known_quorum_id, member.digest,
+            member.replica_id,
+            member.incarnation,
+            member.step,
+            member.data_position,
+            member.has_state,
+            tuple(member.ftar_addresses),
+            tuple(member.catchup_addresses),
+            member.topology_fingerprint,
+            member.commit_failures,
+            known_quorum_id,
+            member.digest,
         )
         static = (report.replica_id, report.incarnation, *report.static_fields())
         known = static in self._valid
@@ -217,13 +227,18 @@ class _Service:
                 if key is not None:
                     current, revived = self.state.heartbeat(key[0], key[1], now)
                     if not current:
-                        await self._reject(context, "FAILED_PRECONDITION",
-                                           f"replica {key[0]!r} incarnation {key[1]!r} was replaced by a newer one")
+                        await self._reject(
+                            context,
+                            "FAILED_PRECONDITION",
+                            f"replica {key[0]!r} incarnation {key[1]!r} was replaced by a newer one",
+                        )
                     if revived:
                         self._after_event(now)
                     continue
                 if not request.HasField("member"):
-                    await self._reject(context, "INVALID_ARGUMENT", "member: the first heartbeat of a stream must carry it")
+                    await self._reject(
+                        context, "INVALID_ARGUMENT", "member: the first heartbeat of a stream must carry it"
+                    )
                 try:
                     report = self._decode(request.member)
                     check_text("topology", request.topology, MAX_LAYOUT_BYTES)
@@ -234,9 +249,12 @@ class _Service:
                 key = report.key
                 self.state.stream_opened(key)
                 if replaced:
-                    self._fail_waiter(report.replica_id, grpc.StatusCode.ABORTED,
-                                      f"replica {report.replica_id!r} restarted as incarnation {report.incarnation!r}",
-                                      spare=report.incarnation)
+                    self._fail_waiter(
+                        report.replica_id,
+                        grpc.StatusCode.ABORTED,
+                        f"replica {report.replica_id!r} restarted as incarnation {report.incarnation!r}",
+                        spare=report.incarnation,
+                    )
                 self._after_event(now)
         finally:
             if key is not None:
@@ -261,9 +279,13 @@ class _Service:
                 except (InvalidField, Rejected) as e:
                     await self._reject_request(context, e)
                 rid = report.replica_id
-                self._fail_waiter(rid, grpc.StatusCode.ABORTED,
-                                  f"replica {rid!r} restarted as incarnation {report.incarnation!r}" if replaced
-                                  else f"superseded by a newer quorum request of replica {rid!r}")
+                self._fail_waiter(
+                    rid,
+                    grpc.StatusCode.ABORTED,
+                    f"replica {rid!r} restarted as incarnation {report.incarnation!r}"
+                    if replaced
+                    else f"superseded by a newer quorum request of replica {rid!r}",
+                )
                 waiter = _Waiter(self.loop.create_future(), report.incarnation, request.known_quorum_id, now)
                 self._waiters[rid] = waiter
                 mine = (rid, waiter)
@@ -303,8 +325,9 @@ class _Service:
             return
         reason = self.state.explain(time.monotonic())  # before withdrawing: the caller's view
         self._withdraw(rid, waiter)
-        waiter.future.set_result(_Failure(
-            grpc.StatusCode.DEADLINE_EXCEEDED, f"no quorum within the request's deadline: {reason}"))
+        waiter.future.set_result(
+            _Failure(grpc.StatusCode.DEADLINE_EXCEEDED, f"no quorum within the request's deadline: {reason}")
+        )
 
     async def report_failure(self, request: pb.FailureReport, context: grpc.aio.ServicerContext) -> pb.FailureVerdict:
         try:
@@ -317,8 +340,14 @@ class _Service:
         except InvalidField as e:
             await self._reject_request(context, e)
         now = time.monotonic()
-        verdict = self.state.accuse(request.replica_id, request.incarnation, now, quorum_id=request.quorum_id,
-                                    reporter=request.reporter_id, reason=request.reason)
+        verdict = self.state.accuse(
+            request.replica_id,
+            request.incarnation,
+            now,
+            quorum_id=request.quorum_id,
+            reporter=request.reporter_id,
+            reason=request.reason,
+        )
         self._after_event(now)
         if verdict.verdict == "PENDING":
             # The accused was heard from recently: it is dropped only if it stays silent until
@@ -339,8 +368,9 @@ def _step_figures(request: pb.QuorumRequest) -> StepFigures | None:
     if not request.HasField("report"):
         return None
     r = request.report
-    figures = StepFigures(r.step, r.committed, r.contributed, r.loss, r.step_time_s, r.tokens, r.target_steps,
-                          r.replicas)
+    figures = StepFigures(
+        r.step, r.committed, r.contributed, r.loss, r.step_time_s, r.tokens, r.target_steps, r.replicas
+    )
     figures.validate()
     return figures
 
@@ -388,8 +418,9 @@ class _TokenCheck(grpc.aio.ServerInterceptor):
             (False, True): grpc.unary_stream_rpc_method_handler,
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(handler.request_streaming, handler.response_streaming)]
-        return make(deny, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        return make(
+            deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -408,8 +439,17 @@ class CoordinatorServer:
     >>> server.stop()
     """
 
-    def __init__(self, settings: Settings, token: str, *, host: str = "127.0.0.1", port: int = 0,
-                 http_port: int | None = 0, startup_grace: float | None = None, advertise: str | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        token: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        http_port: int | None = 0,
+        startup_grace: float | None = None,
+        advertise: str | None = None,
+    ) -> None:
         if not token:
             raise ValueError("the job token must not be empty")
         self.settings = settings
@@ -434,7 +474,7 @@ class CoordinatorServer:
         """The host the servers bind ("" for every interface)."""
         return self._host
 
-    def start(self, timeout: float = 30.0) -> "CoordinatorServer":
+    def start(self, timeout: float = 30.0) -> CoordinatorServer:
         self._thread = threading.Thread(target=self._run, name="coordinator-grpc", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -442,8 +482,9 @@ class CoordinatorServer:
         if self._error is not None:
             raise RuntimeError(f"the coordinator could not start: {self._error}") from self._error
         if self._http_port is not None:
-            self._http = StatusHTTPServer(self.state, self.metrics, self._host, self._http_port,
-                                          advertise=self._advertise)
+            self._http = StatusHTTPServer(
+                self.state, self.metrics, self._host, self._http_port, advertise=self._advertise
+            )
             self.http_address = self._http.address
         return self
 
@@ -463,18 +504,33 @@ class CoordinatorServer:
         service = _Service(self.state, self.metrics, asyncio.get_running_loop())
         server = grpc.aio.server(
             interceptors=[_TokenCheck(self._token, lambda: self.metrics.rejected("UNAUTHENTICATED"))],
-            options=SERVER_OPTIONS)
+            options=SERVER_OPTIONS,
+        )
         identity = None  # quorum answers are pre-serialized bytes
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-            "Heartbeat": grpc.stream_unary_rpc_method_handler(
-                service.heartbeat, request_deserializer=pb.HeartbeatRequest.FromString,
-                response_serializer=pb.HeartbeatSummary.SerializeToString),
-            "Quorum": grpc.stream_stream_rpc_method_handler(
-                service.quorum, request_deserializer=pb.QuorumRequest.FromString, response_serializer=identity),
-            "ReportFailure": grpc.unary_unary_rpc_method_handler(
-                service.report_failure, request_deserializer=pb.FailureReport.FromString,
-                response_serializer=pb.FailureVerdict.SerializeToString),
-        }),))
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    SERVICE,
+                    {
+                        "Heartbeat": grpc.stream_unary_rpc_method_handler(
+                            service.heartbeat,
+                            request_deserializer=pb.HeartbeatRequest.FromString,
+                            response_serializer=pb.HeartbeatSummary.SerializeToString,
+                        ),
+                        "Quorum": grpc.stream_stream_rpc_method_handler(
+                            service.quorum,
+                            request_deserializer=pb.QuorumRequest.FromString,
+                            response_serializer=identity,
+                        ),
+                        "ReportFailure": grpc.unary_unary_rpc_method_handler(
+                            service.report_failure,
+                            request_deserializer=pb.FailureReport.FromString,
+                            response_serializer=pb.FailureVerdict.SerializeToString,
+                        ),
+                    },
+                ),
+            )
+        )
         probes = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(probes, server)
         port = server.add_insecure_port(net.grpc_bind(self._host, self._port))
@@ -496,7 +552,7 @@ class CoordinatorServer:
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(10)
 
-    def __enter__(self) -> "CoordinatorServer":
+    def __enter__(self) -> CoordinatorServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -533,8 +589,13 @@ def quiet_garbage_collector() -> None:
     threading.Thread(target=_collect_old_generation, name="coordinator-gc", daemon=True).start()
 
 
-def _collect_old_generation(stop: threading.Event | None = None, *, check_s: float = GC_OLD_CHECK_S,
-                            growth: int = GC_OLD_GROWTH, every_s: float = GC_BACKSTOP_S) -> None:
+def _collect_old_generation(
+    stop: threading.Event | None = None,
+    *,
+    check_s: float = GC_OLD_CHECK_S,
+    growth: int = GC_OLD_GROWTH,
+    every_s: float = GC_BACKSTOP_S,
+) -> None:
     """Run a full collection when the old generation grew by `growth` objects and at least doubled
     since the last one (so a growing membership costs few of them), or every `every_s`; until `stop`."""
     stop = stop or threading.Event()
@@ -554,30 +615,55 @@ def write_ready_file(path: str, addresses: dict[str, str]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ftjax coordinator",
-                                description="The job's coordinator: gRPC quorum service plus HTTP status.")
-    p.add_argument("--host", default=None,
-                   help=f"address to bind (default: ${BIND_ENV}, else every interface, IPv6 and IPv4)")
-    p.add_argument("--advertise-host", default=None,
-                   help=f"host the replicas dial, printed and written to --ready-file (default: "
-                        f"${ADVERTISE_ENV}, else --host when it names one address, else this machine's address)")
+    p = argparse.ArgumentParser(
+        prog="ftjax coordinator", description="The job's coordinator: gRPC quorum service plus HTTP status."
+    )
+    p.add_argument(
+        "--host", default=None, help=f"address to bind (default: ${BIND_ENV}, else every interface, IPv6 and IPv4)"
+    )
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help=f"host the replicas dial, printed and written to --ready-file (default: "
+        f"${ADVERTISE_ENV}, else --host when it names one address, else this machine's address)",
+    )
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: the OS picks)")
     p.add_argument("--http-port", type=int, default=0, help="HTTP status port (0: the OS picks, -1: none)")
     # the settings: one flag per field of the config's `coordinator:` section, with its default
     for name, field in CoordinatorConfig.model_fields.items():
-        p.add_argument(flag_name(name), type=field.annotation, default=field.default,
-                       help=f"{field.description} (default: %(default)s)")
-    p.add_argument("--expected-replicas", type=int, default=0,
-                   help="at job start, wait for this many replicas (up to --startup-timeout-s) before the first quorum")
-    p.add_argument("--startup-grace-s", type=float, default=None,
-                   help="listen this long before forming the first quorum (default: the heartbeat timeout)")
+        p.add_argument(
+            flag_name(name),
+            type=field.annotation,
+            default=field.default,
+            help=f"{field.description} (default: %(default)s)",
+        )
+    p.add_argument(
+        "--expected-replicas",
+        type=int,
+        default=0,
+        help="at job start, wait for this many replicas (up to --startup-timeout-s) before the first quorum",
+    )
+    p.add_argument(
+        "--startup-grace-s",
+        type=float,
+        default=None,
+        help="listen this long before forming the first quorum (default: the heartbeat timeout)",
+    )
     p.add_argument("--token-file", default=None, help=f"file holding the job token (default: ${TOKEN_ENV})")
     p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving")
-    p.add_argument("--final-step", type=int, default=None,
-                   help="the job's last step: exit 0 once every expected replica reached it and none is alive "
-                        "(a coordinator on a cluster ends with its job)")
-    p.add_argument("--idle-exit-s", type=float, default=None,
-                   help="exit 3 when no replica has been alive for this long after one joined (the job is gone)")
+    p.add_argument(
+        "--final-step",
+        type=int,
+        default=None,
+        help="the job's last step: exit 0 once every expected replica reached it and none is alive "
+        "(a coordinator on a cluster ends with its job)",
+    )
+    p.add_argument(
+        "--idle-exit-s",
+        type=float,
+        default=None,
+        help="exit 3 when no replica has been alive for this long after one joined (the job is gone)",
+    )
     return p
 
 
@@ -585,16 +671,24 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         token = read_token(args.token_file)
-        settings = Settings(**{name: getattr(args, name) for name in CoordinatorConfig.model_fields},
-                            expected_replicas=args.expected_replicas)
+        settings = Settings(
+            **{name: getattr(args, name) for name in CoordinatorConfig.model_fields},
+            expected_replicas=args.expected_replicas,
+        )
     except (OSError, ValueError) as e:  # the config's checks raise ConfigError, a ValueError
         print(f"ftjax coordinator: {e}", file=sys.stderr)
         return 2
     host = args.host if args.host is not None else os.environ.get(BIND_ENV, "")
     advertise = args.advertise_host or os.environ.get(ADVERTISE_ENV, "").strip() or None
-    server = CoordinatorServer(settings, token, host=host, port=args.port, advertise=advertise,
-                               http_port=None if args.http_port < 0 else args.http_port,
-                               startup_grace=args.startup_grace_s)
+    server = CoordinatorServer(
+        settings,
+        token,
+        host=host,
+        port=args.port,
+        advertise=advertise,
+        http_port=None if args.http_port < 0 else args.http_port,
+        startup_grace=args.startup_grace_s,
+    )
     if args.final_step is not None and (args.final_step < 1 or args.expected_replicas < 1):
         print("ftjax coordinator: --final-step needs a step >= 1 and --expected-replicas", file=sys.stderr)
         return 2
@@ -611,19 +705,21 @@ def main(argv: list[str]) -> int:
         print(f"ftjax coordinator: {e}", file=sys.stderr)
         return 1
     quiet_garbage_collector()
-    line = (f"coordinator listening grpc={server.address} http={server.http_address or '-'} "
-            f"(bound to {net.describe_bind(server.bind_host)})")
+    line = (
+        f"coordinator listening grpc={server.address} http={server.http_address or '-'} "
+        f"(bound to {net.describe_bind(server.bind_host)})"
+    )
     print(line, flush=True)
     if args.ready_file:
         write_ready_file(args.ready_file, {"grpc": server.address, "http": server.http_address})
     if args.final_step is not None or args.idle_exit_s is not None:
+
         def end(code: int, why: str) -> None:
             print(f"ftjax coordinator: {why}; exiting with {code}", flush=True)
             ended.append(code)
             stop.set()
 
-        watch(JobEnd(args.expected_replicas, args.final_step, args.idle_exit_s), server.state.snapshot, end,
-              stop=stop)
+        watch(JobEnd(args.expected_replicas, args.final_step, args.idle_exit_s), server.state.snapshot, end, stop=stop)
     stop.wait()
     server.stop()
     return ended[0] if ended else 0

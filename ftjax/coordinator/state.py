@@ -20,6 +20,9 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ftjax.base.net import is_loopback
+from ftjax.coordinator.layout import layout_difference
+from ftjax.coordinator.progress import JobProgress, StepFigures
 from ftjax.coordinator.quorum import (
     Decision,
     MemberReport,
@@ -31,9 +34,6 @@ from ftjax.coordinator.quorum import (
     is_alive,
     split_address,
 )
-from ftjax.coordinator.layout import layout_difference
-from ftjax.coordinator.progress import JobProgress, StepFigures
-from ftjax.net import is_loopback
 
 MAX_MEMBERS = 10_000  # alive members; beyond that registration gets RESOURCE_EXHAUSTED
 MAX_DEPARTED = 10_000  # dead members remembered for the status page and for late failure reports
@@ -146,7 +146,11 @@ class CoordinatorState:
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self.failures: deque[dict] = deque(maxlen=HISTORY)
         self.counters: dict[str, int] = {
-            "heartbeats": 0, "quorum_requests": 0, "quorums": 0, "quorum_id_changes": 0, "rejected": 0,
+            "heartbeats": 0,
+            "quorum_requests": 0,
+            "quorums": 0,
+            "quorum_id_changes": 0,
+            "rejected": 0,
         }
         # failures by (source, kind): source is what saw it (report, verdict, disconnect, departed,
         # implausible), kind what it found (a verdict, why a member departed, ...)
@@ -268,7 +272,11 @@ class CoordinatorState:
             m = gone[0] if gone is not None else None
             if len(self.members) >= MAX_MEMBERS:
                 raise Rejected("RESOURCE_EXHAUSTED", f"the coordinator already tracks {MAX_MEMBERS} members")
-        if m is not None and m.report.incarnation == report.incarnation and m.report.static_fields() != report.static_fields():
+        if (
+            m is not None
+            and m.report.incarnation == report.incarnation
+            and m.report.static_fields() != report.static_fields()
+        ):
             raise Rejected(
                 "FAILED_PRECONDITION",
                 f"replica {report.replica_id!r} incarnation {report.incarnation!r} changed its addresses or "
@@ -325,8 +333,15 @@ class CoordinatorState:
             late = [(rid, m) for rid, m in self.members.items() if m.requested_at is not None]
             for rid, m in late:
                 self._put(m._replace(requested_at=None))
-                self._record_failure(now, "finished", rid, m.report.incarnation, "",
-                                     f"asked at step {m.report.step}; the job finished at step {done}", "FINISHED")
+                self._record_failure(
+                    now,
+                    "finished",
+                    rid,
+                    m.report.incarnation,
+                    "",
+                    f"asked at step {m.report.step}; the job finished at step {done}",
+                    "FINISHED",
+                )
             return [(rid, m.report.incarnation) for rid, m in late]
 
     def _check_plausible(self, report: MemberReport, now: float, known: Mapping[str, int] | None = None) -> None:
@@ -341,10 +356,11 @@ class CoordinatorState:
         claims += [(f"known_positions[{rid!r}]", p) for rid, p in (known or {}).items()]
         for name, value in claims:
             if value > limit:
-                message = (f"{name}: {value} is beyond what the job can have reached (its highest quorum "
-                           f"is at step {self.job_step}); replica {report.replica_id!r} refused")
-                self._record_failure(now, "implausible", report.replica_id, report.incarnation, "", message,
-                                     "REFUSED")
+                message = (
+                    f"{name}: {value} is beyond what the job can have reached (its highest quorum "
+                    f"is at step {self.job_step}); replica {report.replica_id!r} refused"
+                )
+                self._record_failure(now, "implausible", report.replica_id, report.incarnation, "", message, "REFUSED")
                 raise Rejected("FAILED_PRECONDITION", message)
 
     def _upsert(self, report: MemberReport, now: float, requesting: bool | None) -> tuple[MemberState, bool]:
@@ -360,8 +376,9 @@ class CoordinatorState:
             requested_at = now if requested_at is None else requested_at
         was_departed = self.departed.pop(report.replica_id, None) is not None
         if m is None or replaced:
-            self._jp().registered(report.replica_id, report.incarnation, now,
-                                     replaced_alive=replaced and not was_departed)
+            self._jp().registered(
+                report.replica_id, report.incarnation, now, replaced_alive=replaced and not was_departed
+            )
         elif was_departed:
             self._jp().revived(report.replica_id, now)
         new = MemberState(report, now, requested_at, None)
@@ -383,9 +400,14 @@ class CoordinatorState:
             # A heartbeat does not carry progress: keep the progress of the member's last request.
             if keep:
                 old = m.report
-                report = report._replace(step=old.step, data_position=old.data_position, has_state=old.has_state,
-                                         commit_failures=old.commit_failures, known_quorum_id=old.known_quorum_id,
-                                         digest=old.digest)
+                report = report._replace(
+                    step=old.step,
+                    data_position=old.data_position,
+                    has_state=old.has_state,
+                    commit_failures=old.commit_failures,
+                    known_quorum_id=old.known_quorum_id,
+                    digest=old.digest,
+                )
             _, replaced = self._upsert(report, now, requesting=None)
             self._note_progress(report)
             if known_positions:  # after every check: a refused registration changes nothing
@@ -445,8 +467,9 @@ class CoordinatorState:
                 self._jp().disconnected(replica_id, now)
                 self._record_failure(now, "disconnect", replica_id, incarnation, "", "", "heartbeat stream ended")
 
-    def accuse(self, replica_id: str, incarnation: str, now: float, *, quorum_id: int = 0,
-               reporter: str = "", reason: str = "") -> Accusation:
+    def accuse(
+        self, replica_id: str, incarnation: str, now: float, *, quorum_id: int = 0, reporter: str = "", reason: str = ""
+    ) -> Accusation:
         """A peer reports that the member failed."""
         with self._lock:
             self._maybe_sweep(now)
@@ -475,10 +498,14 @@ class CoordinatorState:
                     gone = ", its heartbeat stream broken" if m.stream_lost else ""
                     result = Accusation("DROPPED", f"{replica_id!r} was silent for {silent * 1000:.0f} ms{gone}")
                 else:
-                    result = Accusation("PENDING", f"{replica_id!r} heard from {silent * 1000:.0f} ms ago",
-                                        death_time(suspect, self.settings))
-            self._record_failure(now, "report", replica_id, incarnation, reporter, reason, result.verdict,
-                                 quorum_id=quorum_id)
+                    result = Accusation(
+                        "PENDING",
+                        f"{replica_id!r} heard from {silent * 1000:.0f} ms ago",
+                        death_time(suspect, self.settings),
+                    )
+            self._record_failure(
+                now, "report", replica_id, incarnation, reporter, reason, result.verdict, quorum_id=quorum_id
+            )
             return result
 
     def confirm(self, replica_id: str, incarnation: str, accused_at: float, now: float) -> Accusation:
@@ -491,8 +518,12 @@ class CoordinatorState:
                 if m.last_seen > accused_at or m.suspected_at is None:
                     result = Accusation("ALIVE", f"{replica_id!r} heartbeat after the report: not removed")
                 else:  # asked before the suspect window passed (the caller's deadline came first)
-                    result = Accusation("SUSPECT", f"{replica_id!r} silent for {(now - m.last_seen) * 1000:.0f} ms "
-                                        "so far: dropped if it stays silent", death_time(m, self.settings))
+                    result = Accusation(
+                        "SUSPECT",
+                        f"{replica_id!r} silent for {(now - m.last_seen) * 1000:.0f} ms "
+                        "so far: dropped if it stays silent",
+                        death_time(m, self.settings),
+                    )
             elif gone is not None and gone[0].report.incarnation == incarnation:
                 self.failure_epoch += 1
                 result = Accusation("DROPPED", f"{replica_id!r} stayed silent ({gone[2]})")
@@ -501,15 +532,33 @@ class CoordinatorState:
             self._record_failure(now, "verdict", replica_id, incarnation, "", "", result.verdict)
             return result
 
-    def _record_failure(self, now: float, kind: str, replica_id: str, incarnation: str, reporter: str,
-                        reason: str, outcome: str, *, quorum_id: int = 0) -> None:
+    def _record_failure(
+        self,
+        now: float,
+        kind: str,
+        replica_id: str,
+        incarnation: str,
+        reporter: str,
+        reason: str,
+        outcome: str,
+        *,
+        quorum_id: int = 0,
+    ) -> None:
         key = (kind, outcome if kind != "disconnect" else "stream_ended")
         self.failure_counts[key] = self.failure_counts.get(key, 0) + 1
-        self.failures.append({
-            "time": time.time(), "t": now, "kind": kind, "replica_id": replica_id,
-            "incarnation": incarnation, "reporter": reporter, "reason": reason, "outcome": outcome,
-            "quorum_id": quorum_id,
-        })
+        self.failures.append(
+            {
+                "time": time.time(),
+                "t": now,
+                "kind": kind,
+                "replica_id": replica_id,
+                "incarnation": incarnation,
+                "reporter": reporter,
+                "reason": reason,
+                "outcome": outcome,
+                "quorum_id": quorum_id,
+            }
+        )
 
     def reject(self) -> None:
         with self._lock:
@@ -543,9 +592,16 @@ class CoordinatorState:
     def explain(self, now: float) -> str:
         """Why no quorum forms now (the pure function's reason; nothing changes)."""
         with self._lock:
-            return compute_quorum(self.prev, self.members, now, self.settings, failure_epoch=self.failure_epoch,
-                                  positions=self.ledger.positions, not_before=self.not_before,
-                                  committed_step=self.committed_step).reason
+            return compute_quorum(
+                self.prev,
+                self.members,
+                now,
+                self.settings,
+                failure_epoch=self.failure_epoch,
+                positions=self.ledger.positions,
+                not_before=self.not_before,
+                committed_step=self.committed_step,
+            ).reason
 
     def evaluate(self, now: float, *, sweep: bool = True) -> Decision:
         """Run the pure quorum function; if a quorum forms, clear its members' requests and record it.
@@ -556,8 +612,14 @@ class CoordinatorState:
             else:
                 self._maybe_sweep(now)
             decision = compute_quorum(
-                self.prev, self.members, now, self.settings, failure_epoch=self.failure_epoch,
-                positions=self.ledger.positions, not_before=self.not_before, committed_step=self.committed_step,
+                self.prev,
+                self.members,
+                now,
+                self.settings,
+                failure_epoch=self.failure_epoch,
+                positions=self.ledger.positions,
+                not_before=self.not_before,
+                committed_step=self.committed_step,
             )
             q = decision.quorum
             if q is None:
@@ -580,7 +642,8 @@ class CoordinatorState:
             else:
                 self._quorums_since_progress += 1
                 self._retries_since_progress += any(
-                    self.members[p.replica_id].report.commit_failures for p in q.participants)
+                    self.members[p.replica_id].report.commit_failures for p in q.participants
+                )
             self.job_step = q.step if self.job_step is None else max(self.job_step, q.step)
             self._prev_keys = frozenset(q.members)
             # After the sweep every member is alive, so every pending request was a participant's.
@@ -590,11 +653,18 @@ class CoordinatorState:
             # (the page's bookkeeping waits until the answers are out: see `settle_progress`)
             self._progress_backlog.append((q, has_state, now))
             self.counters["quorums"] += 1
-            self.history.append({
-                "quorum_id": q.quorum_id, "step": q.step, "reason": q.reason, "time": time.time(),
-                "wait_s": now - first, "no_state": q.no_state, "participants": [p.replica_id for p in q.participants],
-                "healing": {p.replica_id: p.heal_source for p in q.participants if p.healing},
-            })
+            self.history.append(
+                {
+                    "quorum_id": q.quorum_id,
+                    "step": q.step,
+                    "reason": q.reason,
+                    "time": time.time(),
+                    "wait_s": now - first,
+                    "no_state": q.no_state,
+                    "participants": [p.replica_id for p in q.participants],
+                    "healing": {p.replica_id: p.heal_source for p in q.participants if p.healing},
+                }
+            )
             return decision
 
     # -- status ------------------------------------------------------------------------------
@@ -607,22 +677,33 @@ class CoordinatorState:
         if self.job_step is None or stalled < NO_PROGRESS_S or self._retries_since_progress < 2:
             return None
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self._progress_wall))
-        text = (f"no progress since {since} ({stalled:.0f} s at step {self.job_step}): "
-                f"{self._quorums_since_progress} quorums formed since, {self._retries_since_progress} of them "
-                "to retry a step whose FTAR failed")
+        text = (
+            f"no progress since {since} ({stalled:.0f} s at step {self.job_step}): "
+            f"{self._quorums_since_progress} quorums formed since, {self._retries_since_progress} of them "
+            "to retry a step whose FTAR failed"
+        )
         report = next((f for f in reversed(self.failures) if f["kind"] == "report"), None)
         if report is not None:
             reporter = f"replica {report['reporter']!r}" if report["reporter"] else "a replica"
-            text += (f"; latest failure report: {reporter} accused {report['replica_id']!r} "
-                     f"({report['outcome']}): {report['reason']}")
+            text += (
+                f"; latest failure report: {reporter} accused {report['replica_id']!r} "
+                f"({report['outcome']}): {report['reason']}"
+            )
             if report["outcome"] in ("ALIVE", "PENDING", "SUSPECT"):
-                text += (" -- the accused replica heartbeats, so it stays in the job, but its peers cannot reach "
-                         "it: check the FTAR addresses it advertises and the network between the replicas")
-        loopback = sorted(f"{rid} ({m.report.ftar_addresses[0]})" for rid, m in self.members.items()
-                          if m.report.ftar_addresses and is_loopback(split_address(m.report.ftar_addresses[0])[0]))
+                text += (
+                    " -- the accused replica heartbeats, so it stays in the job, but its peers cannot reach "
+                    "it: check the FTAR addresses it advertises and the network between the replicas"
+                )
+        loopback = sorted(
+            f"{rid} ({m.report.ftar_addresses[0]})"
+            for rid, m in self.members.items()
+            if m.report.ftar_addresses and is_loopback(split_address(m.report.ftar_addresses[0])[0])
+        )
         if loopback:
-            text += (f"; replicas advertising a loopback address (only their own machine reaches it: right only "
-                     f"if every replica runs there): {', '.join(loopback)}")
+            text += (
+                f"; replicas advertising a loopback address (only their own machine reaches it: right only "
+                f"if every replica runs there): {', '.join(loopback)}"
+            )
         return text
 
     def summary(self, now: float) -> dict:
@@ -631,9 +712,12 @@ class CoordinatorState:
             self._maybe_sweep(now)
             q = self.prev
             return {
-                "counters": dict(self.counters), "failure_counts": dict(self.failure_counts),
-                "alive": len(self.members), "quorum_id": q.quorum_id if q else 0,
-                "quorum_size": len(q.participants) if q else 0, "step": q.step if q else 0,
+                "counters": dict(self.counters),
+                "failure_counts": dict(self.failure_counts),
+                "alive": len(self.members),
+                "quorum_id": q.quorum_id if q else 0,
+                "quorum_size": len(q.participants) if q else 0,
+                "step": q.step if q else 0,
                 "seconds_since_progress": now - self._progress_at if q else 0.0,
                 "stalled": self._no_progress(now) is not None,
             }
@@ -643,62 +727,108 @@ class CoordinatorState:
         with self._lock:
             self._maybe_sweep(now)
             rows = []
-            for rid, m, alive in [*((rid, m, True) for rid, m in self.members.items()),
-                                  *((rid, g[0], False) for rid, g in self.departed.items())]:
-                rows.append({"replica_id": rid, "alive": alive and is_alive(m, now, self.settings),
-                             "step": m.report.step, "heartbeat_age_s": now - m.last_seen,
-                             "healing": self.prev is not None and any(
-                                 p.replica_id == rid and p.healing for p in self.prev.participants),
-                             **self._jp().replica(rid, now)})
+            for rid, m, alive in [
+                *((rid, m, True) for rid, m in self.members.items()),
+                *((rid, g[0], False) for rid, g in self.departed.items()),
+            ]:
+                rows.append(
+                    {
+                        "replica_id": rid,
+                        "alive": alive and is_alive(m, now, self.settings),
+                        "step": m.report.step,
+                        "heartbeat_age_s": now - m.last_seen,
+                        "healing": self.prev is not None
+                        and any(p.replica_id == rid and p.healing for p in self.prev.participants),
+                        **self._jp().replica(rid, now),
+                    }
+                )
             return {"job": self._jp().job(now, len(self.members)), "replicas": rows}
 
     def snapshot(self, now: float) -> dict:
         """A JSON-able picture for the status page and /status."""
         with self._lock:
+
             def row(m: MemberState, alive: bool, why: str = "") -> dict:
                 r = m.report
                 return {
-                    "replica_id": r.replica_id, "incarnation": r.incarnation, "step": r.step,
+                    "replica_id": r.replica_id,
+                    "incarnation": r.incarnation,
+                    "step": r.step,
                     "data_position": max(r.data_position, self.ledger.position(r.replica_id)),
-                    "has_state": r.has_state, "num_hosts": len(r.catchup_addresses),
-                    "heartbeat_age_s": round(now - m.last_seen, 3), "alive": alive,
-                    "requesting": m.requested_at is not None, "suspected": m.suspected_at is not None,
+                    "has_state": r.has_state,
+                    "num_hosts": len(r.catchup_addresses),
+                    "heartbeat_age_s": round(now - m.last_seen, 3),
+                    "alive": alive,
+                    "requesting": m.requested_at is not None,
+                    "suspected": m.suspected_at is not None,
                     "departed_because": why,
                 }
 
             replicas = [row(m, is_alive(m, now, self.settings)) for m in self.members.values()]
-            replicas += [row(m, False, why) | {"departed_s": round(now - when, 3)}
-                         for m, when, why in self.departed.values()]
+            replicas += [
+                row(m, False, why) | {"departed_s": round(now - when, 3)} for m, when, why in self.departed.values()
+            ]
             replicas.sort(key=lambda r: _replica_order(r["replica_id"]))
             for r in replicas:
                 r.update(self._jp().replica(r["replica_id"], now))
             q = self.prev
-            quorum = None if q is None else {
-                "quorum_id": q.quorum_id, "step": q.step, "reason": q.reason, "no_state": q.no_state,
-                "num_contributors": q.num_contributors,
-                "participants": [{"replica_id": p.replica_id, "incarnation": p.incarnation, "step": p.step,
-                                  "healing": p.healing, "heal_source": p.heal_source} for p in q.participants],
-            }
-            failures = [{k: v for k, v in f.items() if k != "t"} | {"age_s": round(now - f["t"], 3)}
-                        for f in self.failures]
+            quorum = (
+                None
+                if q is None
+                else {
+                    "quorum_id": q.quorum_id,
+                    "step": q.step,
+                    "reason": q.reason,
+                    "no_state": q.no_state,
+                    "num_contributors": q.num_contributors,
+                    "participants": [
+                        {
+                            "replica_id": p.replica_id,
+                            "incarnation": p.incarnation,
+                            "step": p.step,
+                            "healing": p.healing,
+                            "heal_source": p.heal_source,
+                        }
+                        for p in q.participants
+                    ],
+                }
+            )
+            failures = [
+                {k: v for k, v in f.items() if k != "t"} | {"age_s": round(now - f["t"], 3)} for f in self.failures
+            ]
             s = self.settings
             return {
-                "settings": {"min_replicas": s.min_replicas, "join_timeout_s": s.join_timeout_s,
-                             "heartbeat_timeout_s": s.heartbeat_timeout_s, "suspect_window_s": s.suspect_window_s},
+                "settings": {
+                    "min_replicas": s.min_replicas,
+                    "join_timeout_s": s.join_timeout_s,
+                    "heartbeat_timeout_s": s.heartbeat_timeout_s,
+                    "suspect_window_s": s.suspect_window_s,
+                },
                 "uptime_s": round(now - self.started_at, 3),
                 "topology_fingerprint": self.fingerprint,
                 "alive": sum(r["alive"] for r in replicas),
                 "replicas": replicas,
                 "quorum": quorum,
                 "waiting_because": compute_quorum(
-                    self.prev, self.members, now, self.settings, failure_epoch=self.failure_epoch,
-                    not_before=self.not_before, committed_step=self.committed_step).reason
-                if self._pending else "no pending request",
-                "progress": {"step": self.job_step, "since": self._progress_wall,
-                             "committed_step": self.committed_step, "finished_step": self.finished_step,
-                             "seconds": round(now - self._progress_at, 3),
-                             "quorums_since": self._quorums_since_progress,
-                             "retries_since": self._retries_since_progress},
+                    self.prev,
+                    self.members,
+                    now,
+                    self.settings,
+                    failure_epoch=self.failure_epoch,
+                    not_before=self.not_before,
+                    committed_step=self.committed_step,
+                ).reason
+                if self._pending
+                else "no pending request",
+                "progress": {
+                    "step": self.job_step,
+                    "since": self._progress_wall,
+                    "committed_step": self.committed_step,
+                    "finished_step": self.finished_step,
+                    "seconds": round(now - self._progress_at, 3),
+                    "quorums_since": self._quorums_since_progress,
+                    "retries_since": self._retries_since_progress,
+                },
                 "no_progress": self._no_progress(now),
                 "history": list(self.history)[::-1],
                 "failures": failures[::-1],

@@ -13,13 +13,14 @@ and the link's payloads then go through it (shm.py), its headers still over TCP.
 Failures. Any error in a call interrupts and resets both of its links (and any cached one: see
 `_end`), which makes the neighbours fail at once, and so on around the ring. A failing member also
 sends a short *abort notice* ("I left (quorum, step) because of X") to every member, which aborts
-their call even where no link carries the failure (a member still waiting for a link from a dead neighbour), and which every
-listener acknowledges at once. The acknowledgements say whom to blame: a closed link or a timeout
-cannot tell "my neighbour died (or hangs)" from "my neighbour gave up because another member did",
-but a member whose listener refuses the notice is dead, and one that does not acknowledge it
-within ``probe_timeout_s`` hangs. The error names that member. A member waiting for a link from
-its left neighbour probes that neighbour's listener every LIVENESS_PROBE_S: when the neighbour died
-before dialing and nobody else noticed (a world of two), the refusal names it at once.
+their call even where no link carries the failure (a member still waiting for a link from a dead
+neighbour), and which every listener acknowledges at once. The acknowledgements say whom to blame: a
+closed link or a timeout cannot tell "my neighbour died (or hangs)" from "my neighbour gave up
+because another member did", but a member whose listener refuses the notice is dead, and one that
+does not acknowledge it within ``probe_timeout_s`` hangs. The error names that member. A member
+waiting for a link from its left neighbour probes that neighbour's listener every LIVENESS_PROBE_S:
+when the neighbour died before dialing and nobody else noticed (a world of two), the refusal names
+it at once.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
-from ftjax import net
+from ftjax.base import net
 from ftjax.ftar import shm, wire
 from ftjax.ftar.errors import FTARError, HandshakeRefused, PeerFailed, PeerTimeout
 from ftjax.ftar.ring import Aborted, CallState, Ring
@@ -60,10 +61,19 @@ class FTAREndpoint:
     All members of a job must use the same ``chunk_bytes`` and ``checksum`` settings.
     """
 
-    def __init__(self, token: str, *, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
-                 timeout_s: float = 30.0,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, checksum: bool = False,
-                 probe_timeout_s: float = 0.5, shared_memory: bool = True) -> None:
+    def __init__(
+        self,
+        token: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise: str | None = None,
+        timeout_s: float = 30.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        checksum: bool = False,
+        probe_timeout_s: float = 0.5,
+        shared_memory: bool = True,
+    ) -> None:
         if not isinstance(token, str) or not token:
             raise ValueError("token: must be a non-empty string (the job's shared secret)")
         if not timeout_s > 0:
@@ -107,9 +117,18 @@ class FTAREndpoint:
         return self._address
 
     # --- the call ------------------------------------------------------------------------------
-    def allreduce(self, buf: np.ndarray, *, quorum_id: int, step: int, members: Sequence[str], rank: int,
-                  contributors: Sequence[bool] | None = None, out: np.ndarray | None = None,
-                  divisor: int | None = None) -> np.ndarray:
+    def allreduce(
+        self,
+        buf: np.ndarray,
+        *,
+        quorum_id: int,
+        step: int,
+        members: Sequence[str],
+        rank: int,
+        contributors: Sequence[bool] | None = None,
+        out: np.ndarray | None = None,
+        divisor: int | None = None,
+    ) -> np.ndarray:
         """Average ``buf`` over the contributing members of the ring ``members`` (this one is
         ``members[rank]``). Non-contributors add zeros but still relay. Returns ``out`` (or a new
         array) holding sum / ``divisor`` (default: the number of contributors), bitwise identical
@@ -126,8 +145,9 @@ class FTAREndpoint:
         (a member still to join it fails at once, from the abort notices it received).
         """
         buf, out, contributors = self._validate(buf, quorum_id, step, members, rank, contributors, out)
-        if divisor is not None and (not isinstance(divisor, (int, np.integer)) or isinstance(divisor, bool)
-                                    or divisor < 1):
+        if divisor is not None and (
+            not isinstance(divisor, (int, np.integer)) or isinstance(divisor, bool) or divisor < 1
+        ):
             raise ValueError(f"divisor: must be a positive int, got {divisor!r}")
         if not self._call_lock.acquire(blocking=False):
             raise RuntimeError("FTAREndpoint.allreduce: another call is running on this endpoint")
@@ -145,9 +165,16 @@ class FTAREndpoint:
         finally:
             self._call_lock.release()
 
-    def _validate(self, buf: np.ndarray, quorum_id: int, step: int, members: Sequence[str], rank: int,
-                  contributors: Sequence[bool] | None, out: np.ndarray | None
-                  ) -> tuple[np.ndarray, np.ndarray, list[bool]]:
+    def _validate(
+        self,
+        buf: np.ndarray,
+        quorum_id: int,
+        step: int,
+        members: Sequence[str],
+        rank: int,
+        contributors: Sequence[bool] | None,
+        out: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray, list[bool]]:
         """Check every argument before anything changes; ValueError names the one at fault."""
         if self._closed:
             raise RuntimeError("FTAREndpoint is closed")
@@ -171,8 +198,9 @@ class FTAREndpoint:
         if len(set(members)) != len(members):
             raise ValueError(f"members: duplicate addresses in {members}")
         if rank >= len(members) or members[rank] != self._address:
-            raise ValueError(f"rank: members[{rank}] must be this endpoint's address {self._address}, "
-                             f"members are {members}")
+            raise ValueError(
+                f"rank: members[{rank}] must be this endpoint's address {self._address}, members are {members}"
+            )
         contributors = [True] * len(members) if contributors is None else [bool(c) for c in contributors]
         if len(contributors) != len(members):
             raise ValueError(f"contributors: length {len(contributors)} != number of members {len(members)}")
@@ -181,23 +209,50 @@ class FTAREndpoint:
         buf = np.ascontiguousarray(buf)
         if out is None:
             out = np.empty_like(buf)
-        elif (not isinstance(out, np.ndarray) or out.shape != buf.shape or out.dtype != buf.dtype
-              or not out.flags.c_contiguous or not out.flags.writeable):
+        elif (
+            not isinstance(out, np.ndarray)
+            or out.shape != buf.shape
+            or out.dtype != buf.dtype
+            or not out.flags.c_contiguous
+            or not out.flags.writeable
+        ):
             raise ValueError(f"out: must be a writeable contiguous {buf.dtype} array of shape {buf.shape}")
         elif np.shares_memory(out, buf):
             raise ValueError("out: must not overlap buf")
         return buf, out, contributors
 
-    def _ring_call(self, buf: np.ndarray, out: np.ndarray, quorum_id: int, step: int, members: list[str],
-                   rank: int, contributors: list[bool], count: int) -> np.ndarray:
+    def _ring_call(
+        self,
+        buf: np.ndarray,
+        out: np.ndarray,
+        quorum_id: int,
+        step: int,
+        members: list[str],
+        rank: int,
+        contributors: list[bool],
+        count: int,
+    ) -> np.ndarray:
         world = len(members)
         left, right = members[(rank - 1) % world], members[(rank + 1) % world]
         meta = wire.call_fingerprint(buf.size, buf.dtype, self.chunk_elems, members, contributors, count)
         state = CallState(quorum_id, step, on_abort=self._wake)
         pending = self._begin(state, left, right)
-        ring = Ring(state=state, buf=buf, res=out, rank=rank, world=world, contributes=contributors[rank],
-                    count=count, chunk_elems=self.chunk_elems, meta=meta, left=left, right=right,
-                    timeout_s=self.timeout_s, checksum=self.checksum, scratch=self._scratch_for(buf))
+        ring = Ring(
+            state=state,
+            buf=buf,
+            res=out,
+            rank=rank,
+            world=world,
+            contributes=contributors[rank],
+            count=count,
+            chunk_elems=self.chunk_elems,
+            meta=meta,
+            left=left,
+            right=right,
+            timeout_s=self.timeout_s,
+            checksum=self.checksum,
+            scratch=self._scratch_for(buf),
+        )
         links: dict[str, socket.socket] = {}
         try:
             if pending is not None:
@@ -280,14 +335,21 @@ class FTAREndpoint:
             sock.close()
             raise
         hello = wire.Hello(wire.KIND_RING, state.quorum_id, self._address)
-        offer, segment, path = (shm.create_offer(shm.DEFAULT_SLOTS, self.chunk_elems * 4) if self.shared_memory
-                                else (shm.NO_OFFER, None, None))
+        offer, segment, path = (
+            shm.create_offer(shm.DEFAULT_SLOTS, self.chunk_elems * 4)
+            if self.shared_memory
+            else (shm.NO_OFFER, None, None)
+        )
         try:
             sock.sendall(wire.encode_hello(self._token, hello) + offer)
             status = wire.recv_exact(sock, 1)[0]
             if status != wire.STATUS_OK:
-                raise HandshakeRefused(f"refused our link: {wire.STATUS_TEXT.get(status, status)}",
-                                       peer=peer, quorum_id=state.quorum_id, step=state.step)
+                raise HandshakeRefused(
+                    f"refused our link: {wire.STATUS_TEXT.get(status, status)}",
+                    peer=peer,
+                    quorum_id=state.quorum_id,
+                    step=state.step,
+                )
             mapped = wire.recv_exact(sock, 1)[0] == 1
         finally:
             shm.discard_offer(path)  # both sides have it mapped (or never will): the name can go
@@ -315,16 +377,24 @@ class FTAREndpoint:
                     if closed:  # closed under us: is it alive?
                         probe_at = now
                     if now >= deadline:
-                        raise PeerTimeout(f"no link from it within {self.timeout_s:g} s", peer=left,
-                                          quorum_id=state.quorum_id, step=state.step)
+                        raise PeerTimeout(
+                            f"no link from it within {self.timeout_s:g} s",
+                            peer=left,
+                            quorum_id=state.quorum_id,
+                            step=state.step,
+                        )
                     if now < probe_at:
                         self._cv.wait(min(deadline, probe_at) - now)
                         continue
             if sock is not None:
                 break
             if not _listening(left, self.probe_timeout_s):  # outside the lock: it may take a while
-                raise PeerFailed("no link from it, and its listener refuses connections: its process is gone",
-                                 peer=left, quorum_id=state.quorum_id, step=state.step)
+                raise PeerFailed(
+                    "no link from it, and its listener refuses connections: its process is gone",
+                    peer=left,
+                    quorum_id=state.quorum_id,
+                    step=state.step,
+                )
             probe_at = time.monotonic() + LIVENESS_PROBE_S
         state.attach(sock)
         links.update(left=left, in_sock=sock)
@@ -449,8 +519,11 @@ class FTAREndpoint:
         with self._cv:
             if not (self._closed or hello.quorum_id < self._floor):
                 return False
-        self._refuse(conn, wire.STATUS_STALE_QUORUM,
-                     f"a link from {hello.address} for stale quorum {hello.quorum_id} (now at {self._floor})")
+        self._refuse(
+            conn,
+            wire.STATUS_STALE_QUORUM,
+            f"a link from {hello.address} for stale quorum {hello.quorum_id} (now at {self._floor})",
+        )
         return True
 
     def _drop(self, conn: socket.socket, during: str, exc: BaseException) -> None:
@@ -477,15 +550,20 @@ class FTAREndpoint:
 
     def _notice_error(self, notice: wire.Hello, state: CallState) -> FTARError:
         suspect = notice.suspect if notice.suspect != self._address else notice.address
-        return PeerFailed(f"call abandoned by {notice.address} ({notice.reason} of {notice.suspect})",
-                          peer=suspect, quorum_id=state.quorum_id, step=state.step)
+        return PeerFailed(
+            f"call abandoned by {notice.address} ({notice.reason} of {notice.suspect})",
+            peer=suspect,
+            quorum_id=state.quorum_id,
+            step=state.step,
+        )
 
     def _broadcast_notice(self, err: FTARError, members: list[str]) -> dict[str, str]:
         """Tell every other member that this call is abandoned and whom we blame. Returns each
         member's health as its listener answered: "dead" (refused), "hung" (no answer within
         ``probe_timeout_s``) or "alive"."""
-        notice = wire.encode_hello(self._token, wire.Hello(wire.KIND_NOTICE, err.quorum_id, self._address,
-                                                           err.step, err.peer, err.kind))
+        notice = wire.encode_hello(
+            self._token, wire.Hello(wire.KIND_NOTICE, err.quorum_id, self._address, err.step, err.peer, err.kind)
+        )
         health: dict[str, str] = {}
 
         def send(member: str) -> None:
@@ -513,16 +591,23 @@ class FTAREndpoint:
         health = self._broadcast_notice(err, members)
         if err.kind not in ("failed", "timeout"):
             return err  # a protocol violation or a refusal: the neighbour that did it is the one
-        culprit = err.peer if health.get(err.peer, "alive") != "alive" else next(
-            (m for state in ("dead", "hung") for m in members if health.get(m) == state), None)
+        culprit = (
+            err.peer
+            if health.get(err.peer, "alive") != "alive"
+            else next((m for state in ("dead", "hung") for m in members if health.get(m) == state), None)
+        )
         if culprit is None:
             return err
-        cls, what = (PeerFailed, "its process is gone") if health[culprit] == "dead" else \
-            (PeerTimeout, f"it does not answer within {self.probe_timeout_s:g} s")
+        cls, what = (
+            (PeerFailed, "its process is gone")
+            if health[culprit] == "dead"
+            else (PeerTimeout, f"it does not answer within {self.probe_timeout_s:g} s")
+        )
         if culprit == err.peer and cls is type(err):
             return err
-        return cls(f"{what} (seen here: {err.detail}, from {err.peer})", peer=culprit,
-                   quorum_id=err.quorum_id, step=err.step)
+        return cls(
+            f"{what} (seen here: {err.detail}, from {err.peer})", peer=culprit, quorum_id=err.quorum_id, step=err.step
+        )
 
     # --- shutdown ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -541,7 +626,7 @@ class FTAREndpoint:
             wire.close_hard(sock)
         self._acceptor.join(timeout=5)
 
-    def __enter__(self) -> "FTAREndpoint":
+    def __enter__(self) -> FTAREndpoint:
         return self
 
     def __exit__(self, *exc) -> None:

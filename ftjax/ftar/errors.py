@@ -41,4 +41,3 @@ class HandshakeRefused(FTARError):
     """The peer's listener refused our connection: wrong job token, or a quorum it has left behind."""
 
     kind = "refused"
-

@@ -131,9 +131,24 @@ class Ring:
     float32 partial sums and all-gather frames the rounded bfloat16 values.
     """
 
-    def __init__(self, *, state: CallState, buf: np.ndarray, res: np.ndarray, rank: int, world: int,
-                 contributes: bool, count: int, chunk_elems: int, meta: int, left: str, right: str,
-                 timeout_s: float, checksum: bool, scratch: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        state: CallState,
+        buf: np.ndarray,
+        res: np.ndarray,
+        rank: int,
+        world: int,
+        contributes: bool,
+        count: int,
+        chunk_elems: int,
+        meta: int,
+        left: str,
+        right: str,
+        timeout_s: float,
+        checksum: bool,
+        scratch: np.ndarray | None = None,
+    ) -> None:
         self.state, self.buf, self.res = state, buf, res
         self.contributes, self.count = contributes, count
         self.meta, self.left, self.right = meta, left, right
@@ -143,7 +158,7 @@ class Ring:
             self.acc = res
         else:
             assert scratch is not None and scratch.dtype == np.float32 and scratch.size >= buf.size
-            self.acc = scratch[:buf.size]
+            self.acc = scratch[: buf.size]
         # own data for the first step, as float32: zeros for a non-contributor, a converted copy for
         # bfloat16 (float32 contributors send straight from ``buf``)
         self.own = None
@@ -156,8 +171,9 @@ class Ring:
     def run(self, connect_out: Callable[[], object], connect_in: Callable[[], object]) -> None:
         """Run the call: ``connect_out()`` (in the sender thread) and ``connect_in()`` (here) return
         the two links. Raises the call's first error."""
-        sender = threading.Thread(target=self._sender, args=(connect_out,), daemon=True,
-                                  name=f"ftar-send-q{self.state.quorum_id}")
+        sender = threading.Thread(
+            target=self._sender, args=(connect_out,), daemon=True, name=f"ftar-send-q{self.state.quorum_id}"
+        )
         sender.start()
         try:
             self._receiver(connect_in)
@@ -181,19 +197,34 @@ class Ring:
                 state.check()
                 if segment is None:
                     payload = self._send_view(chunk)
-                    header = wire.pack_frame(quorum_id=state.quorum_id, step=state.step, phase=chunk.phase,
-                                             seq=seq, meta=self.meta, payload=payload, checksum=self.checksum)
+                    header = wire.pack_frame(
+                        quorum_id=state.quorum_id,
+                        step=state.step,
+                        phase=chunk.phase,
+                        seq=seq,
+                        meta=self.meta,
+                        payload=payload,
+                        checksum=self.checksum,
+                    )
                     wire.send_all(sock, [memoryview(header), payload])
                     continue
                 if seq - acked >= segment.slots:  # the slot is still the receiver's: wait for it
                     acked = _await_acks(sock, acked, seq - segment.slots + 1)
                 slot = self._fill_slot(chunk, segment, seq)
-                header = wire.pack_frame(quorum_id=state.quorum_id, step=state.step, phase=chunk.phase, seq=seq,
-                                         meta=self.meta, payload=_bytes(slot), checksum=self.checksum, shm=True)
+                header = wire.pack_frame(
+                    quorum_id=state.quorum_id,
+                    step=state.step,
+                    phase=chunk.phase,
+                    seq=seq,
+                    meta=self.meta,
+                    payload=_bytes(slot),
+                    checksum=self.checksum,
+                    shm=True,
+                )
                 wire.send_all(sock, [memoryview(header)])
             if segment is not None:  # leave the link quiet: the next call starts again at slot 0
                 _await_acks(sock, acked, len(self.sends))
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller's thread
+        except BaseException as exc:
             self._fail(exc, self.right)
 
     def _receiver(self, connect: Callable[[], object]) -> None:
@@ -203,23 +234,39 @@ class Ring:
             state = self.state
             header = memoryview(bytearray(wire.FRAME.size))
             for seq, chunk in enumerate(self.recvs):
-                dest = self.acc[chunk.start:chunk.stop] if chunk.phase == RS else self.res[chunk.start:chunk.stop]
+                dest = self.acc[chunk.start : chunk.stop] if chunk.phase == RS else self.res[chunk.start : chunk.stop]
                 if segment is None:
                     payload = _bytes(dest)
                     wire.recv_into_all(sock, [header, payload])
-                    wire.check_frame(header, payload, quorum_id=state.quorum_id, step=state.step,
-                                     phase=chunk.phase, seq=seq, meta=self.meta, require_checksum=self.checksum)
+                    wire.check_frame(
+                        header,
+                        payload,
+                        quorum_id=state.quorum_id,
+                        step=state.step,
+                        phase=chunk.phase,
+                        seq=seq,
+                        meta=self.meta,
+                        require_checksum=self.checksum,
+                    )
                     if chunk.phase == RS and self.contributes:
-                        np.add(dest, self.buf[chunk.start:chunk.stop], out=dest)
+                        np.add(dest, self.buf[chunk.start : chunk.stop], out=dest)
                 else:
                     # the frame names a slot the sender has filled; read it once, straight into place
                     wire.recv_into_all(sock, [header])
                     slot = segment.slot(seq, dest.nbytes, dest.dtype)
-                    wire.check_frame(header, _bytes(slot), quorum_id=state.quorum_id, step=state.step,
-                                     phase=chunk.phase, seq=seq, meta=self.meta, require_checksum=self.checksum,
-                                     shm=True)
+                    wire.check_frame(
+                        header,
+                        _bytes(slot),
+                        quorum_id=state.quorum_id,
+                        step=state.step,
+                        phase=chunk.phase,
+                        seq=seq,
+                        meta=self.meta,
+                        require_checksum=self.checksum,
+                        shm=True,
+                    )
                     if chunk.phase == RS and self.contributes:
-                        np.add(slot, self.buf[chunk.start:chunk.stop], out=dest)
+                        np.add(slot, self.buf[chunk.start : chunk.stop], out=dest)
                     else:
                         np.copyto(dest, slot)
                     wire.send_all(sock, [memoryview(shm.ACK.pack(seq))])  # the slot is the sender's again
@@ -228,7 +275,7 @@ class Ring:
                 with state.cond:
                     state.done = seq + 1
                     state.cond.notify_all()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self._fail(exc, self.left)
 
     # --- helpers ----------------------------------------------------------------------------
@@ -246,11 +293,11 @@ class Ring:
         """A TCP send's payload: float32 for reduce-scatter (bfloat16 own data widened into ``own``)."""
         src = self._source(chunk)
         if src is None:  # non-contributor: zeros
-            return _bytes(self.own[:chunk.stop - chunk.start])
+            return _bytes(self.own[: chunk.stop - chunk.start])
         if chunk.phase == AG or src.dtype == np.float32:  # no copy
             return _bytes(src)
-        np.copyto(self.own[:src.size], src)
-        return _bytes(self.own[:src.size])
+        np.copyto(self.own[: src.size], src)
+        return _bytes(self.own[: src.size])
 
     def _fill_slot(self, chunk: Chunk, segment: shm.Segment, seq: int) -> np.ndarray:
         """Write what frame ``seq`` carries into its slot (one copy; bfloat16 widened on the way)."""
@@ -267,7 +314,7 @@ class Ring:
         if self.count != 1:
             np.divide(acc, self.count, out=acc)
         if self.acc is not self.res:
-            self.res[chunk.start:chunk.stop] = acc  # the one rounding to bfloat16, at the owner
+            self.res[chunk.start : chunk.stop] = acc  # the one rounding to bfloat16, at the owner
 
     def _fail(self, exc: BaseException, peer: str) -> None:
         if isinstance(exc, Aborted):

@@ -56,12 +56,12 @@ class Segment:
     def slot(self, seq: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
         """The slot that frame ``seq`` travels in, viewed as ``nbytes`` of ``dtype``."""
         start = (seq % self.slots) * self.slot_bytes
-        return self._raw[start:start + nbytes].view(dtype)
+        return self._raw[start : start + nbytes].view(dtype)
 
 
 # A link's segment, keyed by its socket: the endpoint keeps, reuses and drops links as sockets, and
 # the segment lives exactly as long as the socket object does.
-_segments: "weakref.WeakKeyDictionary[socket.socket, Segment]" = weakref.WeakKeyDictionary()
+_segments: weakref.WeakKeyDictionary[socket.socket, Segment] = weakref.WeakKeyDictionary()
 
 
 def segment_of(sock: socket.socket) -> Segment | None:
@@ -69,7 +69,7 @@ def segment_of(sock: socket.socket) -> Segment | None:
 
 
 def _check_sizes(slots: int, slot_bytes: int) -> bool:
-    return 1 <= slots <= 64 and 1 <= slot_bytes and slots * slot_bytes <= MAX_SEGMENT_BYTES
+    return 1 <= slots <= 64 and slot_bytes >= 1 and slots * slot_bytes <= MAX_SEGMENT_BYTES
 
 
 def _map(fd: int, size: int) -> mmap.mmap:

@@ -21,7 +21,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from ftjax.coordinator.quorum import split_address
+from ftjax.base.net import split_address
 
 VERSION = 2  # 2: a ring hello is followed by a shared-memory offer (see shm.py)
 
@@ -39,23 +39,44 @@ class WireError(ValueError):
     """A frame or hello that does not parse or does not match what the receiver expects."""
 
 
-def call_fingerprint(n: int, dtype, chunk_elems: int, members: list[str], contributors: list[bool],
-                     divisor: int) -> int:
+def call_fingerprint(
+    n: int, dtype, chunk_elems: int, members: list[str], contributors: list[bool], divisor: int
+) -> int:
     """32-bit digest of what every member of a call must agree on; carried in every frame."""
-    return zlib.crc32(repr((n, str(dtype), chunk_elems, list(members), [bool(c) for c in contributors],
-                            int(divisor))).encode())
+    return zlib.crc32(
+        repr((n, str(dtype), chunk_elems, list(members), [bool(c) for c in contributors], int(divisor))).encode()
+    )
 
 
-def pack_frame(*, quorum_id: int, step: int, phase: int, seq: int, meta: int, payload: memoryview,
-               checksum: bool, shm: bool = False) -> bytes:
+def pack_frame(
+    *,
+    quorum_id: int,
+    step: int,
+    phase: int,
+    seq: int,
+    meta: int,
+    payload: memoryview,
+    checksum: bool,
+    shm: bool = False,
+) -> bytes:
     """The header for ``payload`` (a byte-format memoryview; with ``shm``, the slot it was written to)."""
     crc = zlib.crc32(payload) if checksum else 0
     flags = (FLAG_CRC if checksum else 0) | (FLAG_SHM if shm else 0)
     return FRAME.pack(FRAME_MAGIC, VERSION, phase, flags, quorum_id, step, seq, meta, payload.nbytes, crc)
 
 
-def check_frame(header: memoryview, payload: memoryview, *, quorum_id: int, step: int, phase: int,
-                seq: int, meta: int, require_checksum: bool, shm: bool = False) -> None:
+def check_frame(
+    header: memoryview,
+    payload: memoryview,
+    *,
+    quorum_id: int,
+    step: int,
+    phase: int,
+    seq: int,
+    meta: int,
+    require_checksum: bool,
+    shm: bool = False,
+) -> None:
     """Raise WireError naming the first field of ``header`` that differs from what this call expects.
 
     ``payload`` has already been received (into its destination) when this runs; a mismatch makes
@@ -98,8 +119,11 @@ STATUS_OK = 0
 STATUS_BAD_TOKEN = 1
 STATUS_STALE_QUORUM = 2
 STATUS_BAD_MESSAGE = 3
-STATUS_TEXT = {STATUS_BAD_TOKEN: "wrong job token", STATUS_STALE_QUORUM: "stale quorum id",
-               STATUS_BAD_MESSAGE: "malformed hello"}
+STATUS_TEXT = {
+    STATUS_BAD_TOKEN: "wrong job token",
+    STATUS_STALE_QUORUM: "stale quorum id",
+    STATUS_BAD_MESSAGE: "malformed hello",
+}
 
 
 @dataclass(frozen=True)
@@ -121,8 +145,20 @@ def encode_hello(token: bytes, hello: Hello) -> bytes:
     addr, suspect = hello.address.encode(), hello.suspect.encode()
     if len(addr) > MAX_ADDRESS or len(suspect) > MAX_ADDRESS:
         raise ValueError("address longer than 255 bytes")
-    body = HELLO.pack(HELLO_MAGIC, VERSION, hello.kind, len(addr), len(suspect), hello.quorum_id,
-                      hello.step, REASONS.index(hello.reason)) + addr + suspect
+    body = (
+        HELLO.pack(
+            HELLO_MAGIC,
+            VERSION,
+            hello.kind,
+            len(addr),
+            len(suspect),
+            hello.quorum_id,
+            hello.step,
+            REASONS.index(hello.reason),
+        )
+        + addr
+        + suspect
+    )
     return body + _mac(token, body)
 
 
@@ -148,7 +184,7 @@ def read_hello(sock: socket.socket, token: bytes) -> Hello:
         raise HelloRefused(STATUS_BAD_TOKEN, "hello with a wrong job token")
     try:
         address = rest[:addr_len].decode()
-        suspect = rest[addr_len:addr_len + suspect_len].decode()
+        suspect = rest[addr_len : addr_len + suspect_len].decode()
     except UnicodeDecodeError:
         raise HelloRefused(STATUS_BAD_MESSAGE, "bad hello (address is not UTF-8)") from None
     return Hello(kind, quorum_id, address, step, suspect, REASONS[reason])
@@ -156,7 +192,7 @@ def read_hello(sock: socket.socket, token: bytes) -> Hello:
 
 # --- sockets -----------------------------------------------------------------------------------
 def parse_address(address: str) -> tuple[str, int]:
-    """"host:port" -> (host, port); ValueError naming the address if it is not one."""
+    """ "host:port" -> (host, port); ValueError naming the address if it is not one."""
     try:
         return split_address(address)
     except ValueError:

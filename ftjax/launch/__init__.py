@@ -3,4 +3,4 @@
 from ftjax.launch.cli import main
 from ftjax.launch.job import LocalJob
 
-__all__ = ["LocalJob"]
+__all__ = ["LocalJob", "main"]

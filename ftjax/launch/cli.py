@@ -27,9 +27,18 @@ from rich.console import Console
 
 from ftjax.config import Config, ConfigError, load_config
 from ftjax.launch import emit as cluster
-from ftjax.launch.supervisor import (FaultPlan, LaunchError, check_seconds, parse_bandwidth, parse_hang, parse_kill,
-                                     parse_kill_host, parse_partition, parse_seconds)
-from ftjax.train import init_from_override
+from ftjax.launch.supervisor import (
+    FaultPlan,
+    LaunchError,
+    check_seconds,
+    parse_bandwidth,
+    parse_hang,
+    parse_kill,
+    parse_kill_host,
+    parse_partition,
+    parse_seconds,
+)
+from ftjax.runtime.args import init_from_override
 
 if TYPE_CHECKING:
     from ftjax.launch.vcluster import VirtualCluster
@@ -47,83 +56,162 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ftjax launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="YAML config: a path, or a built-in name (tiny, gpt_small)")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. steps=400 coordinator.heartbeat_timeout_s=2")
+    p.add_argument(
+        "overrides", nargs="*", help="key.sub=value overrides, e.g. steps=400 coordinator.heartbeat_timeout_s=2"
+    )
     p.add_argument("--replicas", type=int, default=None, help="replicas R (default: the config's ft.replicas)")
     p.add_argument("--hosts-per-replica", type=int, default=None, help="processes per replica H (default: mesh.hosts)")
-    p.add_argument("--devices-per-host", type=int, default=None,
-                   help="simulated CPU devices per process D (default: mesh.devices_per_host)")
-    p.add_argument("--out", default=None, help="run directory (default: runs/launch-<config name>); must be new or empty")
+    p.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=None,
+        help="simulated CPU devices per process D (default: mesh.devices_per_host)",
+    )
+    p.add_argument(
+        "--out", default=None, help="run directory (default: runs/launch-<config name>); must be new or empty"
+    )
     p.add_argument("--overwrite", action="store_true", help="delete --out first if it holds an earlier run")
-    p.add_argument("--entry", default=None, metavar="COMMAND",
-                   help="run COMMAND instead of `ftjax train` for each replica (a script that owns its loop through "
-                        "ftjax.FaultTolerance.join); it gets `ftjax train`'s arguments. A leading `python` is this "
-                        "launcher's interpreter")
-    p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="every replica starts from the parameters of this orbax checkpoint instead of the seed's "
-                        "(sets checkpoint.init_from, passed on to the replicas)")
+    p.add_argument(
+        "--entry",
+        default=None,
+        metavar="COMMAND",
+        help="run COMMAND instead of `ftjax train` for each replica (a script that owns its loop through "
+        "ftjax.FaultTolerance.join); it gets `ftjax train`'s arguments. A leading `python` is this "
+        "launcher's interpreter",
+    )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="every replica starts from the parameters of this orbax checkpoint instead of the seed's "
+        "(sets checkpoint.init_from, passed on to the replicas)",
+    )
     f = p.add_argument_group("faults (times count from warm-up: every replica has trained a step)")
-    f.add_argument("--kill", action="append", default=[], metavar="R@STEP[:PHASE]",
-                   help="replica R SIGKILLs itself at STEP in PHASE: forward (default) | ftar | commit | catchup "
-                        "(catchup: killed at STEP, then killed again while its new incarnation catches up)")
-    f.add_argument("--kill-host", action="append", default=[], metavar="R@STEP:HOST",
-                   help="only host HOST of replica R dies at STEP; the whole replica restarts, or with "
-                        "ft.on_host_loss=reduce its other hosts go on as a reduced-degree replica")
-    f.add_argument("--mtbf-s", type=float, default=None, metavar="S",
-                   help="random whole-replica kills, exponential intervals of mean S seconds")
+    f.add_argument(
+        "--kill",
+        action="append",
+        default=[],
+        metavar="R@STEP[:PHASE]",
+        help="replica R SIGKILLs itself at STEP in PHASE: forward (default) | ftar | commit | catchup "
+        "(catchup: killed at STEP, then killed again while its new incarnation catches up)",
+    )
+    f.add_argument(
+        "--kill-host",
+        action="append",
+        default=[],
+        metavar="R@STEP:HOST",
+        help="only host HOST of replica R dies at STEP; the whole replica restarts, or with "
+        "ft.on_host_loss=reduce its other hosts go on as a reduced-degree replica",
+    )
+    f.add_argument(
+        "--mtbf-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="random whole-replica kills, exponential intervals of mean S seconds",
+    )
     f.add_argument("--seed", type=int, default=0, help="seed of the random kills (default 0)")
     f.add_argument("--hang", action="append", default=[], metavar="R@T", help="SIGSTOP replica R at T seconds")
-    f.add_argument("--kill-coordinator-at", action="append", default=[], metavar="T",
-                   help="SIGKILL the coordinator at T seconds (it is restarted after --restart-delay-s)")
+    f.add_argument(
+        "--kill-coordinator-at",
+        action="append",
+        default=[],
+        metavar="T",
+        help="SIGKILL the coordinator at T seconds (it is restarted after --restart-delay-s)",
+    )
     v = p.add_argument_group("virtual cluster (Linux, as root)")
-    v.add_argument("--virtual-cluster", action="store_true",
-                   help="run the coordinator and every host of every replica on a virtual host of its own: its own "
-                        "network namespace (an address on a bridge, its own loopback) and mount namespace (its own "
-                        "/dev/shm and temp dir), so that hosts share nothing but the network")
-    v.add_argument("--partition", action="append", default=[], metavar="R[/H]@STEP:SECONDS",
-                   help="cut the links of replica R's hosts (of host H only, with /H) once R has trained STEP, and "
-                        "restore them SECONDS later (needs --virtual-cluster)")
-    v.add_argument("--bandwidth-mbit", action="append", default=[], metavar="all|R|R/H=MBIT",
-                   help="cap the bandwidth of every host (all), of replica R's hosts, or of host H of replica R, "
-                        "at MBIT megabits per second each way: tc tbf (needs --virtual-cluster)")
+    v.add_argument(
+        "--virtual-cluster",
+        action="store_true",
+        help="run the coordinator and every host of every replica on a virtual host of its own: its own "
+        "network namespace (an address on a bridge, its own loopback) and mount namespace (its own "
+        "/dev/shm and temp dir), so that hosts share nothing but the network",
+    )
+    v.add_argument(
+        "--partition",
+        action="append",
+        default=[],
+        metavar="R[/H]@STEP:SECONDS",
+        help="cut the links of replica R's hosts (of host H only, with /H) once R has trained STEP, and "
+        "restore them SECONDS later (needs --virtual-cluster)",
+    )
+    v.add_argument(
+        "--bandwidth-mbit",
+        action="append",
+        default=[],
+        metavar="all|R|R/H=MBIT",
+        help="cap the bandwidth of every host (all), of replica R's hosts, or of host H of replica R, "
+        "at MBIT megabits per second each way: tc tbf (needs --virtual-cluster)",
+    )
     s = p.add_argument_group("supervision")
     s.add_argument("--restart-delay-s", type=float, default=1.0, help="delay before a dead replica restarts (1.0)")
     s.add_argument("--max-restarts", type=int, default=10, help="per replica; one more failure ends the job (10)")
-    s.add_argument("--host-repair-s", type=float, default=None, metavar="S",
-                   help="a host whose process died (--kill-host, a crash of one host) is back S seconds later: "
-                        "its replica restarts whole then, or goes on reduced meanwhile with "
-                        "ft.on_host_loss=reduce (default: back at once, with the restart)")
-    s.add_argument("--hang-timeout-s", type=float, default=None,
-                   help="silence that makes a replica hung while peers train (default: 2 x ft.ftar_timeout_s)")
-    s.add_argument("--startup-timeout-s", type=float, default=300.0, help="first step of an incarnation due within (300)")
+    s.add_argument(
+        "--host-repair-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a host whose process died (--kill-host, a crash of one host) is back S seconds later: "
+        "its replica restarts whole then, or goes on reduced meanwhile with "
+        "ft.on_host_loss=reduce (default: back at once, with the restart)",
+    )
+    s.add_argument(
+        "--hang-timeout-s",
+        type=float,
+        default=None,
+        help="silence that makes a replica hung while peers train (default: 2 x ft.ftar_timeout_s)",
+    )
+    s.add_argument(
+        "--startup-timeout-s", type=float, default=300.0, help="first step of an incarnation due within (300)"
+    )
     s.add_argument("--timeout-s", type=float, default=3600.0, help="the whole job (3600)")
-    s.add_argument("--compile-cache", default=None, metavar="DIR|none",
-                   help="JAX persistent compilation cache shared by the job's processes, so that a restarted "
-                        "replica does not compile again (default: the machine-wide ~/.cache/ftjax/xla; none: off)")
+    s.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|none",
+        help="JAX persistent compilation cache shared by the job's processes, so that a restarted "
+        "replica does not compile again (default: the machine-wide ~/.cache/ftjax/xla; none: off)",
+    )
     e = p.add_argument_group("cluster job files")
-    e.add_argument("--emit", nargs=2, metavar=("slurm|k8s", "DIR"), default=None,
-                   help="write job files for this job to DIR instead of running it")
+    e.add_argument(
+        "--emit",
+        nargs=2,
+        metavar=("slurm|k8s", "DIR"),
+        default=None,
+        help="write job files for this job to DIR instead of running it",
+    )
     cluster.add_arguments(e)
     return p
 
 
 def check_options(args: argparse.Namespace) -> None:
     """Range-check every option (argparse checks only their types): UsageError naming the option."""
-    for flag, value, low in (("--replicas", args.replicas, 1), ("--hosts-per-replica", args.hosts_per_replica, 1),
-                             ("--devices-per-host", args.devices_per_host, 1),
-                             ("--max-restarts", args.max_restarts, 0)):  # 0: the first failure ends the job
+    for flag, value, low in (
+        ("--replicas", args.replicas, 1),
+        ("--hosts-per-replica", args.hosts_per_replica, 1),
+        ("--devices-per-host", args.devices_per_host, 1),
+        ("--max-restarts", args.max_restarts, 0),
+    ):  # 0: the first failure ends the job
         if value is not None and value < low:
             raise UsageError(f"{flag}: must be >= {low} (got {value})")
     try:
         check_seconds("--restart-delay-s", args.restart_delay_s)
-        for flag, value in (("--mtbf-s", args.mtbf_s), ("--hang-timeout-s", args.hang_timeout_s),
-                            ("--host-repair-s", args.host_repair_s),
-                            ("--startup-timeout-s", args.startup_timeout_s), ("--timeout-s", args.timeout_s)):
+        for flag, value in (
+            ("--mtbf-s", args.mtbf_s),
+            ("--hang-timeout-s", args.hang_timeout_s),
+            ("--host-repair-s", args.host_repair_s),
+            ("--startup-timeout-s", args.startup_timeout_s),
+            ("--timeout-s", args.timeout_s),
+        ):
             if value is not None:  # None: the default, derived from the config
                 check_seconds(flag, value, positive=True)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    for flag, path in (("--out", args.out), ("--emit", args.emit[1] if args.emit else None),
-                       ("--compile-cache", None if args.compile_cache == "none" else args.compile_cache)):
+    for flag, path in (
+        ("--out", args.out),
+        ("--emit", args.emit[1] if args.emit else None),
+        ("--compile-cache", None if args.compile_cache == "none" else args.compile_cache),
+    ):
         if path is not None:
             check_directory(flag, path)
     for flag, given in (("--partition", args.partition), ("--bandwidth-mbit", args.bandwidth_mbit)):
@@ -162,11 +250,14 @@ def check_task_in_child(config: str, overrides: list[str]) -> None:
     """`ftjax check` in a child process (this one keeps JAX unimported: on an accelerator, JAX
     would take the device's memory): a user's task that does not import, or whose loss has the
     wrong shape, is refused before any process starts."""
-    proc = subprocess.run([sys.executable, "-m", "ftjax", "check", config, *overrides], capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftjax", "check", config, *overrides], capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-        raise UsageError(lines[-1].removeprefix("ftjax check: error: ") if lines else f"ftjax check exited {proc.returncode}")
+        raise UsageError(
+            lines[-1].removeprefix("ftjax check: error: ") if lines else f"ftjax check exited {proc.returncode}"
+        )
 
 
 def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan, Path]:
@@ -187,15 +278,20 @@ def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan
     if cfg.task is not None:
         check_task_in_child(args.config, overrides)
     if cfg.coordinator.min_replicas > replicas:
-        raise UsageError(f"coordinator.min_replicas ({cfg.coordinator.min_replicas}) exceeds --replicas {replicas}: "
-                         "no quorum could ever form")
+        raise UsageError(
+            f"coordinator.min_replicas ({cfg.coordinator.min_replicas}) exceeds --replicas {replicas}: "
+            "no quorum could ever form"
+        )
     try:
         plan = FaultPlan(
-            injections=tuple([*map(parse_kill, args.kill), *map(parse_kill_host, args.kill_host)]),
+            injections=(*map(parse_kill, args.kill), *map(parse_kill_host, args.kill_host)),
             hangs=tuple(map(parse_hang, args.hang)),
             coordinator_kills=tuple(parse_seconds("--kill-coordinator-at", t) for t in args.kill_coordinator_at),
-            mtbf_s=args.mtbf_s, seed=args.seed, partitions=tuple(map(parse_partition, args.partition)),
-            bandwidth=tuple(map(parse_bandwidth, args.bandwidth_mbit)))
+            mtbf_s=args.mtbf_s,
+            seed=args.seed,
+            partitions=tuple(map(parse_partition, args.partition)),
+            bandwidth=tuple(map(parse_bandwidth, args.bandwidth_mbit)),
+        )
         plan.validate(replicas, cfg.mesh.hosts, cfg.steps)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -216,7 +312,7 @@ def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan
     return cfg, overrides, replicas, plan, out
 
 
-def make_cluster(replicas: int, hosts: int, plan: FaultPlan) -> "VirtualCluster":
+def make_cluster(replicas: int, hosts: int, plan: FaultPlan) -> VirtualCluster:
     """The virtual cluster of a job: a host for the coordinator and one for each host of each
     replica, with the plan's bandwidth caps set."""
     from ftjax.launch.job import COORDINATOR_HOST, host_name, job_hosts
@@ -239,7 +335,7 @@ def make_cluster(replicas: int, hosts: int, plan: FaultPlan) -> "VirtualCluster"
 def compile_cache_env(cache: str | None, out: Path) -> dict[str, str]:
     """Environment for the children's persistent JAX compilation cache.
 
-    By default every ftjax process already shares one machine-wide cache (`ftjax.env`): a
+    By default every ftjax process already shares one machine-wide cache (`ftjax.base.env`): a
     restarted incarnation reads back the programs its first incarnation compiled instead of
     compiling them again (a restart on a small machine is mostly compilation). `DIR` points this
     job at its own cache; `none` turns caching off."""
@@ -268,8 +364,13 @@ def main(argv: list[str]) -> int:
 
         kind, where = args.emit
         try:
-            written = emit(kind, where, args.config, [*overrides, f"ft.replicas={replicas}"],
-                           options=cluster.options_from_args(args))
+            written = emit(
+                kind,
+                where,
+                args.config,
+                [*overrides, f"ft.replicas={replicas}"],
+                options=cluster.options_from_args(args),
+            )
         except EmitError as e:
             print(f"ftjax launch: error: {e}", file=sys.stderr)
             return 2
@@ -284,12 +385,19 @@ def main(argv: list[str]) -> int:
             signal.signal(s, handler)
 
 
-def run(args: argparse.Namespace, cfg: Config, overrides: list[str], replicas: int, plan: FaultPlan, out: Path,
-        console: Console) -> int:
+def run(
+    args: argparse.Namespace,
+    cfg: Config,
+    overrides: list[str],
+    replicas: int,
+    plan: FaultPlan,
+    out: Path,
+    console: Console,
+) -> int:
+    from ftjax.base.procs import ProcessGroup
     from ftjax.launch.job import COORDINATOR_HOST, LocalJob
     from ftjax.launch.supervisor import RunLog, Supervisor
     from ftjax.launch.view import make_view
-    from ftjax.procs import ProcessGroup
 
     if args.overwrite and out.exists():
         shutil.rmtree(out)
@@ -306,19 +414,45 @@ def run(args: argparse.Namespace, cfg: Config, overrides: list[str], replicas: i
                     raise LaunchError(f"--virtual-cluster: {e}") from None
                 procs.on_close(cluster.close)  # after every child is killed: the namespaces go too
                 view.probe.in_thread = partial(cluster.enter, COORDINATOR_HOST)  # its status page is there
-            job = LocalJob(args.config, overrides, out, replicas=replicas, procs=procs,
-                           extra_env=compile_cache_env(args.compile_cache, out), cluster=cluster,
-                           entry=entry_command(args.entry))
+            job = LocalJob(
+                args.config,
+                overrides,
+                out,
+                replicas=replicas,
+                procs=procs,
+                extra_env=compile_cache_env(args.compile_cache, out),
+                cluster=cluster,
+                entry=entry_command(args.entry),
+            )
             log = RunLog(out / "launcher.jsonl", listener=view.event)
-            log.event("launch", config=args.config, overrides=overrides, out=str(out), replicas=replicas,
-                      hosts=cfg.mesh.hosts, devices=cfg.mesh.devices_per_host, steps=cfg.steps,
-                      restart_delay_s=args.restart_delay_s, host_repair_s=args.host_repair_s, faults=asdict(plan),
-                      virtual_cluster=None if cluster is None else
-                      {name: {"address": h.ipv4, "netns": h.netns} for name, h in cluster.hosts.items()})
-            supervisor = Supervisor(job, plan, log, restart_delay_s=args.restart_delay_s,
-                                    hang_timeout_s=args.hang_timeout_s, startup_timeout_s=args.startup_timeout_s,
-                                    max_restarts=args.max_restarts, timeout_s=args.timeout_s, on_poll=view.poll,
-                                    host_repair_s=args.host_repair_s)
+            log.event(
+                "launch",
+                config=args.config,
+                overrides=overrides,
+                out=str(out),
+                replicas=replicas,
+                hosts=cfg.mesh.hosts,
+                devices=cfg.mesh.devices_per_host,
+                steps=cfg.steps,
+                restart_delay_s=args.restart_delay_s,
+                host_repair_s=args.host_repair_s,
+                faults=asdict(plan),
+                virtual_cluster=None
+                if cluster is None
+                else {name: {"address": h.ipv4, "netns": h.netns} for name, h in cluster.hosts.items()},
+            )
+            supervisor = Supervisor(
+                job,
+                plan,
+                log,
+                restart_delay_s=args.restart_delay_s,
+                hang_timeout_s=args.hang_timeout_s,
+                startup_timeout_s=args.startup_timeout_s,
+                max_restarts=args.max_restarts,
+                timeout_s=args.timeout_s,
+                on_poll=view.poll,
+                host_repair_s=args.host_repair_s,
+            )
             view.start()
             code = 0 if supervisor.run() else 1
         except LaunchError as e:
@@ -346,8 +480,8 @@ def run(args: argparse.Namespace, cfg: Config, overrides: list[str], replicas: i
 def _report(out: Path, console: Console, code: int) -> int:
     """Write summary.json and the plots, print the summary table."""
     from ftjax.launch.plots import write_loss, write_timeline
-    from ftjax.launch.summary import exit_code, load_run, write_summary
     from ftjax.launch.view import print_summary
+    from ftjax.runs.summary import exit_code, load_run, write_summary
 
     summary = write_summary(out)
     run = load_run(out)

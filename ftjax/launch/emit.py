@@ -17,7 +17,7 @@ step and left, and 3 when no replica has been alive for `--idle-exit-s` (ftjax/c
   `ft.on_host_loss: reduce` a replica's job is `--no-kill` and, when Slurm reports a node of its
   allocation lost, restarts at once on the nodes up, at reduced degree, and whole once they all are
   (`_SLURM_REDUCE`). DIR must be on a filesystem the nodes share; the run directory is
-  `DIR/run`, laid out like `ftjax launch`'s, so `ftjax.launch.summary` reads it (finish.sbatch
+  `DIR/run`, laid out like `ftjax launch`'s, so `ftjax.runs.summary` reads it (finish.sbatch
   writes `run/launcher.jsonl` and `run/summary.json`).
 - **k8s** (see `_k8s`): `DIR/token.yaml` (the token Secret, mode 600), `DIR/coordinator.yaml` (the
   config ConfigMap, optionally the PersistentVolumeClaim for the outputs, the coordinator's Job and
@@ -46,8 +46,8 @@ from pathlib import Path
 
 import yaml
 
+from ftjax.base.env import TOKEN_ENV
 from ftjax.config import Config, load_config
-from ftjax.env import TOKEN_ENV
 from ftjax.launch.supervisor import reduced_degree
 
 # Kubernetes: a pod has the node's ports to itself, so the ports are fixed there. Slurm: none is.
@@ -106,40 +106,88 @@ _RESOURCE = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9._]*
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     """The options of `ftjax launch --emit` (besides --max-restarts and --restart-delay-s)."""
-    group.add_argument("--name", default=None,
-                       help=f"the job's name: every job, resource and file name derives from it (a DNS label of "
-                            f"at most {MAX_NAME} characters; default: ftjax-<config>-<4 hex digits>)")
+    group.add_argument(
+        "--name",
+        default=None,
+        help=f"the job's name: every job, resource and file name derives from it (a DNS label of "
+        f"at most {MAX_NAME} characters; default: ftjax-<config>-<4 hex digits>)",
+    )
     group.add_argument("--image", default="ftjax:latest", help="container image (k8s; see the Dockerfile)")
-    group.add_argument("--gpus-per-host", type=int, default=0, metavar="G",
-                       help="GPUs of each replica host (slurm: --gpus-per-node; k8s: a limit of --gpu-resource)")
+    group.add_argument(
+        "--gpus-per-host",
+        type=int,
+        default=0,
+        metavar="G",
+        help="GPUs of each replica host (slurm: --gpus-per-node; k8s: a limit of --gpu-resource)",
+    )
     group.add_argument("--gpu-resource", default="nvidia.com/gpu", help="k8s: the GPUs' resource name")
-    group.add_argument("--cpus-per-host", type=int, default=None, metavar="C",
-                       help="CPUs of each replica host (slurm: --cpus-per-task; k8s: a request)")
-    group.add_argument("--mem-per-host-gib", type=float, default=None, metavar="GIB",
-                       help="memory of each replica host (slurm: --mem; k8s: a request and a limit)")
-    group.add_argument("--slurm-time", default=None, metavar="TIME",
-                       help="slurm: each job's time limit (sbatch --time: MINUTES, H:M:S, D-H:M:S)")
-    group.add_argument("--slurm-partition", default=None, metavar="P", help="slurm: the partition(s) (sbatch --partition)")
-    group.add_argument("--slurm-account", default=None, metavar="A", help="slurm: the account to charge (sbatch --account)")
+    group.add_argument(
+        "--cpus-per-host",
+        type=int,
+        default=None,
+        metavar="C",
+        help="CPUs of each replica host (slurm: --cpus-per-task; k8s: a request)",
+    )
+    group.add_argument(
+        "--mem-per-host-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory of each replica host (slurm: --mem; k8s: a request and a limit)",
+    )
+    group.add_argument(
+        "--slurm-time",
+        default=None,
+        metavar="TIME",
+        help="slurm: each job's time limit (sbatch --time: MINUTES, H:M:S, D-H:M:S)",
+    )
+    group.add_argument(
+        "--slurm-partition", default=None, metavar="P", help="slurm: the partition(s) (sbatch --partition)"
+    )
+    group.add_argument(
+        "--slurm-account", default=None, metavar="A", help="slurm: the account to charge (sbatch --account)"
+    )
     group.add_argument("--slurm-exclusive", action="store_true", help="slurm: replica jobs take their nodes whole")
-    group.add_argument("--pvc", default=None, metavar="CLAIM",
-                       help="k8s: write the outputs (metrics, checkpoints) to this PersistentVolumeClaim "
-                            "(ReadWriteMany), under <name>/; default: an emptyDir, lost with the pod")
-    group.add_argument("--pvc-size", default=None, metavar="SIZE",
-                       help="k8s: also create the --pvc claim, of this size (e.g. 100Gi)")
+    group.add_argument(
+        "--pvc",
+        default=None,
+        metavar="CLAIM",
+        help="k8s: write the outputs (metrics, checkpoints) to this PersistentVolumeClaim "
+        "(ReadWriteMany), under <name>/; default: an emptyDir, lost with the pod",
+    )
+    group.add_argument(
+        "--pvc-size", default=None, metavar="SIZE", help="k8s: also create the --pvc claim, of this size (e.g. 100Gi)"
+    )
     group.add_argument("--storage-class", default=None, help="k8s: the storage class of the claim --pvc-size creates")
-    group.add_argument("--idle-exit-s", type=float, default=IDLE_EXIT_S, metavar="S",
-                       help=f"the coordinator ends when no replica has been alive this long ({IDLE_EXIT_S:g})")
+    group.add_argument(
+        "--idle-exit-s",
+        type=float,
+        default=IDLE_EXIT_S,
+        metavar="S",
+        help=f"the coordinator ends when no replica has been alive this long ({IDLE_EXIT_S:g})",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> EmitOptions:
     """EmitOptions from `ftjax launch`'s arguments; EmitError naming the option if one is bad."""
     options = EmitOptions(
-        name=args.name, image=args.image, max_restarts=args.max_restarts, restart_delay_s=args.restart_delay_s,
-        gpus_per_host=args.gpus_per_host, gpu_resource=args.gpu_resource, cpus_per_host=args.cpus_per_host,
-        mem_per_host_gib=args.mem_per_host_gib, time=args.slurm_time, partition=args.slurm_partition,
-        account=args.slurm_account, exclusive=args.slurm_exclusive, pvc=args.pvc, pvc_size=args.pvc_size, storage_class=args.storage_class,
-        idle_exit_s=args.idle_exit_s)
+        name=args.name,
+        image=args.image,
+        max_restarts=args.max_restarts,
+        restart_delay_s=args.restart_delay_s,
+        gpus_per_host=args.gpus_per_host,
+        gpu_resource=args.gpu_resource,
+        cpus_per_host=args.cpus_per_host,
+        mem_per_host_gib=args.mem_per_host_gib,
+        time=args.slurm_time,
+        partition=args.slurm_partition,
+        account=args.slurm_account,
+        exclusive=args.slurm_exclusive,
+        pvc=args.pvc,
+        pvc_size=args.pvc_size,
+        storage_class=args.storage_class,
+        idle_exit_s=args.idle_exit_s,
+    )
     check_options(options)
     return options
 
@@ -149,8 +197,12 @@ def check_options(o: EmitOptions) -> None:
         return EmitError(f"{flag}: {why} (got {value!r})")
 
     if o.name is not None and (len(o.name) > MAX_NAME or not _DNS_LABEL.fullmatch(o.name)):
-        raise bad("--name", o.name, f"must be a DNS label of at most {MAX_NAME} characters "
-                                    "(lower-case letters, digits and '-', starting with a letter)")
+        raise bad(
+            "--name",
+            o.name,
+            f"must be a DNS label of at most {MAX_NAME} characters "
+            "(lower-case letters, digits and '-', starting with a letter)",
+        )
     if not o.image or any(c.isspace() for c in o.image):
         raise bad("--image", o.image, "must be an image name")
     if o.gpus_per_host < 0:
@@ -183,33 +235,67 @@ def check_options(o: EmitOptions) -> None:
 def default_name(config: str) -> str:
     stem = re.sub(r"[^a-z0-9]+", "-", Path(config).stem.lower()).strip("-") or "job"
     suffix = secrets.token_hex(2)
-    return f"ftjax-{stem[:MAX_NAME - len('ftjax--') - len(suffix)].strip('-')}-{suffix}"
+    return f"ftjax-{stem[: MAX_NAME - len('ftjax--') - len(suffix)].strip('-')}-{suffix}"
 
 
 # --- the commands --------------------------------------------------------------------------------------
-def train_args(config: str, replica: int, coordinator: str, hosts: int, out: str, process_id: str | None = None,
-               dist: str | None = None, overrides: list[str] = ()) -> list[str]:
+def train_args(
+    config: str,
+    replica: int,
+    coordinator: str,
+    hosts: int,
+    out: str,
+    process_id: str | None = None,
+    dist: str | None = None,
+    overrides: list[str] = (),
+) -> list[str]:
     """`ftjax train` arguments of one host of a replica (the same as LocalJob.start_replica)."""
-    args = ["ftjax", "train", config, *overrides, "--out", out, "--replica-id", str(replica), "--coordinator", coordinator,
-            "--num-processes", str(hosts)]
+    args = [
+        "ftjax",
+        "train",
+        config,
+        *overrides,
+        "--out",
+        out,
+        "--replica-id",
+        str(replica),
+        "--coordinator",
+        coordinator,
+        "--num-processes",
+        str(hosts),
+    ]
     args += ["--process-id", process_id] if process_id is not None else []
     return args + (["--dist-address", dist] if dist else [])
 
 
-def coordinator_args(cfg: Config, *, port: int | str, http_port: int | str, idle_exit_s: float,
-                     token_file: str | None = None) -> list[str]:
+def coordinator_args(
+    cfg: Config, *, port: int | str, http_port: int | str, idle_exit_s: float, token_file: str | None = None
+) -> list[str]:
     """`ftjax coordinator` arguments: the config's `coordinator:` settings, the replicas to wait for
     at job start, the job's last step (it ends with the job). It binds every interface (IPv6 and
     IPv4); replicas dial it by its node's address (Slurm) or its Service's name (k8s)."""
     port, http_port = (p if isinstance(p, str) else str(p) for p in (port, http_port))  # keep a Shell a Shell
-    args = ["ftjax", "coordinator", "--port", port, "--http-port", http_port, *cfg.coordinator.flags(),
-            "--expected-replicas", str(cfg.ft.replicas), "--final-step", str(cfg.steps),
-            "--idle-exit-s", f"{idle_exit_s:g}"]
+    args = [
+        "ftjax",
+        "coordinator",
+        "--port",
+        port,
+        "--http-port",
+        http_port,
+        *cfg.coordinator.flags(),
+        "--expected-replicas",
+        str(cfg.ft.replicas),
+        "--final-step",
+        str(cfg.steps),
+        "--idle-exit-s",
+        f"{idle_exit_s:g}",
+    ]
     return args + (["--token-file", token_file] if token_file else [])
 
 
-def emit(kind: str, out_dir: str | Path, config: str, overrides: list[str], *,
-         options: EmitOptions | None = None) -> list[Path]:
+def emit(
+    kind: str, out_dir: str | Path, config: str, overrides: list[str], *, options: EmitOptions | None = None
+) -> list[Path]:
     """Write the job files of `kind` (slurm | k8s) into `out_dir`; returns the paths written."""
     if kind not in ("slurm", "k8s"):
         raise EmitError(f"--emit: unknown kind {kind!r}; choose slurm or k8s")
@@ -220,8 +306,10 @@ def emit(kind: str, out_dir: str | Path, config: str, overrides: list[str], *,
         raise EmitError(f"--emit: {out} is not empty")
     cfg = load_config(config, overrides)
     if options.gpus_per_host and options.gpus_per_host < cfg.mesh.devices_per_host:
-        raise EmitError(f"--gpus-per-host {options.gpus_per_host}: fewer than mesh.devices_per_host "
-                        f"({cfg.mesh.devices_per_host}), the devices each host trains on")
+        raise EmitError(
+            f"--gpus-per-host {options.gpus_per_host}: fewer than mesh.devices_per_host "
+            f"({cfg.mesh.devices_per_host}), the devices each host trains on"
+        )
     name = options.name or default_name(config)
     files = (_slurm if kind == "slurm" else _k8s)(cfg, name, options)
     out.mkdir(parents=True, exist_ok=True)
@@ -536,7 +624,9 @@ watch_step() {  # watch_step PID: until the step ends. Once every host of a redu
 }
 """
 
-_SLURM_LEADER = _NODE_ADDRESS + """# process 0 (host 0 of a whole replica: the first node, where this script runs) serves the
+_SLURM_LEADER = (
+    _NODE_ADDRESS
+    + """# process 0 (host 0 of a whole replica: the first node, where this script runs) serves the
 # replica's jax.distributed cluster, on a port free here
 FTJAX_PY=$(sed -n '1s/^#! *//p' "$(command -v ftjax)" 2>/dev/null || true)
 FTJAX_PY=${FTJAX_PY%% *}
@@ -545,6 +635,7 @@ free_port() {
     2>/dev/null || echo $((20000 + RANDOM % 20000))
 }
 """
+)
 
 _SLURM_FINISH = """#!/bin/bash
 @SBATCH@
@@ -567,7 +658,7 @@ done
 mv "$RUN_DIR/launcher.jsonl.tmp" "$RUN_DIR/launcher.jsonl"
 FTJAX_PY=$(sed -n '1s/^#! *//p' "$(command -v ftjax)" 2>/dev/null || true)
 FTJAX_PY=${FTJAX_PY%% *}
-"${FTJAX_PY:-python3}" -c 'import sys; from ftjax.launch.summary import write_summary; write_summary(sys.argv[1])' \\
+"${FTJAX_PY:-python3}" -c 'import sys; from ftjax.runs.summary import write_summary; write_summary(sys.argv[1])' \\
   "$RUN_DIR" || echo "ftjax: no summary of $RUN_DIR" >&2
 echo "job @NAME@ ended (ok: $ok); see $RUN_DIR/summary.json" >&2
 """
@@ -605,14 +696,22 @@ echo "run directory: $JOB_DIR/run (the coordinator's address: run/coordinator.ad
 
 
 def _sbatch(name: str, o: EmitOptions, *lines: str) -> str:
-    lines = (f"--job-name={name}", *lines, *([f"--time={o.time}"] if o.time else []),
-             *([f"--partition={o.partition}"] if o.partition else []),
-             *([f"--account={o.account}"] if o.account else []),
-             "--requeue", "--open-mode=append", "--output=slurm-%x-%j.out")
+    lines = (
+        f"--job-name={name}",
+        *lines,
+        *([f"--time={o.time}"] if o.time else []),
+        *([f"--partition={o.partition}"] if o.partition else []),
+        *([f"--account={o.account}"] if o.account else []),
+        "--requeue",
+        "--open-mode=append",
+        "--output=slurm-%x-%j.out",
+    )
     return "\n".join(f"#SBATCH {line}" for line in lines)
 
 
-_SLURM_DIST = '  DIST="$(node_address "${NODES[${ON[0]}]}"):$(free_port)"  # a new jax.distributed service each attempt\n'
+_SLURM_DIST = (
+    '  DIST="$(node_address "${NODES[${ON[0]}]}"):$(free_port)"  # a new jax.distributed service each attempt\n'
+)
 
 
 def _slurm_placement(cfg: Config, o: EmitOptions) -> tuple[str, str]:
@@ -620,25 +719,41 @@ def _slurm_placement(cfg: Config, o: EmitOptions) -> tuple[str, str]:
     policy its header states."""
     hosts = cfg.mesh.hosts
     if cfg.ft.on_host_loss != "reduce":
-        return (_fill(_SLURM_WHOLE, hosts=hosts, all_hosts=" ".join(map(str, range(hosts)))),
-                f"# the whole replica, after {o.restart_delay_s:g} s. A dead node ends the allocation: Slurm requeues\n"
-                "# the job (--requeue) and it starts over here.")
+        return (
+            _fill(_SLURM_WHOLE, hosts=hosts, all_hosts=" ".join(map(str, range(hosts)))),
+            f"# the whole replica, after {o.restart_delay_s:g} s. A dead node ends the allocation: Slurm requeues\n"
+            "# the job (--requeue) and it starts over here.",
+        )
     degrees = [reduced_degree(hosts, up, cfg.ft.reduced_min_fraction) or 0 for up in range(hosts)] + [hosts]
-    return (_fill(_SLURM_REDUCE, hosts=hosts, min_fraction=f"{cfg.ft.reduced_min_fraction:g}",
-                  degrees=" ".join(map(str, degrees)), all_hosts=" ".join(map(str, range(hosts))),
-                  leave_s=f"{math.ceil(cfg.ft.progress_timeout_s)}"),
-            "# when Slurm reports a node of the allocation lost (down, drained, not responding, or gone from\n"
-            "# this --no-kill allocation), at once on the hosts up, at reduced degree (ft.on_host_loss:\n"
-            f"# reduce), and whole again once they all are; else whole, after {o.restart_delay_s:g} s.\n"
-            "# A lost batch node (host 0's) ends the allocation: Slurm requeues the job (--requeue) and it\n"
-            "# starts over here.")
+    return (
+        _fill(
+            _SLURM_REDUCE,
+            hosts=hosts,
+            min_fraction=f"{cfg.ft.reduced_min_fraction:g}",
+            degrees=" ".join(map(str, degrees)),
+            all_hosts=" ".join(map(str, range(hosts))),
+            leave_s=f"{math.ceil(cfg.ft.progress_timeout_s)}",
+        ),
+        "# when Slurm reports a node of the allocation lost (down, drained, not responding, or gone from\n"
+        "# this --no-kill allocation), at once on the hosts up, at reduced degree (ft.on_host_loss:\n"
+        f"# reduce), and whole again once they all are; else whole, after {o.restart_delay_s:g} s.\n"
+        "# A lost batch node (host 0's) ends the allocation: Slurm requeues the job (--requeue) and it\n"
+        "# starts over here.",
+    )
 
 
 def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
     hosts = cfg.mesh.hosts
     last = cfg.ft.replicas - 1
-    coordinator = shell_join(coordinator_args(cfg, port=Shell('"$port"'), http_port=Shell('"$http_port"'),
-                                              idle_exit_s=o.idle_exit_s, token_file=Shell('"$JOB_DIR/token"')))
+    coordinator = shell_join(
+        coordinator_args(
+            cfg,
+            port=Shell('"$port"'),
+            http_port=Shell('"$http_port"'),
+            idle_exit_s=o.idle_exit_s,
+            token_file=Shell('"$JOB_DIR/token"'),
+        )
+    )
     resources, srun = [], ""
     if o.cpus_per_host:
         resources.append(f"--cpus-per-task={o.cpus_per_host}")
@@ -649,48 +764,98 @@ def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]
         resources.append(f"--gpus-per-node={o.gpus_per_host}")
     if o.exclusive:
         resources.append("--exclusive")
-    launch = {"event": "launch", "config": "config.yaml", "overrides": [], "out": "run", "replicas": cfg.ft.replicas,
-              "hosts": hosts, "devices": cfg.mesh.devices_per_host, "steps": cfg.steps, "scheduler": "slurm",
-              "name": name, "max_restarts": o.max_restarts, "restart_delay_s": o.restart_delay_s}
-    common = {"name": name, "prelude": _SLURM_PRELUDE.rstrip("\n"), "max_restarts": o.max_restarts,
-              "last": last}
+    launch = {
+        "event": "launch",
+        "config": "config.yaml",
+        "overrides": [],
+        "out": "run",
+        "replicas": cfg.ft.replicas,
+        "hosts": hosts,
+        "devices": cfg.mesh.devices_per_host,
+        "steps": cfg.steps,
+        "scheduler": "slurm",
+        "name": name,
+        "max_restarts": o.max_restarts,
+        "restart_delay_s": o.restart_delay_s,
+    }
+    common = {"name": name, "prelude": _SLURM_PRELUDE.rstrip("\n"), "max_restarts": o.max_restarts, "last": last}
     files = {
         "config.yaml": (_config_yaml(cfg), 0o644),
         "token": (secrets.token_hex(16) + "\n", 0o600),
-        "coordinator.sbatch": (_fill(_SLURM_COORDINATOR, **common, idle=f"{o.idle_exit_s:g}", command=coordinator,
-                                     node_address=_NODE_ADDRESS,
-                                     sbatch=_sbatch(f"{name}-coordinator", o, "--nodes=1", "--ntasks=1")), 0o755),
-        "finish.sbatch": (_fill(_SLURM_FINISH, **common, sbatch=_sbatch(f"{name}-finish", o, "--nodes=1",
-                                                                        "--ntasks=1")), 0o755),
-        "submit.sh": (_fill(_SLURM_SUBMIT, **common, replicas=cfg.ft.replicas,
-                            launch=json.dumps(launch)[1:-1]), 0o755),
+        "coordinator.sbatch": (
+            _fill(
+                _SLURM_COORDINATOR,
+                **common,
+                idle=f"{o.idle_exit_s:g}",
+                command=coordinator,
+                node_address=_NODE_ADDRESS,
+                sbatch=_sbatch(f"{name}-coordinator", o, "--nodes=1", "--ntasks=1"),
+            ),
+            0o755,
+        ),
+        "finish.sbatch": (
+            _fill(_SLURM_FINISH, **common, sbatch=_sbatch(f"{name}-finish", o, "--nodes=1", "--ntasks=1")),
+            0o755,
+        ),
+        "submit.sh": (_fill(_SLURM_SUBMIT, **common, replicas=cfg.ft.replicas, launch=json.dumps(launch)[1:-1]), 0o755),
     }
     reduce = cfg.ft.on_host_loss == "reduce"
     placement, policy = _slurm_placement(cfg, o)
     for r in range(cfg.ft.replicas):
         # the process id is appended per task (the `bash -c` above): only srun knows it
-        command = shell_join(train_args(Shell('"$JOB_DIR/config.yaml"'), r, Shell('"$COORDINATOR"'), hosts,
-                                        Shell('"$OUT"'), dist=Shell('"$DIST"') if hosts > 1 else None,
-                                        overrides=[Shell('"${REDUCED[@]}"')]))
-        files[f"replica-{r}.sbatch"] = (_fill(
-            _SLURM_REPLICA, **common, replica=r, hosts=hosts, last_host=hosts - 1, delay=f"{o.restart_delay_s:g}",
-            command=command,
-            srun=srun, wait_s=600, leader=_SLURM_LEADER if hosts > 1 else "",
-            dist=_SLURM_DIST if hosts > 1 else "", placement=placement, policy=policy,
-            sbatch=_sbatch(f"{name}-replica-{r}", o, f"--nodes={hosts}", "--ntasks-per-node=1", *resources,
-                           *(["--no-kill"] if reduce else []))), 0o755)
+        command = shell_join(
+            train_args(
+                Shell('"$JOB_DIR/config.yaml"'),
+                r,
+                Shell('"$COORDINATOR"'),
+                hosts,
+                Shell('"$OUT"'),
+                dist=Shell('"$DIST"') if hosts > 1 else None,
+                overrides=[Shell('"${REDUCED[@]}"')],
+            )
+        )
+        files[f"replica-{r}.sbatch"] = (
+            _fill(
+                _SLURM_REPLICA,
+                **common,
+                replica=r,
+                hosts=hosts,
+                last_host=hosts - 1,
+                delay=f"{o.restart_delay_s:g}",
+                command=command,
+                srun=srun,
+                wait_s=600,
+                leader=_SLURM_LEADER if hosts > 1 else "",
+                dist=_SLURM_DIST if hosts > 1 else "",
+                placement=placement,
+                policy=policy,
+                sbatch=_sbatch(
+                    f"{name}-replica-{r}",
+                    o,
+                    f"--nodes={hosts}",
+                    "--ntasks-per-node=1",
+                    *resources,
+                    *(["--no-kill"] if reduce else []),
+                ),
+            ),
+            0o755,
+        )
     return files
 
 
 # --- Kubernetes -------------------------------------------------------------------------------------
 def _labels(name: str, component: str, **extra: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "ftjax", "app.kubernetes.io/instance": name,
-            "app.kubernetes.io/component": component, **extra}
+    return {
+        "app.kubernetes.io/name": "ftjax",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": component,
+        **extra,
+    }
 
 
 def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
     token_env = {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}}
-    # each pod advertises its own IP to its peers (ftjax/net.py): the route to the coordinator's
+    # each pod advertises its own IP to its peers (ftjax/base/net.py): the route to the coordinator's
     # Service would name the same address, this is explicit
     pod_ip_env = {"name": "FTJAX_ADVERTISE_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     coordinator_labels = _labels(name, "coordinator")
@@ -700,49 +865,89 @@ def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
         "spec": {
             "restartPolicy": "Never",  # a failed pod is replaced by the Job (its state is soft)
             "securityContext": {"fsGroup": FS_GROUP},
-            "containers": [{
-                "name": "coordinator", "image": o.image, "env": [token_env],
-                "command": coordinator_args(cfg, port=COORDINATOR_PORT, http_port=HTTP_PORT,
-                                            idle_exit_s=o.idle_exit_s),
-                "ports": [{"name": "grpc", "containerPort": COORDINATOR_PORT},
-                          {"name": "http", "containerPort": HTTP_PORT}],
-                "readinessProbe": {**health, "periodSeconds": 5},
-                "livenessProbe": {**health, "initialDelaySeconds": 10, "periodSeconds": 10, "failureThreshold": 6},
-                "resources": {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "4Gi"}},
-            }],
+            "containers": [
+                {
+                    "name": "coordinator",
+                    "image": o.image,
+                    "env": [token_env],
+                    "command": coordinator_args(
+                        cfg, port=COORDINATOR_PORT, http_port=HTTP_PORT, idle_exit_s=o.idle_exit_s
+                    ),
+                    "ports": [
+                        {"name": "grpc", "containerPort": COORDINATOR_PORT},
+                        {"name": "http", "containerPort": HTTP_PORT},
+                    ],
+                    "readinessProbe": {**health, "periodSeconds": 5},
+                    "livenessProbe": {**health, "initialDelaySeconds": 10, "periodSeconds": 10, "failureThreshold": 6},
+                    "resources": {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "4Gi"}},
+                }
+            ],
         },
     }
     # The token's Secret has a file of its own, readable by its owner only; the pods read it
     # through secretKeyRef, and every other manifest may be shared.
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-token", "labels": _labels(name, "token")},
-              "type": "Opaque", "stringData": {"token": secrets.token_hex(16)}}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": f"{name}-token", "labels": _labels(name, "token")},
+        "type": "Opaque",
+        "stringData": {"token": secrets.token_hex(16)},
+    }
     objects: list[dict] = [
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config", "labels": _labels(name, "config")},
-         "data": {"config.yaml": _config_yaml(cfg)}},
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"{name}-config", "labels": _labels(name, "config")},
+            "data": {"config.yaml": _config_yaml(cfg)},
+        },
     ]
     if o.pvc_size:
-        objects.append({
-            "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": o.pvc, "labels": _labels(name, "outputs")},
-            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": o.pvc_size}},
-                     **({"storageClassName": o.storage_class} if o.storage_class else {})}})
+        objects.append(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": o.pvc, "labels": _labels(name, "outputs")},
+                "spec": {
+                    "accessModes": ["ReadWriteMany"],
+                    "resources": {"requests": {"storage": o.pvc_size}},
+                    **({"storageClassName": o.storage_class} if o.storage_class else {}),
+                },
+            }
+        )
     objects += [
-        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{name}-coordinator", "labels": coordinator_labels},
-         "spec": {
-             # A failed pod is replaced; it ends with the job: 0 once every replica finished (the Job
-             # completes), 3 once no replica has been alive for --idle-exit-s, 2 on a bad option or
-             # token (the Job fails). An evicted or preempted pod does not count as a failure.
-             "backoffLimit": max(o.max_restarts, 1),
-             "podFailurePolicy": {"rules": [
-                 {"action": "FailJob", "onExitCodes": {"containerName": "coordinator", "operator": "In",
-                                                       "values": [2, 3]}},
-                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-             ]},
-             "template": coordinator_pod}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{name}-coordinator", "labels": coordinator_labels},
-         "spec": {"selector": coordinator_labels,
-                  "ports": [{"name": "grpc", "port": COORDINATOR_PORT, "targetPort": "grpc"},
-                            {"name": "http", "port": HTTP_PORT, "targetPort": "http"}]}},
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": f"{name}-coordinator", "labels": coordinator_labels},
+            "spec": {
+                # A failed pod is replaced; it ends with the job: 0 once every replica finished (the Job
+                # completes), 3 once no replica has been alive for --idle-exit-s, 2 on a bad option or
+                # token (the Job fails). An evicted or preempted pod does not count as a failure.
+                "backoffLimit": max(o.max_restarts, 1),
+                "podFailurePolicy": {
+                    "rules": [
+                        {
+                            "action": "FailJob",
+                            "onExitCodes": {"containerName": "coordinator", "operator": "In", "values": [2, 3]},
+                        },
+                        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                    ]
+                },
+                "template": coordinator_pod,
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": f"{name}-coordinator", "labels": coordinator_labels},
+            "spec": {
+                "selector": coordinator_labels,
+                "ports": [
+                    {"name": "grpc", "port": COORDINATOR_PORT, "targetPort": "grpc"},
+                    {"name": "http", "port": HTTP_PORT, "targetPort": "http"},
+                ],
+            },
+        },
     ]
     files = {"coordinator.yaml": (_yaml(*objects), 0o644)}
 
@@ -752,45 +957,79 @@ def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
         requests["memory"] = limits["memory"] = f"{max(1, round(o.mem_per_host_gib * 1024))}Mi"
     if o.gpus_per_host:
         limits[o.gpu_resource] = str(o.gpus_per_host)
-    outputs = ({"name": "run", "persistentVolumeClaim": {"claimName": o.pvc}} if o.pvc
-               else {"name": "run", "emptyDir": {}})
+    outputs = (
+        {"name": "run", "persistentVolumeClaim": {"claimName": o.pvc}} if o.pvc else {"name": "run", "emptyDir": {}}
+    )
     hosts = cfg.mesh.hosts
     for r in range(cfg.ft.replicas):
         jobset = f"{name}-replica-{r}"
         labels = _labels(name, "replica", **{"ftjax-replica": str(r)})
         # JobSet pod hostnames: <jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain = jobset>
         dist = f"{jobset}-host-0-0.{jobset}:{DIST_PORT}" if hosts > 1 else None
-        args = train_args("/config/config.yaml", r, f"{name}-coordinator:{COORDINATOR_PORT}", hosts,
-                          f"{RUN_DIR}/replica-{r}", Shell('"$JOB_COMPLETION_INDEX"'), dist)
+        args = train_args(
+            "/config/config.yaml",
+            r,
+            f"{name}-coordinator:{COORDINATOR_PORT}",
+            hosts,
+            f"{RUN_DIR}/replica-{r}",
+            Shell('"$JOB_COMPLETION_INDEX"'),
+            dist,
+        )
         container = {
-            "name": "train", "image": o.image, "command": ["/bin/sh", "-c", "exec " + shell_join(args)],
+            "name": "train",
+            "image": o.image,
+            "command": ["/bin/sh", "-c", "exec " + shell_join(args)],
             "env": [token_env, pod_ip_env],
             "resources": {"requests": requests, **({"limits": limits} if limits else {})},
-            "volumeMounts": [{"name": "config", "mountPath": "/config", "readOnly": True},
-                             # on a shared claim, each job writes under its own name
-                             {"name": "run", "mountPath": RUN_DIR, "subPath": name},
-                             # a memory-backed /dev/shm, larger than the container default of 64 MiB
-                             # (shared memory of the accelerator libraries)
-                             {"name": "dshm", "mountPath": "/dev/shm"}],
+            "volumeMounts": [
+                {"name": "config", "mountPath": "/config", "readOnly": True},
+                # on a shared claim, each job writes under its own name
+                {"name": "run", "mountPath": RUN_DIR, "subPath": name},
+                # a memory-backed /dev/shm, larger than the container default of 64 MiB
+                # (shared memory of the accelerator libraries)
+                {"name": "dshm", "mountPath": "/dev/shm"},
+            ],
         }
         spec = {
             # any failed pod fails its Job (backoffLimit 0), and the JobSet recreates the Job: the
             # whole replica restarts, and catches up from a live peer; the other replicas go on
             "failurePolicy": {"maxRestarts": o.max_restarts},
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-            "replicatedJobs": [{
-                "name": "host", "replicas": 1,
-                "template": {"metadata": {"labels": labels}, "spec": {
-                    "completionMode": "Indexed", "completions": hosts, "parallelism": hosts, "backoffLimit": 0,
-                    "template": {"metadata": {"labels": labels}, "spec": {
-                        "restartPolicy": "Never",
-                        "securityContext": {"fsGroup": FS_GROUP},
-                        "containers": [container],
-                        "volumes": [{"name": "config", "configMap": {"name": f"{name}-config"}}, outputs,
-                                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}}}}}],
+            "replicatedJobs": [
+                {
+                    "name": "host",
+                    "replicas": 1,
+                    "template": {
+                        "metadata": {"labels": labels},
+                        "spec": {
+                            "completionMode": "Indexed",
+                            "completions": hosts,
+                            "parallelism": hosts,
+                            "backoffLimit": 0,
+                            "template": {
+                                "metadata": {"labels": labels},
+                                "spec": {
+                                    "restartPolicy": "Never",
+                                    "securityContext": {"fsGroup": FS_GROUP},
+                                    "containers": [container],
+                                    "volumes": [
+                                        {"name": "config", "configMap": {"name": f"{name}-config"}},
+                                        outputs,
+                                        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                                    ],
+                                },
+                            },
+                        },
+                    },
+                }
+            ],
         }
-        doc = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-               "metadata": {"name": jobset, "labels": labels}, "spec": spec}
+        doc = {
+            "apiVersion": "jobset.x-k8s.io/v1alpha2",
+            "kind": "JobSet",
+            "metadata": {"name": jobset, "labels": labels},
+            "spec": spec,
+        }
         files[f"replica-{r}.yaml"] = (_yaml(doc), 0o644)
     files["token.yaml"] = (_yaml(secret), 0o600)
     return files

@@ -8,7 +8,7 @@ In a virtual cluster (`cluster`, `ftjax.launch.vcluster`) every process runs on 
 the coordinator on host `coord`, host h of replica r on `r<r>h<h>`, each in its own network namespace
 (its own address, its own loopback) with a private /dev/shm and temp dir. The coordinator then
 binds every interface of its host and advertises that host's address, so every replica process
-advertises its own host's address (the source of its route to the coordinator, `ftjax.net`), and a
+advertises its own host's address (the source of its route to the coordinator, `ftjax.base.net`), and a
 replica's `jax.distributed` service is dialled at its host 0's address. The run directory stays on
 the shared filesystem: it is the launcher's view of the job.
 
@@ -29,11 +29,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ftjax.coordinator.quorum import split_address
+from ftjax.base.env import TOKEN_ENV
+from ftjax.base.net import format_address, split_address
+from ftjax.base.procs import ProcessGroup, free_port
 from ftjax.config import Config, load_config
-from ftjax.env import TOKEN_ENV
-from ftjax.net import format_address
-from ftjax.procs import ProcessGroup, free_port
 
 if TYPE_CHECKING:
     from ftjax.launch.vcluster import VirtualCluster
@@ -53,9 +52,19 @@ def job_hosts(replicas: int, hosts: int) -> list[str]:
 
 
 class LocalJob:
-    def __init__(self, config_path: str | Path, overrides: list[str], out: str | Path, *, replicas: int,
-                 procs: ProcessGroup, token: str | None = None, extra_env: dict[str, str] | None = None,
-                 cluster: "VirtualCluster | None" = None, entry: list[str] | None = None):
+    def __init__(
+        self,
+        config_path: str | Path,
+        overrides: list[str],
+        out: str | Path,
+        *,
+        replicas: int,
+        procs: ProcessGroup,
+        token: str | None = None,
+        extra_env: dict[str, str] | None = None,
+        cluster: VirtualCluster | None = None,
+        entry: list[str] | None = None,
+    ):
         self.config_path = str(config_path)
         self.entry = entry or [sys.executable, "-m", "ftjax", "train"]  # what runs each replica host
         self.overrides = [*overrides, f"ft.replicas={replicas}"]
@@ -92,14 +101,35 @@ class LocalJob:
         # A job on this machine: the coordinator listens on loopback only, and so (following their
         # route to it) do the replicas. In a virtual cluster: every interface of its host, and it
         # advertises the host's address.
-        where = (["--advertise-host", self.cluster.address(COORDINATOR_HOST)] if self.cluster is not None
-                 else ["--host", "127.0.0.1"])
+        where = (
+            ["--advertise-host", self.cluster.address(COORDINATOR_HOST)]
+            if self.cluster is not None
+            else ["--host", "127.0.0.1"]
+        )
         self.coordinator = self.procs.start(
-            self._on(COORDINATOR_HOST,
-                     [sys.executable, "-m", "ftjax", "coordinator", *where, "--port", str(port),
-                      "--http-port", str(http_port), *self.cfg.coordinator.flags(),
-                      "--expected-replicas", str(self.replicas), "--ready-file", str(ready)]),
-            env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            self._on(
+                COORDINATOR_HOST,
+                [
+                    sys.executable,
+                    "-m",
+                    "ftjax",
+                    "coordinator",
+                    *where,
+                    "--port",
+                    str(port),
+                    "--http-port",
+                    str(http_port),
+                    *self.cfg.coordinator.flags(),
+                    "--expected-replicas",
+                    str(self.replicas),
+                    "--ready-file",
+                    str(ready),
+                ],
+            ),
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + timeout
         while not ready.exists():
             if self.coordinator.poll() is not None:
@@ -130,8 +160,15 @@ class LocalJob:
     def replica_dir(self, r: int) -> Path:
         return self.out / f"replica-{r}"
 
-    def start_replica(self, r: int, *, die_at: str | None = None, die_host: int = 0,
-                      extra_args: list[str] | None = None, on_hosts: list[int] | None = None) -> list[subprocess.Popen]:
+    def start_replica(
+        self,
+        r: int,
+        *,
+        die_at: str | None = None,
+        die_host: int = 0,
+        extra_args: list[str] | None = None,
+        on_hosts: list[int] | None = None,
+    ) -> list[subprocess.Popen]:
         """Start replica r's host processes (a new incarnation): one on each of its H hosts, or on
         `on_hosts` only, a reduced-degree replica (`mesh.live_hosts`, docs/design.md). Process i
         runs on host `on_hosts[i]`; `die_host` names a process."""
@@ -148,18 +185,41 @@ class LocalJob:
         self.incarnations[r] = self.incarnations.get(r, 0) + 1
         children = []
         for i, h in enumerate(on_hosts):
-            args = [*self.entry, self.config_path, *self.overrides, *reduced,
-                    "--out", str(rdir), "--replica-id", str(r), "--coordinator", self.coordinator_address,
-                    "--num-processes", str(hosts), "--process-id", str(i), *dist, *(extra_args or [])]
+            args = [
+                *self.entry,
+                self.config_path,
+                *self.overrides,
+                *reduced,
+                "--out",
+                str(rdir),
+                "--replica-id",
+                str(r),
+                "--coordinator",
+                self.coordinator_address,
+                "--num-processes",
+                str(hosts),
+                "--process-id",
+                str(i),
+                *dist,
+                *(extra_args or []),
+            ]
             if die_at and i == die_host:
                 args += ["--die-at", die_at]
             log = open(rdir / f"host-{h}.log", "a")
-            log.write(f"--- incarnation {self.incarnations[r]} host {h} (process {i} of {len(on_hosts)}) "
-                      f"at {time.time():.3f}\n")
+            log.write(
+                f"--- incarnation {self.incarnations[r]} host {h} (process {i} of {len(on_hosts)}) "
+                f"at {time.time():.3f}\n"
+            )
             log.flush()
-            children.append(self.procs.start(self._on(host_name(r, h), args), env=self.env,
-                                             device_count=self.cfg.mesh.devices_per_host, stdout=log,
-                                             stderr=subprocess.STDOUT))
+            children.append(
+                self.procs.start(
+                    self._on(host_name(r, h), args),
+                    env=self.env,
+                    device_count=self.cfg.mesh.devices_per_host,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         self.hosts[r], self.placement[r] = children, on_hosts
         return children
 
@@ -188,10 +248,11 @@ class LocalJob:
                 try:
                     codes[r].append(p.wait(max(left, 0.01)))
                 except subprocess.TimeoutExpired:
-                    raise TimeoutError(f"replica {r} still running after {timeout} s; see {self.replica_dir(r)}") from None
+                    raise TimeoutError(
+                        f"replica {r} still running after {timeout} s; see {self.replica_dir(r)}"
+                    ) from None
         return codes
 
     def log_tail(self, r: int, host: int = 0, chars: int = 3000) -> str:
         path = self.replica_dir(r) / f"host-{host}.log"
         return path.read_text()[-chars:] if path.exists() else ""
-

@@ -9,10 +9,10 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ftjax.launch.summary import Run, timeline
-from ftjax.lifecycle import PHASE_COLORS, Phase
+from ftjax.runs.lifecycle import PHASE_COLORS, Phase
+from ftjax.runs.summary import Run, timeline
 
-# One colour per lifecycle phase (ftjax/lifecycle.py), keyed by the names summary.json uses.
+# One colour per lifecycle phase (ftjax/runs/lifecycle.py), keyed by the names summary.json uses.
 _COLORS = PHASE_COLORS
 assert set(_COLORS) == {p.value for p in Phase}, "a lifecycle phase without a colour"
 
@@ -26,10 +26,23 @@ def write_loss(run: Run, path: str | Path) -> None:
     for r in range(run.replicas):
         color, by_step = f"C{r % 10}", {}
         for i, inc in enumerate(run.incarnations(r)):  # one line per incarnation: no line across a death
-            own = [m for m in inc.records if "step" in m and "event" not in m and m.get("committed")
-                   and not m.get("healing") and m.get("loss") is not None]
-            ax.plot([m["step"] for m in own], [m["loss"] for m in own], lw=0.9, alpha=0.85, color=color,
-                    label=f"replica {r}" if i == 0 else None)
+            own = [
+                m
+                for m in inc.records
+                if "step" in m
+                and "event" not in m
+                and m.get("committed")
+                and not m.get("healing")
+                and m.get("loss") is not None
+            ]
+            ax.plot(
+                [m["step"] for m in own],
+                [m["loss"] for m in own],
+                lw=0.9,
+                alpha=0.85,
+                color=color,
+                label=f"replica {r}" if i == 0 else None,
+            )
             by_step.update((m["step"], m["loss"]) for m in own)
         down_at = None
         for e in run.events:
@@ -85,7 +98,12 @@ def write_timeline(run: Run, path: str | Path, median_s: float) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds since launch")
     ax.set_title("replica states (x: death; dotted: coordinator down)", fontsize=10)
-    fig.legend(handles=[Patch(color=c, label=s) for s, c in _COLORS.items()], loc="lower center", ncol=6,
-               fontsize=8, frameon=False)
+    fig.legend(
+        handles=[Patch(color=c, label=s) for s, c in _COLORS.items()],
+        loc="lower center",
+        ncol=6,
+        fontsize=8,
+        frameon=False,
+    )
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, format="png")

@@ -40,12 +40,12 @@ lines only), and decides:
   no step within `startup_timeout_s` of its start is hung too.
 
 - **Phases.** What the view shows of a replica (starting, training, stalled, catching up, down,
-  done, gone) is its `ftjax.lifecycle.Lifecycle`, fed each of its records as they are tailed and
+  done, gone) is its `ftjax.runs.lifecycle.Lifecycle`, fed each of its records as they are tailed and
   each event logged about it; a training replica is stalled while the gap since its last own step
   breaks the stall rule, judged with the median of the replicas' recent gaps. The summary folds the
   same records with the same rules afterwards.
 
-Every decision is appended to `RUN/launcher.jsonl` (`RunLog`), the input of `ftjax.launch.summary`.
+Every decision is appended to `RUN/launcher.jsonl` (`RunLog`), the input of `ftjax.runs.summary`.
 """
 
 from __future__ import annotations
@@ -62,13 +62,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftjax.batches import for_others
-from ftjax.events import EVENT, EXIT_LEFT, REPLICA, TIME, LauncherEvent as L, ReplicaEvent as E, StepField as F
-from ftjax.events import is_own_step, is_step
-from ftjax.faults import PHASES, parse_step_phase
-from ftjax.jsonl import parse_jsonl
+from ftjax.base.batches import for_others
 from ftjax.launch.job import LocalJob
-from ftjax.lifecycle import Lifecycle, Phase
+from ftjax.runs.events import (
+    EVENT,
+    EXIT_LEFT,
+    REPLICA,
+    TIME,
+    LauncherEvent,
+    ReplicaEvent,
+    StepField,
+    is_own_step,
+    is_step,
+)
+from ftjax.runs.jsonl import parse_jsonl
+from ftjax.runs.lifecycle import Lifecycle, Phase
+from ftjax.runtime.faults import PHASES, parse_step_phase
 
 POLL_S = 0.1
 
@@ -147,8 +156,10 @@ class FaultPlan:
                 raise ValueError(f"--hang: replica {h.replica} is not in [0, {replicas})")
         if self.mtbf_s is not None and replicas < 2:
             raise ValueError("--mtbf-s: random kills need at least 2 replicas (a peer must hold the state)")
-        for flag, target in [*(("--partition", p) for p in self.partitions),
-                             *(("--bandwidth-mbit", b) for b in self.bandwidth)]:
+        for flag, target in [
+            *(("--partition", p) for p in self.partitions),
+            *(("--bandwidth-mbit", b) for b in self.bandwidth),
+        ]:
             if target.replica is not None and not 0 <= target.replica < replicas:
                 raise ValueError(f"{flag}: replica {target.replica} is not in [0, {replicas})")
             if target.host is not None and not 0 <= target.host < hosts:
@@ -303,7 +314,7 @@ class ReplicaStatus:
     step: int = 0
     loss: float | None = None
     participants: int = 0
-    computes: str = ""  # constant global batch: the other streams' rows it computes (ftjax.batches.for_others)
+    computes: str = ""  # constant global batch: the other streams' rows it computes (ftjax.base.batches.for_others)
     incarnation: int = 0
     restarts: int = 0
     started_at: float = 0.0  # time.time() of the current incarnation's start
@@ -335,7 +346,7 @@ class ReplicaStatus:
 
 def reduced_degree(hosts: int, up: int, min_fraction: float) -> int | None:
     """The hosts a reduced-degree replica runs on when `up` of its `hosts` are up: the largest
-    divisor of `hosts` (each live host serves whole gradient lanes, ftjax/lanes.py) that they cover,
+    divisor of `hosts` (each live host serves whole gradient lanes, ftjax/runtime/lanes.py) that they cover,
     if it is at least `min_fraction` of `hosts`; else None (the replica waits to restart whole)."""
     fits = [d for d in range(1, up + 1) if hosts % d == 0 and d >= min_fraction * hosts - 1e-9]
     return max(fits) if fits and up < hosts else None
@@ -375,10 +386,20 @@ def trained_through(steps: Sequence[float], since: float, now: float, max_gap: f
 class Supervisor:
     """Runs a `LocalJob` to the end under a `FaultPlan` (see the module docstring)."""
 
-    def __init__(self, job: LocalJob, plan: FaultPlan, log: RunLog, *, restart_delay_s: float = 1.0,
-                 hang_timeout_s: float | None = None, startup_timeout_s: float = 300.0, max_restarts: int = 10,
-                 timeout_s: float = 3600.0, on_poll: Callable[[list[ReplicaStatus], dict], None] | None = None,
-                 host_repair_s: float | None = None):
+    def __init__(
+        self,
+        job: LocalJob,
+        plan: FaultPlan,
+        log: RunLog,
+        *,
+        restart_delay_s: float = 1.0,
+        hang_timeout_s: float | None = None,
+        startup_timeout_s: float = 300.0,
+        max_restarts: int = 10,
+        timeout_s: float = 3600.0,
+        on_poll: Callable[[list[ReplicaStatus], dict], None] | None = None,
+        host_repair_s: float | None = None,
+    ):
         self.job, self.plan, self.log = job, plan, log
         self.restart_delay_s = restart_delay_s
         # a host whose process died is back after this (None: at once, with the replica's restart)
@@ -415,8 +436,12 @@ class Supervisor:
         """Start everything and supervise until every replica ended; True when all finished."""
         deadline = time.monotonic() + self.timeout_s
         self.job.start_coordinator()
-        self._log(L.COORDINATOR_STARTED, pid=self.job.coordinator.pid, grpc=self.job.coordinator_address,
-                  http=self.job.coordinator_http)
+        self._log(
+            LauncherEvent.COORDINATOR_STARTED,
+            pid=self.job.coordinator.pid,
+            grpc=self.job.coordinator_address,
+            http=self.job.coordinator_http,
+        )
         for r in range(self.job.replicas):
             self._start(r)
         while not all(s.state in (Phase.DONE, Phase.GONE) for s in self.status):
@@ -433,15 +458,19 @@ class Supervisor:
                 self.on_poll(self.status, self.job_view())
             time.sleep(POLL_S)
         ok = all(s.state is Phase.DONE for s in self.status)
-        self._log(L.END, ok=ok)
+        self._log(LauncherEvent.END, ok=ok)
         if self.on_poll is not None:
             self.on_poll(self.status, self.job_view())
         return ok
 
     def job_view(self) -> dict:
-        return {"step": max((s.step for s in self.status), default=0), "steps": self.steps,
-                "coordinator": "down" if self.coordinator_down_since is not None else "up",
-                "coordinator_http": self.job.coordinator_http, "warm": self.warm_at is not None}
+        return {
+            "step": max((s.step for s in self.status), default=0),
+            "steps": self.steps,
+            "coordinator": "down" if self.coordinator_down_since is not None else "up",
+            "coordinator_http": self.job.coordinator_http,
+            "warm": self.warm_at is not None,
+        }
 
     def _log(self, name: str, /, **fields: Any) -> dict:
         """Log a decision; one about a replica is a record of its lifecycle too (as in the summary)."""
@@ -466,8 +495,9 @@ class Supervisor:
         s = self.status[r]
         inj = self.pending[r][0] if self.pending[r] else None
         on_hosts, s.restart_on = s.restart_on, None
-        procs = self.job.start_replica(r, die_at=inj.die_at if inj else None, die_host=inj.host if inj else 0,
-                                       on_hosts=on_hosts)
+        procs = self.job.start_replica(
+            r, die_at=inj.die_at if inj else None, die_host=inj.host if inj else 0, on_hosts=on_hosts
+        )
         s.on_hosts, s.leaving_since = on_hosts, None
         s.incarnation += 1
         s.started_at, s.restart_at = time.time(), None
@@ -476,9 +506,16 @@ class Supervisor:
         s.step, s.loss, s.participants, s.computes = 0, None, 0, ""  # a new incarnation's row starts empty
         s.gaps.clear()
         s.recent_steps.clear()
-        self._log(L.REPLICA_STARTED, replica=r, incarnation=s.incarnation, pids=[p.pid for p in procs],
-                  die_at=inj.die_at if inj else None, die_host=inj.host if inj else None,
-                  hosts=on_hosts or list(range(self.job.cfg.mesh.hosts)), reduced=on_hosts is not None)
+        self._log(
+            LauncherEvent.REPLICA_STARTED,
+            replica=r,
+            incarnation=s.incarnation,
+            pids=[p.pid for p in procs],
+            die_at=inj.die_at if inj else None,
+            die_host=inj.host if inj else None,
+            hosts=on_hosts or list(range(self.job.cfg.mesh.hosts)),
+            reduced=on_hosts is not None,
+        )
 
     def _kill(self, r: int, kind: str) -> None:
         self.status[r].killed_as = kind
@@ -509,12 +546,21 @@ class Supervisor:
                 cause = "killed (SIGKILL from outside)"
         if cause != "left":
             s.restarts += 1
-        self._log(L.REPLICA_DOWN, replica=r, incarnation=s.incarnation, cause=cause, codes=codes,
-                  step=s.step, at=inj.die_at if cause in ("kill", "kill_host") and inj else None,
-                  host=dead_host)
+        self._log(
+            LauncherEvent.REPLICA_DOWN,
+            replica=r,
+            incarnation=s.incarnation,
+            cause=cause,
+            codes=codes,
+            step=s.step,
+            at=inj.die_at if cause in ("kill", "kill_host") and inj else None,
+            host=dead_host,
+        )
         if s.restarts > self.max_restarts:
-            raise LaunchError(f"replica {r} failed {s.restarts} times (--max-restarts {self.max_restarts}); "
-                              f"see {self.job.replica_dir(r)}")
+            raise LaunchError(
+                f"replica {r} failed {s.restarts} times (--max-restarts {self.max_restarts}); "
+                f"see {self.job.replica_dir(r)}"
+            )
         if dead_host is not None and self.host_repair_s is not None:
             s.hosts_down[dead_host] = now + self.host_repair_s
         self._plan_restart(s, now, left=cause == "left")
@@ -539,12 +585,12 @@ class Supervisor:
         for s in self.status:
             for h in [h for h, t in s.hosts_down.items() if t <= now]:
                 del s.hosts_down[h]
-                self._log(L.HOST_BACK, replica=s.replica, host=h)
+                self._log(LauncherEvent.HOST_BACK, replica=s.replica, host=h)
             if s.on_hosts is None or s.hosts_down or not s.alive:
                 continue
             if s.leaving_since is None and s.state is Phase.TRAINING:
                 s.leaving_since = now
-                self._log(L.BACK_TO_FULL_DEGREE, replica=s.replica, hosts=s.on_hosts)
+                self._log(LauncherEvent.BACK_TO_FULL_DEGREE, replica=s.replica, hosts=s.on_hosts)
                 self.job.terminate_replica(s.replica)
             elif s.leaving_since is not None and now - s.leaving_since > self.job.cfg.ft.progress_timeout_s:
                 self._kill(s.replica, "did not leave")
@@ -552,15 +598,22 @@ class Supervisor:
     def _restart_due(self, now: float) -> None:
         for s in self.status:
             if s.state is Phase.DOWN and self._job_over_for(s):
-                self._log(L.NOT_RESTARTED, replica=s.replica,
-                          reason="the job has finished: no live peer holds the state to catch up from")
+                self._log(
+                    LauncherEvent.NOT_RESTARTED,
+                    replica=s.replica,
+                    reason="the job has finished: no live peer holds the state to catch up from",
+                )
             elif s.state is Phase.DOWN and s.restart_at is not None and now >= s.restart_at:
                 self._start(s.replica)
         if self.coordinator_down_since is not None and now >= self.coordinator_down_since + self.restart_delay_s:
             self.job.restart_coordinator()
             self.coordinator_down_since = None
-            self._log(L.COORDINATOR_STARTED, pid=self.job.coordinator.pid, grpc=self.job.coordinator_address,
-                      http=self.job.coordinator_http)
+            self._log(
+                LauncherEvent.COORDINATOR_STARTED,
+                pid=self.job.coordinator.pid,
+                grpc=self.job.coordinator_address,
+                http=self.job.coordinator_http,
+            )
 
     # --- watching ---------------------------------------------------------------------------------
     def _read_metrics(self, now: float) -> None:
@@ -575,44 +628,63 @@ class Supervisor:
             s.last_record = t
             s.feed(rec)
             kind = rec.get(EVENT)
-            if kind == E.CATCHUP_STARTED:
+            if kind == ReplicaEvent.CATCHUP_STARTED:
                 if s.kill_on_catchup and s.alive:
                     s.kill_on_catchup = False
-                    self._log(L.FAULT, kind="kill_catchup", replica=r, step=rec.get("at_step"))
+                    self._log(LauncherEvent.FAULT, kind="kill_catchup", replica=r, step=rec.get("at_step"))
                     self._kill(r, "kill_catchup")
-            elif kind in (E.INIT, E.INIT_FROM) and self.warm_at is not None and s.alive:
+            elif kind in (ReplicaEvent.INIT, ReplicaEvent.INIT_FROM) and self.warm_at is not None and s.alive:
                 # A fresh state after the job has trained means no live peer held the job's state
                 # (they have all finished): training on would start the job over, alone.
-                abandon = ("it initialized from scratch after the job had trained: no live peer "
-                           "held the state to catch up from")
-            elif kind == E.CATCHUP_DONE:  # a restarted replica rejoins; a first one caught up at the start
+                abandon = (
+                    "it initialized from scratch after the job had trained: no live peer "
+                    "held the state to catch up from"
+                )
+            elif kind == ReplicaEvent.CATCHUP_DONE:  # a restarted replica rejoins; a first one caught up at the start
                 back = s.incarnation > 1 or s.reconnected_at is not None  # restarted, or back from a partition
-                self._log(L.REJOINED if back else L.CAUGHT_UP, replica=r, at_step=rec.get("at_step"),
-                          catchup_s=rec.get("catchup_s"), source=rec.get("source"))
+                self._log(
+                    LauncherEvent.REJOINED if back else LauncherEvent.CAUGHT_UP,
+                    replica=r,
+                    at_step=rec.get("at_step"),
+                    catchup_s=rec.get("catchup_s"),
+                    source=rec.get("source"),
+                )
                 self._holds_state(s, t)  # (at the very end of a job it commits no step after this)
-            elif kind == E.COMMIT_FAILURE:
-                self._log(L.COMMIT_FAILURE, replica=r, step=rec.get(F.STEP), errors=len(rec.get("errors") or []))
-            elif kind == E.PEER_UNREACHABLE:
-                self._log(L.PEER_UNREACHABLE, replica=r, step=rec.get(F.STEP), peer=rec.get("peer"),
-                          peer_replica=rec.get("replica"), seconds=rec.get("seconds"), error=rec.get("error"))
+            elif kind == ReplicaEvent.COMMIT_FAILURE:
+                self._log(
+                    LauncherEvent.COMMIT_FAILURE,
+                    replica=r,
+                    step=rec.get(StepField.STEP),
+                    errors=len(rec.get("errors") or []),
+                )
+            elif kind == ReplicaEvent.PEER_UNREACHABLE:
+                self._log(
+                    LauncherEvent.PEER_UNREACHABLE,
+                    replica=r,
+                    step=rec.get(StepField.STEP),
+                    peer=rec.get("peer"),
+                    peer_replica=rec.get("replica"),
+                    seconds=rec.get("seconds"),
+                    error=rec.get("error"),
+                )
             elif is_step(rec):
                 self._on_step(s, rec, t)
         if abandon is not None and s.alive:
             self._abandon(s, abandon)
 
     def _on_step(self, s: ReplicaStatus, rec: dict, now: float) -> None:
-        if s.last_step is not None and rec.get(F.COMMITTED):
+        if s.last_step is not None and rec.get(StepField.COMMITTED):
             s.gaps.append(now - s.last_step)
         s.last_step = now
         # The hang rule looks back at most hang_timeout_s (see `trained_through`): older steps are dropped.
         s.recent_steps.append(now)
         while s.recent_steps[0] < now - self.hang_timeout_s:
             s.recent_steps.popleft()
-        s.step = int(rec[F.STEP])
-        s.participants = int(rec.get(F.PARTICIPANTS) or 0)
+        s.step = int(rec[StepField.STEP])
+        s.participants = int(rec.get(StepField.PARTICIPANTS) or 0)
         s.computes = for_others(rec.get("work") or [], s.replica)
         if is_own_step(rec):
-            s.loss = rec.get(F.LOSS)
+            s.loss = rec.get(StepField.LOSS)
             self._holds_state(s, now)
 
     def _holds_state(self, s: ReplicaStatus, now: float) -> None:
@@ -623,7 +695,7 @@ class Supervisor:
                 self.restart_s.append(now - s.started_at)
             if self.warm_at is None and all(o.trained for o in self.status):
                 self.warm_at = now
-                self._log(L.WARM, step=s.step)
+                self._log(LauncherEvent.WARM, step=s.step)
                 if self.plan.mtbf_s:
                     self.next_random_kill = now + self.rng.expovariate(1.0 / self.plan.mtbf_s)
 
@@ -635,10 +707,14 @@ class Supervisor:
             codes = self.job.replica_exit_codes(s.replica)
             if codes and all(c == 0 for c in codes):
                 self._consume(s.replica, self.tails[s.replica].read(), now)
-                self._log(L.REPLICA_DONE, replica=s.replica, incarnation=s.incarnation, step=s.step)
+                self._log(LauncherEvent.REPLICA_DONE, replica=s.replica, incarnation=s.incarnation, step=s.step)
                 if s.injection is not None and self.pending[s.replica]:
-                    self._log(L.KILL_MISSED, replica=s.replica, at=s.injection.die_at,
-                              reason="the incarnation finished without reaching that point")
+                    self._log(
+                        LauncherEvent.KILL_MISSED,
+                        replica=s.replica,
+                        at=s.injection.die_at,
+                        reason="the incarnation finished without reaching that point",
+                    )
                     self.pending[s.replica].pop(0)
                 continue
             if any(c not in (None, 0) for c in codes):
@@ -649,10 +725,11 @@ class Supervisor:
                 self._hung(s, now, f"no step within --startup-timeout-s {self.startup_timeout_s:g}")
             elif s.cut:  # silent because its links are cut (--partition), not hung
                 s.state = s.lifecycle.phase_at(now, median_step_s)
-            elif is_hung(now, last := _silent_since(s), [o.recent_steps for o in peers if o.alive],
-                         self.hang_timeout_s):
+            elif is_hung(
+                now, last := _silent_since(s), [o.recent_steps for o in peers if o.alive], self.hang_timeout_s
+            ):
                 self._hung(s, now, f"no record for {now - last:.1f} s while peers trained")
-            else:  # the clock's transition: training -> stalled (ftjax.lifecycle, the stall rule)
+            else:  # the clock's transition: training -> stalled (ftjax.runs.lifecycle, the stall rule)
                 s.state = s.lifecycle.phase_at(now, median_step_s)
             if s.lifecycle.waiting_for_state and self._job_over_for(s):
                 self._abandon(s, "still without state when the job finished")
@@ -666,10 +743,10 @@ class Supervisor:
         self._kill(s.replica, "abandoned")
         self.job.wait([s.replica], timeout=10)
         self._consume(s.replica, self.tails[s.replica].read(), time.time())  # what it wrote before it died
-        self._log(L.ABANDONED, replica=s.replica, incarnation=s.incarnation, reason=why)
+        self._log(LauncherEvent.ABANDONED, replica=s.replica, incarnation=s.incarnation, reason=why)
 
     def _hung(self, s: ReplicaStatus, now: float, why: str) -> None:
-        self._log(L.HANG_DETECTED, replica=s.replica, reason=why)
+        self._log(LauncherEvent.HANG_DETECTED, replica=s.replica, reason=why)
         self._kill(s.replica, "hang")  # SIGKILL ends a stopped process too
         self._down(s.replica, now)
 
@@ -679,7 +756,7 @@ class Supervisor:
             self.coordinator_down_since = now
             cause = "kill" if self.coordinator_killed else f"crash (exit {c.returncode})"
             self.coordinator_killed = False
-            self._log(L.COORDINATOR_DOWN, cause=cause, code=c.returncode)
+            self._log(LauncherEvent.COORDINATOR_DOWN, cause=cause, code=c.returncode)
 
     # --- faults -----------------------------------------------------------------------------------
     def _fire_faults(self, now: float) -> None:
@@ -694,14 +771,14 @@ class Supervisor:
         t = now - self.warm_at
         if self.coordinator_kills and t >= self.coordinator_kills[0] and self.coordinator_down_since is None:
             self.coordinator_kills.pop(0)
-            self._log(L.FAULT, kind="kill_coordinator", step=self.job_view()["step"])
+            self._log(LauncherEvent.FAULT, kind="kill_coordinator", step=self.job_view()["step"])
             self.coordinator_killed = True
             self.job.procs.kill(self.job.coordinator)
         for h in list(self.hangs):
             s = self.status[h.replica]
             if t >= h.after_s and s.state is Phase.TRAINING:
                 self.hangs.remove(h)
-                self._log(L.FAULT, kind="hang", replica=h.replica, step=s.step)
+                self._log(LauncherEvent.FAULT, kind="hang", replica=h.replica, step=s.step)
                 for p in self.job.hosts[h.replica]:
                     self.job.procs.kill(p, signal.SIGSTOP)
         if self.next_random_kill is not None and now >= self.next_random_kill:
@@ -711,8 +788,16 @@ class Supervisor:
         hosts = self.job.host_names(p.replica) if p.host is None else [self.job.host_name(p.replica, p.host)]
         number = self.cuts_fired = self.cuts_fired + 1
         # logged before the cut: whatever the replica commits after this record, it did cut off
-        self._log(L.FAULT, kind="partition", replica=p.replica, host=p.host, step=self.status[p.replica].step,
-                  seconds=p.seconds, hosts=hosts, cut=number)
+        self._log(
+            LauncherEvent.FAULT,
+            kind="partition",
+            replica=p.replica,
+            host=p.host,
+            step=self.status[p.replica].step,
+            seconds=p.seconds,
+            hosts=hosts,
+            cut=number,
+        )
         fresh = [h for h in hosts if h not in self.cut_since]  # (others are cut by an overlapping window)
         self.cut_since.update((h, now) for h in fresh)
         self.job.cluster.cut(fresh)
@@ -738,8 +823,15 @@ class Supervisor:
                 # TCP retransmits with exponential backoff: after a silence of S seconds, a connection may
                 # take about S more to send again. Until then the replica is still waiting on the network.
                 s.quiet_until = _latest(s.quiet_until, s.reconnected_at + silent_s)
-            self._log(L.PARTITION_ENDED, replica=p.replica, host=p.host, hosts=hosts, seconds=p.seconds,
-                      cut=number, restored=back)
+            self._log(
+                LauncherEvent.PARTITION_ENDED,
+                replica=p.replica,
+                host=p.host,
+                hosts=hosts,
+                seconds=p.seconds,
+                cut=number,
+                restored=back,
+            )
 
     def _random_kill(self, now: float) -> None:
         if not all(s.state is Phase.TRAINING for s in self.status):
@@ -752,10 +844,13 @@ class Supervisor:
             recovery_s, too_late = None, left < self.steps / 2
         if too_late:  # a restarted replica could not catch up before the end
             self.next_random_kill = None
-            self._log(L.RANDOM_KILLS_STOPPED, steps_left=left,
-                      recovery_s=round(recovery_s, 2) if recovery_s is not None else None)
+            self._log(
+                LauncherEvent.RANDOM_KILLS_STOPPED,
+                steps_left=left,
+                recovery_s=round(recovery_s, 2) if recovery_s is not None else None,
+            )
             return
         r = self.rng.randrange(len(self.status))
-        self._log(L.FAULT, kind="random_kill", replica=r, step=self.status[r].step)
+        self._log(LauncherEvent.FAULT, kind="random_kill", replica=r, step=self.status[r].step)
         self._kill(r, "random_kill")
         self.next_random_kill = now + self.rng.expovariate(1.0 / self.plan.mtbf_s)

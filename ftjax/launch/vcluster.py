@@ -63,9 +63,11 @@ _counter = 0
 
 # Runs in the host's namespaces just before the process itself: its own hostname (which its
 # /etc/hosts resolves to its address, as a cluster's DNS would), a private /dev/shm and temp dir.
-_PRIVATE_MOUNTS = ('echo {name} > /proc/sys/kernel/hostname && mount --bind {hosts} /etc/hosts && '
-                   'mount -t tmpfs -o mode=1777 ftjax-shm /dev/shm && mount -t tmpfs -o mode=1777 ftjax-tmp {tmp} && '
-                   'export TMPDIR={tmp} && exec "$@"')
+_PRIVATE_MOUNTS = (
+    "echo {name} > /proc/sys/kernel/hostname && mount --bind {hosts} /etc/hosts && "
+    "mount -t tmpfs -o mode=1777 ftjax-shm /dev/shm && mount -t tmpfs -o mode=1777 ftjax-tmp {tmp} && "
+    'export TMPDIR={tmp} && exec "$@"'
+)
 
 
 class VirtualClusterError(RuntimeError):
@@ -85,8 +87,11 @@ def unavailable() -> str | None:
     if r.returncode != 0:
         return f"`ip netns add` failed: {r.stderr.strip()}"
     try:
-        r = subprocess.run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             return f"`ip link add ... type veth` failed: {r.stderr.strip()}"
         r = subprocess.run(["ip", "-n", probe, "link", "add", "b0", "type", "bridge"], capture_output=True, text=True)
@@ -140,8 +145,11 @@ def remove_stale() -> list[str]:
     """Delete the namespaces (and temp dirs) of virtual clusters whose creating process is gone and in
     which no process runs; returns the namespaces deleted. Those of live processes (parallel runs)
     are left alone."""
-    gone = [ns for ns in namespaces() if (m := _NAME.match(ns)) and not _pid_alive(int(m.group(1)))
-            and not _has_processes(ns)]
+    gone = [
+        ns
+        for ns in namespaces()
+        if (m := _NAME.match(ns)) and not _pid_alive(int(m.group(1))) and not _has_processes(ns)
+    ]
     for ns in gone:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     for d in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
@@ -154,8 +162,11 @@ def remove_stale() -> list[str]:
 def _used_networks() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
     """Every subnet this machine's own namespace has an address in or a route to."""
     nets: list = []
-    for cmd in (["ip", "-j", "addr"], ["ip", "-j", "-4", "route", "show", "table", "all"],
-                ["ip", "-j", "-6", "route", "show", "table", "all"]):
+    for cmd in (
+        ["ip", "-j", "addr"],
+        ["ip", "-j", "-4", "route", "show", "table", "all"],
+        ["ip", "-j", "-6", "route", "show", "table", "all"],
+    ):
         try:
             data = json.loads(_run(cmd) or "[]")
         except (VirtualClusterError, json.JSONDecodeError):
@@ -185,7 +196,7 @@ def choose_subnet(seed: int, used: Iterable | None = None) -> tuple[ipaddress.IP
         x, y = k >> 8, k & 0xFF
         v4 = ipaddress.IPv4Network(f"10.{x}.{y}.0/24")
         v6 = ipaddress.IPv6Network(f"fd74:{x:x}:{y:x}::/64")
-        if not any(n.version == 4 and n.overlaps(v4) or n.version == 6 and n.overlaps(v6) for n in used):
+        if not any((n.version == 4 and n.overlaps(v4)) or (n.version == 6 and n.overlaps(v6)) for n in used):
             return v4, v6
     raise VirtualClusterError("no free 10.x.y.0/24 subnet: this machine routes all of 10.0.0.0/8")
 
@@ -226,7 +237,7 @@ class VirtualCluster:
         self._limited: set[tuple[str, str]] = set()
 
     # --- making and unmaking ------------------------------------------------------------------------
-    def create(self) -> "VirtualCluster":
+    def create(self) -> VirtualCluster:
         """Make the bridge and every host; on any error, undo what was made and raise."""
         try:
             remove_stale()
@@ -280,7 +291,7 @@ class VirtualCluster:
             shutil.rmtree(self.state_dir, ignore_errors=True)
             self.state_dir = None
 
-    def __enter__(self) -> "VirtualCluster":
+    def __enter__(self) -> VirtualCluster:
         return self.create()
 
     def __exit__(self, *exc) -> None:
@@ -309,8 +320,9 @@ class VirtualCluster:
         h = self.host(name)
         wrap = ["ip", "netns", "exec", h.netns]
         if private:
-            script = _PRIVATE_MOUNTS.format(name=name, hosts=shlex.quote(str(self.state_dir / "hosts")),
-                                            tmp=shlex.quote(str(h.tmp)))
+            script = _PRIVATE_MOUNTS.format(
+                name=name, hosts=shlex.quote(str(self.state_dir / "hosts")), tmp=shlex.quote(str(h.tmp))
+            )
             wrap += ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script, f"ftjax-{name}"]
         return [*wrap, *argv]
 
@@ -346,8 +358,25 @@ class VirtualCluster:
             h = self.host(name)
             for ns, dev in ((h.netns, "eth0"), (self.bridge_ns, h.veth)):
                 verb = "change" if (ns, dev) in self._limited else "add"
-                _run(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf", "rate", rate, "burst", str(burst),
-                      "latency", "50ms"])
+                _run(
+                    [
+                        "tc",
+                        "-n",
+                        ns,
+                        "qdisc",
+                        verb,
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        rate,
+                        "burst",
+                        str(burst),
+                        "latency",
+                        "50ms",
+                    ]
+                )
                 self._limited.add((ns, dev))
 
 

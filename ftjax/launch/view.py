@@ -15,68 +15,84 @@ import threading
 import time
 import urllib.request
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ftjax.events import EVENT, REPLICA, TIME, LauncherEvent as L
 from ftjax.launch.supervisor import ReplicaStatus
-from ftjax.lifecycle import Phase
+from ftjax.runs.events import EVENT, REPLICA, TIME, LauncherEvent
+from ftjax.runs.lifecycle import Phase
 
-_PHASE_STYLE = {Phase.STARTING: "cyan", Phase.TRAINING: "green", Phase.STALLED: "yellow", Phase.CATCHING_UP: "magenta",
-                Phase.DOWN: "bold red", Phase.DONE: "blue", Phase.GONE: "red"}
+_PHASE_STYLE = {
+    Phase.STARTING: "cyan",
+    Phase.TRAINING: "green",
+    Phase.STALLED: "yellow",
+    Phase.CATCHING_UP: "magenta",
+    Phase.DOWN: "bold red",
+    Phase.DONE: "blue",
+    Phase.GONE: "red",
+}
 
 
 def describe(e: dict) -> str | None:
     """One line for a launcher event (None: not worth showing)."""
     k, r = e[EVENT], e.get(REPLICA)
-    if k == L.LAUNCH:
-        return (f"job: {e['replicas']} replicas x {e['hosts']} hosts x {e['devices']} devices, "
-                f"{e['steps']} steps of {e['config']} -> {e['out']}")
-    if k == L.COORDINATOR_STARTED:
+    if k == LauncherEvent.LAUNCH:
+        return (
+            f"job: {e['replicas']} replicas x {e['hosts']} hosts x {e['devices']} devices, "
+            f"{e['steps']} steps of {e['config']} -> {e['out']}"
+        )
+    if k == LauncherEvent.COORDINATOR_STARTED:
         return f"coordinator up at {e['grpc']} (status: http://{e['http']}/)"
-    if k == L.COORDINATOR_DOWN:
+    if k == LauncherEvent.COORDINATOR_DOWN:
         return f"coordinator down ({e['cause']}); restarting"
-    if k == L.REPLICA_STARTED:
+    if k == LauncherEvent.REPLICA_STARTED:
         inject = f", will die at {e['die_at']} (host {e['die_host']})" if e.get("die_at") else ""
         verb = "started" if e["incarnation"] == 1 else f"restarted (incarnation {e['incarnation']})"
         return f"replica {r} {verb}{inject}"
-    if k == L.REPLICA_DOWN:
+    if k == LauncherEvent.REPLICA_DOWN:
         at = f" at {e['at']}" if e.get("at") else ""
         host = f" host {e['host']}" if e.get("host") is not None else ""
         return f"replica {r} DOWN:{host} {e['cause']}{at} (last step {e['step']})"
-    if k in (L.REJOINED, L.CAUGHT_UP):
-        verb = "rejoined" if k == L.REJOINED else "caught up (it joined late)"
+    if k in (LauncherEvent.REJOINED, LauncherEvent.CAUGHT_UP):
+        verb = "rejoined" if k == LauncherEvent.REJOINED else "caught up (it joined late)"
         return f"replica {r} {verb} at step {e['at_step']}: state from replica {e['source']} in {e['catchup_s']:.2f} s"
-    if k == L.FAULT:
+    if k == LauncherEvent.FAULT:
         target = f"replica {r}" if r is not None else "coordinator"
         if e["kind"] == "partition":
             target += f" host {e['host']}" if e.get("host") is not None else ""
             return f"fault: partition: {target} cut off for {e['seconds']:g} s (step {e.get('step')})"
         return f"fault: {e['kind']} {target} (step {e.get('step')})"
-    if k == L.PARTITION_ENDED:
+    if k == LauncherEvent.PARTITION_ENDED:
         host = f" host {e['host']}" if e.get("host") is not None else ""
         if e.get("restored") == []:  # an overlapping window still cuts them
             return f"replica {r}{host}: partition of {e['seconds']:g} s over, links still cut by another"
         return f"replica {r}{host}: links restored after {e['seconds']:g} s"
-    if k == L.COMMIT_FAILURE:
+    if k == LauncherEvent.COMMIT_FAILURE:
         return f"replica {r}: step {e['step']} discarded ({e['errors']} FTAR error(s)), retrying"
-    if k == L.PEER_UNREACHABLE:
-        return (f"replica {r}: every attempt at step {e['step']} for {e['seconds']:.0f} s failed on replica "
-                f"{e['peer_replica']} at {e['peer']}: can this replica reach it? ({e['error']})")
-    if k == L.WARM:
+    if k == LauncherEvent.PEER_UNREACHABLE:
+        return (
+            f"replica {r}: every attempt at step {e['step']} for {e['seconds']:.0f} s failed on replica "
+            f"{e['peer_replica']} at {e['peer']}: can this replica reach it? ({e['error']})"
+        )
+    if k == LauncherEvent.WARM:
         return f"every replica trains (step {e['step']}): fault clocks start"
-    if k in (L.HANG_DETECTED, L.NOT_RESTARTED, L.ABANDONED, L.KILL_MISSED):
+    if k in (
+        LauncherEvent.HANG_DETECTED,
+        LauncherEvent.NOT_RESTARTED,
+        LauncherEvent.ABANDONED,
+        LauncherEvent.KILL_MISSED,
+    ):
         return f"replica {r} {k.replace('_', ' ')}: {e.get('reason')}"
-    if k == L.RANDOM_KILLS_STOPPED:
+    if k == LauncherEvent.RANDOM_KILLS_STOPPED:
         took = f", a restart takes ~{e['recovery_s']} s" if e.get("recovery_s") is not None else ""
         return f"random kills stopped: {e['steps_left']} steps left{took}"
-    if k == L.REPLICA_DONE:
+    if k == LauncherEvent.REPLICA_DONE:
         return f"replica {r} finished at step {e['step']}"
-    if k == L.END:
+    if k == LauncherEvent.END:
         return "job finished" if e["ok"] else f"job ended: {e.get('error') or 'not every replica finished'}"
     return None
 
@@ -132,11 +148,15 @@ class CoordinatorProbe:
             return "coordinator starting"
         job, q = s.get("job") or {}, s.get("quorum")
         if s.get("no_progress"):
-            return f"NO PROGRESS for {s['progress']['seconds']:.0f} s at step {s['progress']['step']} (see the status page)"
+            stuck = s["progress"]
+            return f"NO PROGRESS for {stuck['seconds']:.0f} s at step {stuck['step']} (see the status page)"
         if q is None:
             expected = s.get("expected_replicas") or 0
-            return (f"coordinator up, waiting for replicas: {len(s.get('replicas', []))}"
-                    + (f" of {expected}" if expected else "") + " connected")
+            return (
+                f"coordinator up, waiting for replicas: {len(s.get('replicas', []))}"
+                + (f" of {expected}" if expected else "")
+                + " connected"
+            )
         parts = [f"quorum {q['quorum_id']}: {q['num_contributors']}/{len(q['participants'])} contributing"]
         if job.get("finished"):
             parts.append("target reached")
@@ -176,11 +196,18 @@ class PlainView:
         parts = 20  # a progress line every 5% of the steps
         if job["steps"] and job["step"] * parts >= self._next * job["steps"]:
             self._next = job["step"] * parts // job["steps"] + 1
-            cells = "  ".join(f"r{s.replica}:{s.state.value}@{s.step}" + (f" loss {s.loss:.3f}" if s.loss else "")
-                              + (f" +{s.computes}" if s.computes else "")
-                              for s in replicas)
-            self.console.print(f"  step {job['step']}/{job['steps']}  {cells}  [{self.probe.describe(job['coordinator'])}]",
-                               markup=False, highlight=False, soft_wrap=True)
+            cells = "  ".join(
+                f"r{s.replica}:{s.state.value}@{s.step}"
+                + (f" loss {s.loss:.3f}" if s.loss else "")
+                + (f" +{s.computes}" if s.computes else "")
+                for s in replicas
+            )
+            self.console.print(
+                f"  step {job['step']}/{job['steps']}  {cells}  [{self.probe.describe(job['coordinator'])}]",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
 class LiveView:
@@ -210,15 +237,25 @@ class LiveView:
 
     def poll(self, replicas: list[ReplicaStatus], job: dict) -> None:
         self.probe.address = job.get("coordinator_http")
-        table = Table(title=f"ftjax launch: step {job['step']}/{job['steps']}  {self.probe.describe(job['coordinator'])}",
-                      title_justify="left")
+        table = Table(
+            title=f"ftjax launch: step {job['step']}/{job['steps']}  {self.probe.describe(job['coordinator'])}",
+            title_justify="left",
+        )
         others = any(s.computes for s in replicas)  # a constant global batch in an outage
-        for col in ("replica", "state", "step", "loss", "participants", "restarts") + (("also computes",) if others else ()):
+        for col in ("replica", "state", "step", "loss", "participants", "restarts") + (
+            ("also computes",) if others else ()
+        ):
             table.add_column(col, justify="left" if col in ("state", "also computes") else "right")
         for s in replicas:
-            table.add_row(str(s.replica), Text(s.state.value, style=_PHASE_STYLE[s.state]), str(s.step),
-                          f"{s.loss:.4f}" if s.loss is not None else "-", str(s.participants or "-"), str(s.restarts),
-                          *((s.computes or "-",) if others else ()))
+            table.add_row(
+                str(s.replica),
+                Text(s.state.value, style=_PHASE_STYLE[s.state]),
+                str(s.step),
+                f"{s.loss:.4f}" if s.loss is not None else "-",
+                str(s.participants or "-"),
+                str(s.restarts),
+                *((s.computes or "-",) if others else ()),
+            )
         if job.get("coordinator_http"):
             table.caption = f"status page: http://{job['coordinator_http']}/"
         self.live.update(Group(table, Text("\n".join(self.events), style="dim")))
@@ -237,7 +274,7 @@ def digests_verdict(summary: dict) -> str:
     present = {d for d in digests.values() if d}
     if missing:
         who = "any replica" if len(missing) == len(digests) else "replica " + ", ".join(missing)
-        rest = ("" if not present else "; the others " + ("[green]equal[/]" if len(present) == 1 else "[red]DIFFER[/]"))
+        rest = "" if not present else "; the others " + ("[green]equal[/]" if len(present) == 1 else "[red]DIFFER[/]")
         return f"[yellow]no digest for {who}[/] (never trained, or did not finish){rest}"
     return "[green]equal[/]" if summary["digests_equal"] else "[red]DIFFER[/]"
 
@@ -249,9 +286,15 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
         table.add_column(col, justify="right")
     table.add_column("param digest", no_wrap=True, min_width=16)
     for rid, rec in summary["replicas"].items():
-        table.add_row(rid, str(rec["steps_committed"]), str(rec["restarts"]), f"{rec['catchup_s']:.2f}",
-                      "yes" if rec["exactly_once"] else "[red]NO[/]", (rec["param_digest"] or "no digest")
-                      + (" (ended behind: the job finished without it)" if rec.get("ended_behind") else ""))
+        table.add_row(
+            rid,
+            str(rec["steps_committed"]),
+            str(rec["restarts"]),
+            f"{rec['catchup_s']:.2f}",
+            "yes" if rec["exactly_once"] else "[red]NO[/]",
+            (rec["param_digest"] or "no digest")
+            + (" (ended behind: the job finished without it)" if rec.get("ended_behind") else ""),
+        )
     console.print(table)
 
     def num(key: str, fmt: str) -> str:
@@ -261,13 +304,16 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
     console.print(
         f"committed steps {summary['committed_steps']}/{summary['steps']}   failures {summary['failures']}   "
         f"wall {num('wall_s', '.1f')} s   ETTR {num('ettr', '.3f')}   median step {num('median_step_s', '.3f')} s   "
-        f"max healthy stall {num('max_healthy_stall_s', '.3f')} s   final loss {num('final_loss', '.4f')}")
+        f"max healthy stall {num('max_healthy_stall_s', '.3f')} s   final loss {num('final_loss', '.4f')}"
+    )
     equal = digests_verdict(summary)
     once = "[green]yes[/]" if summary["exactly_once"] else "[red]NO[/]"
     console.print(f"replica digests {equal}   every batch exactly once {once}")
     if summary.get("split_history"):
         split = summary["split_history"]
-        console.print(f"[red]split history[/]: {len(split['steps'])} steps committed in two quorum lineages with "
-                      f"different states (first: step {split['first']['step']}: {split['first']['commits']})")
+        console.print(
+            f"[red]split history[/]: {len(split['steps'])} steps committed in two quorum lineages with "
+            f"different states (first: step {split['first']['step']}: {split['first']['commits']})"
+        )
     for name in ("summary.json", "loss.png", "timeline.png"):
         console.print(f"  {run_dir}/{name}", highlight=False)

@@ -49,7 +49,7 @@ def optimal(cost: float, mtbf: float) -> float:
     lam = 1.0 / mtbf
     lo, hi = math.log(young(cost, mtbf) / 100.0), math.log(young(cost, mtbf) * 100.0)
     g = (math.sqrt(5.0) - 1.0) / 2.0
-    f = lambda x: checkpoint_factor(lam, math.exp(x), cost)  # noqa: E731
+    f = lambda x: checkpoint_factor(lam, math.exp(x), cost)
     a, b = hi - g * (hi - lo), lo + g * (hi - lo)
     fa, fb = f(a), f(b)
     for _ in range(100):
@@ -71,6 +71,8 @@ def interval(setting: float | str, cost: float, rollback_mtbf: float) -> float:
     if math.isinf(rollback_mtbf):
         return math.inf  # nothing ever rolls back: a checkpoint saves nothing
     if cost <= 0:
-        raise ValueError(f"--checkpoint-interval-min {setting} needs --checkpoint-cost-min > 0 "
-                         "(free saves would be taken continuously)")
+        raise ValueError(
+            f"--checkpoint-interval-min {setting} needs --checkpoint-cost-min > 0 "
+            "(free saves would be taken continuously)"
+        )
     return {"young": young, "daly": daly, "optimal": optimal}[setting](cost, rollback_mtbf)

@@ -43,6 +43,7 @@ def _option(field: str) -> str:
 
 # -- parsers of option values whose type argparse cannot take as it is --
 
+
 def _interval(text: str) -> float | str:
     if text in ("young", "daly", "optimal"):
         return text
@@ -69,9 +70,13 @@ def _bool(text: str) -> bool:
 
 def _type_of(name: str) -> tuple[Any, str]:
     """(argparse type, metavar) of SimConfig field ``name``."""
-    special = {"checkpoint_interval_min": (_interval, "X|young|daly|optimal"), "reduced_curve": (_curve, "F:T,..."),
-               "step_scaling": (_curve, "F:X,..."),
-               "packing": (_bool, "true|false"), "failure_trace": (str, "CSV")}
+    special = {
+        "checkpoint_interval_min": (_interval, "X|young|daly|optimal"),
+        "reduced_curve": (_curve, "F:T,..."),
+        "step_scaling": (_curve, "F:X,..."),
+        "packing": (_bool, "true|false"),
+        "failure_trace": (str, "CSV"),
+    }
     if name in special:
         return special[name]
     annotation = SimConfig.model_fields[name].annotation
@@ -86,21 +91,36 @@ def _show(value: Any) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ftjax simulate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="ft-hsdp-100k", choices=list(PRESETS),
-                        help="named inputs (ftjax.sim.presets; default ft-hsdp-100k)")
+    parser.add_argument(
+        "--preset",
+        default="ft-hsdp-100k",
+        choices=list(PRESETS),
+        help="named inputs (ftjax.sim.presets; default ft-hsdp-100k)",
+    )
     parser.add_argument("--summary", help="summary.json of an `ftjax launch` run (for --preset launch)")
     parser.add_argument("--strategies", help=f"comma-separated, from {', '.join(STRATEGIES)} (default: the preset's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--sweep", metavar="PATH.png", help="write a plot of ETTR and time-to-train vs --sweep-over")
-    parser.add_argument("--sweep-over", default="gpus", metavar="FIELD",
-                        help="the input to sweep (a field name, e.g. mtbf_min; default gpus: 1K-200K)")
-    parser.add_argument("--sweep-values", metavar="V,V,...", help="its values (default: see ftjax.sim.run.sweep_values)")
-    parser.add_argument("--from-run", metavar="RUN", help="measure an `ftjax launch` run directory and predict its ETTR")
+    parser.add_argument(
+        "--sweep-over",
+        default="gpus",
+        metavar="FIELD",
+        help="the input to sweep (a field name, e.g. mtbf_min; default gpus: 1K-200K)",
+    )
+    parser.add_argument(
+        "--sweep-values", metavar="V,V,...", help="its values (default: see ftjax.sim.run.sweep_values)"
+    )
+    parser.add_argument(
+        "--from-run", metavar="RUN", help="measure an `ftjax launch` run directory and predict its ETTR"
+    )
     parser.add_argument("--costs-from", metavar="RUN", help="with --from-run: take the costs from this other run")
     for name, info in SimConfig.model_fields.items():
         # default None: an option overrides the preset only when given.
-        kwargs: dict[str, Any] = {"dest": name, "default": None,
-                                  "help": f"{info.description} (ft-hsdp-100k: {_show(PAPER_100K[name])})"}
+        kwargs: dict[str, Any] = {
+            "dest": name,
+            "default": None,
+            "help": f"{info.description} (ft-hsdp-100k: {_show(PAPER_100K[name])})",
+        }
         if typing.get_origin(info.annotation) is typing.Literal:
             kwargs["choices"] = list(typing.get_args(info.annotation))
         else:
@@ -134,8 +154,9 @@ def strategies_from_args(args: argparse.Namespace) -> list[str]:
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown or not names:
-        raise UsageError(f"--strategies: unknown {', '.join(unknown) or '(none given)'}; "
-                         f"choose from {', '.join(STRATEGIES)}")
+        raise UsageError(
+            f"--strategies: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(STRATEGIES)}"
+        )
     return names
 
 
@@ -165,10 +186,12 @@ def sweep_from_args(args: argparse.Namespace, cfg: SimConfig) -> tuple[str, list
 
 
 def _title(cfg: SimConfig, preset: str) -> str:
-    return (f"{preset}: {cfg.gpus:,} GPUs = {cfg.replicas} replicas x {cfg.gpus // cfg.replicas:,}, "
-            f"MTBF {cfg.mtbf_min:.3g} min ({cfg.failure_level} {cfg.failure_dist}, {cfg.blast_radius}), "
-            f"restart {cfg.job_restart_min():.3g} min ({cfg.restart_policy}), "
-            f"FT stall {cfg.ft_stall_min:.3g} + {cfg.replica_restart_min:.3g} min out, {cfg.seeds} seeds")
+    return (
+        f"{preset}: {cfg.gpus:,} GPUs = {cfg.replicas} replicas x {cfg.gpus // cfg.replicas:,}, "
+        f"MTBF {cfg.mtbf_min:.3g} min ({cfg.failure_level} {cfg.failure_dist}, {cfg.blast_radius}), "
+        f"restart {cfg.job_restart_min():.3g} min ({cfg.restart_policy}), "
+        f"FT stall {cfg.ft_stall_min:.3g} + {cfg.replica_restart_min:.3g} min out, {cfg.seeds} seeds"
+    )
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -180,17 +203,34 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 def _tables(cfg: SimConfig, preset: str, results: dict) -> list[Table]:
     """The summary per strategy, where the GPU-time goes, and the events by cause."""
     summary = Table(title=_title(cfg, preset), title_justify="left")
-    cols = ("strategy", "ETTR", "analytic", "availability", "time-to-train ratio",
-            f"time to train {cfg.steps:,} steps", "data trained", "effective MTBF", "failures")
+    cols = (
+        "strategy",
+        "ETTR",
+        "analytic",
+        "availability",
+        "time-to-train ratio",
+        f"time to train {cfg.steps:,} steps",
+        "data trained",
+        "effective MTBF",
+        "failures",
+    )
     for col in cols:
         summary.add_column(col, justify="left" if col == "strategy" else "right")
     for name, r in results.items():
         done = r.finished == r.seeds
         ttt = f"{r.time_to_train_h / 24:.1f} days" if done else f"not done ({r.finished}/{r.seeds})"
         ratio = _fmt(r.ttt_ratio, ".2f") if done else f"> {r.ttt_ratio:.3g}"
-        summary.add_row(name, f"{r.ettr:.3f} ± {r.ettr_std:.3f}", _fmt(r.ettr_analytic), _fmt(r.availability),
-                        ratio, ttt, _fmt(r.data_trained), _fmt(r.effective_mtbf_min, ".3g") + " min",
-                        f"{r.failures:.0f}")
+        summary.add_row(
+            name,
+            f"{r.ettr:.3f} ± {r.ettr_std:.3f}",
+            _fmt(r.ettr_analytic),
+            _fmt(r.availability),
+            ratio,
+            ttt,
+            _fmt(r.data_trained),
+            _fmt(r.effective_mtbf_min, ".3g") + " min",
+            f"{r.failures:.0f}",
+        )
     breakdown = Table(title="GPU-time breakdown", title_justify="left")
     breakdown.add_column("")
     for name in results:
@@ -207,8 +247,9 @@ def _tables(cfg: SimConfig, preset: str, results: dict) -> list[Table]:
         counts.add_row(k, *(f"{r.counts[k]:.4g}" if k in r.counts else "-" for r in results.values()))
     tables = [summary, breakdown, counts]
     notes = [f"{n}: {r.note}" for n, r in results.items() if r.note]
-    intervals = [f"{n}: {r.checkpoint_interval_min:.3g} min" for n, r in results.items()
-                 if r.checkpoint_interval_min is not None]
+    intervals = [
+        f"{n}: {r.checkpoint_interval_min:.3g} min" for n, r in results.items() if r.checkpoint_interval_min is not None
+    ]
     if notes or intervals:
         extra = Table(show_header=False, box=None)
         extra.add_column()
@@ -240,17 +281,27 @@ def _from_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    table = Table(title=f"{out['run']}: ETTR measured vs predicted (costs from {out['costs_from']})",
-                  title_justify="left")
+    table = Table(
+        title=f"{out['run']}: ETTR measured vs predicted (costs from {out['costs_from']})", title_justify="left"
+    )
     for col in ("failures", "measured ETTR", "predicted ETTR", "error", "window s (measured / simulated)"):
         table.add_column(col, justify="right")
-    table.add_row(str(out["failures"]), f"{out['measured_ettr']:.3f}", f"{out['predicted_ettr']:.3f}",
-                  f"{out['error']:+.3f}", f"{out['window_s']:.1f} / {_fmt(out['predicted_window_s'], '.1f')}")
+    table.add_row(
+        str(out["failures"]),
+        f"{out['measured_ettr']:.3f}",
+        f"{out['predicted_ettr']:.3f}",
+        f"{out['error']:+.3f}",
+        f"{out['window_s']:.1f} / {_fmt(out['predicted_window_s'], '.1f')}",
+    )
     costs = Table(title="measured costs (seconds)", title_justify="left")
     for k in out["costs"]:
         costs.add_column(k, justify="right")
-    costs.add_row(*(f"{v:.4g}" if isinstance(v, float) else
-                    " ".join(f"{f:g}:{x:.3g}" for f, x in v) for v in out["costs"].values()))
+    costs.add_row(
+        *(
+            f"{v:.4g}" if isinstance(v, float) else " ".join(f"{f:g}:{x:.3g}" for f, x in v)
+            for v in out["costs"].values()
+        )
+    )
     console = _console()
     console.print(table)
     console.print(costs)
@@ -297,20 +348,38 @@ def _sweep(args: argparse.Namespace, cfg: SimConfig, names: list[str], knob: str
 
     series = sweep(cfg, knob, values, names)
     reference = PAPER_100K_ETTR if args.preset == "ft-hsdp-100k" and knob == "gpus" else None
-    write_sweep(args.sweep, knob, values, series, title=_title(cfg, args.preset), reference=reference,
-                reference_at=PRESETS["ft-hsdp-100k"]["gpus"])
+    write_sweep(
+        args.sweep,
+        knob,
+        values,
+        series,
+        title=_title(cfg, args.preset),
+        reference=reference,
+        reference_at=PRESETS["ft-hsdp-100k"]["gpus"],
+    )
     shown = [v if isinstance(v, (bool, int, float, str)) else _show(v) for v in values]
     if args.json:
-        print(json.dumps({"png": args.sweep, "over": knob, "values": shown, **{
-            metric: {k: [None if v is None else round(v, 4) for v in vs] for k, vs in by.items()}
-            for metric, by in series.items()}}))
+        print(
+            json.dumps(
+                {
+                    "png": args.sweep,
+                    "over": knob,
+                    "values": shown,
+                    **{
+                        metric: {k: [None if v is None else round(v, 4) for v in vs] for k, vs in by.items()}
+                        for metric, by in series.items()
+                    },
+                }
+            )
+        )
         return 0
     table = Table(title=f"ETTR (time-to-train ratio) vs {knob} ({args.sweep})", title_justify="left")
     table.add_column(knob, justify="right")
     for name in names:
         table.add_column(name, justify="right")
     for i, v in enumerate(shown):
-        table.add_row(_show(v), *(f"{series['ettr'][n][i]:.3f} ({_fmt(series['ttt_ratio'][n][i], '.2f')})"
-                           for n in names))
+        table.add_row(
+            _show(v), *(f"{series['ettr'][n][i]:.3f} ({_fmt(series['ttt_ratio'][n][i], '.2f')})" for n in names)
+        )
     _console().print(table)
     return 0

@@ -13,13 +13,24 @@ import math
 from ftjax.sim.checkpoints import checkpoint_factor
 from ftjax.sim.config import SimConfig
 
-__all__ = ["checkpoint_factor", "sync_ettr", "units_out_ettr_restart", "units_out_stall_fraction",
-           "masked_failures_spare", "masked_failures_exact", "sync_availability", "lockstep_straggler_ettr",
-           "left_out_straggler_ettr", "spare_useful", "analytic_ettr"]
+__all__ = [
+    "analytic_ettr",
+    "checkpoint_factor",
+    "left_out_straggler_ettr",
+    "lockstep_straggler_ettr",
+    "masked_failures_exact",
+    "masked_failures_spare",
+    "spare_useful",
+    "sync_availability",
+    "sync_ettr",
+    "units_out_ettr_restart",
+    "units_out_stall_fraction",
+]
 
 
-def sync_ettr(mtbf: float, stall: float, policy: str, interval: float = 0.0, cost: float = 0.0,
-              repair: float = 0.0) -> float:
+def sync_ettr(
+    mtbf: float, stall: float, policy: str, interval: float = 0.0, cost: float = 0.0, repair: float = 0.0
+) -> float:
     """Sync: renewal-reward over (restart phase, training phase until the next failure); ``repair``
     is a wait for hardware before each restart (every failure hardware, no spare).
 
@@ -43,8 +54,11 @@ def sync_ettr(mtbf: float, stall: float, policy: str, interval: float = 0.0, cos
 def sync_availability(mtbf: float, stall: float, policy: str) -> float:
     """Fraction of wall time a sync job is not restarting (no checkpoint cost)."""
     lam = 1.0 / mtbf
-    return {"absorb": 1.0 / (1.0 + lam * stall), "queue": max(0.0, 1.0 - lam * stall),
-            "restart": math.exp(-lam * stall)}[policy]
+    return {
+        "absorb": 1.0 / (1.0 + lam * stall),
+        "queue": max(0.0, 1.0 - lam * stall),
+        "restart": math.exp(-lam * stall),
+    }[policy]
 
 
 def units_out_ettr_restart(mtbf: float, stall: float, restart: float, units: int) -> float:
@@ -116,8 +130,7 @@ def masked_failures_exact(groups: int, r: int) -> float:
     n, total = groups, 0.0
     for k in range(1, n):
         m = n - k
-        gaps = sum((-1) ** j * math.comb(m, j) * math.comb(k - j * r + m - 1, m - 1)
-                   for j in range(min(m, k // r) + 1))
+        gaps = sum((-1) ** j * math.comb(m, j) * math.comb(k - j * r + m - 1, m - 1) for j in range(min(m, k // r) + 1))
         p = (n * gaps // m) / math.comb(n, k)
         if p < 1e-16:
             break
@@ -133,22 +146,34 @@ def analytic_ettr(cfg: SimConfig, strategy: str) -> float | None:
     overlap="restart" without checkpoints; time-to-train effects at the start and end of a job are
     ignored.
     """
-    if (cfg.failure_dist != "exponential" or cfg.failure_trace is not None or not math.isinf(cfg.straggler_mtbs_min)
-            or cfg.pause_fraction or (cfg.hardware_share and not math.isinf(cfg.spare_hosts))
-            or isinstance(cfg.checkpoint_interval_min, str)):
+    if (
+        cfg.failure_dist != "exponential"
+        or cfg.failure_trace is not None
+        or not math.isinf(cfg.straggler_mtbs_min)
+        or cfg.pause_fraction
+        or (cfg.hardware_share and not math.isinf(cfg.spare_hosts))
+        or isinstance(cfg.checkpoint_interval_min, str)
+    ):
         return None
     stall = cfg.job_restart_min()
     if strategy == "sync":
-        return sync_ettr(cfg.mtbf_min, stall, cfg.restart_policy, cfg.checkpoint_interval_min,
-                         cfg.checkpoint_cost_min)
+        return sync_ettr(cfg.mtbf_min, stall, cfg.restart_policy, cfg.checkpoint_interval_min, cfg.checkpoint_cost_min)
     if cfg.overlap != "restart" or cfg.rejoin_stall_min or cfg.checkpoint_interval_min:
         return None
     if strategy == "ft-hsdp" and cfg.gpus_per_replica % cfg.blast_gpus == 0:
-        return units_out_ettr_restart(cfg.mtbf_min, cfg.ft_stall_min, cfg.unit_restart_min(cfg.gpus_per_replica),
-                                      cfg.replicas)
+        return units_out_ettr_restart(
+            cfg.mtbf_min, cfg.ft_stall_min, cfg.unit_restart_min(cfg.gpus_per_replica), cfg.replicas
+        )
     linear = all(abs(f - t) < 1e-12 for f, t in cfg.reduced_curve)
-    if (strategy == "reduced-degree" and cfg.reduced_recovery == "ft-stall" and linear and not cfg.power_boost
-            and cfg.min_degree == 0 and cfg.gpus_per_replica % cfg.blast_gpus == 0):
-        return units_out_ettr_restart(cfg.mtbf_min, cfg.ft_stall_min, cfg.unit_restart_min(cfg.blast_gpus),
-                                      cfg.gpus // cfg.blast_gpus)
+    if (
+        strategy == "reduced-degree"
+        and cfg.reduced_recovery == "ft-stall"
+        and linear
+        and not cfg.power_boost
+        and cfg.min_degree == 0
+        and cfg.gpus_per_replica % cfg.blast_gpus == 0
+    ):
+        return units_out_ettr_restart(
+            cfg.mtbf_min, cfg.ft_stall_min, cfg.unit_restart_min(cfg.blast_gpus), cfg.gpus // cfg.blast_gpus
+        )
     return None

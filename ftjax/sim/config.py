@@ -35,93 +35,116 @@ class SimConfig(BaseModel):
     # -- the job --
     gpus: int = Field(gt=0, description="GPUs in the job")
     gpus_per_host: int = Field(gt=0, description="GPUs per host (server)")
-    replicas: int = Field(gt=0, description="data-parallel replicas (ft-hsdp, reduced-degree) = groups "
-                                            "(redundancy, spare)")
+    replicas: int = Field(
+        gt=0, description="data-parallel replicas (ft-hsdp, reduced-degree) = groups (redundancy, spare)"
+    )
     steps: int = Field(gt=0, description="training steps to time-to-train")
     step_s: float = Field(gt=0, description="failure-free step time, seconds")
     train_for: Literal["tokens", "steps"] = Field(
         description="tokens: the job ends when it has trained steps x the global batch (a step with k of R "
-                    "replicas trains k/R of one; the FT-HSDP paper's GPU-time accounting); steps: it ends "
-                    "after --steps steps however many replicas took part (what `ftjax launch` does)")
+        "replicas trains k/R of one; the FT-HSDP paper's GPU-time accounting); steps: it ends "
+        "after --steps steps however many replicas took part (what `ftjax launch` does)"
+    )
     global_batch: Literal["elastic", "constant"] = Field(
         description="ft-hsdp (ftjax's ft.global_batch): elastic: a step with k of R replicas trains k of the R "
-                    "batches (with --train-for steps, the others' data is lost to the model); constant: the k "
-                    "compute all R batches, so a step takes R/k as long and no data is lost")
+        "batches (with --train-for steps, the others' data is lost to the model); constant: the k "
+        "compute all R batches, so a step takes R/k as long and no data is lost"
+    )
     step_scaling: tuple[tuple[float, float], ...] = Field(
         description="--train-for steps: step time vs the fraction of replicas taking part, relative to all "
-                    "of them, points F:X,... (flat on a cluster; on one shared machine fewer replicas step faster)")
-    pause_fraction: float = Field(ge=0, lt=1, description="fraction of time lost to pauses unrelated to "
-                                                          "failures (logging, GC, jitter) while no unit is out "
-                                                          "(with one out, a failure's stall holds the others' "
-                                                          "losses: how --from-run measures them)")
+        "of them, points F:X,... (flat on a cluster; on one shared machine fewer replicas step faster)"
+    )
+    pause_fraction: float = Field(
+        ge=0,
+        lt=1,
+        description="fraction of time lost to pauses unrelated to "
+        "failures (logging, GC, jitter) while no unit is out "
+        "(with one out, a failure's stall holds the others' "
+        "losses: how --from-run measures them)",
+    )
 
     # -- failures --
     mtbf_min: float = Field(gt=0, description="job-level mean time between failures at --gpus, minutes")
     failure_level: Literal["domain", "job"] = Field(
         description="domain: every failure domain (see --blast-radius) is a renewal process of its own; "
-                    "job: one job-level renewal process, each failure hitting a random domain")
-    failure_dist: Literal["exponential", "weibull"] = Field(description="time between failures of one "
-                                                                         "domain (or of the job)")
+        "job: one job-level renewal process, each failure hitting a random domain"
+    )
+    failure_dist: Literal["exponential", "weibull"] = Field(
+        description="time between failures of one domain (or of the job)"
+    )
     weibull_shape: float = Field(gt=0, description="Weibull shape k (k<1: infant mortality, bursts)")
-    failure_trace: str | None = Field(description="CSV of failures replacing the drawn ones: time_min "
-                                                  "[, gpus, first_gpu, hardware]")
+    failure_trace: str | None = Field(
+        description="CSV of failures replacing the drawn ones: time_min [, gpus, first_gpu, hardware]"
+    )
     blast_radius: Literal["gpu", "host", "rack"] = Field(description="what one failure takes down")
     hosts_per_rack: int = Field(gt=0, description="hosts per rack (--blast-radius rack)")
-    hardware_share: float = Field(ge=0, le=1, description="share of failures that need a hardware repair "
-                                                          "(the rest: a restart fixes them)")
+    hardware_share: float = Field(
+        ge=0, le=1, description="share of failures that need a hardware repair (the rest: a restart fixes them)"
+    )
     repair_min: float = Field(ge=0, description="minutes to repair a host after a hardware failure")
-    spare_hosts: float = Field(ge=0, description="spare hosts that replace a host awaiting repair "
-                                                 "(inf: always one)")
+    spare_hosts: float = Field(ge=0, description="spare hosts that replace a host awaiting repair (inf: always one)")
 
     # -- recovery --
-    sync_stall_min: float = Field(ge=0, description="whole-job restart, minutes, at --gpus (before "
-                                                    "--init-min)")
-    init_min: float = Field(ge=0, description="communicator init added to every restart, minutes at "
-                                              "--gpus; grows as GPUs^--init-exponent")
+    sync_stall_min: float = Field(ge=0, description="whole-job restart, minutes, at --gpus (before --init-min)")
+    init_min: float = Field(
+        ge=0, description="communicator init added to every restart, minutes at --gpus; grows as GPUs^--init-exponent"
+    )
     init_exponent: float = Field(ge=0, description="growth of init time with the GPU count")
     restart_policy: Literal["absorb", "queue", "restart"] = Field(
         description="a failure during a whole-job restart: absorb (the restart replaces it), queue (handled "
-                    "when the restart ends), restart (handled at once: a fatal one starts the restart over)")
-    ft_stall_min: float = Field(ge=0, description="stall of everyone per failure: detection + "
-                                                  "reconfiguration + step retry, minutes")
-    replica_restart_min: float = Field(ge=0, description="minutes a failed unit stays out after the "
-                                                         "stall: restart + catch-up (inf: until the next "
-                                                         "whole-job restart)")
-    rejoin_stall_min: float = Field(ge=0, description="stall of everyone when a unit rejoins, minutes "
-                                                      "(0: non-blocking catch-up)")
+        "when the restart ends), restart (handled at once: a fatal one starts the restart over)"
+    )
+    ft_stall_min: float = Field(
+        ge=0, description="stall of everyone per failure: detection + reconfiguration + step retry, minutes"
+    )
+    replica_restart_min: float = Field(
+        ge=0,
+        description="minutes a failed unit stays out after the "
+        "stall: restart + catch-up (inf: until the next "
+        "whole-job restart)",
+    )
+    rejoin_stall_min: float = Field(
+        ge=0, description="stall of everyone when a unit rejoins, minutes (0: non-blocking catch-up)"
+    )
     overlap: Literal["queue", "restart"] = Field(
         description="a failure during an FT stall: queue its full stall after the current one, or restart "
-                    "the stall clock")
+        "the stall clock"
+    )
     checkpoint_interval_min: float | CheckpointRule = Field(
         description="minutes of training between durable checkpoints (0: none, lost work is part of "
-                    "--sync-stall-min), or young | daly | optimal (per strategy, from its rate of rollbacks)")
+        "--sync-stall-min), or young | daly | optimal (per strategy, from its rate of rollbacks)"
+    )
     checkpoint_cost_min: float = Field(ge=0, description="blocking minutes per checkpoint save")
 
     # -- strategies --
     redundancy: int = Field(ge=1, description="copies of each data shard (redundancy, spare)")
     reduced_recovery: Literal["job-restart", "ft-stall"] = Field(
         description="reduced-degree: a failure restarts the job from its checkpoint (NTP) or stalls "
-                    "everyone like an ft-hsdp failure")
+        "everyone like an ft-hsdp failure"
+    )
     reduced_curve: tuple[tuple[float, float], ...] = Field(
-        description="reduced-degree replica throughput vs fraction of its GPUs alive, points F:T,...")
+        description="reduced-degree replica throughput vs fraction of its GPUs alive, points F:T,..."
+    )
     power_boost: float = Field(ge=0, description="reduced replicas run (1 + X) x faster, up to a full one")
     packing: bool = Field(description="reduced-degree: pack failed GPUs into as few replicas as possible")
-    min_degree: float = Field(ge=0, le=1, description="smallest fraction of its GPUs a reduced replica "
-                                                      "runs with (below: it is out)")
+    min_degree: float = Field(
+        ge=0, le=1, description="smallest fraction of its GPUs a reduced replica runs with (below: it is out)"
+    )
 
     # -- stragglers --
-    straggler_mtbs_min: float = Field(gt=0, description="job-level mean time between slow-replica "
-                                                        "episodes, minutes (inf: none)")
+    straggler_mtbs_min: float = Field(
+        gt=0, description="job-level mean time between slow-replica episodes, minutes (inf: none)"
+    )
     straggler_min: float = Field(ge=0, description="length of one slow episode, minutes")
     straggler_slowdown: float = Field(ge=1, description="a slow replica's step time, x the normal one")
-    straggler_detect_min: float = Field(ge=0, description="minutes before ft-hsdp drops a slow replica "
-                                                          "from the quorum")
+    straggler_detect_min: float = Field(ge=0, description="minutes before ft-hsdp drops a slow replica from the quorum")
 
     # -- the runs --
     seeds: int = Field(ge=1, description="independent failure traces to average over")
     seed: int = Field(ge=0, description="base random seed")
-    max_slowdown: float = Field(gt=1, description="a job not done after this many times its failure-free "
-                                                  "time is reported not finished")
+    max_slowdown: float = Field(
+        gt=1, description="a job not done after this many times its failure-free time is reported not finished"
+    )
 
     @field_validator("reduced_curve")
     @classmethod
@@ -171,17 +194,22 @@ class SimConfig(BaseModel):
         if self.gpus % unit:
             raise ValueError(
                 f"--gpus ({self.gpus}) must be a multiple of --replicas x --gpus-per-host ({unit}): "
-                "every replica has the same whole number of hosts")
+                "every replica has the same whole number of hosts"
+            )
         if self.redundancy > self.replicas:
             raise ValueError(f"--redundancy ({self.redundancy}) cannot exceed --replicas ({self.replicas})")
         if isinstance(self.checkpoint_interval_min, str) and self.checkpoint_cost_min <= 0:
-            raise ValueError(f"--checkpoint-interval-min {self.checkpoint_interval_min} needs "
-                             "--checkpoint-cost-min > 0 (free saves would be taken continuously)")
+            raise ValueError(
+                f"--checkpoint-interval-min {self.checkpoint_interval_min} needs "
+                "--checkpoint-cost-min > 0 (free saves would be taken continuously)"
+            )
         if not isinstance(self.checkpoint_interval_min, str) and self.checkpoint_interval_min < 0:
             raise ValueError("--checkpoint-interval-min must be >= 0, or young | daly | optimal")
         if self.blast_radius == "rack" and self.hosts % self.hosts_per_rack:
-            raise ValueError(f"--hosts-per-rack ({self.hosts_per_rack}) must divide the hosts ({self.hosts}) "
-                             "with --blast-radius rack")
+            raise ValueError(
+                f"--hosts-per-rack ({self.hosts_per_rack}) must divide the hosts ({self.hosts}) "
+                "with --blast-radius rack"
+            )
         return self
 
     # -- derived sizes --
@@ -201,7 +229,8 @@ class SimConfig(BaseModel):
     def blast_gpus(self) -> int:
         """GPUs in one failure domain."""
         return {"gpu": 1, "host": self.gpus_per_host, "rack": self.gpus_per_host * self.hosts_per_rack}[
-            self.blast_radius]
+            self.blast_radius
+        ]
 
     @property
     def work_min(self) -> float:
@@ -222,8 +251,9 @@ class SimConfig(BaseModel):
         """The same job at another GPU count: the job-level MTBF scales as 1/GPUs (the rate per domain
         stays fixed), and communicator init as GPUs^init_exponent."""
         scale = gpus / self.gpus
-        return self.with_values(gpus=gpus, mtbf_min=self.mtbf_min / scale,
-                                init_min=self.init_min * scale ** self.init_exponent)
+        return self.with_values(
+            gpus=gpus, mtbf_min=self.mtbf_min / scale, init_min=self.init_min * scale**self.init_exponent
+        )
 
     def with_values(self, **values) -> SimConfig:
         return SimConfig.model_validate({**self.model_dump(), **values})

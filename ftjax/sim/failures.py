@@ -43,15 +43,15 @@ _CHUNK = 4096
 
 
 class Failure(NamedTuple):
-    t: float          # minutes
-    first_gpu: int    # GPUs first_gpu .. first_gpu + gpus - 1 are down
+    t: float  # minutes
+    first_gpu: int  # GPUs first_gpu .. first_gpu + gpus - 1 are down
     gpus: int
-    hardware: bool    # needs a repair (else a restart fixes it)
+    hardware: bool  # needs a repair (else a restart fixes it)
 
 
 class Straggle(NamedTuple):
-    t: float          # minutes
-    unit: int         # the replica that runs slow for --straggler-min
+    t: float  # minutes
+    unit: int  # the replica that runs slow for --straggler-min
 
 
 class TraceError(ValueError):
@@ -61,17 +61,16 @@ class TraceError(ValueError):
 def events(cfg: SimConfig, seed_index: int) -> Iterator[Failure | Straggle]:
     """Time-ordered failures and straggler episodes of trace ``seed_index`` of ``cfg`` (endless,
     unless the failures come from a finite --failure-trace and there are no stragglers)."""
-    streams = [np.random.default_rng(np.random.SeedSequence(cfg.seed, spawn_key=(seed_index, k)))
-               for k in range(4)]
+    streams = [np.random.default_rng(np.random.SeedSequence(cfg.seed, spawn_key=(seed_index, k))) for k in range(4)]
     fail = failures(cfg, streams[0], streams[1], streams[2])
     if math.isinf(cfg.straggler_mtbs_min):
         return fail
-    return heapq.merge(fail, _stragglers(streams[3], cfg.straggler_mtbs_min, cfg.replicas),
-                       key=lambda e: e.t)
+    return heapq.merge(fail, _stragglers(streams[3], cfg.straggler_mtbs_min, cfg.replicas), key=lambda e: e.t)
 
 
-def failures(cfg: SimConfig, times_rng: np.random.Generator, where_rng: np.random.Generator,
-             kind_rng: np.random.Generator) -> Iterator[Failure]:
+def failures(
+    cfg: SimConfig, times_rng: np.random.Generator, where_rng: np.random.Generator, kind_rng: np.random.Generator
+) -> Iterator[Failure]:
     size = cfg.blast_gpus
     domains = cfg.gpus // size
     if cfg.failure_trace is not None:
@@ -113,8 +112,9 @@ def _bernoulli(rng: np.random.Generator, p: float) -> Iterator[bool]:
         yield from (rng.random(_CHUNK) < p).tolist()
 
 
-def _per_domain_weibull(rng: np.random.Generator, mean_life: float, shape: float,
-                        domains: int) -> Iterator[tuple[float, int]]:
+def _per_domain_weibull(
+    rng: np.random.Generator, mean_life: float, shape: float, domains: int
+) -> Iterator[tuple[float, int]]:
     scale = mean_life / math.gamma(1.0 + 1.0 / shape)
     # Stationary start: each domain is inside a lifetime drawn length-biased (density x f(x) / mean;
     # for a Weibull, (x / scale)^shape ~ Gamma(1 + 1/shape)), at a uniform point of it.
@@ -141,8 +141,12 @@ def _stragglers(rng: np.random.Generator, mean_gap: float, units: int) -> Iterat
 TRACE_COLUMNS = ("time_min", "gpus", "first_gpu", "hardware")
 
 
-def read_trace(path: str | Path, cfg: SimConfig, where_rng: np.random.Generator | None = None,
-               kind_rng: np.random.Generator | None = None) -> list[Failure]:
+def read_trace(
+    path: str | Path,
+    cfg: SimConfig,
+    where_rng: np.random.Generator | None = None,
+    kind_rng: np.random.Generator | None = None,
+) -> list[Failure]:
     """The failures of a CSV file with a header row naming its columns:
 
     - ``time_min`` (required): minutes from the start of the job, non-decreasing;
@@ -171,7 +175,8 @@ def read_trace(path: str | Path, cfg: SimConfig, where_rng: np.random.Generator 
     out: list[Failure] = []
     last = 0.0
     for line, row in enumerate(rows, start=2):
-        def number(col: str, default: float | None, lo: float = 0.0, hi: float = math.inf) -> float:
+
+        def number(col: str, default: float | None, lo: float = 0.0, hi: float = math.inf, row=row, line=line) -> float:
             text = (row.get(col) or "").strip()
             if not text:
                 if default is None:

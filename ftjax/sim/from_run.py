@@ -1,6 +1,6 @@
 """`ftjax simulate --from-run RUN`: measure an `ftjax launch` run, simulate it, compare the ETTR.
 
-The run directory is read with the summary's own readers (ftjax.launch.summary, ftjax.lifecycle),
+The run directory is read with the summary's own readers (ftjax.runs.summary, ftjax.runs.lifecycle),
 over the window the summary's ETTR uses: from warm-up to the job's last committed step. Each
 replica's time there is *productive* (training, and one median step of each stalled gap) or not,
 exactly as in the summary. Measured, per replica death (`replica_down`):
@@ -40,9 +40,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftjax.events import EVENT, REPLICA, TIME, LauncherEvent as L, ReplicaEvent as E, StepField as F
-from ftjax.launch.summary import Run, ettr, load_run, median_step, timeline, warm_time
-from ftjax.lifecycle import Phase
+from ftjax.runs.events import EVENT, REPLICA, TIME, LauncherEvent, ReplicaEvent, StepField
+from ftjax.runs.lifecycle import Phase
+from ftjax.runs.summary import Run, ettr, load_run, median_step, timeline, warm_time
 from ftjax.sim.config import SimConfig
 from ftjax.sim.failures import Failure, write_trace
 from ftjax.sim.presets import NEUTRAL
@@ -58,13 +58,13 @@ class RunError(ValueError):
 @dataclass
 class FailureCost:
     replica: int
-    t_fail_s: float      # from warm-up
-    out_s: float         # t_back - t_fail
-    restart_s: float     # t_fail to catchup_started
-    catchup_s: float     # catchup_started to t_back
-    stall_s: float       # unproductive time of each other replica in the failure's window
-    window_s: float      # the time of each other replica in that window
-    random_kill: bool    # an `--mtbf-s` kill: the launcher fires one only while every replica trains
+    t_fail_s: float  # from warm-up
+    out_s: float  # t_back - t_fail
+    restart_s: float  # t_fail to catchup_started
+    catchup_s: float  # catchup_started to t_back
+    stall_s: float  # unproductive time of each other replica in the failure's window
+    window_s: float  # the time of each other replica in that window
+    random_kill: bool  # an `--mtbf-s` kill: the launcher fires one only while every replica trains
 
 
 @dataclass
@@ -75,12 +75,12 @@ class Measured:
     replicas: int
     gpus_per_replica: int
     gpus_per_host: int
-    window_s: float              # warm-up to the last committed step
-    steps: int                   # job steps committed in the window
+    window_s: float  # warm-up to the last committed step
+    steps: int  # job steps committed in the window
     median_step_s: float
-    mean_step_s: float           # job step time outside the failure windows, pauses included
-    pause_fraction: float        # unproductive share of replica time outside the failure windows
-    ettr: float                  # the summary's ETTR over the window
+    mean_step_s: float  # job step time outside the failure windows, pauses included
+    pause_fraction: float  # unproductive share of replica time outside the failure windows
+    ettr: float  # the summary's ETTR over the window
     step_scaling: tuple[tuple[float, float], ...]  # ((R - 1) / R, step time with one replica out / step_s)
     failures: list[FailureCost] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
@@ -133,18 +133,29 @@ def measure(run_dir: str | Path) -> Measured:
     commits: dict[int, float] = {}
     for r in range(run.replicas):
         for s in run.metrics[r]:
-            if s.get(F.COMMITTED) and F.STEP in s:
-                commits[s[F.STEP]] = min(commits.get(s[F.STEP], s[TIME]), s[TIME])
-    t_end = max(s[TIME] for r in range(run.replicas) for s in run.metrics[r] if s.get(F.COMMITTED) and F.STEP in s)
+            if s.get(StepField.COMMITTED) and StepField.STEP in s:
+                commits[s[StepField.STEP]] = min(commits.get(s[StepField.STEP], s[TIME]), s[TIME])
+    t_end = max(
+        s[TIME]
+        for r in range(run.replicas)
+        for s in run.metrics[r]
+        if s.get(StepField.COMMITTED) and StepField.STEP in s
+    )
     segs = timeline(run, median)
-    clipped = {r: [(max(a, t_warm), min(b, t_end), st) for a, b, st in ss if min(b, t_end) > max(a, t_warm)]
-               for r, ss in segs.items()}
+    clipped = {
+        r: [(max(a, t_warm), min(b, t_end), st) for a, b, st in ss if min(b, t_end) > max(a, t_warm)]
+        for r, ss in segs.items()
+    }
 
     costs, windows, ignored = _failures(run, segs, clipped, median, t_warm, t_end)
     merged = _merge([(max(a, t_warm), min(b, t_end)) for a, b in windows])
     outside_s = (t_end - t_warm) - sum(b - a for a, b in merged)
-    lost_outside = sum((b - a) - _productive(st, a, b, median)
-                       for ss in clipped.values() for a, b, st in ss if not _inside((a + b) / 2, merged))
+    lost_outside = sum(
+        (b - a) - _productive(st, a, b, median)
+        for ss in clipped.values()
+        for a, b, st in ss
+        if not _inside((a + b) / 2, merged)
+    )
     pause = lost_outside / (run.replicas * outside_s) if outside_s > 0 else 0.0
     warm_step = max((s for s, t in commits.items() if t <= t_warm), default=0)
     steps_in = sorted(t for s, t in commits.items() if s > warm_step)
@@ -154,14 +165,25 @@ def measure(run_dir: str | Path) -> Measured:
     hosts = int(run.launch.get("hosts") or 1)
     devices = int(run.launch.get("devices") or 1)
     return Measured(
-        run=str(path), replicas=run.replicas, gpus_per_replica=hosts * devices, gpus_per_host=devices,
-        window_s=t_end - t_warm, steps=len(steps_in), median_step_s=median, mean_step_s=mean_step,
-        pause_fraction=pause, ettr=ettr(run, segs, t_warm, t_end, median), step_scaling=scaling, failures=costs,
-        ignored=ignored)
+        run=str(path),
+        replicas=run.replicas,
+        gpus_per_replica=hosts * devices,
+        gpus_per_host=devices,
+        window_s=t_end - t_warm,
+        steps=len(steps_in),
+        median_step_s=median,
+        mean_step_s=mean_step,
+        pause_fraction=pause,
+        ettr=ettr(run, segs, t_warm, t_end, median),
+        step_scaling=scaling,
+        failures=costs,
+        ignored=ignored,
+    )
 
 
-def _step_scaling(replicas: int, costs: list[FailureCost], steps_in: list[float], t_warm: float,
-                  step_s: float) -> tuple[tuple[float, float], ...]:
+def _step_scaling(
+    replicas: int, costs: list[FailureCost], steps_in: list[float], t_warm: float, step_s: float
+) -> tuple[tuple[float, float], ...]:
     """The step time while a replica is out, relative to ``step_s`` (all of them in, pauses left
     out): what the simulation needs to step through the out time (less the stall) as the run did.
     One point at (R - 1) / R: the launcher's random kills take one replica at a time."""
@@ -173,15 +195,20 @@ def _step_scaling(replicas: int, costs: list[FailureCost], steps_in: list[float]
     return (((replicas - 1) / replicas, round(moving / (steps * step_s), 4)), (1.0, 1.0))
 
 
-def _failures(run: Run, segs: dict[int, list[tuple[float, float, str]]],
-              clipped: dict[int, list[tuple[float, float, str]]], median: float, t_warm: float,
-              t_end: float) -> tuple[list[FailureCost], list[tuple[float, float]], list[str]]:
+def _failures(
+    run: Run,
+    segs: dict[int, list[tuple[float, float, str]]],
+    clipped: dict[int, list[tuple[float, float, str]]],
+    median: float,
+    t_warm: float,
+    t_end: float,
+) -> tuple[list[FailureCost], list[tuple[float, float]], list[str]]:
     found: list[tuple[int, float, float, float, bool]] = []  # (replica, t_fail, t_catchup, t_back, random)
     ignored = []
     for e in run.events:
-        if e[EVENT] == L.COORDINATOR_DOWN:
+        if e[EVENT] == LauncherEvent.COORDINATOR_DOWN:
             ignored.append(f"coordinator loss at {e[TIME] - run.start:.1f} s (not modelled)")
-        if e[EVENT] != L.REPLICA_DOWN:
+        if e[EVENT] != LauncherEvent.REPLICA_DOWN:
             continue
         r, t_down = e[REPLICA], e[TIME]
         t_fail = t_down
@@ -194,12 +221,24 @@ def _failures(run: Run, segs: dict[int, list[tuple[float, float, str]]],
             continue
         # back at its first step with its own batch, or at its next death (a second failure before it
         # was back is a failure of its own, out from then)
-        next_down = next((d[TIME] for d in run.events
-                          if d[EVENT] == L.REPLICA_DOWN and d.get(REPLICA) == r and d[TIME] > t_down), t_end)
+        next_down = next(
+            (
+                d[TIME]
+                for d in run.events
+                if d[EVENT] == LauncherEvent.REPLICA_DOWN and d.get(REPLICA) == r and d[TIME] > t_down
+            ),
+            t_end,
+        )
         t_back = next((a for a, _, st in segs[r] if a > t_down and st == Phase.TRAINING.value), t_end)
         t_back = min(t_back, next_down)
-        t_catch = next((m[TIME] for m in run.metrics[r]
-                        if m.get(EVENT) == E.CATCHUP_STARTED and t_down < m[TIME] <= t_back), t_back)
+        t_catch = next(
+            (
+                m[TIME]
+                for m in run.metrics[r]
+                if m.get(EVENT) == ReplicaEvent.CATCHUP_STARTED and t_down < m[TIME] <= t_back
+            ),
+            t_back,
+        )
         random_kill = e.get("cause") == "random_kill"
         found.append((r, t_fail, t_catch, min(t_back, t_end), random_kill))
     windows = [(t_fail, t_back + MARGIN_STEPS * median) for _, t_fail, _, t_back, _ in found]
@@ -218,9 +257,18 @@ def _failures(run: Run, segs: dict[int, list[tuple[float, float, str]]],
                     lost += (b - a) - _productive(st, a, b, median)
                     span += b - a
         others = max(1, run.replicas - 1)
-        costs.append(FailureCost(replica=r, t_fail_s=t_fail - t_warm, out_s=t_back - t_fail,
-                                 restart_s=t_catch - t_fail, catchup_s=t_back - t_catch,
-                                 stall_s=lost / others, window_s=span / others, random_kill=random_kill))
+        costs.append(
+            FailureCost(
+                replica=r,
+                t_fail_s=t_fail - t_warm,
+                out_s=t_back - t_fail,
+                restart_s=t_catch - t_fail,
+                catchup_s=t_back - t_catch,
+                stall_s=lost / others,
+                window_s=span / others,
+                random_kill=random_kill,
+            )
+        )
     return costs, windows, ignored
 
 
@@ -277,8 +325,13 @@ def predict(run_dir: str | Path, costs_from: str | Path | None = None) -> dict[s
     times = replay_times(target.failures, costs.mean("out_s"))
     with tempfile.TemporaryDirectory(prefix="ftjax-sim-") as tmp:
         trace = str(Path(tmp) / "trace.csv")
-        write_trace(trace, [Failure(t / 60, f.replica * target.gpus_per_replica, target.gpus_per_replica, False)
-                            for t, f in zip(times, target.failures)])
+        write_trace(
+            trace,
+            [
+                Failure(t / 60, f.replica * target.gpus_per_replica, target.gpus_per_replica, False)
+                for t, f in zip(times, target.failures)
+            ],
+        )
         inputs = sim_inputs(target, costs, trace)
         result = simulate(SimConfig.model_validate(inputs), ["ft-hsdp"])["ft-hsdp"]
     inputs["failure_trace"] = [[round(t, 3), f.replica] for t, f in zip(times, target.failures)]
@@ -292,16 +345,22 @@ def predict(run_dir: str | Path, costs_from: str | Path | None = None) -> dict[s
         "predicted_window_s": round(result.time_to_train_h * 3600, 3) if result.time_to_train_h else None,
         "failures": len(target.failures),
         "costs": {
-            "step_s": round(costs.step_s, 5), "median_step_s": round(costs.median_step_s, 5),
-            "mean_step_s": round(costs.mean_step_s, 5), "pause_fraction": round(costs.pause_fraction, 4),
-            "stall_s": round(costs.mean("stall_s"), 3), "out_s": round(costs.mean("out_s"), 3),
-            "restart_s": round(costs.mean("restart_s"), 3), "catchup_s": round(costs.mean("catchup_s"), 3),
+            "step_s": round(costs.step_s, 5),
+            "median_step_s": round(costs.median_step_s, 5),
+            "mean_step_s": round(costs.mean_step_s, 5),
+            "pause_fraction": round(costs.pause_fraction, 4),
+            "stall_s": round(costs.mean("stall_s"), 3),
+            "out_s": round(costs.mean("out_s"), 3),
+            "restart_s": round(costs.mean("restart_s"), 3),
+            "catchup_s": round(costs.mean("catchup_s"), 3),
             "step_scaling": [list(p) for p in costs.step_scaling],
         },
-        "per_failure": [{k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(f).items()}
-                        for f in target.failures],
+        "per_failure": [
+            {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(f).items()} for f in target.failures
+        ],
         "breakdown": {k: round(v, 4) for k, v in result.breakdown.items() if v},
         "ignored": target.ignored,
-        "inputs": {k: v for k, v in inputs.items()
-                   if k not in NEUTRAL or k in ("train_for", "pause_fraction", "step_scaling")},
+        "inputs": {
+            k: v for k, v in inputs.items() if k not in NEUTRAL or k in ("train_for", "pause_fraction", "step_scaling")
+        },
     }

@@ -20,18 +20,18 @@ from ftjax.sim.failures import Failure, Straggle
 
 # Breakdown of GPU-time; the fractions of one run sum to 1.
 CATEGORIES = (
-    "productive",         # work that ends up in the trained model
-    "job restart",        # whole-job restarts (sync after any failure; others after a fatal one)
-    "repair wait",        # the job waits for hardware (no spare) before it can restart
-    "failure stall",      # everyone waits: detection + reconfiguration + step retry (FT strategies)
-    "rejoin stall",       # everyone waits while a repaired unit rejoins (zero for non-blocking catch-up)
-    "checkpoint",         # blocking part of checkpoint saves
-    "lost work",          # work trained since the last checkpoint, thrown away by a whole-job restart
-    "units out",          # GPUs of failed units (replicas, domains, groups) until they are back
-    "degraded",           # reduced-degree replicas' throughput below their share of live GPUs
+    "productive",  # work that ends up in the trained model
+    "job restart",  # whole-job restarts (sync after any failure; others after a fatal one)
+    "repair wait",  # the job waits for hardware (no spare) before it can restart
+    "failure stall",  # everyone waits: detection + reconfiguration + step retry (FT strategies)
+    "rejoin stall",  # everyone waits while a repaired unit rejoins (zero for non-blocking catch-up)
+    "checkpoint",  # blocking part of checkpoint saves
+    "lost work",  # work trained since the last checkpoint, thrown away by a whole-job restart
+    "units out",  # GPUs of failed units (replicas, domains, groups) until they are back
+    "degraded",  # reduced-degree replicas' throughput below their share of live GPUs
     "redundant compute",  # extra copies of data shards (redundancy, spare)
-    "straggler",          # waiting for, or leaving out, a slow replica
-    "pauses",             # failure-free pauses (--pause-fraction)
+    "straggler",  # waiting for, or leaving out, a slow replica
+    "pauses",  # failure-free pauses (--pause-fraction)
 )
 
 _EPS = 1e-9
@@ -43,7 +43,7 @@ class Rates(NamedTuple):
     useful: float
     losses: tuple[tuple[str, float], ...]
     progress: float  # work per minute
-    up: bool         # the job is training (not stalled or restarting as a whole)
+    up: bool  # the job is training (not stalled or restarting as a whole)
 
 
 class Strategy(Protocol):
@@ -71,12 +71,12 @@ class Strategy(Protocol):
 class Outcome:
     """One strategy on one failure trace."""
 
-    wall_min: float                      # time to train, or the horizon if not finished
+    wall_min: float  # time to train, or the horizon if not finished
     finished: bool
-    minutes: dict[str, float]            # GPU-time / GPUs by category; sums to wall_min
+    minutes: dict[str, float]  # GPU-time / GPUs by category; sums to wall_min
     failures: int
-    up_min: float                        # wall time during which the job trained
-    work_min: float                      # the job's failure-free duration
+    up_min: float  # wall time during which the job trained
+    work_min: float  # the job's failure-free duration
     counts: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -135,8 +135,7 @@ class _Ledger:
         return p0
 
 
-def run(strategy: Strategy, trace: Iterator[Failure | Straggle], work_min: float,
-        max_slowdown: float) -> Outcome:
+def run(strategy: Strategy, trace: Iterator[Failure | Straggle], work_min: float, max_slowdown: float) -> Outcome:
     """Advance ``strategy`` through ``trace`` until ``work_min`` of work is trained, or for
     ``max_slowdown * work_min`` minutes (then not finished)."""
     horizon = max_slowdown * work_min

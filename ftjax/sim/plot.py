@@ -18,8 +18,16 @@ def _numeric(values: list[Any]) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
 
 
-def write_sweep(path: str | Path, knob: str, values: list[Any], series: dict[str, dict[str, list[float | None]]], *,
-                title: str, reference: dict[str, float] | None = None, reference_at: float | None = None) -> None:
+def write_sweep(
+    path: str | Path,
+    knob: str,
+    values: list[Any],
+    series: dict[str, dict[str, list[float | None]]],
+    *,
+    title: str,
+    reference: dict[str, float] | None = None,
+    reference_at: float | None = None,
+) -> None:
     """Write a PNG of ETTR (left) and time-to-train ratio (right, log) vs ``knob``; ``reference``
     marks published ETTR figures at ``reference_at``."""
     fig = Figure(figsize=(12, 5), dpi=110)
@@ -33,8 +41,14 @@ def write_sweep(path: str | Path, knob: str, values: list[Any], series: dict[str
     if reference and reference_at:
         for name, value in reference.items():
             ettr_ax.plot([reference_at], [value], "k*", markersize=11)
-            ettr_ax.annotate(f"paper {name} {value:.2f}", (reference_at, value), textcoords="offset points",
-                             xytext=(-8, 8), ha="right", fontsize=8)
+            ettr_ax.annotate(
+                f"paper {name} {value:.2f}",
+                (reference_at, value),
+                textcoords="offset points",
+                xytext=(-8, 8),
+                ha="right",
+                fontsize=8,
+            )
         ettr_ax.axvline(reference_at, color="grey", linestyle=":", linewidth=1)
     log_x = numeric and min(values) > 0 and max(values) / min(values) >= 10
     for ax in (ettr_ax, ttt_ax):

@@ -120,10 +120,12 @@ SOURCES: dict[str, dict[str, str]] = {
         "mtbf_min": "FT-HSDP paper: 18 min at ~100K GPUs (2.3 interruptions / 1,000 servers / day at 32K)",
         "sync_stall_min": "FT-HSDP paper: 10 min per failure, lost work included (checkpoint_interval_min 0)",
         "ft_stall_min, replica_restart_min": "FT-HSDP paper: 3 min stall, 7 min out; measured by ftjax in "
-                                             "--preset launch / --from-run",
+        "--preset launch / --from-run",
         "restart_policy, overlap": "queue: the paper charges every failure its full cost",
         "steps, step_s": "illustrative (set the time to train only)",
-        "reduced_*": "NTP (arXiv 2504.06095): job restart per failure, packing; the curve measured by `ftjax bench reduced`",
+        "reduced_*": (
+            "NTP (arXiv 2504.06095): job restart per failure, packing; the curve measured by `ftjax bench reduced`"
+        ),
         "redundancy": "SPARe (arXiv 2603.00357): r = 2",
     },
     "spare-600k": {
@@ -135,6 +137,7 @@ SOURCES: dict[str, dict[str, str]] = {
         "restart_policy": "absorb (the README gives queue and restart too)",
     },
 }
+
 
 class PresetError(ValueError):
     """A preset's inputs could not be read (e.g. a key missing from a launch summary)."""
@@ -180,8 +183,9 @@ def launch_inputs(summary_path: str | Path) -> dict[str, Any]:
     failures = data["failures"]
     n_failures = len(failures) if isinstance(failures, list) else failures
     if isinstance(n_failures, bool) or not isinstance(n_failures, int) or n_failures < 1:
-        raise PresetError(f"{where}: 'failures' is {failures!r}: the run injected no failure, so it "
-                          "measured no failure stall")
+        raise PresetError(
+            f"{where}: 'failures' is {failures!r}: the run injected no failure, so it measured no failure stall"
+        )
     if "detection_s" in data and "quorum_s" in data:
         stall_s = _number(data, "detection_s", where) + _number(data, "quorum_s", where) + step_s
     else:

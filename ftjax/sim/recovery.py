@@ -53,15 +53,15 @@ class Recovery:
         self.units, self.unit_gpus = units, unit_gpus
         self.counts: dict[str, int] = {}
         self._stalls: deque[tuple[float, str]] = deque()  # (end time, category), in time order
-        self._restart_end = -math.inf       # end of the whole-job restart under way, if any
-        self._queued: deque[Failure] = deque()    # failures waiting for the restart to end (policy queue)
+        self._restart_end = -math.inf  # end of the whole-job restart under way, if any
+        self._queued: deque[Failure] = deque()  # failures waiting for the restart to end (policy queue)
         # checkpoints
         self.interval = checkpoints.interval(cfg.checkpoint_interval_min, cfg.checkpoint_cost_min, rollback_mtbf)
-        self._durable = 0.0                 # work saved by the last completed checkpoint
+        self._durable = 0.0  # work saved by the last completed checkpoint
         self._next_save = self.interval
-        self._saving: float | None = None   # work covered by the save in progress
+        self._saving: float | None = None  # work covered by the save in progress
         # units out
-        self._back: dict[object, float] = {}      # unit -> time it rejoins
+        self._back: dict[object, float] = {}  # unit -> time it rejoins
         self._heap: list[tuple[float, object]] = []  # (time, unit); stale entries are skipped
         # spares: hosts in the pool now, and times repaired hosts rejoin it
         self._spares = cfg.spare_hosts
@@ -277,14 +277,6 @@ class Recovery:
                 self._count("rejoins")
                 self._stall(t, self.cfg.rejoin_stall_min, "rejoin stall")
 
-    def _all_back_by(self, end: float) -> None:
-        """A whole-job restart ending at ``end`` brings back every unit whose hardware is ready by
-        then (units out only for a restart, or never repaired)."""
-        for unit, back in list(self._back.items()):
-            if back > end:
-                self._back[unit] = end
-                heapq.heappush(self._heap, (end, unit))
-
     # slow replicas
 
     def _next_slow_change(self) -> float:
@@ -306,8 +298,11 @@ class Recovery:
         already (True) or not yet (False)."""
         if not self._slow:
             return []
-        return [u for u, (_, _, seen) in self._slow.items()
-                if u not in self._back and (detected is None or seen == detected)]
+        return [
+            u
+            for u, (_, _, seen) in self._slow.items()
+            if u not in self._back and (detected is None or seen == detected)
+        ]
 
     def _lockstep(self, useful: float, losses: tuple[tuple[str, float], ...], progress: float) -> Running:
         """Everyone steps together: a slow replica slows the whole job (sync, reduced-degree)."""

@@ -27,8 +27,9 @@ def curve_at(curve: tuple[tuple[float, float], ...], f: float) -> float:
     return y0 + (y1 - y0) * (f - x0) / (x1 - x0)
 
 
-def replica_loss(missing: int, gpus: int, curve: tuple[tuple[float, float], ...], power_boost: float,
-                 min_degree: float) -> tuple[float, float, float]:
+def replica_loss(
+    missing: int, gpus: int, curve: tuple[tuple[float, float], ...], power_boost: float, min_degree: float
+) -> tuple[float, float, float]:
     """(useful, out, degraded) of one replica, as fractions of one replica's GPU-time: ``out`` is
     the share of its failed GPUs (all of it when the replica cannot run), ``degraded`` what its live
     GPUs lose below their share; a power boost can win back part of ``out``."""
@@ -54,13 +55,20 @@ def pack(missing: Iterable[int], gpus: int, replicas: int, min_degree: float) ->
     full, rest = divmod(total, per)
     packed = [per] * full + ([rest] if rest else [])
     if len(packed) > replicas:  # more failures than running replicas can hold: the rest are out whole
-        over = sum(packed[replicas - 1:])
-        packed = packed[:replicas - 1] + [min(over, gpus)]
+        over = sum(packed[replicas - 1 :])
+        packed = packed[: replicas - 1] + [min(over, gpus)]
     return packed
 
 
-def job_rates(missing: dict[int, int], gpus: int, replicas: int, curve: tuple[tuple[float, float], ...],
-              power_boost: float, min_degree: float, packing: bool) -> tuple[float, float, float]:
+def job_rates(
+    missing: dict[int, int],
+    gpus: int,
+    replicas: int,
+    curve: tuple[tuple[float, float], ...],
+    power_boost: float,
+    min_degree: float,
+    packing: bool,
+) -> tuple[float, float, float]:
     """(useful, out, degraded) of the job, fractions of its GPU-time, given the failed GPUs of each
     replica that has any (``missing``: replica -> count)."""
     counts = pack(missing.values(), gpus, replicas, min_degree) if packing else list(missing.values())

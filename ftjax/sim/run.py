@@ -26,21 +26,21 @@ class StrategyResult:
     """One strategy, averaged over seeds."""
 
     name: str
-    ettr: float                       # mean over seeds of productive GPU-time / total GPU-time
-    ettr_std: float                   # standard deviation over seeds
-    ettr_analytic: float | None       # closed form where one is exact (ftjax.sim.closed_form)
-    availability: float               # mean fraction of wall time the job trained (not stalled or restarting)
-    ttt_ratio: float                  # mean time to train / failure-free time (a lower bound if not finished)
-    effective_mtbf_min: float         # wall time per interruption (failures that stalled or restarted the job)
-    data_trained: float | None        # mean fraction of the planned batches in the model (None if not finished)
-    time_to_train_h: float | None     # mean wall time for cfg.steps; None if a seed did not finish
-    finished: int                     # seeds that trained every step within the horizon
+    ettr: float  # mean over seeds of productive GPU-time / total GPU-time
+    ettr_std: float  # standard deviation over seeds
+    ettr_analytic: float | None  # closed form where one is exact (ftjax.sim.closed_form)
+    availability: float  # mean fraction of wall time the job trained (not stalled or restarting)
+    ttt_ratio: float  # mean time to train / failure-free time (a lower bound if not finished)
+    effective_mtbf_min: float  # wall time per interruption (failures that stalled or restarted the job)
+    data_trained: float | None  # mean fraction of the planned batches in the model (None if not finished)
+    time_to_train_h: float | None  # mean wall time for cfg.steps; None if a seed did not finish
+    finished: int  # seeds that trained every step within the horizon
     seeds: int
-    failures: float                   # mean failures per seed during the job
-    breakdown: dict[str, float]       # mean fraction of GPU-time per category; sums to 1
+    failures: float  # mean failures per seed during the job
+    breakdown: dict[str, float]  # mean fraction of GPU-time per category; sums to 1
     counts: dict[str, float] = field(default_factory=dict)  # mean per seed, by cause
     checkpoint_interval_min: float | None = None  # the interval used (None: no checkpoints)
-    note: str | None = None           # why a seed did not finish, when it is known
+    note: str | None = None  # why a seed did not finish, when it is known
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,8 +69,10 @@ def _note(cfg: SimConfig, name: str, outcomes: list[Outcome]) -> str | None:
     if name == "sync" and cfg.restart_policy == "queue" and load >= 1:
         return f"restart {cfg.job_restart_min():.3g} min >= MTBF {cfg.mtbf_min:.3g} min: queued restarts never end"
     if name == "sync" and cfg.restart_policy == "restart" and load > 3:
-        return (f"restart {cfg.job_restart_min():.3g} min = {load:.3g} x MTBF: a restart completes once in "
-                f"~e^{load:.3g} tries")
+        return (
+            f"restart {cfg.job_restart_min():.3g} min = {load:.3g} x MTBF: a restart completes once in "
+            f"~e^{load:.3g} tries"
+        )
     return f"not done after --max-slowdown {cfg.max_slowdown:g} x its failure-free time"
 
 
@@ -159,12 +161,14 @@ def at_value(cfg: SimConfig, knob: str, value: Any) -> SimConfig:
     return cfg.with_values(**{knob: value})
 
 
-def sweep(cfg: SimConfig, knob: str, values: list[Any],
-          strategies: Iterable[str] = tuple(STRATEGIES)) -> dict[str, dict[str, list[float | None]]]:
+def sweep(
+    cfg: SimConfig, knob: str, values: list[Any], strategies: Iterable[str] = tuple(STRATEGIES)
+) -> dict[str, dict[str, list[float | None]]]:
     """``{"ettr": {strategy: [...]}, "ttt_ratio": {...}, "availability": {...}}`` at each value."""
     names = list(strategies)
-    out: dict[str, dict[str, list[float | None]]] = {m: {n: [] for n in names}
-                                                     for m in ("ettr", "ttt_ratio", "availability")}
+    out: dict[str, dict[str, list[float | None]]] = {
+        m: {n: [] for n in names} for m in ("ettr", "ttt_ratio", "availability")
+    }
     for value in values:
         for name, res in simulate(at_value(cfg, knob, value), names).items():
             out["ettr"][name].append(res.ettr)

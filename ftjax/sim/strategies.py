@@ -101,8 +101,11 @@ class FtHsdp(_Groups):
         steps = self.cfg.train_for == "steps" and self.cfg.global_batch == "elastic"
         if not self._slow:
             live = 1.0 - out
-            return live, (("units out", out),), ((1.0 / self.cfg.step_ratio(live) if live > 0 else 0.0)
-                                                 if steps else live)
+            return (
+                live,
+                (("units out", out),),
+                ((1.0 / self.cfg.step_ratio(live) if live > 0 else 0.0) if steps else live),
+            )
         left_out = len(self._slow_units(detected=True)) / self.units
         live = 1.0 - out - left_out
         s = self.cfg.straggler_slowdown if self._slow_units(detected=False) else 1.0
@@ -192,7 +195,7 @@ class ReducedDegree(Recovery):
     def __init__(self, cfg: SimConfig) -> None:
         restarts = cfg.reduced_recovery == "job-restart"
         super().__init__(cfg, cfg.hosts, cfg.blast_gpus, rollback_mtbf=cfg.mtbf_min if restarts else math.inf)
-        self._missing: dict[int, int] = {}    # replica -> failed GPUs
+        self._missing: dict[int, int] = {}  # replica -> failed GPUs
         self._counted: set[object] = set()
 
     def _apply(self, t: float, failure: Failure, work: float, during_restart: bool) -> float:
@@ -246,11 +249,11 @@ class ReducedDegree(Recovery):
 
     def _running(self) -> Running:
         c = self.cfg
-        useful, out, degraded = reduced.job_rates(self._missing, c.gpus_per_replica, c.replicas, c.reduced_curve,
-                                                  c.power_boost, c.min_degree, c.packing)
+        useful, out, degraded = reduced.job_rates(
+            self._missing, c.gpus_per_replica, c.replicas, c.reduced_curve, c.power_boost, c.min_degree, c.packing
+        )
         progress = (1.0 if useful > 0 else 0.0) if c.train_for == "steps" else useful
         return self._lockstep(useful, (("units out", out), ("degraded", degraded)), progress)
 
 
-STRATEGIES: dict[str, type[Recovery]] = {
-    s.name: s for s in (Sync, FtHsdp, ReducedDegree, Replication, Spare)}
+STRATEGIES: dict[str, type[Recovery]] = {s.name: s for s in (Sync, FtHsdp, ReducedDegree, Replication, Spare)}

@@ -9,8 +9,8 @@ import dataclasses
 import optax
 
 import ftjax
-from ftjax import models
-from ftjax.data import token_source
+from ftjax.program import models
+from ftjax.program.data import token_source
 
 
 def task(cfg, *, scale: float = 10.0) -> ftjax.Task:
@@ -19,12 +19,14 @@ def task(cfg, *, scale: float = 10.0) -> ftjax.Task:
         return scale * optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(axis=1)
 
     source = token_source(cfg.data.source, cfg.seed, cfg.model.seq_len, cfg.model.vocab_size)
-    return ftjax.nnx_task(lambda rngs: models.build(cfg.model, rngs), loss, source,
-                          tokens_per_example=cfg.model.seq_len)
+    return ftjax.nnx_task(
+        lambda rngs: models.build(cfg.model, rngs), loss, source, tokens_per_example=cfg.model.seq_len
+    )
 
 
 def broken_shape(cfg, **_) -> ftjax.Task:
     """A loss that returns the batch's mean instead of one loss per example."""
+
     def loss(model, tokens):
         return optax.softmax_cross_entropy_with_integer_labels(model(tokens[:, :-1]), tokens[:, 1:]).mean()
 

@@ -1,0 +1,444 @@
+"""`ftjax data prepare INPUT... --tokenizer tokenizer.json --out DIR`: tokenize a corpus once.
+
+Inputs are plain text files (one document per file; a directory or a glob stands for the files
+under it, in sorted order) and JSON Lines files (`.jsonl`, `.ndjson`: one document per line, its
+text in `--field`). The tokenizer is a local Hugging Face `tokenizer.json`; nothing is downloaded.
+Each document is followed by the EOS token. Documents are split between `train` and `heldout` by a
+hash of their index in the input (`--heldout-fraction`), so the split does not depend on anything
+but the input's order. Output: the token files of ftjax/program/tokens.py, written under a temporary name
+and renamed into place when complete, so a crashed run never leaves something that looks done.
+
+The work is spread over processes (`--workers`, default: every core) in chunks of documents
+(`--chunk-mib` of input each); results are written in input order, so the files are the same
+bytes whatever the number of workers or the chunk size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ftjax.program.tokens import SPLITS, SplitWriter, TokenFileError, token_dtype, write_index
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+DEFAULT_EOS = ("</s>", "<|endoftext|>")
+
+
+class PrepareError(ValueError):
+    """Input that cannot be prepared: the message names the file (path:line) or flag at fault."""
+
+
+# --- the input, as chunks of documents ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Documents for one worker: whole text files (one document each), or the lines of a JSONL
+    file's byte range [start, end) (both on line boundaries)."""
+
+    paths: tuple[str, ...]
+    jsonl: bool = False
+    start: int = 0
+    end: int = 0
+    nbytes: int = 0
+
+
+def list_inputs(inputs: list[str]) -> list[Path]:
+    """The files that INPUT arguments name, in order: a file; a directory's files (recursively,
+    sorted, hidden ones left out); a glob's matches (sorted)."""
+    files: list[Path] = []
+    for arg in inputs:
+        path = Path(arg)
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            files += sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
+        else:
+            matches = sorted(Path(m) for m in glob.glob(arg, recursive=True) if Path(m).is_file())
+            if not matches:
+                raise PrepareError(f"{arg}: no such file or directory, and no file matches it as a glob")
+            files += matches
+    if not files:
+        raise PrepareError(f"no input files in {' '.join(inputs)}")
+    return files
+
+
+def plan_chunks(files: list[Path], chunk_bytes: int):
+    """Chunks of about `chunk_bytes` of input each, in input order. A JSONL file is cut at line
+    ends found by seeking (the file is not read here); text files are grouped whole."""
+    group: list[Path] = []
+    size = 0
+    for path in files:
+        if path.suffix in JSONL_SUFFIXES:
+            if group:
+                yield Chunk(tuple(map(str, group)), nbytes=size)
+                group, size = [], 0
+            total = path.stat().st_size
+            with open(path, "rb") as f:
+                start = 0
+                while start < total:
+                    f.seek(start + chunk_bytes - 1)
+                    f.readline()  # to the end of the line the cut falls in
+                    end = min(f.tell(), total)
+                    yield Chunk((str(path),), jsonl=True, start=start, end=end, nbytes=end - start)
+                    start = end
+        else:
+            group.append(path)
+            size += path.stat().st_size
+            if size >= chunk_bytes:
+                yield Chunk(tuple(map(str, group)), nbytes=size)
+                group, size = [], 0
+    if group:
+        yield Chunk(tuple(map(str, group)), nbytes=size)
+
+
+# --- a worker ----------------------------------------------------------------------------------------
+
+_worker: dict = {}
+
+
+def _init_worker(tokenizer_path: str, eos_id: int, field: str) -> None:
+    # The workers are the parallelism: the tokenizer's own threads would only oversubscribe the cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer
+
+    _worker.update(tokenizer=Tokenizer.from_file(tokenizer_path), eos_id=eos_id, field=field)
+
+
+def _line_number(path: str, offset: int) -> int:
+    """The line (1-based) that starts at byte `offset` of a file: counted only for an error message."""
+    with open(path, "rb") as f:
+        return f.read(offset).count(b"\n") + 1
+
+
+def read_documents(chunk: Chunk, field: str) -> list[str]:
+    """The texts of a chunk's documents, in order (an empty document stays, as "")."""
+    if not chunk.jsonl:
+        texts = []
+        for path in chunk.paths:
+            try:
+                data = Path(path).read_bytes()
+            except OSError as e:
+                raise PrepareError(f"{path}: {e.strerror}") from None
+            try:
+                texts.append(data.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise PrepareError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        return texts
+    path = chunk.paths[0]
+    try:
+        with open(path, "rb") as f:
+            f.seek(chunk.start)
+            data = f.read(chunk.end - chunk.start)
+    except OSError as e:
+        raise PrepareError(f"{path}: {e.strerror}") from None
+    texts, pos = [], chunk.start
+    for line in data.split(b"\n"):
+        where, pos = pos, pos + len(line) + 1
+        if not line.strip():
+            continue  # (a blank line, the file's final newline: no document)
+        try:
+            record = json.loads(line)
+        except ValueError as e:  # (JSONDecodeError and UnicodeDecodeError both)
+            raise PrepareError(f"{path}:{_line_number(path, where)}: not a JSON line: {e}") from None
+        if not isinstance(record, dict):
+            raise PrepareError(
+                f"{path}:{_line_number(path, where)}: a JSON {type(record).__name__}, not an "
+                f"object with a {field!r} field"
+            )
+        if field not in record:
+            raise PrepareError(
+                f"{path}:{_line_number(path, where)}: no field {field!r} (--field; this line has "
+                f"{', '.join(map(repr, record)) or 'no fields'})"
+            )
+        if not isinstance(record[field], str):
+            raise PrepareError(
+                f"{path}:{_line_number(path, where)}: field {field!r} is a {type(record[field]).__name__}, not a string"
+            )
+        texts.append(record[field])
+    return texts
+
+
+def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, lengths) of a chunk: each document's ids followed by EOS, end to end (uint32), and
+    each document's length with its EOS (0 for an empty document, which is left out)."""
+    eos = _worker["eos_id"]
+    texts = read_documents(chunk, _worker["field"])
+    # No special tokens of the tokenizer's own (BOS, CLS): a document is its text, then EOS.
+    encodings = _worker["tokenizer"].encode_batch(texts, add_special_tokens=False)
+    ids: list[int] = []
+    lengths = np.zeros(len(texts), np.int64)
+    for k, enc in enumerate(encodings):
+        if enc.ids:
+            ids += enc.ids
+            ids.append(eos)
+            lengths[k] = len(enc.ids) + 1
+    return np.asarray(ids, np.uint32), lengths
+
+
+# --- the held-out split ------------------------------------------------------------------------------
+
+
+def heldout_mask(doc_index: np.ndarray, fraction: float) -> np.ndarray:
+    """Which documents are held out: splitmix64 of the document's index in the input, as a uniform
+    number in [0, 1), below `fraction`. A pure function of the index: any run, any worker count."""
+    z = doc_index.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)) < np.uint64(int(fraction * (1 << 53)))
+
+
+# --- the tokenizer -----------------------------------------------------------------------------------
+
+
+def load_tokenizer(path: str | Path):
+    from tokenizers import Tokenizer
+
+    if not Path(path).is_file():
+        raise PrepareError(f"--tokenizer {path}: no such file (a Hugging Face tokenizer.json)")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # (the Rust side raises plain Exception)
+        raise PrepareError(f"--tokenizer {path}: not a Hugging Face tokenizer.json: {e}") from None
+
+
+def eos_of(tokenizer, eos_token: str | None) -> tuple[str, int]:
+    """(EOS token, its id): `--eos-token`, else the first of DEFAULT_EOS the tokenizer has."""
+    for token in [eos_token] if eos_token is not None else DEFAULT_EOS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token, token_id
+    if eos_token is not None:
+        raise PrepareError(f"--eos-token {eos_token!r}: not a token of the tokenizer")
+    raise PrepareError(
+        f"the tokenizer has none of {', '.join(DEFAULT_EOS)}: name its end-of-document token with --eos-token"
+    )
+
+
+# --- the whole run -----------------------------------------------------------------------------------
+
+
+def prepare(
+    inputs: list[str],
+    tokenizer: str | Path,
+    out: str | Path,
+    *,
+    field: str = "text",
+    eos_token: str | None = None,
+    heldout_fraction: float = 0.01,
+    workers: int | None = None,
+    chunk_bytes: int = 1 << 20,
+    force: bool = False,
+    progress: bool = False,
+) -> dict:
+    """Tokenize `inputs` into token files at `out`; returns the index with `seconds` (the wall time)."""
+    t0 = time.perf_counter()
+    if not 0 <= heldout_fraction < 1:
+        raise PrepareError(f"--heldout-fraction: must be in [0, 1) (got {heldout_fraction})")
+    out = Path(out)
+    if out.exists() and not force:
+        raise PrepareError(f"--out {out}: exists (--force replaces it)")
+    tok = load_tokenizer(tokenizer)
+    eos_token, eos_id = eos_of(tok, eos_token)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    dtype = token_dtype(vocab_size)
+    files = list_inputs(inputs)
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        writers = {split: SplitWriter(tmp, split, dtype) for split in SPLITS}
+        docs, empty = _tokenize(
+            files, chunk_bytes, workers, str(tokenizer), eos_id, field, vocab_size, heldout_fraction, writers, progress
+        )
+        splits = {split: w.close() for split, w in writers.items()}
+        if splits["train"]["tokens"] == 0:
+            raise PrepareError(f"no tokens in the train split ({docs} documents, {empty} empty)")
+        index = write_index(
+            tmp,
+            {
+                "dtype": dtype.name,
+                "vocab_size": vocab_size,
+                "eos_id": eos_id,
+                "eos_token": eos_token,
+                "tokenizer": {
+                    "name": Path(tokenizer).name,
+                    "sha256": hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest(),
+                },
+                "heldout_fraction": heldout_fraction,
+                "documents": docs,
+                "empty_documents": empty,
+                "field": field if any(f.suffix in JSONL_SUFFIXES for f in files) else None,
+                "inputs": list(inputs),
+                "splits": splits,
+            },
+        )
+        _move_into_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {**index, "seconds": time.perf_counter() - t0}
+
+
+def _tokenize(files, chunk_bytes, workers, tokenizer, eos_id, field, vocab_size, fraction, writers, show):
+    """Encode every chunk in the pool and write the results in input order; (documents, empty ones)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    console = Console(stderr=True)
+    bar = Progress(
+        TextColumn("[bold]tokenize"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TextColumn("{task.fields[tokens]:,} tokens"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not (show and console.is_terminal),
+    )
+    task = bar.add_task("tokenize", total=sum(f.stat().st_size for f in files), tokens=0)
+    chunks = plan_chunks(files, chunk_bytes)
+    docs = empty = tokens = 0
+    # spawn: a worker starts clean (no copy of a parent's threads: rich's refresh, JAX in a benchmark)
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(tokenizer, eos_id, field),
+    )
+    pending: collections.deque = collections.deque()
+    try:
+        with bar:
+            while True:
+                # A bounded window of chunks in flight, taken back in order: the output's order is
+                # the input's, and memory stays a few chunks per worker however large the corpus.
+                while len(pending) < 2 * workers and (chunk := next(chunks, None)) is not None:
+                    pending.append((chunk, pool.submit(encode_chunk, chunk)))
+                if not pending:
+                    break
+                chunk, future = pending.popleft()
+                ids, lengths = future.result()
+                if len(ids) and int(ids.max()) >= vocab_size:
+                    raise PrepareError(
+                        f"{chunk.paths[0]}: the tokenizer produced id {int(ids.max())}, outside its "
+                        f"vocabulary of {vocab_size}"
+                    )
+                held = heldout_mask(np.arange(docs, docs + len(lengths)), fraction)
+                rows = np.repeat(held, lengths)
+                for split, keep, take in (("train", ~held, ~rows), ("heldout", held, rows)):
+                    kept = lengths[keep & (lengths > 0)]
+                    if len(kept):
+                        writers[split].append(ids[take], kept)
+                docs, empty, tokens = docs + len(lengths), empty + int((lengths == 0).sum()), tokens + len(ids)
+                bar.update(task, advance=chunk.nbytes, tokens=tokens)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return docs, empty
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished directory to `out` (replacing an old one only once the new one is whole)."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --- the command -------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ftjax data prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, directories, globs, .jsonl files")
+    p.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
+    p.add_argument("--out", required=True, help="the token files' directory (written whole, or not at all)")
+    p.add_argument("--field", default="text", help="JSONL: the field holding a document's text (text)")
+    p.add_argument(
+        "--eos-token",
+        default=None,
+        help=f"the token after each document (default: {' or '.join(DEFAULT_EOS)}, the first the tokenizer has)",
+    )
+    p.add_argument(
+        "--heldout-fraction",
+        type=float,
+        default=0.01,
+        help="fraction of the documents in the heldout split, chosen by a hash of their index (0.01)",
+    )
+    p.add_argument("--workers", type=int, default=None, help="processes (default: this machine's cores)")
+    p.add_argument("--chunk-mib", type=float, default=1.0, help="input per work item, MiB (1)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """`ftjax data SUBCOMMAND`: only `prepare` for now."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: ftjax data prepare INPUT... --tokenizer tokenizer.json --out DIR\n\n"
+            "  prepare      tokenize a corpus once into token files (`ftjax data prepare --help`)"
+        )
+        return 0 if argv else 2
+    if argv[0] != "prepare":
+        print(f"ftjax data: unknown subcommand {argv[0]!r} (prepare)", file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(argv[1:])
+    if args.workers is not None and args.workers < 1:
+        print(f"ftjax data prepare: error: --workers: must be >= 1 (got {args.workers})", file=sys.stderr)
+        return 2
+    if not args.chunk_mib > 0:
+        print(f"ftjax data prepare: error: --chunk-mib: must be > 0 (got {args.chunk_mib})", file=sys.stderr)
+        return 2
+    try:
+        index = prepare(
+            args.inputs,
+            args.tokenizer,
+            args.out,
+            field=args.field,
+            eos_token=args.eos_token,
+            heldout_fraction=args.heldout_fraction,
+            workers=args.workers,
+            chunk_bytes=max(1, int(args.chunk_mib * (1 << 20))),
+            force=args.force,
+            progress=True,
+        )
+    except (PrepareError, TokenFileError) as e:
+        print(f"ftjax data prepare: error: {e}", file=sys.stderr)
+        return 2
+    train, held = index["splits"]["train"], index["splits"]["heldout"]
+    total = train["tokens"] + held["tokens"]
+    print(
+        f"ftjax data prepare: {args.out}: {index['documents']:,} documents, {total:,} tokens ({index['dtype']}, "
+        f"EOS {index['eos_token']!r} = {index['eos_id']}); train {train['documents']:,} documents / "
+        f"{train['tokens']:,} tokens, heldout {held['documents']:,} / {held['tokens']:,}; "
+        f"{total / index['seconds']:,.0f} tokens/s; fingerprint {index['fingerprint']}"
+    )
+    return 0

@@ -1,0 +1,96 @@
+"""The built-in tasks, and the task of a config.
+
+`language_model` is a task like any user's: the config's `model:` section builds a Flax NNX model
+(ftjax/models: the GPT-2-style byte model, or the token MLP), `data.source` names the source, and
+the loss is each sequence's mean next-token cross-entropy. A config without `task:` trains it.
+`token_lm` is the same model and loss on a tokenized corpus (`ftjax data prepare`, ftjax/program/tokens.py).
+"""
+
+from __future__ import annotations
+
+import optax
+
+from ftjax.program.task import Task, TaskError, batch_rows, load_task, nnx_task, normalize_loss
+
+BUILTIN = "ftjax.program.tasks:language_model"
+
+_loaded: dict[str, Task] = {}
+
+
+def _lm_task(cfg, source, name: str) -> Task:
+    """Next-token prediction on `source`'s int32[seq_len + 1] token windows with the model of `cfg.model`."""
+    from ftjax.program import models
+
+    def loss(model, tokens):
+        logits = model(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(axis=1)
+
+    return nnx_task(
+        lambda rngs: models.build(cfg.model, rngs), loss, source, name=name, tokens_per_example=cfg.model.seq_len
+    )
+
+
+def language_model(cfg) -> Task:
+    """The model of `cfg.model` on the built-in source of `data.source` (stdlib bytes, synthetic)."""
+    from ftjax.program.data import token_source
+
+    return _lm_task(cfg, token_source(cfg.data.source, cfg.seed, cfg.model.seq_len, cfg.model.vocab_size), BUILTIN)
+
+
+def token_lm(cfg, *, dir: str, split: str = "train") -> Task:
+    """The model of `cfg.model` on token files (`ftjax data prepare --out DIR`): windows of
+    seq_len + 1 tokens of `split`, memory-mapped. `model.vocab_size` must hold the files' vocabulary
+    (it may be larger: a vocabulary padded to a round size)."""
+    from ftjax.program.tokens import SPLITS, TokenFileError, TokenWindows
+
+    name = "ftjax.program.tasks:token_lm"
+    if split not in SPLITS:
+        raise TaskError(f"task {name}: task_args.split: {split!r} is not one of {', '.join(SPLITS)}")
+    try:
+        source = TokenWindows(dir, split, cfg.model.seq_len + 1)
+    except TokenFileError as e:
+        raise TaskError(f"task {name}: task_args.dir: {e}") from None
+    if cfg.model.vocab_size < source.vocab_size:
+        raise TaskError(
+            f"task {name}: model.vocab_size ({cfg.model.vocab_size}) is smaller than the token files' "
+            f"vocabulary ({source.vocab_size}, {source.directory}/index.json): set "
+            f"model.vocab_size={source.vocab_size} or more"
+        )
+    if len(source) == 0:
+        raise TaskError(
+            f"task {name}: split {split!r} of {dir} has {len(source.tokens)} tokens, fewer than one "
+            f"window of model.seq_len + 1 = {source.window}"
+        )
+    return _lm_task(cfg, source, name)
+
+
+def task_of(cfg) -> Task:
+    """The config's task (`task:`, else the built-in language model), loaded once per config."""
+    key = cfg.model_dump_json()
+    if key not in _loaded:
+        _loaded[key] = load_task(cfg.task or BUILTIN, cfg, cfg.task_args, cfg.task_path)
+    return _loaded[key]
+
+
+def check_task(cfg) -> Task:
+    """Load the config's task and run its loss once on a batch (shapes only, nothing computed):
+    a task that does not import, a source whose examples do not batch, a loss of the wrong shape
+    fail here, named, before the process joins a job."""
+    import jax
+
+    task = task_of(cfg)
+    batch = task.example_batch(min(cfg.data.batch_size, 2))
+    try:
+        params, state = jax.eval_shape(task.init, jax.random.key(0))
+        rows = batch_rows(batch)
+        jax.eval_shape(
+            lambda *a: normalize_loss(task.loss(*a)[:2], rows, task.name), params, state, batch, jax.random.key(0)
+        )
+    except TaskError:
+        raise
+    except Exception as e:
+        raise TaskError(
+            f"task {task.name}: its init or loss failed on a batch of the source's first examples: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    return task

@@ -1,0 +1,189 @@
+"""Token files: a tokenized corpus on disk, read through a memory map (docs/design.md, "Token files").
+
+`ftjax data prepare` (ftjax/cli/prepare.py) writes a directory:
+
+    DIR/index.json            what the files hold (below); its `fingerprint` names their content
+    DIR/train/tokens.bin      every token of the split, documents end to end, each followed by EOS
+    DIR/train/offsets.npy     int64[documents + 1]: where each document starts, then the token count
+    DIR/heldout/...           the same for the held-out documents
+
+Tokens are uint16 when the vocabulary fits, else uint32, little-endian, no header: a flat array any
+tool can map. Reading maps the file (`np.memmap`), so a replica touches only the pages of the rows
+it trains, and a corpus of many GiB costs no RAM up front.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "ftjax-tokens-v1"
+INDEX = "index.json"
+SPLITS = ("train", "heldout")
+TOKENS = "tokens.bin"
+OFFSETS = "offsets.npy"
+
+
+class TokenFileError(ValueError):
+    """Token files that cannot be read: the message names the file (and the key) at fault."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned type that holds every id of a vocabulary: uint16, else uint32."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def _dtype(directory: Path, index: dict) -> np.dtype:
+    if index["dtype"] not in ("uint16", "uint32"):
+        raise TokenFileError(f"{directory / INDEX}: dtype: expected uint16 or uint32, got {index['dtype']!r}")
+    return np.dtype(index["dtype"]).newbyteorder("<")  # (the files are little-endian on any machine)
+
+
+def read_index(directory: str | Path) -> dict:
+    """DIR/index.json, checked for what a reader needs."""
+    path = Path(directory) / INDEX
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TokenFileError(
+            f"{path}: no such file (is {directory} a directory written by `ftjax data prepare`?)"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise TokenFileError(f"{path}: not readable JSON: {e}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise TokenFileError(
+            f"{path}: format: expected {FORMAT!r}, got {index.get('format') if isinstance(index, dict) else index!r}"
+        )
+    for key in ("dtype", "vocab_size", "eos_id", "fingerprint", "splits"):
+        if key not in index:
+            raise TokenFileError(f"{path}: {key}: missing")
+    return index
+
+
+def _split_info(directory: Path, index: dict, split: str) -> dict:
+    info = index["splits"].get(split)
+    if info is None:
+        raise TokenFileError(f"{directory / INDEX}: splits: no split {split!r} (has {sorted(index['splits'])})")
+    return info
+
+
+def open_tokens(directory: str | Path, split: str, index: dict | None = None) -> np.ndarray:
+    """The tokens of one split, memory-mapped read-only (nothing is read until it is indexed)."""
+    directory = Path(directory)
+    index = index if index is not None else read_index(directory)
+    info, dtype = _split_info(directory, index, split), _dtype(directory, index)
+    path = directory / split / TOKENS
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise TokenFileError(f"{path}: no such file") from None
+    if size != info["tokens"] * dtype.itemsize:
+        raise TokenFileError(
+            f"{path}: {size} bytes, but {INDEX} says {info['tokens']} tokens of {dtype} "
+            f"({info['tokens'] * dtype.itemsize} bytes): truncated or not this index's file"
+        )
+    if size == 0:  # (mmap cannot map an empty file)
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+class TokenWindows:
+    """Random-access source of non-overlapping `window`-token windows of one split (int32 arrays).
+
+    Window i is tokens [i * window, (i + 1) * window): documents run across windows, separated by
+    EOS (the tail shorter than a window is left out). Only the indexed window is read from disk,
+    and pickling (a grain worker, a copy of the task) reopens the map instead of copying tokens.
+    """
+
+    def __init__(self, directory: str | Path, split: str = "train", window: int = 65):
+        if window < 1:
+            raise TokenFileError(f"window: must be >= 1 (got {window})")
+        self.directory, self.split, self.window = Path(directory), split, int(window)
+        self.index = read_index(self.directory)
+        self.vocab_size = int(self.index["vocab_size"])
+        self.tokens = open_tokens(self.directory, split, self.index)
+        self.n = len(self.tokens) // self.window
+        # Same content, split and window: same examples, whatever the directory is called.
+        self.fingerprint = f"{self.index['fingerprint']}-{split}-w{self.window}"
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        i = int(i)
+        if not 0 <= i < self.n:
+            raise IndexError(f"window {i} out of range: {self.split} has {self.n} windows of {self.window} tokens")
+        return np.asarray(self.tokens[i * self.window : (i + 1) * self.window], dtype=np.int32)
+
+    def __getstate__(self) -> dict:
+        return {"directory": self.directory, "split": self.split, "window": self.window}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["directory"], state["split"], state["window"])
+
+
+# --- writing (ftjax/cli/prepare.py) ---------------------------------------------------------------------
+
+
+class SplitWriter:
+    """Appends documents (tokens already followed by EOS) to one split's files, hashing as it goes."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype):
+        self.path = directory / split
+        self.path.mkdir(parents=True)
+        self.dtype = dtype
+        self._file = open(self.path / TOKENS, "wb")
+        self._sha = hashlib.sha256()
+        self._lengths: list[np.ndarray] = []
+        self.tokens = 0
+
+    def append(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Documents whose tokens are `tokens`, `lengths[k]` tokens each, in order."""
+        data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
+        self._file.write(data)
+        self._sha.update(data)
+        self._lengths.append(np.asarray(lengths, np.int64))
+        self.tokens += len(tokens)
+
+    def close(self) -> dict:
+        """Write the offsets; this split's entry of the index. Both files are on disk when it returns
+        (fsync: the directory is renamed into place next, and must not look finished before it is)."""
+        _sync_close(self._file)
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        with open(self.path / OFFSETS, "wb") as f:
+            np.save(f, offsets)
+            _sync_close(f)
+        return {
+            "tokens": self.tokens,
+            "documents": len(lengths),
+            "sha256": self._sha.hexdigest(),
+            "offsets_sha256": hashlib.sha256(offsets.tobytes()).hexdigest(),
+        }
+
+
+def _sync_close(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+
+
+def content_fingerprint(index: dict) -> str:
+    """A hash of what the files hold (the splits' token and offset hashes, dtype, vocabulary, EOS,
+    tokenizer): equal for equal content, whichever path or machine wrote it."""
+    content = {k: index[k] for k in ("dtype", "vocab_size", "eos_id", "splits")}
+    content["tokenizer_sha256"] = index["tokenizer"]["sha256"]  # (not its file name)
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def write_index(directory: Path, index: dict) -> dict:
+    """Write DIR/index.json with its fingerprint (sorted keys, no times: the same run, the same bytes)."""
+    index = {**index, "format": FORMAT, "fingerprint": content_fingerprint(index)}
+    with open(directory / INDEX, "w") as f:
+        f.write(json.dumps(index, indent=1, sort_keys=True) + "\n")
+        _sync_close(f)
+    return index

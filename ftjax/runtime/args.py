@@ -1,0 +1,141 @@
+"""A replica process's command line: what `ftjax train` takes and what `ftjax launch` (and
+`ftjax launch --entry SCRIPT`) passes to each replica process, parsed into a validated config.
+
+It lives below the CLI because three parties read it: `ftjax train`, a script's
+`FaultTolerance.join` (`RunArgs.parse`), and the launcher (`init_from_override`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from ftjax.base import net
+from ftjax.base.net import split_address
+from ftjax.config import Config, ConfigError, load_config
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """`ftjax train`'s parser (``description``: its --help text)."""
+    p = argparse.ArgumentParser(
+        prog="ftjax train", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("config", help="YAML config: a path, or a built-in name (tiny, gpt_small)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. steps=30 model.d_model=128")
+    p.add_argument("--out", default=None, help="run directory (default: runs/<config name>)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest durable checkpoint")
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start from the parameters of this orbax checkpoint instead of the seed's (sets "
+        "checkpoint.init_from; checkpoint.init_opt=true takes its optimizer state too)",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop (with a checkpoint) once N steps are done, as if interrupted",
+    )
+    p.add_argument("--num-processes", type=int, default=None, help="hosts in this replica (sets mesh.hosts)")
+    p.add_argument("--process-id", type=int, default=0, help="this process's rank within the replica")
+    p.add_argument(
+        "--dist-address",
+        default=None,
+        help="HOST:PORT of the replica's jax.distributed service (process 0 serves it, bound to "
+        "net.bind_host; every process dials HOST)",
+    )
+    p.add_argument("--replica-id", type=int, default=0, help="this replica's index in the job (0-based)")
+    p.add_argument("--coordinator", default=None, help="HOST:PORT of the job's coordinator (joins a job)")
+    p.add_argument(
+        "--die-at",
+        default=None,
+        metavar="STEP:PHASE",
+        help="fault injection: SIGKILL this process at that step and phase (forward|ftar|commit|catchup)",
+    )
+    p.add_argument(
+        "--hang-at",
+        default=None,
+        metavar="STEP:PHASE",
+        help="fault injection: block the training thread forever at that step and phase",
+    )
+    p.add_argument(
+        "--flip-bit-at",
+        default=None,
+        metavar="STEP",
+        help="fault injection: flip one bit of one parameter after applying that step (a silent "
+        "divergence, which the coordinator detects from the digests and heals)",
+    )
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="when stdout is not a terminal (a file, a pipe), print a plain line every N steps "
+        "(default: about 20 lines per run), besides one per event and the end of the run",
+    )
+    return p
+
+
+def parse_config(args: argparse.Namespace) -> Config:
+    overrides = list(args.overrides)
+    if args.num_processes is not None:
+        if args.num_processes < 1:
+            raise ConfigError(f"--num-processes: must be >= 1 (got {args.num_processes})")
+        overrides.append(f"mesh.hosts={args.num_processes}")
+    init_from = getattr(args, "init_from", None)  # (the sync baseline's parser has no --init-from)
+    if init_from is not None:
+        overrides.append(init_from_override(init_from))
+    cfg = load_config(args.config, overrides)
+    for flag, value in (("--dist-address", args.dist_address), ("--coordinator", args.coordinator)):
+        if value:
+            try:
+                split_address(value)
+            except ValueError as e:
+                raise ConfigError(f"{flag}: {e} (an IPv6 host goes in brackets: [fd00::1]:29400)") from None
+    if cfg.mesh.live > 1 and not args.dist_address:
+        raise ConfigError(f"mesh.hosts={cfg.mesh.live} needs --dist-address HOST:PORT for the replica's processes")
+    if not 0 <= args.process_id < cfg.mesh.live:  # a reduced-degree replica runs on mesh.live_hosts
+        raise ConfigError(f"--process-id: {args.process_id} is not in [0, {cfg.mesh.live})")
+    if args.log_every is not None and args.log_every < 1:
+        raise ConfigError(f"--log-every: must be >= 1 (got {args.log_every})")
+    if not 0 <= args.replica_id < cfg.ft.replicas:
+        raise ConfigError(f"--replica-id: {args.replica_id} is not in [0, ft.replicas={cfg.ft.replicas})")
+    return cfg
+
+
+def init_from_override(directory: str) -> str:
+    """The override that `--init-from DIR` stands for: the absolute path (the job identity records
+    it, and a launcher's replicas may start elsewhere), quoted (a path is a string, whatever YAML
+    would make of it). An empty one stays empty, for the config to refuse (not the current directory)."""
+    return f"checkpoint.init_from={json.dumps(str(Path(directory).absolute()) if directory else directory)}"
+
+
+def dist_bind_address(cfg: Config, dist_address: str) -> str:
+    """Where process 0 binds the replica's jax.distributed service: `net.bind_host` (or
+    $FTJAX_BIND_HOST), else all interfaces, or the loopback address that `dist_address` names."""
+    host, port = split_address(dist_address)
+    env = {net.BIND_ENV: os.environ.get(net.BIND_ENV, "")}  # (what this process advertises is beside the point)
+    addrs = net.choose(advertise_host=host, bind_host=cfg.net.bind_host, environ=env)
+    return net.grpc_bind(addrs.bind, port)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How this process runs, beside the config (`ftjax train`'s flags; `ftjax.fit`'s arguments)."""
+
+    replica_id: int = 0
+    coordinator: str | None = None  # HOST:PORT: join that job; None: train standalone
+    resume: bool = False  # standalone: continue from the latest durable checkpoint
+    stop_after: int | None = None  # standalone: stop (with a checkpoint) after N steps
+    die_at: str | None = None  # fault injection (ftjax/runtime/faults.py)
+    hang_at: str | None = None
+    flip_bit_at: str | None = None
+    log_every: int | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RunOptions:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

@@ -1,0 +1,386 @@
+"""Durable checkpoints with orbax's CheckpointManager: async, every N steps, keep K.
+
+A checkpoint holds the train state (restored into the current mesh's shardings, so a job may come
+back on another device count) and a small JSON record: the step and the replica's data stream
+position, which make `--resume` continue the exact batch sequence, and the identity of the job that
+wrote it (:func:`job_identity`). A checkpoint is restored only into the same job: another one's (an
+earlier run in the same directory with another seed, corpus, model or optimizer) raises
+:class:`CheckpointMismatch` instead of being trained on silently.
+
+Each finished checkpoint is sealed with the size and SHA-256 of every file it holds (CHECKSUMS in the
+step's directory; orbax records no checksum of the array data), written once orbax has committed the
+step. A restore verifies them first: a flipped, truncated or missing file, or a
+checkpoint whose save never finished (no CHECKSUMS), raises :class:`CorruptCheckpoint` naming the step
+and the file, and :meth:`DurableCheckpoints.restore_intact` falls back to the newest intact one.
+
+The layout is plain orbax, readable without ftjax (docs/design.md, "Checkpoint layout"): each
+checkpoint's meta records `params_digest`, which a program with only jax and orbax can recompute.
+:func:`load_init` reads the other way: a run may start from a plain orbax checkpoint of the user's
+parameters (`checkpoint.init_from`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from ftjax.program.digest import params_digest
+
+CHECKSUMS = "ftjax_checksums.json"  # in each step's directory: {relative path: [size, sha256]}
+
+
+class CheckpointError(ValueError):
+    """A durable checkpoint cannot be used (the message says why and what to do)."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """The checkpoint was written by another job (or by one that did not record its identity)."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint's files differ from the checksums recorded when it was saved (or it has none)."""
+
+    def __init__(self, step: int, file: str, problem: str):
+        super().__init__(f"checkpoint step {step} is corrupt or incomplete: {file}: {problem}")
+        self.step, self.file, self.problem = step, file, problem
+        self.moved_to: Path | None = None  # where restore_intact put it aside
+
+
+class NoIntactCheckpoint(CheckpointError):
+    """Every checkpoint in the directory is corrupt or incomplete."""
+
+
+class InitCheckpointError(CheckpointError):
+    """`checkpoint.init_from` cannot start this run: not a checkpoint, or not of this model (the
+    message names every leaf at fault)."""
+
+
+def _checksums(step_dir: Path) -> dict[str, list]:
+    out = {}
+    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS):
+        with open(path, "rb") as f:
+            out[str(path.relative_to(step_dir))] = [path.stat().st_size, hashlib.file_digest(f, "sha256").hexdigest()]
+    return out
+
+
+def seal(step_dir: Path) -> None:
+    """Record the checksums of a committed checkpoint's files (written to a temporary name and
+    renamed, so that a crash leaves no half-written record)."""
+    tmp = step_dir / (CHECKSUMS + ".tmp")
+    tmp.write_text(json.dumps(_checksums(step_dir)))
+    tmp.rename(step_dir / CHECKSUMS)
+
+
+def verify(step_dir: Path, step: int) -> None:
+    """Raise CorruptCheckpoint naming the first file that differs from the checkpoint's seal."""
+    try:
+        text = (step_dir / CHECKSUMS).read_text()
+    except FileNotFoundError:
+        raise CorruptCheckpoint(
+            step, str(step_dir / CHECKSUMS), "missing: the save did not finish (or the checkpoint predates checksums)"
+        ) from None
+    try:
+        recorded = {str(name): (int(size), str(digest)) for name, (size, digest) in json.loads(text).items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CorruptCheckpoint(step, str(step_dir / CHECKSUMS), f"unreadable ({e})") from None
+    for name, (size, digest) in recorded.items():
+        path = step_dir / name
+        if not path.is_file():
+            raise CorruptCheckpoint(step, str(path), "missing")
+        if path.stat().st_size != size:
+            raise CorruptCheckpoint(step, str(path), f"{path.stat().st_size} bytes, {size} when saved")
+        with open(path, "rb") as f:
+            if hashlib.file_digest(f, "sha256").hexdigest() != digest:
+                raise CorruptCheckpoint(step, str(path), "content differs from its checksum")
+
+
+class _SealingManager(ocp.CheckpointManager):
+    """Seals each checkpoint once orbax has committed it: `_finalize_checkpoint` runs after the
+    step's files are final, on the save's finalize thread (async) or in `save` (sync). A private
+    hook; tests/test_checkpoint_integrity.py fails if an orbax upgrade stops calling it."""
+
+    def _finalize_checkpoint(self, step: int):
+        super()._finalize_checkpoint(step)
+        step_dir = Path(self.directory) / str(step)
+        if jax.process_index() == 0 and step_dir.is_dir() and not (step_dir / CHECKSUMS).exists():
+            seal(step_dir)
+
+
+def params_structure(params: Any) -> str:
+    """A short hash of a parameter tree's paths, shapes and dtypes (not its sharding: a checkpoint may
+    be restored onto another mesh)."""
+    rows = [
+        f"{jax.tree_util.keystr(p)}:{tuple(x.shape)}:{x.dtype}"
+        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+
+
+def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, Any]:
+    """What makes a checkpoint this job's: every setting that changes the numbers of the run, as a
+    flat {"section.field": value} record (JSON scalars, so that it survives the meta's round trip).
+
+    In: `seed` (initial parameters and the data shuffle); the data (`data.source`, the corpus's
+    content fingerprint `data.fingerprint`, `data.batch_size`, and `ft.replicas`, which splits the
+    stream among replicas: the stream position of a checkpoint means other batches under another
+    split); the whole `model` section (the architecture; a shape change would otherwise surface as an
+    orbax shape error); the whole `optim` section (learning rate and its schedule, AdamW, clipping)
+    and `ft.lr_scaling`. Whole sections, so that a field added to them later is checked by default.
+    The task: its import path and arguments (`task`, `task_args`), and the structure of its parameter
+    tree (`params` given: paths, shapes, dtypes).
+
+    The run's starting point when it is not the seed's (`checkpoint.init_from`, `checkpoint.init_opt`).
+
+    Out, because the same job may change them between restarts: `steps` (a run may be extended; with
+    no `optim.decay_steps` the cosine decay then stretches from the resume on, which is what extending
+    means), the mesh (a checkpoint is resharded onto another device count), the checkpoint cadence
+    and directory, logging, the coordinator and every fault-tolerance timeout or transport knob.
+    """
+    identity: dict[str, Any] = {
+        "seed": cfg.seed,
+        "data.source": cfg.data.source,
+        "data.fingerprint": data_fingerprint,
+        "data.batch_size": cfg.data.batch_size,
+        "ft.replicas": cfg.ft.replicas,
+        "ft.lr_scaling": cfg.ft.lr_scaling,
+        "task": cfg.task or "ftjax.program.tasks:language_model",
+        "task_args": json.dumps(cfg.task_args, sort_keys=True, default=str),
+    }
+    if cfg.checkpoint.init_from:
+        # The starting weights (and optimizer state) are the run's numbers like the seed's. Only
+        # when set: a job without it keeps the identity it had before the field existed, so that
+        # its older checkpoints still restore.
+        identity["checkpoint.init_from"] = cfg.checkpoint.init_from
+        identity["checkpoint.init_opt"] = cfg.checkpoint.init_opt
+    if params is not None:
+        identity["params.structure"] = params_structure(params)
+    for section in ("model", "optim"):
+        identity.update({f"{section}.{k}": v for k, v in getattr(cfg, section).model_dump().items()})
+    return identity
+
+
+class DurableCheckpoints:
+    """`identity` (see :func:`job_identity`) is saved in every checkpoint's meta and checked by
+    `restore`; without one, nothing is saved or checked (a reader that only inspects checkpoints)."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        every: int,
+        keep: int,
+        async_save: bool = True,
+        identity: dict[str, Any] | None = None,
+    ):
+        self.every = every
+        self.identity = identity
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            save_interval_steps=max(every, 1),
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self.manager = _SealingManager(Path(directory).absolute(), options=options)
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str | Path, *, data_fingerprint: str, params: Any = None) -> DurableCheckpoints:
+        """The checkpoints a run's config asks for (`checkpoint:` section; default dir RUN/checkpoints),
+        holding and accepting only this job's (`data_fingerprint`: the data stream's)."""
+        c = cfg.checkpoint
+        return cls(
+            c.dir or Path(run_dir) / "checkpoints",
+            every=c.every,
+            keep=c.keep,
+            async_save=c.async_save,
+            identity=job_identity(cfg, data_fingerprint, params),
+        )
+
+    def maybe_save(self, step: int, state: dict, meta: dict[str, Any], *, force: bool = False) -> bool:
+        """Save at multiples of `every` (or when forced). Returns whether a save started."""
+        if not force and (self.every <= 0 or step % self.every):
+            return False
+        if step == self.latest_step():  # already saved (a forced final save after a periodic one)
+            return False
+        if self.identity is not None:
+            meta = {**meta, "identity": self.identity}
+        # what a reader without ftjax can check the restored parameters against (collective)
+        meta = {**meta, "params_digest": params_digest(state)}
+        return bool(
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=force,
+            )
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def restore(self, abstract_state: dict, step: int | None = None) -> tuple[dict, dict]:
+        """(state, meta) of `step` (default: latest), placed with `abstract_state`'s shardings.
+
+        Raises CorruptCheckpoint if its files differ from their checksums, and CheckpointMismatch if
+        it is not this job's, both before reading the state."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.manager.directory}")
+        verify(Path(self.manager.directory) / str(step), step)
+        if self.identity is not None:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            self._check(step, meta)
+        out = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
+        )
+        return out["state"], dict(out["meta"])
+
+    def restore_intact(
+        self, abstract_state: dict, on_corrupt: Callable[[CorruptCheckpoint], None]
+    ) -> tuple[dict, dict]:
+        """(state, meta) of the newest checkpoint that verifies; each corrupt one newer than it is
+        passed to `on_corrupt`. Raises NoIntactCheckpoint when none verifies."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        for step in steps:
+            try:
+                return self.restore(abstract_state, step)
+            except CorruptCheckpoint as e:
+                e.moved_to = self._quarantine(step)
+                on_corrupt(e)
+        raise NoIntactCheckpoint(
+            f"no intact checkpoint in {self.manager.directory}: steps {', '.join(map(str, steps))} are all corrupt "
+            f"or incomplete (each reported above). Restore the directory from a backup, or remove it "
+            f"(rm -r {self.manager.directory}) and drop --resume to start the job afresh."
+        )
+
+    def _quarantine(self, step: int) -> Path:
+        """Move a corrupt step out of orbax's sight (kept for inspection, in DIR/corrupt/): orbax
+        would otherwise take it for the latest step, and refuse to save that step or any below it."""
+        target = Path(self.manager.directory) / "corrupt" / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
+        if jax.process_index() == 0:
+            target.parent.mkdir(exist_ok=True)
+            (Path(self.manager.directory) / str(step)).rename(target)
+        self.manager.reload()
+        return target
+
+    def _check(self, step: int, meta: dict[str, Any]) -> None:
+        where = f"checkpoint {self.manager.directory} (step {step})"
+        todo = (
+            f"Give this job another checkpoint.dir or run directory (--out), or remove the old "
+            f"checkpoints (rm -r {self.manager.directory}) to start it afresh."
+        )
+        theirs = meta.get("identity")
+        if theirs is None:
+            # Refused, not accepted with a warning: a directory of an older run is exactly the case
+            # to catch, and a warning is what went unnoticed before (the stale-run finding).
+            raise CheckpointMismatch(
+                f"{where} has no job identity (written before ftjax recorded one): "
+                f"nothing shows that it belongs to this job.\n{todo}"
+            )
+
+        def show(identity: dict[str, Any], key: str) -> str:
+            return json.dumps(identity[key]) if key in identity else "(not recorded)"
+
+        keys = [*self.identity, *(k for k in theirs if k not in self.identity)]
+        differ = [
+            f"  {k}: checkpoint {show(theirs, k)}, this job {show(self.identity, k)}"
+            for k in keys
+            if show(theirs, k) != show(self.identity, k)
+        ]
+        if differ:
+            raise CheckpointMismatch(f"{where} belongs to another job:\n" + "\n".join(differ) + f"\n{todo}")
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+# --- a run's start from a plain orbax checkpoint (checkpoint.init_from) ----------------------------
+
+
+def _leaf_name(path: tuple) -> str:
+    """A leaf's path as orbax stores it, `params/blocks/0/attn/qkv/kernel`: dict keys, sequence
+    indices and named-tuple fields alike (orbax restores named tuples, optax's states, as dicts)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _leaves(tree: Any) -> dict[str, str]:
+    """{leaf name: "dtype[shape]"} of arrays, abstract arrays or orbax's array metadata."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype, shape = getattr(leaf, "dtype", None), getattr(leaf, "shape", None)
+        out[_leaf_name(path)] = (
+            f"{np.dtype(dtype) if dtype is not None else type(leaf).__name__}"
+            f"[{','.join(map(str, shape)) if shape is not None else '?'}]"
+        )
+    return out
+
+
+def _differences(want: dict[str, str], have: dict[str, str]) -> list[str]:
+    """One line per leaf missing from `have`, extra in it, or of another dtype or shape."""
+    rows = []
+    for name in sorted(want.keys() | have.keys(), key=lambda n: (not n.startswith("params/"), n)):  # params first
+        if name not in have:
+            rows.append(f"  {name}: missing from the checkpoint (this model: {want[name]})")
+        elif name not in want:
+            rows.append(f"  {name}: in the checkpoint ({have[name]}), not in this model")
+        elif want[name] != have[name]:
+            rows.append(f"  {name}: checkpoint {have[name]}, this model {want[name]}")
+    return rows
+
+
+def load_init(directory: str | Path, abstract_state: dict, *, opt: bool) -> dict:
+    """{"params": ...} (with `opt`, and "opt": ...) of the orbax checkpoint in `directory`, placed
+    with `abstract_state`'s shardings.
+
+    `directory` was written by `orbax.checkpoint.StandardCheckpointer().save(directory, tree)`, `tree`
+    the parameter tree itself or a dict holding it under "params" (and the optimizer state under
+    "opt"): an ftjax run's RUN/checkpoints/STEP/state is one (its other entries are not read). The
+    checkpoint's metadata is compared with this model's trees before any array is read:
+    InitCheckpointError names every leaf missing, extra, or of another shape or dtype."""
+    where = f"checkpoint.init_from {directory}"
+    path = Path(directory).absolute()
+    if not path.is_dir():
+        raise InitCheckpointError(f"{where}: not a directory")
+    checkpointer = ocp.PyTreeCheckpointer()  # (reads what StandardCheckpointer wrote; restores part of it)
+    found = checkpointer.metadata(path).item_metadata  # shapes and dtypes: no array is read
+    if found is None:
+        raise InitCheckpointError(
+            f"{where}: holds no orbax pytree checkpoint (write one with orbax.checkpoint."
+            "StandardCheckpointer().save(DIR, params); of an ftjax run, give "
+            "RUN/checkpoints/STEP/state)"
+        )
+    tree = found.tree
+    params = abstract_state["params"]
+    # a dict holding "params" is the wrapped form, unless this model's own parameters have that key
+    wrapped = isinstance(tree, dict) and "params" in tree and not (isinstance(params, dict) and "params" in params)
+    have = tree if wrapped else {"params": tree}
+    want = {"params": params, **({"opt": abstract_state["opt"]} if opt else {})}
+    if opt and "opt" not in have:
+        raise InitCheckpointError(
+            f"{where}: checkpoint.init_opt asks for its optimizer state, but it holds none "
+            "(save {'params': params, 'opt': opt_state} for both)"
+        )
+    rows = _differences(_leaves(want), _leaves({k: have[k] for k in want}))
+    if rows:
+        raise InitCheckpointError(
+            f"{where} is not a checkpoint of this model: {len(rows)} leaves differ "
+            "(the model config, task or optimizer differs?):\n" + "\n".join(rows)
+        )
+    step_dir = path.parent
+    if step_dir.name.isdigit() and (step_dir / CHECKSUMS).is_file():  # an ftjax run's step: check its seal
+        verify(step_dir, int(step_dir.name))
+    item = want if wrapped else params
+    restored = checkpointer.restore(
+        path,
+        args=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=wrapped
+        ),
+    )  # (what else it holds, a step counter, an unwanted "opt", is not read)
+    return dict(restored) if wrapped else {"params": restored}

@@ -1,0 +1,181 @@
+"""Per-step metrics: `RUN_DIR/metrics.jsonl` (one JSON object per step), a rich progress line when
+attached to a terminal, plain lines on stdout when it is not one (a file, a pipe, a job's log), and
+`RUN_DIR/summary.json` at the end of a run."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from ftjax.runs.jsonl import read_jsonl
+
+LINES_PER_RUN = 20  # plain output: about this many step lines per run, besides every event
+
+
+class PlainLines:
+    """One plain line per `every` steps (and the first and last), one per event, and the end of the
+    run, flushed as written: what `ftjax train ... > log` leaves in the log."""
+
+    def __init__(self, out: IO[str], label: str, total_steps: int | None, every: int | None = None) -> None:
+        self.out, self.label, self.total = out, label, total_steps
+        self.every = every or max(1, (total_steps or 0) // LINES_PER_RUN)
+        self.t0 = time.monotonic()
+        self._last_tokens: tuple[float, int] | None = None
+        self._tokens = 0
+
+    def _print(self, text: str) -> None:
+        try:
+            self.out.write(f"[{time.monotonic() - self.t0:8.1f}s] {self.label}: {text}\n")
+            self.out.flush()
+        except (OSError, ValueError):  # a closed pipe: the log is the reader's loss, not the run's
+            pass
+
+    def step(self, r: dict[str, Any]) -> None:
+        step = r.get("step", 0)
+        self._tokens += int(r.get("tokens") or 0)
+        first = self._last_tokens is None
+        if not (first or step % self.every == 0 or step == self.total):
+            return
+        now = time.monotonic()
+        rate = ""
+        if self._last_tokens is not None and now > self._last_tokens[0]:
+            rate = f"  {(self._tokens - self._last_tokens[1]) / (now - self._last_tokens[0]):,.0f} tokens/s"
+        self._last_tokens = (now, self._tokens)
+        loss = r.get("loss")
+        parts = [
+            f"step {step}/{self.total}" if self.total else f"step {step}",
+            f"loss {loss:.4f}" if loss is not None else "no loss (healing: relays zeros)",
+            f"{r.get('step_time_s', 0) * 1e3:.0f} ms/step" + rate,
+        ]
+        if "participants" in r and r["participants"] != 1:
+            parts.append(f"quorum {r.get('contributors')}/{r['participants']} contributing")
+        if not r.get("committed", True):
+            parts.append("not committed")
+        self._print("  ".join(parts))
+
+    def event(self, kind: str, fields: dict[str, Any]) -> None:
+        shown = []
+        for k, v in fields.items():
+            if isinstance(v, (list, tuple)) and len(v) > 4:
+                v = f"[{len(v)} items]"
+            elif isinstance(v, float):
+                v = f"{v:.3g}"
+            text = str(v)
+            shown.append(f"{k}={text if len(text) <= 120 else text[:117] + '...'}")
+        self._print(f"event {kind}" + (f": {' '.join(shown)}" if shown else ""))
+
+    def end(self, summary: dict[str, Any], path: Path) -> None:
+        loss = summary.get("final_loss")
+        first = summary.get("first_loss")
+        median = summary.get("median_step_s")
+        self._print(
+            f"done: {summary.get('final_step')} steps, final loss "
+            + (f"{loss:.4f}" if loss is not None else "none")
+            + (f" (first {first:.4f})" if first is not None else "")
+            + (f", median step {median * 1e3:.0f} ms" if median else "")
+            + f"; summary in {path}"
+        )
+
+
+class MetricsLog:
+    """Only one process of a replica writes (its leader); the others pass `enabled=False`."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        enabled: bool = True,
+        filename: str = "metrics.jsonl",
+        total_steps: int | None = None,
+        label: str = "train",
+        log_every: int | None = None,
+    ):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.records: list[dict[str, Any]] = []
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # each step record, as logged
+        self._file = None
+        self._progress = None
+        self._plain: PlainLines | None = None
+        if enabled:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.run_dir / filename, "a", buffering=1)
+            if not _isatty(sys.stdout):
+                self._plain = PlainLines(sys.stdout, label, total_steps, log_every)
+            if sys.stderr.isatty():
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+                self._progress = Progress(
+                    TextColumn(f"[bold]{label}"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TextColumn("{task.fields[info]}"),
+                    TimeRemainingColumn(),
+                    transient=False,
+                )
+                self._task = self._progress.add_task(label, total=total_steps, info="")
+                self._progress.start()
+
+    def log(self, record: dict[str, Any]) -> None:
+        record = {"time": round(time.time(), 6), **record}
+        self.records.append(record)
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        for listener in self.listeners:
+            listener(record)
+        if self._plain is not None:
+            self._plain.step(record)
+        if self._progress is not None:
+            loss = record.get("loss")
+            loss = loss if loss is not None else float("nan")
+            info = f"loss {loss:.4f}  {record.get('step_time_s', 0) * 1e3:.0f} ms/step"
+            self._progress.update(self._task, completed=record.get("step", 0), info=info)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """A non-step record (restore, failure, ...): same file, `event` instead of `step`."""
+        if self.enabled:
+            self._file.write(json.dumps({"time": round(time.time(), 6), "event": kind, **fields}) + "\n")
+            if self._plain is not None:
+                self._plain.event(kind, fields)
+
+    def summary(self, **extra: Any) -> dict[str, Any]:
+        steps = [r for r in self.records if "step" in r]
+        times = [r["step_time_s"] for r in steps[1:] if "step_time_s" in r]  # step 1 compiles
+        out = {
+            "steps": len(steps),
+            "final_step": steps[-1]["step"] if steps else 0,
+            "first_loss": steps[0].get("loss") if steps else None,
+            "final_loss": steps[-1].get("loss") if steps else None,
+            "median_step_s": statistics.median(times) if times else None,
+            **extra,
+        }
+        if self.enabled:
+            (self.run_dir / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
+            if self._plain is not None:
+                self._plain.end(out, self.run_dir / "summary.json")
+        return out
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The step records of a metrics.jsonl file (events skipped)."""
+    return [r for r in read_jsonl(path) if "event" not in r]

@@ -1,0 +1,290 @@
+"""A replica process, assembled from its config: the training loop (`ftjax.runtime.trainer`), the step
+protocol (`ftjax.runtime.protocol`) and the protocol's collaborators.
+
+`run_member` joins a fault-tolerant job: the leader talks to the coordinator and serves catch-up
+snapshots, every host runs FTAR with the same host rank of every peer. `run_standalone` is the same
+loop with a quorum of one and the identity reducer.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jax
+
+from ftjax.base import net
+from ftjax.base.env import read_token
+from ftjax.base.net import split_address
+from ftjax.config import Config
+from ftjax.coordinator.client import CoordinatorClient, CoordinatorError
+from ftjax.coordinator.layout import fingerprint
+from ftjax.coordinator.types import MemberInfo, new_incarnation
+from ftjax.ftar import FTAREndpoint
+from ftjax.program.data import make_stream
+from ftjax.program.step import build_program
+from ftjax.program.task import Task
+from ftjax.runtime.args import RunOptions
+from ftjax.runtime.catchup import ShardTransport
+from ftjax.runtime.checkpoint import DurableCheckpoints
+from ftjax.runtime.faults import InjectedFaults, parse_die_at, parse_flip_at
+from ftjax.runtime.host_group import JaxHostGroup
+from ftjax.runtime.lanes import LaneFlattener, served_lanes
+from ftjax.runtime.metrics import MetricsLog
+from ftjax.runtime.protocol import LocalQuorum, StepProtocol
+from ftjax.runtime.reduce import FTARReducer, LocalReducer
+from ftjax.runtime.replay import ReplayBuffer
+from ftjax.runtime.trainer import Trainer
+from ftjax.runtime.watchdog import NoWatchdog, ProgressWatchdog
+
+
+def _checkpoints(cfg: Config, args: RunOptions, out: Path, stream, program) -> DurableCheckpoints | None:
+    if cfg.checkpoint.every > 0 or args.resume or args.stop_after:
+        return DurableCheckpoints.from_config(
+            cfg, out, data_fingerprint=stream.fingerprint, params=program.abstract_state()["params"]
+        )
+    return None
+
+
+def faults_of(args: RunOptions) -> InjectedFaults:
+    return InjectedFaults(
+        parse_die_at(args.die_at), parse_die_at(args.hang_at, "--hang-at"), parse_flip_at(args.flip_bit_at)
+    )
+
+
+def _divisor(cfg: Config) -> int | None:
+    """What divides the sum of the contributors' gradients: their number (elastic), or the job's
+    constant batch count R (constant: the contributors computed all R batches between them)."""
+    return cfg.ft.replicas if cfg.ft.global_batch == "constant" else None
+
+
+def addresses(cfg: Config, coordinator: str) -> net.Addresses:
+    """What this process's listeners bind and advertise (ftjax/base/net.py): by default every interface,
+    and the source address of this machine's route to the coordinator."""
+    return net.choose(
+        split_address(coordinator)[0],
+        advertise_host=cfg.net.advertise_host,
+        interface=cfg.net.interface,
+        bind_host=cfg.net.bind_host,
+    )
+
+
+def member_protocol(
+    cfg: Config,
+    args: RunOptions,
+    out: Path,
+    token: str,
+    addrs: net.Addresses,
+    group: JaxHostGroup,
+    log: MetricsLog,
+    *,
+    update_template: Any,
+    update_shardings: Any,
+    topology: str,
+) -> StepProtocol:
+    """The step protocol of one host of a job's replica: FTAR endpoints (one per gradient lane this
+    host serves), the catch-up transport, and on the leader the coordinator client. `update_template`:
+    the averaged update's shapes (ShapeDtypeStructs or arrays) and `update_shardings` its shardings;
+    `topology`: what replicas must agree on to average together (ftjax/coordinator/layout.py)."""
+    leader = group.rank == 0
+    served = served_lanes(group.rank, cfg.mesh.live, cfg.mesh.hosts)
+    endpoints = [
+        FTAREndpoint(
+            token,
+            host=addrs.bind,
+            advertise=addrs.advertise,
+            timeout_s=cfg.ft.ftar_timeout_s,
+            shared_memory=cfg.ft.ftar_shared_memory,
+        )
+        for _ in served
+    ]
+    ftar_addresses = [a for host in group.allgather([e.address for e in endpoints]) for a in host]  # lane order
+    transport = ShardTransport(
+        token,
+        rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps,
+        timeout_s=cfg.ft.quorum_timeout_s,
+        host=addrs.bind,
+        advertise=addrs.advertise,
+    )
+    catchup_addresses = group.allgather(transport.address)
+    print(
+        f"ftjax: replica {args.replica_id} host {group.rank}: peers reach this process at "
+        f"{addrs.advertise} (chosen by {addrs.why}; ${net.ADVERTISE_ENV} or net.advertise_host to change): "
+        f"FTAR {' '.join(e.address for e in endpoints)}, catch-up {transport.address}; "
+        f"listening on {net.describe_bind(addrs.bind)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    incarnation = group.broadcast(new_incarnation() if leader else None)
+    client = None
+    if leader:
+        info = MemberInfo(
+            replica_id=str(args.replica_id),
+            incarnation=incarnation,
+            num_hosts=group.hosts,
+            ftar_addresses=tuple(ftar_addresses),
+            catchup_addresses=tuple(catchup_addresses),
+            topology_fingerprint=fingerprint(topology),
+            topology=topology,
+        )
+        client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s)
+        client.start()
+        # each step's figures travel to the coordinator with the next quorum request (status page, /metrics)
+        log.listeners.append(partial(client.report_step, target_steps=cfg.steps, replicas=cfg.ft.replicas))
+    buffer = ReplayBuffer(out / f"replay-host{group.rank}", int(cfg.ft.catchup_buffer_mib * 2**20))
+    flat = LaneFlattener(
+        update_template,
+        update_shardings,
+        lanes=cfg.mesh.hosts,
+        devices_per_host=cfg.mesh.devices_per_host,
+        served=served,
+    )
+    return StepProtocol(
+        replica_id=str(args.replica_id),
+        incarnation=incarnation,
+        group=group,
+        reducer=FTARReducer(endpoints, flat, divisor=_divisor(cfg)),
+        transport=transport,
+        quorums=client,
+        buffer=buffer,
+        log=log,
+    )
+
+
+def standalone_protocol(cfg: Config, args: RunOptions, out: Path, group: JaxHostGroup, log: MetricsLog) -> StepProtocol:
+    """The step protocol of a replica alone: a quorum of one, the identity average."""
+    rid = str(args.replica_id)
+    return StepProtocol(
+        replica_id=rid,
+        incarnation=new_incarnation(),
+        group=group,
+        reducer=LocalReducer(_divisor(cfg)),
+        transport=None,
+        quorums=LocalQuorum(rid) if group.rank == 0 else None,
+        buffer=ReplayBuffer(out / "replay-unused", 0),
+        log=log,
+    )
+
+
+def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Addresses, task: Task | None) -> Trainer:
+    group = JaxHostGroup()
+    program = build_program(cfg, task=task)
+    program.precompile()  # before joining: a late compile would stall every peer's FTAR
+    group.meet("compiled")  # the first collective follows (warm_up): every host is ready for it
+    program.warm_up()
+    stream = make_stream(cfg, replica=args.replica_id, task=program.task)
+    log = MetricsLog(
+        out,
+        enabled=group.rank == 0,
+        total_steps=cfg.steps,
+        label=f"replica {args.replica_id}",
+        log_every=args.log_every,
+    )
+    protocol = member_protocol(
+        cfg,
+        args,
+        out,
+        token,
+        addrs,
+        group,
+        log,
+        update_template=program.abstract_update(),
+        update_shardings=program.grad_shardings,
+        topology=program.topology(),
+    )
+    trainer = Trainer(
+        cfg,
+        program,
+        stream,
+        protocol,
+        log=log,
+        ckpt=_checkpoints(cfg, args, out, stream, program),
+        faults=faults_of(args),
+        watchdog=NoWatchdog(),
+        replica_id=str(args.replica_id),
+        restore_durable=True,
+    )
+    trainer.watchdog = protocol.watchdog = ProgressWatchdog(cfg.ft.progress_timeout_s, trainer.no_progress)
+    # SIGTERM (a launcher taking the replica back to full degree, a scheduler's preemption): leave
+    # the job at the next step boundary, so that no peer's step fails; exit EXIT_LEFT
+    signal.signal(signal.SIGTERM, lambda *_: trainer.request_leave("SIGTERM"))
+    return trainer
+
+
+def _standalone(cfg: Config, args: RunOptions, out: Path, task: Task | None) -> Trainer:
+    group = JaxHostGroup()
+    program = build_program(cfg, task=task)
+    stream = make_stream(cfg, replica=args.replica_id, task=program.task)
+    log = MetricsLog(
+        out,
+        enabled=group.rank == 0,
+        total_steps=cfg.steps,
+        label=f"replica {args.replica_id}",
+        log_every=args.log_every,
+    )
+    return Trainer(
+        cfg,
+        program,
+        stream,
+        standalone_protocol(cfg, args, out, group, log),
+        log=log,
+        ckpt=_checkpoints(cfg, args, out, stream, program),
+        faults=faults_of(args),
+        watchdog=NoWatchdog(),
+        replica_id=str(args.replica_id),
+        restore_durable=args.resume,
+        stop_after=args.stop_after,
+    )
+
+
+def _run(trainer: Trainer, cfg: Config) -> int:
+    try:
+        code = trainer.run()
+    finally:
+        trainer.watchdog.close()
+        trainer.ft.close()
+        trainer.log.close()
+    if cfg.mesh.live > 1:
+        jax.distributed.shutdown()
+    return code
+
+
+# The coordinator's refusals of a replica (another live process holds its id, its layout differs from
+# the job's, ...): reported in one line, exit 2, as bad input is.
+REFUSED = frozenset(
+    {grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT}
+)
+
+
+def run_member(cfg: Config, args: RunOptions, out: Path, task: Task | None = None) -> int:
+    """Join the job at `args.coordinator` as replica `args.replica_id` (`task`: default the config's)."""
+    try:
+        token = read_token()
+    except ValueError as e:
+        print(f"ftjax train: --coordinator needs the job token: {e}", file=sys.stderr)
+        return 2
+    try:
+        addrs = addresses(cfg, args.coordinator)
+    except (OSError, ValueError) as e:
+        print(
+            f"ftjax train: cannot tell which address peers reach this process at: {e}; name it with "
+            f"${net.ADVERTISE_ENV}, net.advertise_host or net.interface",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return _run(_member(cfg, args, out, token, addrs, task), cfg)
+    except CoordinatorError as e:
+        if e.code not in REFUSED:
+            raise
+        print(f"ftjax train: the coordinator refused replica {args.replica_id}: {e.details}", file=sys.stderr)
+        return 2
+
+
+def run_standalone(cfg: Config, args: RunOptions, out: Path, task: Task | None = None) -> int:
+    """Train alone: a quorum of one (`task`: default the config's)."""
+    return _run(_standalone(cfg, args, out, task), cfg)
