@@ -22,10 +22,10 @@ test: venv
 
 # A Slurm cluster of 4 nodes on this machine (scripts/local_slurm.sh: installs slurm and munge with
 # apt when missing), the job `ftjax launch --emit slurm` writes run on it with a host lost mid-run
-# (at reduced degree) and a requeue (tests/test_slurm.py), and the cluster taken down again,
+# (at reduced degree) and a requeue (tests/cluster/test_slurm.py), and the cluster taken down again,
 # whatever the outcome.
 slurm-test: venv
-	bash scripts/local_slurm.sh up && FTJAX_SLURM_TEST=1 $(VENV)/bin/python -m pytest -q tests/test_slurm.py; \
+	bash scripts/local_slurm.sh up && FTJAX_SLURM_TEST=1 $(VENV)/bin/python -m pytest -q tests/cluster/test_slurm.py; \
 	  code=$$?; bash scripts/local_slurm.sh down; exit $$code
 
 proto: venv

@@ -302,14 +302,7 @@ def prepare(
 def _tokenize(files, chunk_bytes, workers, tokenizer, eos_id, field, vocab_size, fraction, writers, show):
     """Encode every chunk in the pool and write the results in input order; (documents, empty ones)."""
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     console = Console(stderr=True)
     bar = Progress(

@@ -899,7 +899,7 @@ def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
             "kind": "ConfigMap",
             "metadata": {"name": f"{name}-config", "labels": _labels(name, "config")},
             "data": {"config.yaml": _config_yaml(cfg)},
-        },
+        }
     ]
     if o.pvc_size:
         objects.append(

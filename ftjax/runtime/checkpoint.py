@@ -105,7 +105,7 @@ def verify(step_dir: Path, step: int) -> None:
 class _SealingManager(ocp.CheckpointManager):
     """Seals each checkpoint once orbax has committed it: `_finalize_checkpoint` runs after the
     step's files are final, on the save's finalize thread (async) or in `save` (sync). A private
-    hook; tests/test_checkpoint_integrity.py fails if an orbax upgrade stops calling it."""
+    hook; tests/unit/test_checkpoint_integrity.py fails if an orbax upgrade stops calling it."""
 
     def _finalize_checkpoint(self, step: int):
         super()._finalize_checkpoint(step)
@@ -183,10 +183,7 @@ class DurableCheckpoints:
         self.every = every
         self.identity = identity
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            save_interval_steps=max(every, 1),
-            enable_async_checkpointing=async_save,
-            create=True,
+            max_to_keep=keep, save_interval_steps=max(every, 1), enable_async_checkpointing=async_save, create=True
         )
         self.manager = _SealingManager(Path(directory).absolute(), options=options)
 

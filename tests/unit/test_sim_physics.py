@@ -361,12 +361,7 @@ def test_reduced_degree_throughput(missing, curve, boost, min_degree, packing, e
 
 @pytest.mark.parametrize(
     "missing,min_degree,packed",
-    [
-        ([1, 1, 1], 0.5, [3]),
-        ([3, 3], 0.5, [4, 2]),
-        ([2, 2], 1.0, [4]),
-        ([8, 8, 8, 8, 8], 0.5, [4, 4, 4, 8]),
-    ],
+    [([1, 1, 1], 0.5, [3]), ([3, 3], 0.5, [4, 2]), ([2, 2], 1.0, [4]), ([8, 8, 8, 8, 8], 0.5, [4, 4, 4, 8])],
 )
 def test_packing(missing, min_degree, packed):
     assert reduced.pack(missing, 8, 4, min_degree) == packed

@@ -13,11 +13,11 @@ import threading
 import time
 
 import pytest
-from conftest import FTJAX
+from conftest import FTJAX, REPO
 
 from ftjax.base.net import split_address
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.join(REPO, "tests")
 HEARTBEAT_TIMEOUT_S = 1.0
 SUSPECT_S = 0.3
 

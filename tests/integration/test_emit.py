@@ -2,7 +2,7 @@
 shellcheck; every Kubernetes manifest validates strictly against the Kubernetes API schema (the
 `kubernetes-validate` package's) and the JobSet CRD's (tests/data/jobset), and an injected typo
 fails; names derive from the job; the Dockerfile installs the package as the README says. The
-emitted Slurm job runs on a real cluster in tests/test_slurm.py (`make slurm-test`)."""
+emitted Slurm job runs on a real cluster in tests/cluster/test_slurm.py (`make slurm-test`)."""
 
 import copy
 import functools

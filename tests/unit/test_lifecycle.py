@@ -19,7 +19,7 @@ from ftjax.runs.events import ReplicaEvent as E
 from ftjax.runs.lifecycle import Lifecycle, Phase, Segment, is_stall, next_phase, segments, signal
 from ftjax.runs.summary import build_summary, load_run, median_step, timeline, warm_time
 
-RECORDED = Path(__file__).parent / "data" / "launch_kill_restart"
+RECORDED = Path(__file__).parents[1] / "data" / "launch_kill_restart"
 STARTING, TRAINING, STALLED, CATCHING_UP = Phase.STARTING, Phase.TRAINING, Phase.STALLED, Phase.CATCHING_UP
 DOWN, DONE, GONE = Phase.DOWN, Phase.DONE, Phase.GONE
 

@@ -15,7 +15,7 @@ from ftjax.sim.cli import build_parser, config_from_args, main
 from ftjax.sim.presets import PAPER_100K
 
 STRATEGIES = {"sync", "ft-hsdp", "reduced-degree", "replication", "spare"}
-RECORDED = str(Path(__file__).parent / "data" / "launch_kill_restart")
+RECORDED = str(Path(__file__).parents[1] / "data" / "launch_kill_restart")
 QUICK = ["--steps", "300", "--seeds", "1"]
 
 

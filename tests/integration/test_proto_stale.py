@@ -5,7 +5,7 @@ import shutil
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FILES = [
     "scripts/gen_proto.py",
     "ftjax/coordinator/coordinator.proto",
