@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test slurm-test clean proto
+.PHONY: venv demo test test-unit lint slurm-test clean proto
 
 venv: $(STAMP)
 
@@ -17,8 +17,16 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/ftjax demo
 
+# Everything: tests/unit, tests/integration, tests/cluster (ruff check and format among the unit tests).
 test: venv
 	$(VENV)/bin/python -m pytest -q
+
+# The fast loop: pure functions and fakes, no process (under a minute).
+test-unit: venv
+	$(VENV)/bin/python -m pytest -q tests/unit
+
+lint: venv
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 # A Slurm cluster of 4 nodes on this machine (scripts/local_slurm.sh: installs slurm and munge with
 # apt when missing), the job `ftjax launch --emit slurm` writes run on it with a host lost mid-run

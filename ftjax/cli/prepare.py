@@ -281,10 +281,7 @@ def prepare(
                 "vocab_size": vocab_size,
                 "eos_id": eos_id,
                 "eos_token": eos_token,
-                "tokenizer": {
-                    "name": Path(tokenizer).name,
-                    "sha256": hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest(),
-                },
+                "tokenizer": _tokenizer_record(tokenizer),
                 "heldout_fraction": heldout_fraction,
                 "documents": docs,
                 "empty_documents": empty,
@@ -353,6 +350,11 @@ def _tokenize(files, chunk_bytes, workers, tokenizer, eos_id, field, vocab_size,
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     return docs, empty
+
+
+def _tokenizer_record(tokenizer: str | Path) -> dict:
+    """The index's record of the tokenizer: its file name and the SHA-256 of its bytes."""
+    return {"name": Path(tokenizer).name, "sha256": hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()}
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:

@@ -10,7 +10,7 @@ TOKEN_METADATA_KEY = "x-ftjax-token"  # call metadata carrying the job's shared 
 
 _EXPORTS = {
     "CoordinatorClient": "ftjax.coordinator.client",
-    "CoordinatorError": "ftjax.coordinator.client",
+    "CoordinatorError": "ftjax.coordinator.types",
     "MemberInfo": "ftjax.coordinator.types",
     "QuorumResult": "ftjax.coordinator.types",
     "new_incarnation": "ftjax.coordinator.types",

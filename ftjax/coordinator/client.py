@@ -33,7 +33,7 @@ from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
 from ftjax.coordinator.codec import result_from_proto
 from ftjax.coordinator.layout import MAX_LAYOUT_BYTES
 from ftjax.coordinator.quorum import MAX_REASON_BYTES
-from ftjax.coordinator.types import JobFinished, MemberInfo, QuorumResult
+from ftjax.coordinator.types import CoordinatorError, JobFinished, MemberInfo, QuorumResult
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +59,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.use_local_subchannel_pool", 1),  # a fresh channel is a fresh connection
 ]
-
-
-class CoordinatorError(RuntimeError):
-    """The coordinator refused a request, or could not be reached in time. `code` is the gRPC status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.details = message
 
 
 class _Backoff:

@@ -250,24 +250,20 @@ def _earliest(*times: float | None) -> float | None:
     return min(present) if present else None
 
 
-def compute_quorum(
-    prev: Quorum | None,
-    members: Mapping[str, MemberState],
-    now: float,
-    settings: Settings,
-    *,
-    failure_epoch: int = 0,
-    positions: Mapping[str, int] | None = None,
-    not_before: float | None = None,
-    committed_step: int = 0,
-) -> Decision:
-    """Form a quorum of the pending requesters now, or say why not and until when to wait.
+class _Census(NamedTuple):
+    """The alive members as the rules see them at one time (one pass over `members`)."""
 
-    `members` maps replica_id to its state (read only); `positions` is the coordinator's record of
-    each replica's data position; `failure_epoch` counts the failure reports accepted so far.
-    """
-    if not_before is not None and now < not_before:
-        return Decision(None, not_before, f"listening for heartbeats until t={not_before:.3f} before the first quorum")
+    requesters: dict[str, MemberState]  # the alive members with a pending request
+    alive: int
+    first_request: float | None  # the earliest pending request (None: no requester)
+    next_death: float | None  # the earliest death time of an alive member that has not asked
+
+    @property
+    def n(self) -> int:
+        return len(self.requesters)
+
+
+def _census(members: Mapping[str, MemberState], now: float, settings: Settings) -> _Census:
     requesters: dict[str, MemberState] = {}
     alive = 0
     first_request = None
@@ -285,19 +281,45 @@ def compute_quorum(
                 first_request = m.requested_at
         elif next_death is None or t < next_death:
             next_death = t
-    n = len(requesters)
-    if n < settings.min_replicas:
-        return Decision(None, None, f"{n} requesters, need min_replicas={settings.min_replicas}")
-    if 2 * n <= alive:
-        return Decision(None, next_death, f"{n} requesters of {alive} alive members: need more than half")
-    if n < settings.expected_replicas and not any(m.report.has_state for m in requesters.values()):
-        deadline = first_request + settings.startup_timeout_s
+    return _Census(requesters, alive, first_request, next_death)
+
+
+def _still_listening(now: float, not_before: float | None) -> Decision | None:
+    """Nothing forms before `not_before`: until then the coordinator cannot know who is alive."""
+    if not_before is not None and now < not_before:
+        return Decision(None, not_before, f"listening for heartbeats until t={not_before:.3f} before the first quorum")
+    return None
+
+
+def _below_min_replicas(c: _Census, settings: Settings) -> Decision | None:
+    if c.n < settings.min_replicas:
+        return Decision(None, None, f"{c.n} requesters, need min_replicas={settings.min_replicas}")
+    return None
+
+
+def _no_majority(c: _Census) -> Decision | None:
+    """The split-brain guard: the requesters must be more than half of the alive members."""
+    if 2 * c.n <= c.alive:
+        return Decision(None, c.next_death, f"{c.n} requesters of {c.alive} alive members: need more than half")
+    return None
+
+
+def _waiting_for_job_start(c: _Census, now: float, settings: Settings) -> Decision | None:
+    """At job start (no requester has state), wait up to the startup timeout for the expected replicas."""
+    if c.n < settings.expected_replicas and not any(m.report.has_state for m in c.requesters.values()):
+        deadline = c.first_request + settings.startup_timeout_s
         if now < deadline:
             return Decision(
                 None,
-                _earliest(deadline, next_death),
-                f"job start: {n} of {settings.expected_replicas} expected replicas have asked",
+                _earliest(deadline, c.next_death),
+                f"job start: {c.n} of {settings.expected_replicas} expected replicas have asked",
             )
+    return None
+
+
+def _waiting_for_previous_quorum(
+    prev: Quorum | None, members: Mapping[str, MemberState], now: float, settings: Settings, next_death: float | None
+) -> Decision | None:
     # A live member of the previous quorum that has not asked yet may be committing that quorum's
     # step right now: forming a quorum without it would let two groups commit the same step
     # number with different updates (and lose its batch). So it is waited for, join timeout or
@@ -319,23 +341,38 @@ def compute_quorum(
             _earliest(straggler_death, next_death),
             f"waiting for a live member of the previous quorum to ask: {', '.join(stragglers)}",
         )
+    return None
+
+
+def _formation_reason(prev: Quorum | None, c: _Census, now: float, settings: Settings) -> str | None:
+    """Why the requesters form a quorum now: every member of the previous quorum is back
+    (fast_path), every alive member asked (all_joined), or the join timeout passed since the first
+    request (join_timeout). None: none of these yet."""
     if prev is not None and all(
-        (r := requesters.get(p.replica_id)) is not None and r.report.incarnation == p.incarnation
+        (r := c.requesters.get(p.replica_id)) is not None and r.report.incarnation == p.incarnation
         for p in prev.participants
     ):
-        reason = "fast_path"
-    elif n == alive:
-        reason = "all_joined"
-    elif now >= first_request + settings.join_timeout_s:
-        reason = "join_timeout"
-    else:
-        deadline = first_request + settings.join_timeout_s
-        return Decision(
-            None,
-            _earliest(deadline, next_death),
-            f"{n} of {alive} alive members asked; waiting for the rest until the join timeout",
-        )
-    quorum = _form(prev, requesters, settings, failure_epoch, positions or {}, reason)
+        return "fast_path"
+    if c.n == c.alive:
+        return "all_joined"
+    if now >= c.first_request + settings.join_timeout_s:
+        return "join_timeout"
+    return None
+
+
+def _waiting_for_stragglers(c: _Census, settings: Settings) -> Decision:
+    """Alive members that have not asked are waited for until the join timeout."""
+    deadline = c.first_request + settings.join_timeout_s
+    return Decision(
+        None,
+        _earliest(deadline, c.next_death),
+        f"{c.n} of {c.alive} alive members asked; waiting for the rest until the join timeout",
+    )
+
+
+def _behind_committed_step(quorum: Quorum, committed_step: int, next_death: float | None) -> Decision | None:
+    """One history: a quorum whose participants with state are all behind the step the job
+    committed would commit those steps a second time; wait for a member that holds it."""
     if not quorum.no_state and quorum.step < committed_step:
         return Decision(
             None,
@@ -344,7 +381,43 @@ def compute_quorum(
             f"{quorum.step} at most: waiting for a member that holds it (training from step "
             f"{quorum.step} would commit steps {quorum.step + 1}-{committed_step} a second time)",
         )
-    return Decision(quorum, None, reason)
+    return None
+
+
+def compute_quorum(
+    prev: Quorum | None,
+    members: Mapping[str, MemberState],
+    now: float,
+    settings: Settings,
+    *,
+    failure_epoch: int = 0,
+    positions: Mapping[str, int] | None = None,
+    not_before: float | None = None,
+    committed_step: int = 0,
+) -> Decision:
+    """Form a quorum of the pending requesters now, or say why not and until when to wait.
+
+    `members` maps replica_id to its state (read only); `positions` is the coordinator's record of
+    each replica's data position; `failure_epoch` counts the failure reports accepted so far.
+    """
+    listening = _still_listening(now, not_before)
+    if listening is not None:
+        return listening
+    c = _census(members, now, settings)
+    # The rules in order: the first that says wait decides (each returns None when it does not).
+    wait = (
+        _below_min_replicas(c, settings)
+        or _no_majority(c)
+        or _waiting_for_job_start(c, now, settings)
+        or _waiting_for_previous_quorum(prev, members, now, settings, c.next_death)
+    )
+    if wait is not None:
+        return wait
+    reason = _formation_reason(prev, c, now, settings)
+    if reason is None:
+        return _waiting_for_stragglers(c, settings)
+    quorum = _form(prev, c.requesters, settings, failure_epoch, positions or {}, reason)
+    return _behind_committed_step(quorum, committed_step, c.next_death) or Decision(quorum, None, reason)
 
 
 def _form(

@@ -589,19 +589,23 @@ class CoordinatorState:
             future = [t for t in times if now < t < float("inf")]
             return min(future) if future else None
 
+    def _decide(self, now: float) -> Decision:
+        """The pure quorum function on the current state (the caller holds the lock)."""
+        return compute_quorum(
+            self.prev,
+            self.members,
+            now,
+            self.settings,
+            failure_epoch=self.failure_epoch,
+            positions=self.ledger.positions,
+            not_before=self.not_before,
+            committed_step=self.committed_step,
+        )
+
     def explain(self, now: float) -> str:
         """Why no quorum forms now (the pure function's reason; nothing changes)."""
         with self._lock:
-            return compute_quorum(
-                self.prev,
-                self.members,
-                now,
-                self.settings,
-                failure_epoch=self.failure_epoch,
-                positions=self.ledger.positions,
-                not_before=self.not_before,
-                committed_step=self.committed_step,
-            ).reason
+            return self._decide(now).reason
 
     def evaluate(self, now: float, *, sweep: bool = True) -> Decision:
         """Run the pure quorum function; if a quorum forms, clear its members' requests and record it.
@@ -611,61 +615,58 @@ class CoordinatorState:
                 self._sweep(now)
             else:
                 self._maybe_sweep(now)
-            decision = compute_quorum(
-                self.prev,
-                self.members,
-                now,
-                self.settings,
-                failure_epoch=self.failure_epoch,
-                positions=self.ledger.positions,
-                not_before=self.not_before,
-                committed_step=self.committed_step,
-            )
-            q = decision.quorum
-            if q is None:
-                return decision
-            if q.no_state:  # a whole-job restart from durable state: the history goes on from there
-                self.committed_step = 0
-            first = now
-            has_state = {}
-            for p in q.participants:
-                m = self.members[p.replica_id]
-                first = min(first, m.requested_at)
-                has_state[p.replica_id] = m.report.has_state
-                self.members[p.replica_id] = MemberState(m.report, m.last_seen, None, m.suspected_at, m.stream_lost)
-            if self.prev is None or q.quorum_id != self.prev.quorum_id:
-                self.counters["quorum_id_changes"] += 1
-            self.prev = q
-            if self.job_step is None or q.step > self.job_step:
-                self._progress_at, self._progress_wall = now, time.time()
-                self._quorums_since_progress = self._retries_since_progress = 0
-            else:
-                self._quorums_since_progress += 1
-                self._retries_since_progress += any(
-                    self.members[p.replica_id].report.commit_failures for p in q.participants
-                )
-            self.job_step = q.step if self.job_step is None else max(self.job_step, q.step)
-            self._prev_keys = frozenset(q.members)
-            # After the sweep every member is alive, so every pending request was a participant's.
-            self._pending = self._pending_prev = 0
-            self._first_request = None
-            self.ledger.record(q)
-            # (the page's bookkeeping waits until the answers are out: see `settle_progress`)
-            self._progress_backlog.append((q, has_state, now))
-            self.counters["quorums"] += 1
-            self.history.append(
-                {
-                    "quorum_id": q.quorum_id,
-                    "step": q.step,
-                    "reason": q.reason,
-                    "time": time.time(),
-                    "wait_s": now - first,
-                    "no_state": q.no_state,
-                    "participants": [p.replica_id for p in q.participants],
-                    "healing": {p.replica_id: p.heal_source for p in q.participants if p.healing},
-                }
-            )
+            decision = self._decide(now)
+            if decision.quorum is not None:
+                self._record_quorum(decision.quorum, now)
             return decision
+
+    def _record_quorum(self, q: Quorum, now: float) -> None:
+        """A quorum formed: clear its members' requests and record it."""
+        if q.no_state:  # a whole-job restart from durable state: the history goes on from there
+            self.committed_step = 0
+        first = now
+        has_state = {}
+        for p in q.participants:
+            m = self.members[p.replica_id]
+            first = min(first, m.requested_at)
+            has_state[p.replica_id] = m.report.has_state
+            self.members[p.replica_id] = MemberState(m.report, m.last_seen, None, m.suspected_at, m.stream_lost)
+        if self.prev is None or q.quorum_id != self.prev.quorum_id:
+            self.counters["quorum_id_changes"] += 1
+        self.prev = q
+        self._note_job_step(q, now)
+        self._prev_keys = frozenset(q.members)
+        # After the sweep every member is alive, so every pending request was a participant's.
+        self._pending = self._pending_prev = 0
+        self._first_request = None
+        self.ledger.record(q)
+        # (the page's bookkeeping waits until the answers are out: see `settle_progress`)
+        self._progress_backlog.append((q, has_state, now))
+        self.counters["quorums"] += 1
+        self.history.append(
+            {
+                "quorum_id": q.quorum_id,
+                "step": q.step,
+                "reason": q.reason,
+                "time": time.time(),
+                "wait_s": now - first,
+                "no_state": q.no_state,
+                "participants": [p.replica_id for p in q.participants],
+                "healing": {p.replica_id: p.heal_source for p in q.participants if p.healing},
+            }
+        )
+
+    def _note_job_step(self, q: Quorum, now: float) -> None:
+        """The job's step: when it last moved, and the quorums (and retries) formed since."""
+        if self.job_step is None or q.step > self.job_step:
+            self._progress_at, self._progress_wall = now, time.time()
+            self._quorums_since_progress = self._retries_since_progress = 0
+        else:
+            self._quorums_since_progress += 1
+            self._retries_since_progress += any(
+                self.members[p.replica_id].report.commit_failures for p in q.participants
+            )
+        self.job_step = q.step if self.job_step is None else max(self.job_step, q.step)
 
     # -- status ------------------------------------------------------------------------------
 
@@ -744,98 +745,100 @@ class CoordinatorState:
                 )
             return {"job": self._jp().job(now, len(self.members)), "replicas": rows}
 
+    def _replica_row(self, m: MemberState, alive: bool, now: float, why: str = "") -> dict:
+        r = m.report
+        return {
+            "replica_id": r.replica_id,
+            "incarnation": r.incarnation,
+            "step": r.step,
+            "data_position": max(r.data_position, self.ledger.position(r.replica_id)),
+            "has_state": r.has_state,
+            "num_hosts": len(r.catchup_addresses),
+            "heartbeat_age_s": round(now - m.last_seen, 3),
+            "alive": alive,
+            "requesting": m.requested_at is not None,
+            "suspected": m.suspected_at is not None,
+            "departed_because": why,
+        }
+
+    def _replica_rows(self, now: float) -> list[dict]:
+        """The snapshot's replicas, alive and departed, in replica-id order."""
+        replicas = [self._replica_row(m, is_alive(m, now, self.settings), now) for m in self.members.values()]
+        replicas += [
+            self._replica_row(m, False, now, why) | {"departed_s": round(now - when, 3)}
+            for m, when, why in self.departed.values()
+        ]
+        replicas.sort(key=lambda r: _replica_order(r["replica_id"]))
+        for r in replicas:
+            r.update(self._jp().replica(r["replica_id"], now))
+        return replicas
+
+    def _quorum_view(self) -> dict | None:
+        """The snapshot's current quorum (None: none formed yet)."""
+        q = self.prev
+        if q is None:
+            return None
+        return {
+            "quorum_id": q.quorum_id,
+            "step": q.step,
+            "reason": q.reason,
+            "no_state": q.no_state,
+            "num_contributors": q.num_contributors,
+            "participants": [
+                {
+                    "replica_id": p.replica_id,
+                    "incarnation": p.incarnation,
+                    "step": p.step,
+                    "healing": p.healing,
+                    "heal_source": p.heal_source,
+                }
+                for p in q.participants
+            ],
+        }
+
+    def _settings_view(self) -> dict:
+        s = self.settings
+        return {
+            "min_replicas": s.min_replicas,
+            "join_timeout_s": s.join_timeout_s,
+            "heartbeat_timeout_s": s.heartbeat_timeout_s,
+            "suspect_window_s": s.suspect_window_s,
+        }
+
+    def _progress_view(self, now: float) -> dict:
+        return {
+            "step": self.job_step,
+            "since": self._progress_wall,
+            "committed_step": self.committed_step,
+            "finished_step": self.finished_step,
+            "seconds": round(now - self._progress_at, 3),
+            "quorums_since": self._quorums_since_progress,
+            "retries_since": self._retries_since_progress,
+        }
+
     def snapshot(self, now: float) -> dict:
         """A JSON-able picture for the status page and /status."""
         with self._lock:
-
-            def row(m: MemberState, alive: bool, why: str = "") -> dict:
-                r = m.report
-                return {
-                    "replica_id": r.replica_id,
-                    "incarnation": r.incarnation,
-                    "step": r.step,
-                    "data_position": max(r.data_position, self.ledger.position(r.replica_id)),
-                    "has_state": r.has_state,
-                    "num_hosts": len(r.catchup_addresses),
-                    "heartbeat_age_s": round(now - m.last_seen, 3),
-                    "alive": alive,
-                    "requesting": m.requested_at is not None,
-                    "suspected": m.suspected_at is not None,
-                    "departed_because": why,
-                }
-
-            replicas = [row(m, is_alive(m, now, self.settings)) for m in self.members.values()]
-            replicas += [
-                row(m, False, why) | {"departed_s": round(now - when, 3)} for m, when, why in self.departed.values()
-            ]
-            replicas.sort(key=lambda r: _replica_order(r["replica_id"]))
-            for r in replicas:
-                r.update(self._jp().replica(r["replica_id"], now))
-            q = self.prev
-            quorum = (
-                None
-                if q is None
-                else {
-                    "quorum_id": q.quorum_id,
-                    "step": q.step,
-                    "reason": q.reason,
-                    "no_state": q.no_state,
-                    "num_contributors": q.num_contributors,
-                    "participants": [
-                        {
-                            "replica_id": p.replica_id,
-                            "incarnation": p.incarnation,
-                            "step": p.step,
-                            "healing": p.healing,
-                            "heal_source": p.heal_source,
-                        }
-                        for p in q.participants
-                    ],
-                }
-            )
+            replicas = self._replica_rows(now)
             failures = [
                 {k: v for k, v in f.items() if k != "t"} | {"age_s": round(now - f["t"], 3)} for f in self.failures
             ]
-            s = self.settings
             return {
-                "settings": {
-                    "min_replicas": s.min_replicas,
-                    "join_timeout_s": s.join_timeout_s,
-                    "heartbeat_timeout_s": s.heartbeat_timeout_s,
-                    "suspect_window_s": s.suspect_window_s,
-                },
+                "settings": self._settings_view(),
                 "uptime_s": round(now - self.started_at, 3),
                 "topology_fingerprint": self.fingerprint,
                 "alive": sum(r["alive"] for r in replicas),
                 "replicas": replicas,
-                "quorum": quorum,
-                "waiting_because": compute_quorum(
-                    self.prev,
-                    self.members,
-                    now,
-                    self.settings,
-                    failure_epoch=self.failure_epoch,
-                    not_before=self.not_before,
-                    committed_step=self.committed_step,
-                ).reason
-                if self._pending
-                else "no pending request",
-                "progress": {
-                    "step": self.job_step,
-                    "since": self._progress_wall,
-                    "committed_step": self.committed_step,
-                    "finished_step": self.finished_step,
-                    "seconds": round(now - self._progress_at, 3),
-                    "quorums_since": self._quorums_since_progress,
-                    "retries_since": self._retries_since_progress,
-                },
+                "quorum": self._quorum_view(),
+                "waiting_because": self._decide(now).reason if self._pending else "no pending request",
+                "progress": self._progress_view(now),
                 "no_progress": self._no_progress(now),
                 "history": list(self.history)[::-1],
                 "failures": failures[::-1],
                 "counters": dict(self.counters),
                 "failure_counts": {f"{source}:{kind}": n for (source, kind), n in self.failure_counts.items()},
                 "failure_epoch": self.failure_epoch,
-                "expected_replicas": s.expected_replicas,
+                "expected_replicas": self.settings.expected_replicas,
                 "now": round(time.time(), 3),
                 "started_at": self._jp().wall(self.started_at),
                 "pending": self._pending,

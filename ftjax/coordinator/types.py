@@ -8,13 +8,27 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ftjax.coordinator.quorum import MemberReport, Participant
+
+if TYPE_CHECKING:
+    import grpc
 
 
 def new_incarnation() -> str:
     """A fresh incarnation id for this process start."""
     return f"{os.getpid()}-{secrets.token_hex(6)}"
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator refused a request, or could not be reached in time. `code` is the gRPC status
+    (a grpc.StatusCode; this module only reads its name, so it imports no gRPC)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.details = message
 
 
 class JobFinished(Exception):

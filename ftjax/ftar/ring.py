@@ -197,35 +197,30 @@ class Ring:
                 state.check()
                 if segment is None:
                     payload = self._send_view(chunk)
-                    header = wire.pack_frame(
-                        quorum_id=state.quorum_id,
-                        step=state.step,
-                        phase=chunk.phase,
-                        seq=seq,
-                        meta=self.meta,
-                        payload=payload,
-                        checksum=self.checksum,
-                    )
-                    wire.send_all(sock, [memoryview(header), payload])
+                    wire.send_all(sock, [self._header(chunk, seq, payload), payload])
                     continue
                 if seq - acked >= segment.slots:  # the slot is still the receiver's: wait for it
                     acked = _await_acks(sock, acked, seq - segment.slots + 1)
                 slot = self._fill_slot(chunk, segment, seq)
-                header = wire.pack_frame(
-                    quorum_id=state.quorum_id,
-                    step=state.step,
-                    phase=chunk.phase,
-                    seq=seq,
-                    meta=self.meta,
-                    payload=_bytes(slot),
-                    checksum=self.checksum,
-                    shm=True,
-                )
-                wire.send_all(sock, [memoryview(header)])
+                wire.send_all(sock, [self._header(chunk, seq, _bytes(slot), shm=True)])
             if segment is not None:  # leave the link quiet: the next call starts again at slot 0
                 _await_acks(sock, acked, len(self.sends))
         except BaseException as exc:
             self._fail(exc, self.right)
+
+    def _header(self, chunk: Chunk, seq: int, payload: memoryview, shm: bool = False) -> memoryview:
+        """The frame header of chunk number ``seq`` (its payload follows it, or sits in a slot)."""
+        header = wire.pack_frame(
+            quorum_id=self.state.quorum_id,
+            step=self.state.step,
+            phase=chunk.phase,
+            seq=seq,
+            meta=self.meta,
+            payload=payload,
+            checksum=self.checksum,
+            shm=shm,
+        )
+        return memoryview(header)
 
     def _receiver(self, connect: Callable[[], object]) -> None:
         try:

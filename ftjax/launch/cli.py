@@ -41,7 +41,11 @@ from ftjax.launch.supervisor import (
 from ftjax.runtime.args import init_from_override
 
 if TYPE_CHECKING:
+    from ftjax.base.procs import ProcessGroup
+    from ftjax.launch.job import LocalJob
+    from ftjax.launch.supervisor import RunLog, Supervisor
     from ftjax.launch.vcluster import VirtualCluster
+    from ftjax.launch.view import LiveView, PlainView
 
 
 class UsageError(ValueError):
@@ -55,6 +59,16 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ftjax launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_job_arguments(p)
+    _add_fault_arguments(p)
+    _add_virtual_cluster_arguments(p)
+    _add_supervision_arguments(p)
+    _add_emit_arguments(p)
+    return p
+
+
+def _add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """The job itself: config, overrides, its shape, its run directory, what each replica runs."""
     p.add_argument("config", help="YAML config: a path, or a built-in name (tiny, gpt_small)")
     p.add_argument(
         "overrides", nargs="*", help="key.sub=value overrides, e.g. steps=400 coordinator.heartbeat_timeout_s=2"
@@ -86,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="every replica starts from the parameters of this orbax checkpoint instead of the seed's "
         "(sets checkpoint.init_from, passed on to the replicas)",
     )
+
+
+def _add_fault_arguments(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("faults (times count from warm-up: every replica has trained a step)")
     f.add_argument(
         "--kill",
@@ -119,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="T",
         help="SIGKILL the coordinator at T seconds (it is restarted after --restart-delay-s)",
     )
+
+
+def _add_virtual_cluster_arguments(p: argparse.ArgumentParser) -> None:
     v = p.add_argument_group("virtual cluster (Linux, as root)")
     v.add_argument(
         "--virtual-cluster",
@@ -143,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap the bandwidth of every host (all), of replica R's hosts, or of host H of replica R, "
         "at MBIT megabits per second each way: tc tbf (needs --virtual-cluster)",
     )
+
+
+def _add_supervision_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("supervision")
     s.add_argument("--restart-delay-s", type=float, default=1.0, help="delay before a dead replica restarts (1.0)")
     s.add_argument("--max-restarts", type=int, default=10, help="per replica; one more failure ends the job (10)")
@@ -172,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="JAX persistent compilation cache shared by the job's processes, so that a restarted "
         "replica does not compile again (default: the machine-wide ~/.cache/ftjax/xla; none: off)",
     )
+
+
+def _add_emit_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("cluster job files")
     e.add_argument(
         "--emit",
@@ -181,7 +207,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="write job files for this job to DIR instead of running it",
     )
     cluster.add_arguments(e)
-    return p
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -395,25 +420,17 @@ def run(
     console: Console,
 ) -> int:
     from ftjax.base.procs import ProcessGroup
-    from ftjax.launch.job import COORDINATOR_HOST, LocalJob
-    from ftjax.launch.supervisor import RunLog, Supervisor
+    from ftjax.launch.job import LocalJob
+    from ftjax.launch.supervisor import RunLog
     from ftjax.launch.view import make_view
 
     if args.overwrite and out.exists():
         shutil.rmtree(out)
     view = make_view(console)
-    code, log, cluster = 1, None, None
+    code, log = 1, None
     with ProcessGroup() as procs:  # leaving the block (any way) SIGKILLs every child
         try:
-            if args.virtual_cluster:
-                from ftjax.launch.vcluster import VirtualClusterError
-
-                try:
-                    cluster = make_cluster(replicas, cfg.mesh.hosts, plan)
-                except VirtualClusterError as e:
-                    raise LaunchError(f"--virtual-cluster: {e}") from None
-                procs.on_close(cluster.close)  # after every child is killed: the namespaces go too
-                view.probe.in_thread = partial(cluster.enter, COORDINATOR_HOST)  # its status page is there
+            cluster = _start_virtual_cluster(args, replicas, cfg.mesh.hosts, plan, procs, view)
             job = LocalJob(
                 args.config,
                 overrides,
@@ -425,34 +442,8 @@ def run(
                 entry=entry_command(args.entry),
             )
             log = RunLog(out / "launcher.jsonl", listener=view.event)
-            log.event(
-                "launch",
-                config=args.config,
-                overrides=overrides,
-                out=str(out),
-                replicas=replicas,
-                hosts=cfg.mesh.hosts,
-                devices=cfg.mesh.devices_per_host,
-                steps=cfg.steps,
-                restart_delay_s=args.restart_delay_s,
-                host_repair_s=args.host_repair_s,
-                faults=asdict(plan),
-                virtual_cluster=None
-                if cluster is None
-                else {name: {"address": h.ipv4, "netns": h.netns} for name, h in cluster.hosts.items()},
-            )
-            supervisor = Supervisor(
-                job,
-                plan,
-                log,
-                restart_delay_s=args.restart_delay_s,
-                hang_timeout_s=args.hang_timeout_s,
-                startup_timeout_s=args.startup_timeout_s,
-                max_restarts=args.max_restarts,
-                timeout_s=args.timeout_s,
-                on_poll=view.poll,
-                host_repair_s=args.host_repair_s,
-            )
+            _log_launch(log, args, cfg, overrides, replicas, plan, out, cluster)
+            supervisor = _supervisor(args, job, plan, log, view)
             view.start()
             code = 0 if supervisor.run() else 1
         except LaunchError as e:
@@ -475,6 +466,78 @@ def run(
     if log is None:
         return code
     return _report(out, console, code)
+
+
+def _start_virtual_cluster(
+    args: argparse.Namespace,
+    replicas: int,
+    hosts: int,
+    plan: FaultPlan,
+    procs: ProcessGroup,
+    view: PlainView | LiveView,
+) -> VirtualCluster | None:
+    """With --virtual-cluster, the job's virtual cluster (closed with `procs`); else None."""
+    if not args.virtual_cluster:
+        return None
+    from ftjax.launch.job import COORDINATOR_HOST
+    from ftjax.launch.vcluster import VirtualClusterError
+
+    try:
+        cluster = make_cluster(replicas, hosts, plan)
+    except VirtualClusterError as e:
+        raise LaunchError(f"--virtual-cluster: {e}") from None
+    procs.on_close(cluster.close)  # after every child is killed: the namespaces go too
+    view.probe.in_thread = partial(cluster.enter, COORDINATOR_HOST)  # its status page is there
+    return cluster
+
+
+def _log_launch(
+    log: RunLog,
+    args: argparse.Namespace,
+    cfg: Config,
+    overrides: list[str],
+    replicas: int,
+    plan: FaultPlan,
+    out: Path,
+    cluster: VirtualCluster | None,
+) -> None:
+    """The run log's `launch` event: what the job is."""
+    log.event(
+        "launch",
+        config=args.config,
+        overrides=overrides,
+        out=str(out),
+        replicas=replicas,
+        hosts=cfg.mesh.hosts,
+        devices=cfg.mesh.devices_per_host,
+        steps=cfg.steps,
+        restart_delay_s=args.restart_delay_s,
+        host_repair_s=args.host_repair_s,
+        faults=asdict(plan),
+        virtual_cluster=None
+        if cluster is None
+        else {name: {"address": h.ipv4, "netns": h.netns} for name, h in cluster.hosts.items()},
+    )
+
+
+def _supervisor(
+    args: argparse.Namespace, job: LocalJob, plan: FaultPlan, log: RunLog, view: PlainView | LiveView
+) -> Supervisor:
+    """The Supervisor of the job, with the options' policy."""
+    from ftjax.launch.supervisor import Supervisor
+
+    return Supervisor(
+        job,
+        plan,
+        log,
+        restart_delay_s=args.restart_delay_s,
+        hang_timeout_s=args.hang_timeout_s,
+        startup_timeout_s=args.startup_timeout_s,
+        max_restarts=args.max_restarts,
+        timeout_s=args.timeout_s,
+        on_poll=view.poll,
+        host_repair_s=args.host_repair_s,
+    )
 
 
 def _report(out: Path, console: Console, code: int) -> int:

@@ -106,6 +106,21 @@ _RESOURCE = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9._]*
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     """The options of `ftjax launch --emit` (besides --max-restarts and --restart-delay-s)."""
+    _add_job_arguments(group)
+    _add_host_arguments(group)
+    _add_slurm_arguments(group)
+    _add_claim_arguments(group)
+    group.add_argument(
+        "--idle-exit-s",
+        type=float,
+        default=IDLE_EXIT_S,
+        metavar="S",
+        help=f"the coordinator ends when no replica has been alive this long ({IDLE_EXIT_S:g})",
+    )
+
+
+def _add_job_arguments(group: argparse._ArgumentGroup) -> None:
+    """--name and --image."""
     group.add_argument(
         "--name",
         default=None,
@@ -113,6 +128,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         f"at most {MAX_NAME} characters; default: ftjax-<config>-<4 hex digits>)",
     )
     group.add_argument("--image", default="ftjax:latest", help="container image (k8s; see the Dockerfile)")
+
+
+def _add_host_arguments(group: argparse._ArgumentGroup) -> None:
+    """What each replica host asks for: GPUs, CPUs, memory."""
     group.add_argument(
         "--gpus-per-host",
         type=int,
@@ -135,6 +154,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="GIB",
         help="memory of each replica host (slurm: --mem; k8s: a request and a limit)",
     )
+
+
+def _add_slurm_arguments(group: argparse._ArgumentGroup) -> None:
+    """The sbatch-only options: time, partition, account, exclusive."""
     group.add_argument(
         "--slurm-time",
         default=None,
@@ -148,6 +171,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--slurm-account", default=None, metavar="A", help="slurm: the account to charge (sbatch --account)"
     )
     group.add_argument("--slurm-exclusive", action="store_true", help="slurm: replica jobs take their nodes whole")
+
+
+def _add_claim_arguments(group: argparse._ArgumentGroup) -> None:
+    """The k8s outputs' PersistentVolumeClaim: --pvc, --pvc-size, --storage-class."""
     group.add_argument(
         "--pvc",
         default=None,
@@ -159,13 +186,6 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--pvc-size", default=None, metavar="SIZE", help="k8s: also create the --pvc claim, of this size (e.g. 100Gi)"
     )
     group.add_argument("--storage-class", default=None, help="k8s: the storage class of the claim --pvc-size creates")
-    group.add_argument(
-        "--idle-exit-s",
-        type=float,
-        default=IDLE_EXIT_S,
-        metavar="S",
-        help=f"the coordinator ends when no replica has been alive this long ({IDLE_EXIT_S:g})",
-    )
 
 
 def options_from_args(args: argparse.Namespace) -> EmitOptions:
@@ -743,8 +763,17 @@ def _slurm_placement(cfg: Config, o: EmitOptions) -> tuple[str, str]:
 
 
 def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
-    hosts = cfg.mesh.hosts
-    last = cfg.ft.replicas - 1
+    common = {
+        "name": name,
+        "prelude": _SLURM_PRELUDE.rstrip("\n"),
+        "max_restarts": o.max_restarts,
+        "last": cfg.ft.replicas - 1,
+    }
+    return {**_slurm_job_files(cfg, name, o, common), **_slurm_replica_files(cfg, name, o, common)}
+
+
+def _slurm_job_files(cfg: Config, name: str, o: EmitOptions, common: dict) -> dict[str, tuple[str, int]]:
+    """Every file but the replicas' scripts: config, token, coordinator.sbatch, finish.sbatch, submit.sh."""
     coordinator = shell_join(
         coordinator_args(
             cfg,
@@ -754,32 +783,8 @@ def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]
             token_file=Shell('"$JOB_DIR/token"'),
         )
     )
-    resources, srun = [], ""
-    if o.cpus_per_host:
-        resources.append(f"--cpus-per-task={o.cpus_per_host}")
-        srun += f" --cpus-per-task={o.cpus_per_host}"  # srun does not inherit it from sbatch
-    if o.mem_per_host_gib:
-        resources.append(f"--mem={max(1, round(o.mem_per_host_gib * 1024))}M")
-    if o.gpus_per_host:
-        resources.append(f"--gpus-per-node={o.gpus_per_host}")
-    if o.exclusive:
-        resources.append("--exclusive")
-    launch = {
-        "event": "launch",
-        "config": "config.yaml",
-        "overrides": [],
-        "out": "run",
-        "replicas": cfg.ft.replicas,
-        "hosts": hosts,
-        "devices": cfg.mesh.devices_per_host,
-        "steps": cfg.steps,
-        "scheduler": "slurm",
-        "name": name,
-        "max_restarts": o.max_restarts,
-        "restart_delay_s": o.restart_delay_s,
-    }
-    common = {"name": name, "prelude": _SLURM_PRELUDE.rstrip("\n"), "max_restarts": o.max_restarts, "last": last}
-    files = {
+    launch = _slurm_launch_event(cfg, name, o)
+    return {
         "config.yaml": (_config_yaml(cfg), 0o644),
         "token": (secrets.token_hex(16) + "\n", 0o600),
         "coordinator.sbatch": (
@@ -799,21 +804,49 @@ def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]
         ),
         "submit.sh": (_fill(_SLURM_SUBMIT, **common, replicas=cfg.ft.replicas, launch=json.dumps(launch)[1:-1]), 0o755),
     }
+
+
+def _slurm_launch_event(cfg: Config, name: str, o: EmitOptions) -> dict:
+    """The `launch` event submit.sh writes to run/launch.jsonl."""
+    return {
+        "event": "launch",
+        "config": "config.yaml",
+        "overrides": [],
+        "out": "run",
+        "replicas": cfg.ft.replicas,
+        "hosts": cfg.mesh.hosts,
+        "devices": cfg.mesh.devices_per_host,
+        "steps": cfg.steps,
+        "scheduler": "slurm",
+        "name": name,
+        "max_restarts": o.max_restarts,
+        "restart_delay_s": o.restart_delay_s,
+    }
+
+
+def _slurm_resources(o: EmitOptions) -> tuple[list[str], str]:
+    """A replica host's resources: as sbatch options, and as srun's options."""
+    resources, srun = [], ""
+    if o.cpus_per_host:
+        resources.append(f"--cpus-per-task={o.cpus_per_host}")
+        srun += f" --cpus-per-task={o.cpus_per_host}"  # srun does not inherit it from sbatch
+    if o.mem_per_host_gib:
+        resources.append(f"--mem={max(1, round(o.mem_per_host_gib * 1024))}M")
+    if o.gpus_per_host:
+        resources.append(f"--gpus-per-node={o.gpus_per_host}")
+    if o.exclusive:
+        resources.append("--exclusive")
+    return resources, srun
+
+
+def _slurm_replica_files(cfg: Config, name: str, o: EmitOptions, common: dict) -> dict[str, tuple[str, int]]:
+    """replica-R.sbatch of every replica."""
+    hosts = cfg.mesh.hosts
+    resources, srun = _slurm_resources(o)
     reduce = cfg.ft.on_host_loss == "reduce"
     placement, policy = _slurm_placement(cfg, o)
+    files = {}
     for r in range(cfg.ft.replicas):
-        # the process id is appended per task (the `bash -c` above): only srun knows it
-        command = shell_join(
-            train_args(
-                Shell('"$JOB_DIR/config.yaml"'),
-                r,
-                Shell('"$COORDINATOR"'),
-                hosts,
-                Shell('"$OUT"'),
-                dist=Shell('"$DIST"') if hosts > 1 else None,
-                overrides=[Shell('"${REDUCED[@]}"')],
-            )
-        )
         files[f"replica-{r}.sbatch"] = (
             _fill(
                 _SLURM_REPLICA,
@@ -822,7 +855,7 @@ def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]
                 hosts=hosts,
                 last_host=hosts - 1,
                 delay=f"{o.restart_delay_s:g}",
-                command=command,
+                command=_slurm_train_command(r, hosts),
                 srun=srun,
                 wait_s=600,
                 leader=_SLURM_LEADER if hosts > 1 else "",
@@ -843,6 +876,22 @@ def _slurm(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]
     return files
 
 
+def _slurm_train_command(r: int, hosts: int) -> str:
+    """Replica r's `ftjax train` command in its script."""
+    # the process id is appended per task (the `bash -c` above): only srun knows it
+    return shell_join(
+        train_args(
+            Shell('"$JOB_DIR/config.yaml"'),
+            r,
+            Shell('"$COORDINATOR"'),
+            hosts,
+            Shell('"$OUT"'),
+            dist=Shell('"$DIST"') if hosts > 1 else None,
+            overrides=[Shell('"${REDUCED[@]}"')],
+        )
+    )
+
+
 # --- Kubernetes -------------------------------------------------------------------------------------
 def _labels(name: str, component: str, **extra: str) -> dict[str, str]:
     return {
@@ -854,14 +903,62 @@ def _labels(name: str, component: str, **extra: str) -> dict[str, str]:
 
 
 def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
-    token_env = {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}}
-    # each pod advertises its own IP to its peers (ftjax/base/net.py): the route to the coordinator's
-    # Service would name the same address, this is explicit
-    pod_ip_env = {"name": "FTJAX_ADVERTISE_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
-    coordinator_labels = _labels(name, "coordinator")
+    objects = [_config_map(cfg, name)]
+    if o.pvc_size:
+        objects.append(_outputs_claim(name, o))
+    objects += [_coordinator_job(cfg, name, o), _coordinator_service(name)]
+    files = {"coordinator.yaml": (_yaml(*objects), 0o644)}
+    for r in range(cfg.ft.replicas):
+        files[f"replica-{r}.yaml"] = (_yaml(_replica_jobset(cfg, name, o, r)), 0o644)
+    files["token.yaml"] = (_yaml(_token_secret(name)), 0o600)
+    return files
+
+
+def _token_env(name: str) -> dict:
+    """The environment variable that gives a container the token, from its Secret."""
+    return {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}}
+
+
+def _token_secret(name: str) -> dict:
+    # The token's Secret has a file of its own, readable by its owner only; the pods read it
+    # through secretKeyRef, and every other manifest may be shared.
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": f"{name}-token", "labels": _labels(name, "token")},
+        "type": "Opaque",
+        "stringData": {"token": secrets.token_hex(16)},
+    }
+
+
+def _config_map(cfg: Config, name: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name}-config", "labels": _labels(name, "config")},
+        "data": {"config.yaml": _config_yaml(cfg)},
+    }
+
+
+def _outputs_claim(name: str, o: EmitOptions) -> dict:
+    """The PersistentVolumeClaim --pvc-size creates."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": o.pvc, "labels": _labels(name, "outputs")},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "resources": {"requests": {"storage": o.pvc_size}},
+            **({"storageClassName": o.storage_class} if o.storage_class else {}),
+        },
+    }
+
+
+def _coordinator_pod(cfg: Config, name: str, o: EmitOptions) -> dict:
+    """The coordinator Job's pod template."""
     health = {"grpc": {"port": COORDINATOR_PORT}}
-    coordinator_pod = {
-        "metadata": {"labels": coordinator_labels},
+    return {
+        "metadata": {"labels": _labels(name, "coordinator")},
         "spec": {
             "restartPolicy": "Never",  # a failed pod is replaced by the Job (its state is soft)
             "securityContext": {"fsGroup": FS_GROUP},
@@ -869,7 +966,7 @@ def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
                 {
                     "name": "coordinator",
                     "image": o.image,
-                    "env": [token_env],
+                    "env": [_token_env(name)],
                     "command": coordinator_args(
                         cfg, port=COORDINATOR_PORT, http_port=HTTP_PORT, idle_exit_s=o.idle_exit_s
                     ),
@@ -884,152 +981,134 @@ def _k8s(cfg: Config, name: str, o: EmitOptions) -> dict[str, tuple[str, int]]:
             ],
         },
     }
-    # The token's Secret has a file of its own, readable by its owner only; the pods read it
-    # through secretKeyRef, and every other manifest may be shared.
-    secret = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": f"{name}-token", "labels": _labels(name, "token")},
-        "type": "Opaque",
-        "stringData": {"token": secrets.token_hex(16)},
-    }
-    objects: list[dict] = [
-        {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {"name": f"{name}-config", "labels": _labels(name, "config")},
-            "data": {"config.yaml": _config_yaml(cfg)},
-        }
-    ]
-    if o.pvc_size:
-        objects.append(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": {"name": o.pvc, "labels": _labels(name, "outputs")},
-                "spec": {
-                    "accessModes": ["ReadWriteMany"],
-                    "resources": {"requests": {"storage": o.pvc_size}},
-                    **({"storageClassName": o.storage_class} if o.storage_class else {}),
-                },
-            }
-        )
-    objects += [
-        {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {"name": f"{name}-coordinator", "labels": coordinator_labels},
-            "spec": {
-                # A failed pod is replaced; it ends with the job: 0 once every replica finished (the Job
-                # completes), 3 once no replica has been alive for --idle-exit-s, 2 on a bad option or
-                # token (the Job fails). An evicted or preempted pod does not count as a failure.
-                "backoffLimit": max(o.max_restarts, 1),
-                "podFailurePolicy": {
-                    "rules": [
-                        {
-                            "action": "FailJob",
-                            "onExitCodes": {"containerName": "coordinator", "operator": "In", "values": [2, 3]},
-                        },
-                        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                    ]
-                },
-                "template": coordinator_pod,
-            },
-        },
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": f"{name}-coordinator", "labels": coordinator_labels},
-            "spec": {
-                "selector": coordinator_labels,
-                "ports": [
-                    {"name": "grpc", "port": COORDINATOR_PORT, "targetPort": "grpc"},
-                    {"name": "http", "port": HTTP_PORT, "targetPort": "http"},
-                ],
-            },
-        },
-    ]
-    files = {"coordinator.yaml": (_yaml(*objects), 0o644)}
 
+
+def _coordinator_job(cfg: Config, name: str, o: EmitOptions) -> dict:
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": f"{name}-coordinator", "labels": _labels(name, "coordinator")},
+        "spec": {
+            # A failed pod is replaced; it ends with the job: 0 once every replica finished (the Job
+            # completes), 3 once no replica has been alive for --idle-exit-s, 2 on a bad option or
+            # token (the Job fails). An evicted or preempted pod does not count as a failure.
+            "backoffLimit": max(o.max_restarts, 1),
+            "podFailurePolicy": {
+                "rules": [
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {"containerName": "coordinator", "operator": "In", "values": [2, 3]},
+                    },
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                ]
+            },
+            "template": _coordinator_pod(cfg, name, o),
+        },
+    }
+
+
+def _coordinator_service(name: str) -> dict:
+    labels = _labels(name, "coordinator")
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": f"{name}-coordinator", "labels": labels},
+        "spec": {
+            "selector": labels,
+            "ports": [
+                {"name": "grpc", "port": COORDINATOR_PORT, "targetPort": "grpc"},
+                {"name": "http", "port": HTTP_PORT, "targetPort": "http"},
+            ],
+        },
+    }
+
+
+def _replica_resources(o: EmitOptions) -> dict:
+    """A replica container's resources: its requests, and its limits if any."""
     requests: dict[str, str] = {"cpu": str(o.cpus_per_host or 1), "memory": "2Gi"}
     limits: dict[str, str] = {}
     if o.mem_per_host_gib:
         requests["memory"] = limits["memory"] = f"{max(1, round(o.mem_per_host_gib * 1024))}Mi"
     if o.gpus_per_host:
         limits[o.gpu_resource] = str(o.gpus_per_host)
+    return {"requests": requests, **({"limits": limits} if limits else {})}
+
+
+def _replica_container(cfg: Config, name: str, o: EmitOptions, r: int) -> dict:
+    """The `train` container of replica r's pods."""
+    jobset = f"{name}-replica-{r}"
+    hosts = cfg.mesh.hosts
+    # JobSet pod hostnames: <jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain = jobset>
+    dist = f"{jobset}-host-0-0.{jobset}:{DIST_PORT}" if hosts > 1 else None
+    args = train_args(
+        "/config/config.yaml",
+        r,
+        f"{name}-coordinator:{COORDINATOR_PORT}",
+        hosts,
+        f"{RUN_DIR}/replica-{r}",
+        Shell('"$JOB_COMPLETION_INDEX"'),
+        dist,
+    )
+    # each pod advertises its own IP to its peers (ftjax/base/net.py): the route to the coordinator's
+    # Service would name the same address, this is explicit
+    pod_ip_env = {"name": "FTJAX_ADVERTISE_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    return {
+        "name": "train",
+        "image": o.image,
+        "command": ["/bin/sh", "-c", "exec " + shell_join(args)],
+        "env": [_token_env(name), pod_ip_env],
+        "resources": _replica_resources(o),
+        "volumeMounts": [
+            {"name": "config", "mountPath": "/config", "readOnly": True},
+            # on a shared claim, each job writes under its own name
+            {"name": "run", "mountPath": RUN_DIR, "subPath": name},
+            # a memory-backed /dev/shm, larger than the container default of 64 MiB
+            # (shared memory of the accelerator libraries)
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+
+
+def _replica_jobset(cfg: Config, name: str, o: EmitOptions, r: int) -> dict:
+    """Replica r's JobSet: one Job of H indexed pods, one per host."""
+    hosts = cfg.mesh.hosts
+    labels = _labels(name, "replica", **{"ftjax-replica": str(r)})
     outputs = (
         {"name": "run", "persistentVolumeClaim": {"claimName": o.pvc}} if o.pvc else {"name": "run", "emptyDir": {}}
     )
-    hosts = cfg.mesh.hosts
-    for r in range(cfg.ft.replicas):
-        jobset = f"{name}-replica-{r}"
-        labels = _labels(name, "replica", **{"ftjax-replica": str(r)})
-        # JobSet pod hostnames: <jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain = jobset>
-        dist = f"{jobset}-host-0-0.{jobset}:{DIST_PORT}" if hosts > 1 else None
-        args = train_args(
-            "/config/config.yaml",
-            r,
-            f"{name}-coordinator:{COORDINATOR_PORT}",
-            hosts,
-            f"{RUN_DIR}/replica-{r}",
-            Shell('"$JOB_COMPLETION_INDEX"'),
-            dist,
-        )
-        container = {
-            "name": "train",
-            "image": o.image,
-            "command": ["/bin/sh", "-c", "exec " + shell_join(args)],
-            "env": [token_env, pod_ip_env],
-            "resources": {"requests": requests, **({"limits": limits} if limits else {})},
-            "volumeMounts": [
-                {"name": "config", "mountPath": "/config", "readOnly": True},
-                # on a shared claim, each job writes under its own name
-                {"name": "run", "mountPath": RUN_DIR, "subPath": name},
-                # a memory-backed /dev/shm, larger than the container default of 64 MiB
-                # (shared memory of the accelerator libraries)
-                {"name": "dshm", "mountPath": "/dev/shm"},
+    pod = {
+        "metadata": {"labels": labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "securityContext": {"fsGroup": FS_GROUP},
+            "containers": [_replica_container(cfg, name, o, r)],
+            "volumes": [
+                {"name": "config", "configMap": {"name": f"{name}-config"}},
+                outputs,
+                {"name": "dshm", "emptyDir": {"medium": "Memory"}},
             ],
-        }
-        spec = {
-            # any failed pod fails its Job (backoffLimit 0), and the JobSet recreates the Job: the
-            # whole replica restarts, and catches up from a live peer; the other replicas go on
-            "failurePolicy": {"maxRestarts": o.max_restarts},
-            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-            "replicatedJobs": [
-                {
-                    "name": "host",
-                    "replicas": 1,
-                    "template": {
-                        "metadata": {"labels": labels},
-                        "spec": {
-                            "completionMode": "Indexed",
-                            "completions": hosts,
-                            "parallelism": hosts,
-                            "backoffLimit": 0,
-                            "template": {
-                                "metadata": {"labels": labels},
-                                "spec": {
-                                    "restartPolicy": "Never",
-                                    "securityContext": {"fsGroup": FS_GROUP},
-                                    "containers": [container],
-                                    "volumes": [
-                                        {"name": "config", "configMap": {"name": f"{name}-config"}},
-                                        outputs,
-                                        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-                                    ],
-                                },
-                            },
-                        },
-                    },
-                }
-            ],
-        }
-        doc = {
-            "apiVersion": "jobset.x-k8s.io/v1alpha2",
-            "kind": "JobSet",
-            "metadata": {"name": jobset, "labels": labels},
-            "spec": spec,
-        }
-        files[f"replica-{r}.yaml"] = (_yaml(doc), 0o644)
-    files["token.yaml"] = (_yaml(secret), 0o600)
-    return files
+        },
+    }
+    job = {
+        "metadata": {"labels": labels},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": hosts,
+            "parallelism": hosts,
+            "backoffLimit": 0,
+            "template": pod,
+        },
+    }
+    spec = {
+        # any failed pod fails its Job (backoffLimit 0), and the JobSet recreates the Job: the
+        # whole replica restarts, and catches up from a live peer; the other replicas go on
+        "failurePolicy": {"maxRestarts": o.max_restarts},
+        "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+        "replicatedJobs": [{"name": "host", "replicas": 1, "template": job}],
+    }
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": f"{name}-replica-{r}", "labels": labels},
+        "spec": spec,
+    }

@@ -205,23 +205,22 @@ class LocalJob:
             ]
             if die_at and i == die_host:
                 args += ["--die-at", die_at]
-            log = open(rdir / f"host-{h}.log", "a")
-            log.write(
-                f"--- incarnation {self.incarnations[r]} host {h} (process {i} of {len(on_hosts)}) "
-                f"at {time.time():.3f}\n"
-            )
-            log.flush()
-            children.append(
-                self.procs.start(
-                    self._on(host_name(r, h), args),
-                    env=self.env,
-                    device_count=self.cfg.mesh.devices_per_host,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+            children.append(self._start_host(r, h, i, len(on_hosts), args))
         self.hosts[r], self.placement[r] = children, on_hosts
         return children
+
+    def _start_host(self, r: int, h: int, i: int, n: int, args: list[str]) -> subprocess.Popen:
+        """Start `args`, process i of n, on host h of replica r; its output goes to the host's log."""
+        log = open(self.replica_dir(r) / f"host-{h}.log", "a")
+        log.write(f"--- incarnation {self.incarnations[r]} host {h} (process {i} of {n}) at {time.time():.3f}\n")
+        log.flush()
+        return self.procs.start(
+            self._on(host_name(r, h), args),
+            env=self.env,
+            device_count=self.cfg.mesh.devices_per_host,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     def terminate_replica(self, r: int) -> None:
         """SIGTERM every process of replica r: it leaves the job at its next step boundary."""

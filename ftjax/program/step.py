@@ -164,6 +164,24 @@ def rows_like(example: Any, n: int) -> Any:
     return jax.tree.map(lambda a: a.update(shape=(n, *a.shape[1:])), example)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """What a replica's functions are built over: the task's shapes, the optimizer, the shardings."""
+
+    params_shape: Any
+    ms_shape: Any
+    has_ms: bool
+    tx: optax.GradientTransformation
+    p_shard: Any
+    ms_shard: Any
+    opt_shard: Any
+    rep: jax.sharding.NamedSharding
+    state_shardings: State
+    update_shardings: Any
+    b_shard: jax.sharding.NamedSharding
+    example: Any
+
+
 def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task | None = None) -> ReplicaProgram:
     """Compile a replica's functions for the config's task (`task`: an already loaded one) over
     `mesh` (default: the replica's own FSDP mesh; the synchronous baseline of `ftjax bench step`
@@ -177,6 +195,21 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task
         # live hosts x devices_per_host of them, which lets tests build several meshes in one process.
         devices = jax.devices()[: cfg.mesh.live_devices]
         mesh = shd.replica_mesh(devices)
+    lay = _layout(cfg, mesh, task)
+    return ReplicaProgram(
+        cfg=cfg,
+        task=task,
+        mesh=mesh,
+        state_shardings=lay.state_shardings,
+        batch_sharding=lay.b_shard,
+        update_shardings=lay.update_shardings,
+        example=lay.example,
+        **_jitted(lay, *_state_functions(task, lay), *_loss_functions(cfg, task, lay)),
+    )
+
+
+def _layout(cfg: Config, mesh: jax.sharding.Mesh, task: Task) -> _Layout:
+    """The task's shapes and optimizer, and the shardings of state, update and batch over `mesh`."""
     params_shape, ms_shape = jax.eval_shape(task.init, jax.random.key(0))
     logical = task.param_axes if task.param_axes is not None else replicated_axes(params_shape)
     try:
@@ -203,6 +236,25 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task
     example = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((B, *x.shape[1:]), x.dtype, sharding=b_shard), task.example_batch(1)
     )
+    return _Layout(
+        params_shape=params_shape,
+        ms_shape=ms_shape,
+        has_ms=has_ms,
+        tx=tx,
+        p_shard=p_shard,
+        ms_shard=ms_shard,
+        opt_shard=opt_shard,
+        rep=rep,
+        state_shardings=state_shardings,
+        update_shardings=update_shardings,
+        b_shard=b_shard,
+        example=example,
+    )
+
+
+def _state_functions(task: Task, lay: _Layout):
+    """(init, apply, zeros): the state from a seed, the state after an update, an update of zeros."""
+    tx, has_ms = lay.tx, lay.has_ms
 
     def init(seed):
         params, ms = task.init(jax.random.key(seed))
@@ -212,6 +264,29 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task
             "step": jnp.zeros((), jnp.int32),
             **({"model_state": ms} if has_ms else {}),
         }
+
+    def apply(state, update, lr_scale):
+        updates, opt = tx.update(update["params"], state["opt"], state["params"])
+        updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
+        out = {"params": optax.apply_updates(state["params"], updates), "opt": opt, "step": state["step"] + 1}
+        if has_ms:
+            out["model_state"] = jax.tree.map(
+                lambda new, old: new.astype(old.dtype), update["model_state"], state["model_state"]
+            )
+        return out
+
+    def zeros():
+        return jax.tree.map(
+            lambda a: jnp.zeros(a.shape, jnp.float32),
+            {"params": lay.params_shape, **({"model_state": lay.ms_shape} if has_ms else {})},
+        )
+
+    return init, apply, zeros
+
+
+def _loss_functions(cfg: Config, task: Task, lay: _Layout):
+    """(grads, accumulate): a batch's mean loss, metrics and update; rows' update added to a sum."""
+    has_ms, B = lay.has_ms, cfg.data.batch_size
 
     def update_of(params, ms, batch, where, weight):
         """(per-example losses, aux, the update of `batch` with its loss weighted `weight` per row)."""
@@ -232,41 +307,26 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task
         per_example, aux, update = update_of(params, ms, batch, where, 1.0 / batch_rows(batch))
         return per_example.mean(), {k: v.mean() for k, v in aux.items()}, update
 
-    def apply(state, update, lr_scale):
-        updates, opt = tx.update(update["params"], state["opt"], state["params"])
-        updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
-        out = {"params": optax.apply_updates(state["params"], updates), "opt": opt, "step": state["step"] + 1}
-        if has_ms:
-            out["model_state"] = jax.tree.map(
-                lambda new, old: new.astype(old.dtype), update["model_state"], state["model_state"]
-            )
-        return out
-
-    def train_step(state, batch, lr_scale):
-        loss, _, update = grads(state["params"], model_state(state), batch, jnp.zeros(3, jnp.int32))
-        return apply(state, update, lr_scale), loss
-
     def accumulate(acc, params, ms, rows, where):
         # Gradient accumulation for a constant global batch (ftjax/base/batches.py): each row's loss
         # counts 1 / batch_size, so the micro-batches of one whole batch sum to its mean loss.
         per_row, _, update = update_of(params, ms, rows, where, 1.0 / B)
         return jax.tree.map(jnp.add, acc, update), per_row
 
-    def zeros():
-        return jax.tree.map(
-            lambda a: jnp.zeros(a.shape, jnp.float32),
-            {"params": params_shape, **({"model_state": ms_shape} if has_ms else {})},
-        )
+    return grads, accumulate
 
-    ms_in = ms_shard if has_ms else None
-    return ReplicaProgram(
-        cfg=cfg,
-        task=task,
-        mesh=mesh,
-        state_shardings=state_shardings,
-        batch_sharding=b_shard,
-        update_shardings=update_shardings,
-        example=example,
+
+def _jitted(lay: _Layout, init, apply, zeros, grads, accumulate) -> dict[str, Any]:
+    """ReplicaProgram's functions, each one `jax.jit` with its shardings (and donations)."""
+    p_shard, b_shard, rep = lay.p_shard, lay.b_shard, lay.rep
+    state_shardings, update_shardings = lay.state_shardings, lay.update_shardings
+
+    def train_step(state, batch, lr_scale):
+        loss, _, update = grads(state["params"], model_state(state), batch, jnp.zeros(3, jnp.int32))
+        return apply(state, update, lr_scale), loss
+
+    ms_in = lay.ms_shard if lay.has_ms else None
+    return dict(
         init=jax.jit(init, out_shardings=state_shardings),
         grads=jax.jit(grads, in_shardings=(p_shard, ms_in, b_shard, rep), out_shardings=(rep, rep, update_shardings)),
         apply=jax.jit(
@@ -293,7 +353,7 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task
             in_shardings=(update_shardings, update_shardings),
             out_shardings=update_shardings,
         ),
-        opt_init=jax.jit(tx.init, in_shardings=(p_shard,), out_shardings=opt_shard),
+        opt_init=jax.jit(lay.tx.init, in_shardings=(p_shard,), out_shardings=lay.opt_shard),
     )
 
 

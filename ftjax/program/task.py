@@ -198,18 +198,8 @@ def nnx_task(
         _, params, _, rest = split(build(nnx.Rngs(key)))
         return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
-    def rng_variables():
-        # RNG variables (typed keys, counters) are not state ftjax keeps: placeholders of their
-        # shapes, which `reseed` below replaces for this computation
-        def leaf(a):
-            if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-                return jax.random.split(jax.random.key(0), a.shape) if a.shape else jax.random.key(0)
-            return jnp.zeros(a.shape, a.dtype)
-
-        return jax.tree.map(leaf, a_rngs)
-
     def wrapped(params, rest, batch, key):
-        module = nnx.merge(graphdef, params, rng_variables(), rest)
+        module = nnx.merge(graphdef, params, _rng_placeholders(a_rngs), rest)
         if tags:
             nnx.reseed(module, **{t: jax.random.fold_in(key, i) for i, t in enumerate(tags)})
         per_example, aux = split_output(loss(module, batch))
@@ -225,6 +215,18 @@ def nnx_task(
         optimizer=optimizer,
         tokens_per_example=tokens_per_example,
     )
+
+
+def _rng_placeholders(a_rngs: PyTree) -> PyTree:
+    """RNG variables (typed keys, counters) are not state ftjax keeps: placeholders of their
+    shapes (`a_rngs`: their abstract pure dict), which `nnx.reseed` replaces for this computation."""
+
+    def leaf(a):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            return jax.random.split(jax.random.key(0), a.shape) if a.shape else jax.random.key(0)
+        return jnp.zeros(a.shape, a.dtype)
+
+    return jax.tree.map(leaf, a_rngs)
 
 
 def _check_float_state(state: PyTree, task: str) -> None:
@@ -259,24 +261,7 @@ def linen_task(
     Parameters boxed with `nn.with_logical_partitioning` are sharded by their logical names."""
     import flax.linen as nn
 
-    def run(variables, batch, key, init_key=None):
-        rngs = {s: jax.random.fold_in(key, i) for i, s in enumerate(rng_streams)}
-        got: dict = {}
-
-        def apply(*args, **kwargs):
-            if init_key is not None:
-                out, v = module.init_with_output({"params": init_key, **rngs}, *args, **kwargs)
-                got["variables"] = v
-                return out
-            collections = [c for c in variables if c != "params"]
-            if not collections:
-                return module.apply(variables, *args, rngs=rngs, **kwargs)
-            out, new = module.apply(variables, *args, rngs=rngs, mutable=collections, **kwargs)
-            got["variables"] = new
-            return out
-
-        out = loss(apply, batch)
-        return out, got.get("variables", {})
+    run = _linen_runner(module, loss, rng_streams)
 
     def boxed_init(key):
         _, variables = run(None, jax.tree.map(jnp.asarray, example), key, init_key=key)
@@ -305,6 +290,32 @@ def linen_task(
         optimizer=optimizer,
         tokens_per_example=tokens_per_example,
     )
+
+
+def _linen_runner(module: Any, loss: Callable[[Callable, Batch], Any], rng_streams: Sequence[str]) -> Callable:
+    """`run(variables, batch, key, init_key=None) -> (loss's output, variables)`: the user's loss
+    with its `apply` bound to `module`, initializing it instead when `init_key` is given."""
+
+    def run(variables, batch, key, init_key=None):
+        rngs = {s: jax.random.fold_in(key, i) for i, s in enumerate(rng_streams)}
+        got: dict = {}
+
+        def apply(*args, **kwargs):
+            if init_key is not None:
+                out, v = module.init_with_output({"params": init_key, **rngs}, *args, **kwargs)
+                got["variables"] = v
+                return out
+            collections = [c for c in variables if c != "params"]
+            if not collections:
+                return module.apply(variables, *args, rngs=rngs, **kwargs)
+            out, new = module.apply(variables, *args, rngs=rngs, mutable=collections, **kwargs)
+            got["variables"] = new
+            return out
+
+        out = loss(apply, batch)
+        return out, got.get("variables", {})
+
+    return run
 
 
 # --- a plain pytree ---------------------------------------------------------------------------------

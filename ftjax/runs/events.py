@@ -48,7 +48,8 @@ class ReplicaEvent(StrEnum):
     REPORT_UNDELIVERED = "report_undelivered"  # a failure report of `replica` did not reach the coordinator (`error`)
     PROGRESS_TIMEOUT = "progress_timeout"  # the watchdog saw no progress in `phase`: the process leaves the job
     DRAIN_TIMEOUT = "drain_timeout"  # trained every step; gave up waiting for healing peers after drain_timeout_s
-    DIVERGED = "diverged"  # its state's digest of `step` differed from the quorum's (majority_digest): it heals from `source`
+    # its state's digest of `step` differed from the quorum's (majority_digest): it heals from `source`
+    DIVERGED = "diverged"
     JOB_FINISHED = "job_finished"  # the job finished at `job_step` while this replica was behind (`step`) and
     # nobody alive held the final state: it exits 0 instead of training finished steps again (one history)
     LEFT = "left"  # asked to (SIGTERM: `reason`), the replica left the job at a step boundary (`step`); exit 76

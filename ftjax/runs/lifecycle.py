@@ -48,9 +48,15 @@ _ALIVE = frozenset({Phase.STARTING, Phase.TRAINING, Phase.STALLED, Phase.CATCHIN
 
 # One colour per phase, keyed by the phase names: RUN/timeline.png (ftjax/launch/plots.py) and the
 # coordinator's status page draw with the same ones.
-PHASE_COLORS = {Phase.STARTING.value: "#9ecae1", Phase.TRAINING.value: "#31a354", Phase.STALLED.value: "#fd8d3c",
-                Phase.CATCHING_UP.value: "#756bb1", Phase.DOWN.value: "#de2d26", Phase.DONE.value: "#d9d9d9",
-                Phase.GONE.value: "#636363"}
+PHASE_COLORS = {
+    Phase.STARTING.value: "#9ecae1",
+    Phase.TRAINING.value: "#31a354",
+    Phase.STALLED.value: "#fd8d3c",
+    Phase.CATCHING_UP.value: "#756bb1",
+    Phase.DOWN.value: "#de2d26",
+    Phase.DONE.value: "#d9d9d9",
+    Phase.GONE.value: "#636363",
+}
 
 
 # --- the stall rule -------------------------------------------------------------------------------
@@ -107,10 +113,13 @@ def signal(record: dict) -> Signal | None:
 
 # The launcher's verdicts hold from any phase; a replica's own signals move a live replica only (a
 # record read after the launcher declared it down, done or gone changes nothing).
-_VERDICTS = {Signal.STARTED: Phase.STARTING, Signal.DIED: Phase.DOWN, Signal.FINISHED: Phase.DONE,
-             Signal.LEFT: Phase.GONE}
-_WHILE_ALIVE = {Signal.OWN_STEP: Phase.TRAINING, Signal.RELAY_STEP: Phase.CATCHING_UP,
-                Signal.BEHIND: Phase.CATCHING_UP}
+_VERDICTS = {
+    Signal.STARTED: Phase.STARTING,
+    Signal.DIED: Phase.DOWN,
+    Signal.FINISHED: Phase.DONE,
+    Signal.LEFT: Phase.GONE,
+}
+_WHILE_ALIVE = {Signal.OWN_STEP: Phase.TRAINING, Signal.RELAY_STEP: Phase.CATCHING_UP, Signal.BEHIND: Phase.CATCHING_UP}
 
 
 def next_phase(phase: Phase, record: dict) -> Phase:
@@ -227,8 +236,9 @@ class Lifecycle:
         return out
 
 
-def segments(records: Iterable[dict], median_step_s: float | None, until: float,
-             steps: int | None = None) -> list[Segment]:
+def segments(
+    records: Iterable[dict], median_step_s: float | None, until: float, steps: int | None = None
+) -> list[Segment]:
     """A replica's lifecycle segments from its records (its own and the launcher's about it, in time
     order) up to `until`; `steps`: the job's (see `Lifecycle`)."""
     lifecycle = Lifecycle(steps)

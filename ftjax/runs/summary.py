@@ -48,8 +48,9 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   replica's death to its rejoin, when it rejoined: restart delay + start + catch-up).
 - **partitions** (`--partition`, a virtual cluster): for each cut, the replica and host, the
   step the launcher saw when it cut, and what was committed in its window, from its cut record to
-  its own end record (matched by the window's number: overlapping windows end in any order): `in_flight` is the step after the replica's last commit before the
-  cut (its records may land just after the cut record: it committed before its links went),
+  its own end record (matched by the window's number: overlapping windows end in any order):
+  `in_flight` is the step after the replica's last commit before the cut (its records may land
+  just after the cut record: it committed before its links went),
   `isolated_commits` every other step the cut-off replica committed (none, or there was a split
   brain), `peer_commits` how many steps each other replica committed meanwhile (it trains on), and
   `rejoined_at_step` where the cut-off replica caught up afterwards (null: it did not).
@@ -76,10 +77,9 @@ from pathlib import Path
 from typing import Any
 
 from ftjax.base.batches import check_tiling
-from ftjax.runs.events import EVENT, REPLICA, TIME, LauncherEvent, ReplicaEvent, StepField
-from ftjax.runs.events import is_own_step, is_step
-from ftjax.runs.lifecycle import Phase, segments
+from ftjax.runs.events import EVENT, REPLICA, TIME, LauncherEvent, ReplicaEvent, StepField, is_own_step, is_step
 from ftjax.runs.jsonl import read_jsonl
+from ftjax.runs.lifecycle import Phase, segments
 
 DOWN_EVENTS = (LauncherEvent.REPLICA_DOWN, LauncherEvent.NOT_RESTARTED, LauncherEvent.ABANDONED)
 
@@ -165,8 +165,12 @@ def warm_time(run: Run) -> float | None:
 def failed_replicas(run: Run) -> set[int]:
     """Replicas that died, hung, or that a fault was aimed at (a `--hang` stop leaves no other trace
     when it ends before the hang timeout)."""
-    return {e[REPLICA] for e in run.events
-            if e[EVENT] in (LauncherEvent.REPLICA_DOWN, LauncherEvent.HANG_DETECTED) or (e[EVENT] == LauncherEvent.FAULT and REPLICA in e)}
+    return {
+        e[REPLICA]
+        for e in run.events
+        if e[EVENT] in (LauncherEvent.REPLICA_DOWN, LauncherEvent.HANG_DETECTED)
+        or (e[EVENT] == LauncherEvent.FAULT and REPLICA in e)
+    }
 
 
 def step_gaps(run: Run, r: int, t_warm: float) -> list[tuple[float, float, int]]:
@@ -201,8 +205,10 @@ def median_step(run: Run, t_warm: float | None) -> tuple[float | None, list[tupl
 
 def batch_rows(run: Run) -> int:
     """Rows of one replica's batch, from the steps' `work` (0: an elastic run records none)."""
-    return max((int(b) for r in range(run.replicas) for s in _steps(run.metrics[r])
-                for _, _, _, b in s.get("work") or ()), default=0)
+    return max(
+        (int(b) for r in range(run.replicas) for s in _steps(run.metrics[r]) for _, _, _, b in s.get("work") or ()),
+        default=0,
+    )
 
 
 def exactly_once(run: Run, r: int) -> tuple[bool, str]:
@@ -250,9 +256,13 @@ def constant_batch(run: Run) -> dict[str, Any] | None:
             runs[-1][1] = n
         elif others:
             runs.append([n, n, others])
-    return {"exactly_once": not errors, **({"error": errors[0]} if errors else {}),
-            "steps_with_reassigned_rows": sum(last - first + 1 for first, last, _ in runs),
-            "rows_computed_for_others": for_others, "reassignments": runs}
+    return {
+        "exactly_once": not errors,
+        **({"error": errors[0]} if errors else {}),
+        "steps_with_reassigned_rows": sum(last - first + 1 for first, last, _ in runs),
+        "rows_computed_for_others": for_others,
+        "reassignments": runs,
+    }
 
 
 def final_position(run: Run, r: int) -> int:
@@ -265,12 +275,15 @@ def final_position(run: Run, r: int) -> int:
 
 def timeline(run: Run, median_s: float | None) -> dict[int, list[tuple[float, float, str]]]:
     """Each replica's (start, end, phase name) segments over the run (see the module docstring)."""
-    return {r: [(g.start, g.end, g.phase.value) for g in segments(run.records(r), median_s, run.end, run.steps)]
-            for r in range(run.replicas)}
+    return {
+        r: [(g.start, g.end, g.phase.value) for g in segments(run.records(r), median_s, run.end, run.steps)]
+        for r in range(run.replicas)
+    }
 
 
-def ettr(run: Run, segments: dict[int, list[tuple[float, float, str]]], t_warm: float, t_end: float,
-         median_s: float) -> float | None:
+def ettr(
+    run: Run, segments: dict[int, list[tuple[float, float, str]]], t_warm: float, t_end: float, median_s: float
+) -> float | None:
     """Effective training time over [t_warm, t_end] (see the module docstring)."""
     if t_end <= t_warm:
         return None
@@ -291,8 +304,14 @@ def _recovery(run: Run, down: dict) -> float | None:
     """Seconds from a replica's death to its next rejoin (None: it never rejoined, or not a replica)."""
     if down[EVENT] != LauncherEvent.REPLICA_DOWN:
         return None
-    back = next((e for e in run.events if e[EVENT] == LauncherEvent.REJOINED and e[REPLICA] == down[REPLICA]
-                 and e[TIME] > down[TIME]), None)
+    back = next(
+        (
+            e
+            for e in run.events
+            if e[EVENT] == LauncherEvent.REJOINED and e[REPLICA] == down[REPLICA] and e[TIME] > down[TIME]
+        ),
+        None,
+    )
     return round(back[TIME] - down[TIME], 3) if back else None
 
 
@@ -310,23 +329,42 @@ def partitions(run: Run) -> list[dict[str, Any]]:
         before = max((s[StepField.STEP] for s in committed(r) if s[TIME] <= t_cut), default=0)
         during = [s[StepField.STEP] for s in committed(r) if t_cut < s[TIME] <= t_end]
         back = next((e for e in run.metrics[r] if e.get(EVENT) == ReplicaEvent.CATCHUP_DONE and e[TIME] > t_end), None)
-        out.append({
-            "replica": r, "host": host, "step": cut.get("step"), "seconds": cut.get("seconds"),
-            "time_s": round(t_cut - run.start, 3), "restored": end is not None,
-            "in_flight": [n for n in during if n == before + 1],
-            "isolated_commits": [n for n in during if n != before + 1],
-            "peer_commits": {str(o): sum(1 for s in committed(o) if t_cut < s[TIME] <= t_end)
-                             for o in range(run.replicas) if o != r},
-            "rejoined_at_step": back.get("at_step") if back else None,
-        })
+        out.append(
+            {
+                "replica": r,
+                "host": host,
+                "step": cut.get("step"),
+                "seconds": cut.get("seconds"),
+                "time_s": round(t_cut - run.start, 3),
+                "restored": end is not None,
+                "in_flight": [n for n in during if n == before + 1],
+                "isolated_commits": [n for n in during if n != before + 1],
+                "peer_commits": {
+                    str(o): sum(1 for s in committed(o) if t_cut < s[TIME] <= t_end)
+                    for o in range(run.replicas)
+                    if o != r
+                },
+                "rejoined_at_step": back.get("at_step") if back else None,
+            }
+        )
     return out
 
 
 def divergences(run: Run) -> list[dict[str, Any]]:
     """Each `diverged` event of a replica: its digest and the kept one, the step, its source."""
-    return [{"time_s": round(e[TIME] - run.start, 3), "replica": r, "step": e.get("step"), "digest": e.get("digest"),
-             "majority_digest": e.get("majority_digest"), "source": e.get("source")}
-            for r in range(run.replicas) for e in run.metrics[r] if e.get(EVENT) == ReplicaEvent.DIVERGED]
+    return [
+        {
+            "time_s": round(e[TIME] - run.start, 3),
+            "replica": r,
+            "step": e.get("step"),
+            "digest": e.get("digest"),
+            "majority_digest": e.get("majority_digest"),
+            "source": e.get("source"),
+        }
+        for r in range(run.replicas)
+        for e in run.metrics[r]
+        if e.get(EVENT) == ReplicaEvent.DIVERGED
+    ]
 
 
 def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
@@ -334,11 +372,15 @@ def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
     it is not 0: replicas that finished with different digests hold different models, and a step
     committed in two lineages is two histories, whatever else went right. (A replica that ended
     behind a finished job holds an older state by design: it is left out.)"""
-    final = {rid: rec["param_digest"] for rid, rec in summary["replicas"].items()
-             if rec["param_digest"] and not rec.get("ended_behind")}
+    final = {
+        rid: rec["param_digest"]
+        for rid, rec in summary["replicas"].items()
+        if rec["param_digest"] and not rec.get("ended_behind")
+    }
     if len(set(final.values())) > 1:
         return code or 1, "the replicas ended with different states: " + ", ".join(
-            f"replica {rid} {d}" for rid, d in sorted(final.items()))
+            f"replica {rid} {d}" for rid, d in sorted(final.items())
+        )
     if summary.get("split_history"):
         return code or 1, f"a split history: steps {summary['split_history']['steps'][:10]} were committed twice"
     return code, ""
@@ -362,26 +404,98 @@ def split_history(run: Run) -> dict[str, Any] | None:
             if s.get(StepField.COMMITTED) and s.get(StepField.PARAM_DIGEST) is not None:
                 key = (int(s.get("quorum_id") or 0), s[StepField.PARAM_DIGEST])
                 by_step.setdefault(int(s[StepField.STEP]), {}).setdefault(key, []).append(r)
-    split = sorted(n for n, commits in by_step.items()
-                   if len({q for q, _ in commits}) > 1 and len({d for _, d in commits}) > 1)
+    split = sorted(
+        n for n, commits in by_step.items() if len({q for q, _ in commits}) > 1 and len({d for _, d in commits}) > 1
+    )
     if not split:
         return None
-    first = [{"quorum_id": q, "param_digest": d, "replicas": sorted(set(rs))}
-             for (q, d), rs in sorted(by_step[split[0]].items())]
+    first = [
+        {"quorum_id": q, "param_digest": d, "replicas": sorted(set(rs))}
+        for (q, d), rs in sorted(by_step[split[0]].items())
+    ]
     return {"steps": split, "first": {"step": split[0], "commits": first}}
 
 
 def ended_behind(run: Run, r: int) -> bool:
     """Replica r's last word was `job_finished`: it ended behind a job that finished without it."""
-    last = next((rec for rec in reversed(run.metrics[r]) if rec.get(EVENT) in (ReplicaEvent.START, ReplicaEvent.JOB_FINISHED)), None)
+    last = next(
+        (rec for rec in reversed(run.metrics[r]) if rec.get(EVENT) in (ReplicaEvent.START, ReplicaEvent.JOB_FINISHED)),
+        None,
+    )
     return last is not None and last[EVENT] == ReplicaEvent.JOB_FINISHED
 
 
 def final_loss(run: Run) -> float | None:
     k = max(1, run.steps // 20)
-    losses = [s[StepField.LOSS] for r in range(run.replicas) for s in run.metrics[r]
-              if is_own_step(s) and s.get(StepField.LOSS) is not None and s[StepField.STEP] > run.steps - k]
+    losses = [
+        s[StepField.LOSS]
+        for r in range(run.replicas)
+        for s in run.metrics[r]
+        if is_own_step(s) and s.get(StepField.LOSS) is not None and s[StepField.STEP] > run.steps - k
+    ]
     return statistics.fmean(losses) if losses else None
+
+
+def _replica_summary(
+    run: Run, r: int, segments: list[tuple[float, float, str]], constant: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Replica r's entry of the summary's `replicas`."""
+    steps = _steps(run.metrics[r])
+    committed = [s for s in steps if s.get(StepField.COMMITTED)]
+    final = run.finals.get(r) or {}
+    digests = [s[StepField.PARAM_DIGEST] for s in committed if StepField.PARAM_DIGEST in s]
+    catchups = [e for e in run.metrics[r] if e.get(EVENT) == ReplicaEvent.CATCHUP_DONE]
+    once, why = exactly_once(run, r) if constant is None else (constant["exactly_once"], constant.get("error", ""))
+    in_state = {phase.value: 0.0 for phase in Phase}
+    for a, b, st in segments:
+        in_state[st] += b - a
+    return {
+        "steps_committed": len(committed),
+        "steps_contributed": sum(is_own_step(s) for s in steps),
+        "final_step": committed[-1][StepField.STEP] if committed else 0,
+        "restarts": sum(1 for e in run.events if e[EVENT] == LauncherEvent.REPLICA_STARTED and e[REPLICA] == r) - 1,
+        "failures": sum(1 for e in run.events if e[EVENT] == LauncherEvent.REPLICA_DOWN and e[REPLICA] == r),
+        "catchup_s": round(sum(e.get("catchup_s") or 0.0 for e in catchups), 3),
+        "catchups": len(catchups),
+        "param_digest": final.get("param_digest") or (digests[-1] if digests else None),
+        "final_loss": final.get("final_loss"),
+        "data_position": final_position(run, r),
+        "finished": bool(final),
+        "ended_behind": ended_behind(run, r),
+        "exactly_once": once,
+        **({"exactly_once_error": why} if why else {}),
+        "seconds_in_state": {k: round(v, 3) for k, v in in_state.items()},
+    }
+
+
+def _failure_events(run: Run) -> list[dict[str, Any]]:
+    """Every replica death and coordinator loss, with its recovery time."""
+    return [
+        {
+            "time_s": round(e[TIME] - run.start, 3),
+            "replica": e.get(REPLICA),
+            "cause": e.get("cause"),
+            "step": e.get("step"),
+            **({"at": e["at"]} if e.get("at") else {}),
+            "recovery_s": _recovery(run, e),
+        }
+        for e in run.events
+        if e[EVENT] in (LauncherEvent.REPLICA_DOWN, LauncherEvent.COORDINATOR_DOWN)
+    ]
+
+
+def _rejoins(run: Run) -> list[dict[str, Any]]:
+    """Every rejoin of a replica: when, at which step, after how long a catch-up."""
+    return [
+        {
+            "time_s": round(e[TIME] - run.start, 3),
+            "replica": e[REPLICA],
+            "at_step": e.get("at_step"),
+            "catchup_s": e.get("catchup_s"),
+        }
+        for e in run.events
+        if e[EVENT] == LauncherEvent.REJOINED
+    ]
 
 
 # --- the summary ----------------------------------------------------------------------------------
@@ -390,45 +504,15 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
     run = load_run(run_dir)
     t_warm = warm_time(run)
     median_s, healthy = median_step(run, t_warm)
-    committed_times = [s[TIME] for r in range(run.replicas) for s in _steps(run.metrics[r]) if s.get(StepField.COMMITTED)]
+    committed_times = [
+        s[TIME] for r in range(run.replicas) for s in _steps(run.metrics[r]) if s.get(StepField.COMMITTED)
+    ]
     t_end = max(committed_times) if committed_times else run.end
     segments = timeline(run, median_s)
     constant = constant_batch(run)
 
-    replicas: dict[str, Any] = {}
-    for r in range(run.replicas):
-        steps = _steps(run.metrics[r])
-        committed = [s for s in steps if s.get(StepField.COMMITTED)]
-        final = run.finals.get(r) or {}
-        digests = [s[StepField.PARAM_DIGEST] for s in committed if StepField.PARAM_DIGEST in s]
-        catchups = [e for e in run.metrics[r] if e.get(EVENT) == ReplicaEvent.CATCHUP_DONE]
-        once, why = exactly_once(run, r) if constant is None else (constant["exactly_once"], constant.get("error", ""))
-        in_state = {phase.value: 0.0 for phase in Phase}
-        for a, b, st in segments[r]:
-            in_state[st] += b - a
-        replicas[str(r)] = {
-            "steps_committed": len(committed),
-            "steps_contributed": sum(is_own_step(s) for s in steps),
-            "final_step": committed[-1][StepField.STEP] if committed else 0,
-            "restarts": sum(1 for e in run.events if e[EVENT] == LauncherEvent.REPLICA_STARTED and e[REPLICA] == r) - 1,
-            "failures": sum(1 for e in run.events if e[EVENT] == LauncherEvent.REPLICA_DOWN and e[REPLICA] == r),
-            "catchup_s": round(sum(e.get("catchup_s") or 0.0 for e in catchups), 3),
-            "catchups": len(catchups),
-            "param_digest": final.get("param_digest") or (digests[-1] if digests else None),
-            "final_loss": final.get("final_loss"),
-            "data_position": final_position(run, r),
-            "finished": bool(final),
-            "ended_behind": ended_behind(run, r),
-            "exactly_once": once,
-            **({"exactly_once_error": why} if why else {}),
-            "seconds_in_state": {k: round(v, 3) for k, v in in_state.items()},
-        }
-
-    failure_events = [
-        {"time_s": round(e[TIME] - run.start, 3), "replica": e.get(REPLICA), "cause": e.get("cause"),
-         "step": e.get("step"), **({"at": e["at"]} if e.get("at") else {}), "recovery_s": _recovery(run, e)}
-        for e in run.events if e[EVENT] in (LauncherEvent.REPLICA_DOWN, LauncherEvent.COORDINATOR_DOWN)
-    ]
+    replicas = {str(r): _replica_summary(run, r, segments[r], constant) for r in range(run.replicas)}
+    failure_events = _failure_events(run)
     digests = [rec["param_digest"] for rec in replicas.values() if not rec["ended_behind"]]
     split = split_history(run)
     ettr_value = ettr(run, segments, t_warm, t_end, median_s or 0.0) if t_warm is not None else None
@@ -449,8 +533,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "committed_steps": max((rec["final_step"] for rec in replicas.values()), default=0),
         "failures": len(failure_events),
         "failure_events": failure_events,
-        "rejoins": [{"time_s": round(e[TIME] - run.start, 3), "replica": e[REPLICA], "at_step": e.get("at_step"),
-                     "catchup_s": e.get("catchup_s")} for e in run.events if e[EVENT] == LauncherEvent.REJOINED],
+        "rejoins": _rejoins(run),
         "partitions": partitions(run),
         "ettr": round(ettr_value, 4) if ettr_value is not None else None,
         "median_step_s": round(median_s, 4) if median_s is not None else None,
@@ -458,7 +541,9 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "max_healthy_gap_s": round(max(gap for _, gap, _ in healthy), 4) if healthy else None,
         "final_loss": round(loss, 5) if loss is not None else None,
         "digests_equal": len(set(digests)) == 1 and None not in digests,
-        "digests_missing": [rid for rid, rec in replicas.items() if rec["param_digest"] is None and not rec["ended_behind"]],
+        "digests_missing": [
+            rid for rid, rec in replicas.items() if rec["param_digest"] is None and not rec["ended_behind"]
+        ],
         "exactly_once": all(rec["exactly_once"] for rec in replicas.values()),
         "divergences": divergences(run),
         **({"constant_batch": constant} if constant is not None else {}),

@@ -22,6 +22,22 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ftjax train", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    _run_arguments(p)
+    _process_arguments(p)
+    _fault_arguments(p)
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="when stdout is not a terminal (a file, a pipe), print a plain line every N steps "
+        "(default: about 20 lines per run), besides one per event and the end of the run",
+    )
+    return p
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    """What to train, where, and from what: the config, its overrides, the run directory."""
     p.add_argument("config", help="YAML config: a path, or a built-in name (tiny, gpt_small)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. steps=30 model.d_model=128")
     p.add_argument("--out", default=None, help="run directory (default: runs/<config name>)")
@@ -40,6 +56,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         metavar="N",
         help="stop (with a checkpoint) once N steps are done, as if interrupted",
     )
+
+
+def _process_arguments(p: argparse.ArgumentParser) -> None:
+    """Where this process stands: its rank in the replica, the replica's in the job."""
     p.add_argument("--num-processes", type=int, default=None, help="hosts in this replica (sets mesh.hosts)")
     p.add_argument("--process-id", type=int, default=0, help="this process's rank within the replica")
     p.add_argument(
@@ -50,6 +70,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--replica-id", type=int, default=0, help="this replica's index in the job (0-based)")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of the job's coordinator (joins a job)")
+
+
+def _fault_arguments(p: argparse.ArgumentParser) -> None:
+    """Fault injection (ftjax/runtime/faults.py)."""
     p.add_argument(
         "--die-at",
         default=None,
@@ -69,15 +93,6 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         help="fault injection: flip one bit of one parameter after applying that step (a silent "
         "divergence, which the coordinator detects from the digests and heals)",
     )
-    p.add_argument(
-        "--log-every",
-        type=int,
-        default=None,
-        metavar="N",
-        help="when stdout is not a terminal (a file, a pipe), print a plain line every N steps "
-        "(default: about 20 lines per run), besides one per event and the end of the run",
-    )
-    return p
 
 
 def parse_config(args: argparse.Namespace) -> Config:

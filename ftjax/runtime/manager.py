@@ -428,53 +428,18 @@ def join(
     r, R + r, ... (`batch_id`, default that)."""
     import signal
 
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from ftjax.base.env import read_token
-    from ftjax.program.sharding import describe, replica_mesh
     from ftjax.runtime import replica as rp
     from ftjax.runtime.host_group import JaxHostGroup
     from ftjax.runtime.metrics import MetricsLog
 
     cfg, options, out = run.cfg, run.options, run.out
-    mesh = replica_mesh(jax.devices()[: cfg.mesh.devices_per_host])
-
-    def placed(a):  # a leaf with no mesh sharding (plain, or on one device) is replicated on the replica's mesh
-        sharding = getattr(a, "sharding", None)
-        return jax.ShapeDtypeStruct(
-            a.shape, a.dtype, sharding=sharding if isinstance(sharding, NamedSharding) else NamedSharding(mesh, P())
-        )
-
-    abstract, template = jax.tree.map(placed, state), jax.tree.map(placed, update_template)
+    abstract, template = _placed(cfg, state, update_template)
     group = JaxHostGroup()
     log = MetricsLog(
         out, enabled=True, total_steps=cfg.steps, label=f"replica {options.replica_id}", log_every=options.log_every
     )
-    topology = "\n".join(
-        [
-            f"mesh: lanes={cfg.mesh.hosts} devices_per_lane={cfg.mesh.devices_per_host}",
-            describe({"update": template}),
-            describe({"state": abstract}),
-        ]
-    )
-    if options.coordinator:
-        addrs = rp.addresses(cfg, options.coordinator)
-        protocol = rp.member_protocol(
-            cfg,
-            options,
-            out,
-            read_token(),
-            addrs,
-            group,
-            log,
-            update_template=template,
-            update_shardings=jax.tree.map(lambda a: a.sharding, template),
-            topology=topology,
-        )
-    else:
-        protocol = rp.standalone_protocol(cfg, options, out, group, log)
+    topology = _script_topology(cfg, template, abstract)
+    protocol = _script_protocol(run, group, log, template, topology)
     replicas, rid = cfg.ft.replicas, options.replica_id
     ft = ScriptFaultTolerance(
         protocol,
@@ -493,6 +458,63 @@ def join(
     )
     signal.signal(signal.SIGTERM, lambda *_: ft.request_leave("SIGTERM"))
     return ft
+
+
+def _placed(cfg: Any, *trees: Any) -> tuple:
+    """ShapeDtypeStructs of each tree's leaves, with their shardings on the replica's mesh."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ftjax.program.sharding import replica_mesh
+
+    mesh = replica_mesh(jax.devices()[: cfg.mesh.devices_per_host])
+
+    def placed(a):  # a leaf with no mesh sharding (plain, or on one device) is replicated on the replica's mesh
+        sharding = getattr(a, "sharding", None)
+        return jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=sharding if isinstance(sharding, NamedSharding) else NamedSharding(mesh, P())
+        )
+
+    return tuple(jax.tree.map(placed, tree) for tree in trees)
+
+
+def _script_topology(cfg: Any, template: Any, abstract: Any) -> str:
+    """What a script's replicas must agree on to average together: lanes, update and state layouts."""
+    from ftjax.program.sharding import describe
+
+    return "\n".join(
+        [
+            f"mesh: lanes={cfg.mesh.hosts} devices_per_lane={cfg.mesh.devices_per_host}",
+            describe({"update": template}),
+            describe({"state": abstract}),
+        ]
+    )
+
+
+def _script_protocol(run: RunArgs, group: Any, log: Any, template: Any, topology: str) -> StepProtocol:
+    """A member's step protocol if the script joins a coordinator, else a standalone one."""
+    import jax
+
+    from ftjax.base.env import read_token
+    from ftjax.runtime import replica as rp
+
+    cfg, options, out = run.cfg, run.options, run.out
+    if not options.coordinator:
+        return rp.standalone_protocol(cfg, options, out, group, log)
+    addrs = rp.addresses(cfg, options.coordinator)
+    return rp.member_protocol(
+        cfg,
+        options,
+        out,
+        read_token(),
+        addrs,
+        group,
+        log,
+        update_template=template,
+        update_shardings=jax.tree.map(lambda a: a.sharding, template),
+        topology=topology,
+    )
 
 
 FaultTolerance.join = staticmethod(join)  # (the API's spelling: ftjax.FaultTolerance.join)

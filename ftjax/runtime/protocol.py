@@ -30,10 +30,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from ftjax.base.net import ADVERTISE_ENV, is_loopback
-from ftjax.coordinator.client import CoordinatorError
 from ftjax.coordinator.codec import decode_quorum, encode_quorum
 from ftjax.coordinator.quorum import Participant
-from ftjax.coordinator.types import JobFinished, QuorumResult
+from ftjax.coordinator.types import CoordinatorError, JobFinished, QuorumResult
 from ftjax.ftar import FTARError
 from ftjax.runs.events import ReplicaEvent
 from ftjax.runtime.catchup import CatchupTransport, FetchResult, SnapshotFetch, source_hosts

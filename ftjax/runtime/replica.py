@@ -92,33 +92,11 @@ def member_protocol(
     `topology`: what replicas must agree on to average together (ftjax/coordinator/layout.py)."""
     leader = group.rank == 0
     served = served_lanes(group.rank, cfg.mesh.live, cfg.mesh.hosts)
-    endpoints = [
-        FTAREndpoint(
-            token,
-            host=addrs.bind,
-            advertise=addrs.advertise,
-            timeout_s=cfg.ft.ftar_timeout_s,
-            shared_memory=cfg.ft.ftar_shared_memory,
-        )
-        for _ in served
-    ]
+    endpoints = _ftar_endpoints(cfg, token, addrs, served)
     ftar_addresses = [a for host in group.allgather([e.address for e in endpoints]) for a in host]  # lane order
-    transport = ShardTransport(
-        token,
-        rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps,
-        timeout_s=cfg.ft.quorum_timeout_s,
-        host=addrs.bind,
-        advertise=addrs.advertise,
-    )
+    transport = _catchup_transport(cfg, token, addrs)
     catchup_addresses = group.allgather(transport.address)
-    print(
-        f"ftjax: replica {args.replica_id} host {group.rank}: peers reach this process at "
-        f"{addrs.advertise} (chosen by {addrs.why}; ${net.ADVERTISE_ENV} or net.advertise_host to change): "
-        f"FTAR {' '.join(e.address for e in endpoints)}, catch-up {transport.address}; "
-        f"listening on {net.describe_bind(addrs.bind)}",
-        file=sys.stderr,
-        flush=True,
-    )
+    _announce(args, group, addrs, endpoints, transport)
     incarnation = group.broadcast(new_incarnation() if leader else None)
     client = None
     if leader:
@@ -131,10 +109,7 @@ def member_protocol(
             topology_fingerprint=fingerprint(topology),
             topology=topology,
         )
-        client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s)
-        client.start()
-        # each step's figures travel to the coordinator with the next quorum request (status page, /metrics)
-        log.listeners.append(partial(client.report_step, target_steps=cfg.steps, replicas=cfg.ft.replicas))
+        client = _coordinator_client(cfg, args, token, info, log)
     buffer = ReplayBuffer(out / f"replay-host{group.rank}", int(cfg.ft.catchup_buffer_mib * 2**20))
     flat = LaneFlattener(
         update_template,
@@ -153,6 +128,54 @@ def member_protocol(
         buffer=buffer,
         log=log,
     )
+
+
+def _ftar_endpoints(cfg: Config, token: str, addrs: net.Addresses, served) -> list[FTAREndpoint]:
+    """One FTAR endpoint per gradient lane this host serves."""
+    return [
+        FTAREndpoint(
+            token,
+            host=addrs.bind,
+            advertise=addrs.advertise,
+            timeout_s=cfg.ft.ftar_timeout_s,
+            shared_memory=cfg.ft.ftar_shared_memory,
+        )
+        for _ in served
+    ]
+
+
+def _catchup_transport(cfg: Config, token: str, addrs: net.Addresses) -> ShardTransport:
+    """What serves and fetches catch-up snapshots."""
+    return ShardTransport(
+        token,
+        rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps,
+        timeout_s=cfg.ft.quorum_timeout_s,
+        host=addrs.bind,
+        advertise=addrs.advertise,
+    )
+
+
+def _announce(args: RunOptions, group: JaxHostGroup, addrs: net.Addresses, endpoints, transport) -> None:
+    """One line on stderr: where peers reach this process, and why that address."""
+    print(
+        f"ftjax: replica {args.replica_id} host {group.rank}: peers reach this process at "
+        f"{addrs.advertise} (chosen by {addrs.why}; ${net.ADVERTISE_ENV} or net.advertise_host to change): "
+        f"FTAR {' '.join(e.address for e in endpoints)}, catch-up {transport.address}; "
+        f"listening on {net.describe_bind(addrs.bind)}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _coordinator_client(
+    cfg: Config, args: RunOptions, token: str, info: MemberInfo, log: MetricsLog
+) -> CoordinatorClient:
+    """The leader's client of the job's coordinator, started."""
+    client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s)
+    client.start()
+    # each step's figures travel to the coordinator with the next quorum request (status page, /metrics)
+    log.listeners.append(partial(client.report_step, target_steps=cfg.steps, replicas=cfg.ft.replicas))
+    return client
 
 
 def standalone_protocol(cfg: Config, args: RunOptions, out: Path, group: JaxHostGroup, log: MetricsLog) -> StepProtocol:

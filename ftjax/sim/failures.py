@@ -160,18 +160,7 @@ def read_trace(
     where_rng = where_rng or np.random.default_rng(cfg.seed)
     kind_rng = kind_rng or np.random.default_rng(cfg.seed + 1)
     name = str(path)
-    try:
-        with open(path, newline="") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-            header = reader.fieldnames or []
-    except OSError as e:
-        raise TraceError(f"--failure-trace: cannot read {name}: {e.strerror}") from e
-    if not header:
-        raise TraceError(f"{name}: no header row (time_min[, gpus, first_gpu, hardware])")
-    unknown = [c for c in header if c not in TRACE_COLUMNS]
-    if unknown or "time_min" not in header:
-        raise TraceError(f"{name}: columns must be time_min[, gpus, first_gpu, hardware]; got {list(header)}")
+    rows = _read_rows(path, name)
     out: list[Failure] = []
     last = 0.0
     for line, row in enumerate(rows, start=2):
@@ -202,6 +191,23 @@ def read_trace(
         hardware = bool(kind_rng.random() < cfg.hardware_share) if hw < 0 else hw == 1
         out.append(Failure(t, int(first), gpus, hardware))
     return out
+
+
+def _read_rows(path: str | Path, name: str) -> list[dict[str, str]]:
+    """The rows of a trace file, once its header names the columns of TRACE_COLUMNS only."""
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            header = reader.fieldnames or []
+    except OSError as e:
+        raise TraceError(f"--failure-trace: cannot read {name}: {e.strerror}") from e
+    if not header:
+        raise TraceError(f"{name}: no header row (time_min[, gpus, first_gpu, hardware])")
+    unknown = [c for c in header if c not in TRACE_COLUMNS]
+    if unknown or "time_min" not in header:
+        raise TraceError(f"{name}: columns must be time_min[, gpus, first_gpu, hardware]; got {list(header)}")
+    return rows
 
 
 def write_trace(path: str | Path, trace: list[Failure]) -> None:

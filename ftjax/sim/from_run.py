@@ -117,15 +117,20 @@ def _inside(t: float, windows: list[tuple[float, float]]) -> bool:
     return any(a <= t <= b for a, b in windows)
 
 
-def measure(run_dir: str | Path) -> Measured:
-    """The costs and failures of an `ftjax launch` run directory (see the module docstring)."""
-    path = Path(run_dir)
+def _load(path: Path) -> Run:
+    """The run directory, read (RunError: it is not one of `ftjax launch`)."""
     if not (path / "launcher.jsonl").exists():
         raise RunError(f"--from-run: {path} has no launcher.jsonl: not a run directory of `ftjax launch`")
     try:
-        run = load_run(path)
+        return load_run(path)
     except ValueError as e:
         raise RunError(f"--from-run: {e}") from e
+
+
+def measure(run_dir: str | Path) -> Measured:
+    """The costs and failures of an `ftjax launch` run directory (see the module docstring)."""
+    path = Path(run_dir)
+    run = _load(path)
     t_warm = warm_time(run)
     median, _ = median_step(run, t_warm)
     if t_warm is None or not median:
@@ -195,14 +200,11 @@ def _step_scaling(
     return (((replicas - 1) / replicas, round(moving / (steps * step_s), 4)), (1.0, 1.0))
 
 
-def _failures(
-    run: Run,
-    segs: dict[int, list[tuple[float, float, str]]],
-    clipped: dict[int, list[tuple[float, float, str]]],
-    median: float,
-    t_warm: float,
-    t_end: float,
-) -> tuple[list[FailureCost], list[tuple[float, float]], list[str]]:
+def _deaths(
+    run: Run, segs: dict[int, list[tuple[float, float, str]]], median: float, t_warm: float, t_end: float
+) -> tuple[list[tuple[int, float, float, float, bool]], list[str]]:
+    """The replica deaths in the window, each as (replica, t_fail, t_catchup, t_back, random kill),
+    and what was left out."""
     found: list[tuple[int, float, float, float, bool]] = []  # (replica, t_fail, t_catchup, t_back, random)
     ignored = []
     for e in run.events:
@@ -241,6 +243,18 @@ def _failures(
         )
         random_kill = e.get("cause") == "random_kill"
         found.append((r, t_fail, t_catch, min(t_back, t_end), random_kill))
+    return found, ignored
+
+
+def _failures(
+    run: Run,
+    segs: dict[int, list[tuple[float, float, str]]],
+    clipped: dict[int, list[tuple[float, float, str]]],
+    median: float,
+    t_warm: float,
+    t_end: float,
+) -> tuple[list[FailureCost], list[tuple[float, float]], list[str]]:
+    found, ignored = _deaths(run, segs, median, t_warm, t_end)
     windows = [(t_fail, t_back + MARGIN_STEPS * median) for _, t_fail, _, t_back, _ in found]
     own = {r: [(t_fail, t_back) for rr, t_fail, _, t_back, _ in found if rr == r] for r in range(run.replicas)}
     costs = []
