@@ -222,6 +222,20 @@ class Ring:
         )
         return memoryview(header)
 
+    def _check(self, header: memoryview, payload: memoryview, chunk: Chunk, seq: int, shm: bool = False) -> None:
+        """Raise unless ``header`` is chunk number ``seq`` of this very call (see wire.check_frame)."""
+        wire.check_frame(
+            header,
+            payload,
+            quorum_id=self.state.quorum_id,
+            step=self.state.step,
+            phase=chunk.phase,
+            seq=seq,
+            meta=self.meta,
+            require_checksum=self.checksum,
+            shm=shm,
+        )
+
     def _receiver(self, connect: Callable[[], object]) -> None:
         try:
             sock = connect()
@@ -233,33 +247,14 @@ class Ring:
                 if segment is None:
                     payload = _bytes(dest)
                     wire.recv_into_all(sock, [header, payload])
-                    wire.check_frame(
-                        header,
-                        payload,
-                        quorum_id=state.quorum_id,
-                        step=state.step,
-                        phase=chunk.phase,
-                        seq=seq,
-                        meta=self.meta,
-                        require_checksum=self.checksum,
-                    )
+                    self._check(header, payload, chunk, seq)
                     if chunk.phase == RS and self.contributes:
                         np.add(dest, self.buf[chunk.start : chunk.stop], out=dest)
                 else:
                     # the frame names a slot the sender has filled; read it once, straight into place
                     wire.recv_into_all(sock, [header])
                     slot = segment.slot(seq, dest.nbytes, dest.dtype)
-                    wire.check_frame(
-                        header,
-                        _bytes(slot),
-                        quorum_id=state.quorum_id,
-                        step=state.step,
-                        phase=chunk.phase,
-                        seq=seq,
-                        meta=self.meta,
-                        require_checksum=self.checksum,
-                        shm=True,
-                    )
+                    self._check(header, _bytes(slot), chunk, seq, shm=True)
                     if chunk.phase == RS and self.contributes:
                         np.add(slot, self.buf[chunk.start : chunk.stop], out=dest)
                     else:

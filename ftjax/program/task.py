@@ -206,15 +206,7 @@ def nnx_task(
         _, _, _, new_rest = split(module)
         return per_example, aux, nnx.to_pure_dict(new_rest)
 
-    return Task(
-        name=name,
-        init=init,
-        loss=wrapped,
-        source=source,
-        param_axes=axes,
-        optimizer=optimizer,
-        tokens_per_example=tokens_per_example,
-    )
+    return Task(name, init, wrapped, source, axes, optimizer, tokens_per_example)  # (the fields in order)
 
 
 def _rng_placeholders(a_rngs: PyTree) -> PyTree:
@@ -281,15 +273,7 @@ def linen_task(
         per_example, aux = split_output(out)
         return per_example, aux, {c: new.get(c, v) for c, v in state.items()}
 
-    return Task(
-        name=name,
-        init=init,
-        loss=wrapped,
-        source=source,
-        param_axes=axes,
-        optimizer=optimizer,
-        tokens_per_example=tokens_per_example,
-    )
+    return Task(name, init, wrapped, source, axes, optimizer, tokens_per_example)  # (the fields in order)
 
 
 def _linen_runner(module: Any, loss: Callable[[Callable, Batch], Any], rng_streams: Sequence[str]) -> Callable:

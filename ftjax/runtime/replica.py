@@ -200,13 +200,7 @@ def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Add
     group.meet("compiled")  # the first collective follows (warm_up): every host is ready for it
     program.warm_up()
     stream = make_stream(cfg, replica=args.replica_id, task=program.task)
-    log = MetricsLog(
-        out,
-        enabled=group.rank == 0,
-        total_steps=cfg.steps,
-        label=f"replica {args.replica_id}",
-        log_every=args.log_every,
-    )
+    log = _metrics_log(cfg, args, out, group)
     protocol = member_protocol(
         cfg,
         args,
@@ -238,17 +232,22 @@ def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Add
     return trainer
 
 
-def _standalone(cfg: Config, args: RunOptions, out: Path, task: Task | None) -> Trainer:
-    group = JaxHostGroup()
-    program = build_program(cfg, task=task)
-    stream = make_stream(cfg, replica=args.replica_id, task=program.task)
-    log = MetricsLog(
+def _metrics_log(cfg: Config, args: RunOptions, out: Path, group: JaxHostGroup) -> MetricsLog:
+    """The replica's records: written by its host 0 alone."""
+    return MetricsLog(
         out,
         enabled=group.rank == 0,
         total_steps=cfg.steps,
         label=f"replica {args.replica_id}",
         log_every=args.log_every,
     )
+
+
+def _standalone(cfg: Config, args: RunOptions, out: Path, task: Task | None) -> Trainer:
+    group = JaxHostGroup()
+    program = build_program(cfg, task=task)
+    stream = make_stream(cfg, replica=args.replica_id, task=program.task)
+    log = _metrics_log(cfg, args, out, group)
     return Trainer(
         cfg,
         program,
