@@ -12,7 +12,6 @@ host memory, the placement) for context.
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import statistics
@@ -21,6 +20,7 @@ import threading
 import time
 
 from ftjax.base.net import split_address
+from ftjax_bench import common
 
 _CHUNK = 4 << 20
 
@@ -96,19 +96,12 @@ def _link_seconds(address: str, nbytes: int) -> float:
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "--serve":
         return _serve(argv[1:])
-    p = argparse.ArgumentParser(
-        prog="ftjax bench catchup", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("config")
+    p = common.parser("catchup", __doc__, config_default=None)
     p.add_argument("overrides", nargs="*")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_intermixed_args(argv)
-    from ftjax.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"ftjax bench catchup: config error: {e}", file=sys.stderr)
+    cfg = common.load("catchup", args.config, args.overrides)
+    if cfg is None:
         return 2
     import subprocess
 

@@ -15,21 +15,19 @@ worth of tokens one machine of these cores tokenizes in a step's time).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 from ftjax.base.procs import ProcessGroup
-from ftjax.config import ConfigError, load_config
 from ftjax.runtime.metrics import read_metrics
+from ftjax_bench import common
 
 
 def write_corpus(path: Path, mib: float, seed: int = 0) -> None:
@@ -93,10 +91,7 @@ def step_rate(config: str, overrides: list[str], devices: int, out: Path, warmup
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="ftjax bench data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("config", nargs="?", default="tiny")
+    p = common.parser("data", __doc__)
     p.add_argument("overrides", nargs="*")
     p.add_argument("--mib", type=float, default=16.0, help="generated text to prepare, MiB (16)")
     p.add_argument("--vocab", type=int, default=4096, help="the BPE tokenizer's vocabulary (4096)")
@@ -111,16 +106,12 @@ def main(argv: list[str]) -> int:
     args = p.parse_intermixed_args(argv)
     if args.steps <= args.warmup + 1:
         p.error("--steps must exceed --warmup + 1")
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"ftjax bench data: config error: {e}", file=sys.stderr)
+    cfg = common.load("data", args.config, args.overrides)
+    if cfg is None:
         return 2
     from ftjax.cli.prepare import prepare
 
-    with tempfile.TemporaryDirectory(prefix="ftjax-bench-data-") as tmp:
-        out = Path(args.out or tmp)
-        out.mkdir(parents=True, exist_ok=True)
+    with common.run_directory("data", args.out) as out:
         write_corpus(out / "corpus.jsonl", args.mib)
         train_tokenizer(out / "corpus.jsonl", out / "tokenizer.json", args.vocab)
         index = prepare(

@@ -17,7 +17,6 @@ modes' outage steps, same machine state, and is the R / C figure there.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from ftjax.runs.jsonl import read_jsonl
+from ftjax_bench import common
 
 DEFAULT_OVERRIDES = ["data.batch_size=256", "steps=80"]
 
@@ -49,10 +49,7 @@ def _medians(run: Path, replicas: int, skip: int, field: str) -> tuple[float, fl
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="ftjax bench outage", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("config", nargs="?", default="tiny")
+    p = common.parser("outage", __doc__)
     p.add_argument("overrides", nargs="*", help=f"config overrides (default: {' '.join(DEFAULT_OVERRIDES)})")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--kill-at", type=int, default=20, help="step at which the last replica dies (20)")

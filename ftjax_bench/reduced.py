@@ -21,18 +21,16 @@ scales on accelerators, times the measured cost of the mode.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from ftjax.base.procs import ProcessGroup
-from ftjax.config import ConfigError, load_config
 from ftjax.launch.job import LocalJob
 from ftjax.runtime.metrics import read_metrics
+from ftjax_bench import common
 
 
 def run(config: str, overrides: list[str], out: Path, live: int | None, timeout: float, warmup: int) -> float:
@@ -55,10 +53,7 @@ def run(config: str, overrides: list[str], out: Path, live: int | None, timeout:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="ftjax bench reduced", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("config", nargs="?", default="tiny")
+    p = common.parser("reduced", __doc__)
     p.add_argument("overrides", nargs="*")
     p.add_argument("--hosts", type=int, default=2, help="hosts of the full replica (2)")
     p.add_argument("--live", type=int, default=None, help="hosts of the reduced one (default: hosts / 2)")
@@ -78,13 +73,9 @@ def main(argv: list[str]) -> int:
         "ft.digest_every=0",
         "checkpoint.every=0",
     ]
-    try:
-        load_config(args.config, [*overrides, "ft.replicas=1", f"mesh.live_hosts={live}"])
-    except ConfigError as e:
-        print(f"ftjax bench reduced: config error: {e}", file=sys.stderr)
+    if common.load("reduced", args.config, [*overrides, "ft.replicas=1", f"mesh.live_hosts={live}"]) is None:
         return 2
-    with tempfile.TemporaryDirectory(prefix="ftjax-bench-reduced-") as tmp:
-        out = Path(args.out or tmp)
+    with common.run_directory("reduced", args.out) as out:
         full = run(args.config, overrides, out / "full", None, args.timeout, args.warmup)
         reduced = run(args.config, overrides, out / "reduced", live, args.timeout, args.warmup)
         alike = run(args.config, [*overrides, f"mesh.hosts={live}"], out / "same-size", None, args.timeout, args.warmup)

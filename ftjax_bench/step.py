@@ -16,18 +16,16 @@ ft_vs_standalone = ft / standalone (the fault tolerance's own overhead).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from ftjax.base.procs import ProcessGroup, free_port
-from ftjax.config import ConfigError, load_config
 from ftjax.launch.job import LocalJob
 from ftjax.runtime.metrics import read_metrics
+from ftjax_bench import common
 
 
 def _median_step(metrics: Path, warmup: int) -> float:
@@ -109,10 +107,7 @@ def run_standalone(config: str, overrides: list[str], devices: int, out: Path, t
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="ftjax bench step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("config")
+    p = common.parser("step", __doc__, config_default=None)
     p.add_argument("overrides", nargs="*")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
@@ -131,14 +126,10 @@ def main(argv: list[str]) -> int:
         "ft.digest_every=0",
         "checkpoint.every=0",
     ]
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
-        print(f"ftjax bench step: config error: {e}", file=sys.stderr)
+    cfg = common.load("step", args.config, overrides)
+    if cfg is None:
         return 2
-    with tempfile.TemporaryDirectory(prefix="ftjax-bench-step-") as tmp:
-        out = Path(args.out or tmp)
-        out.mkdir(parents=True, exist_ok=True)
+    with common.run_directory("step", args.out) as out:
         ft = _median_step(run_ft(args.config, overrides, out / "ft", args.timeout), args.warmup)
         alone = _median_step(
             run_standalone(args.config, [*overrides, "ft.replicas=1"], devices, out, args.timeout), args.warmup

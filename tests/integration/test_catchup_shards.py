@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fakes import Events, OneHost, participant, quorum
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_protocol import Events, OneHost, participant, quorum
 
 from ftjax.runs.events import ReplicaEvent as E
 from ftjax.runtime.catchup import HostShards, LayoutMismatch, ShardTransport, source_hosts
