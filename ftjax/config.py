@@ -68,6 +68,18 @@ class MeshConfig(_Strict):
         "(a divisor of hosts; set by the launcher, docs/design.md 'Reduced-degree "
         "replicas'); default: hosts",
     )
+    tensor: int = Field(
+        1,
+        gt=0,
+        description="tensor parallelism inside a replica: groups of this many "
+        "devices of one host split the heads and the MLP's hidden dimension (a "
+        "divisor of devices_per_host; 1: FSDP alone)",
+    )
+
+    @property
+    def fsdp(self) -> int:
+        """The fsdp axis of a full replica: its devices / tensor."""
+        return self.num_devices // self.tensor
 
     @property
     def num_devices(self) -> int:
@@ -88,6 +100,10 @@ class MeshConfig(_Strict):
         # Each live host serves whole gradient lanes (ftjax/runtime/lanes.py): hosts / live_hosts of them.
         if self.live_hosts is not None and (self.live_hosts > self.hosts or self.hosts % self.live_hosts):
             raise ValueError(f"live_hosts ({self.live_hosts}) must divide hosts ({self.hosts})")
+        # A tensor group stays on one host: its collectives run inside every layer, too often for
+        # the network between hosts; and each host then serves whole lanes (ftjax/runtime/lanes.py).
+        if self.devices_per_host % self.tensor:
+            raise ValueError(f"tensor ({self.tensor}) must divide devices_per_host ({self.devices_per_host})")
         return self
 
 
@@ -320,6 +336,9 @@ class Config(_Strict):
                 f"mesh: model.d_model ({self.model.d_model}) must be divisible by the replica's {n} devices "
                 "(FSDP shards the embedding dimension)"
             )
+        t = self.mesh.tensor
+        if (self.task is None or self.task.startswith("ftjax.program.tasks:")) and self.model.d_ff % t:
+            raise ValueError(f"mesh: model.d_ff ({self.model.d_ff}) must be divisible by mesh.tensor ({t})")
         m = self.ft.micro_batch_rows
         if m is not None and (self.data.batch_size % m or m % n):
             raise ValueError(

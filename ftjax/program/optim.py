@@ -5,7 +5,7 @@ same bits from the same averaged gradient (`block_norm`; docs/design.md, "Bitwis
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -52,32 +52,42 @@ def clip_by_norm(max_norm: float, norm: Callable[[Any], jax.Array]) -> optax.Gra
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def block_norm(shardings: Any, blocks: int, mesh: Mesh) -> Callable[[Any], jax.Array]:
+def block_norm(shardings: Any, blocks: Mapping[str, int], mesh: Mesh) -> Callable[[Any], jax.Array]:
     """A global norm whose bits do not depend on the mesh the leaves are sharded over.
 
     XLA's sum of squares of a sharded leaf is a per-device reduction, then a sum across devices:
     the terms are grouped by the mesh, and a 1-, 2- and 4-device replica get norms 1 ulp apart
     (hence different clipped updates); even a row reduction's bits depend on how many rows a
-    device holds. Here each leaf sharded over FSDP is cut into `blocks` equal blocks along its
-    sharded dimension (`blocks`: the devices of a full replica, which every degree's device count
-    divides, so a block never straddles two devices). Each device reduces its blocks one at a
-    time in one loop body, whose input is one materialized block: the same computation on the
-    same values on every mesh. The (blocks per leaf) partial sums are gathered in block order
-    and summed on every device, again a reduction of the same shape everywhere."""
+    device holds. Here each leaf is cut into equal blocks along each of its sharded dimensions:
+    `blocks[axis]` along a dimension sharded over mesh axis `axis` (the full replica's size of that
+    axis, which every degree's size divides, so a block never straddles two devices). Each device
+    reduces its blocks one at a time in one loop body, whose input is one materialized block: the
+    same computation on the same values on every mesh. The partial sums are gathered axis by axis
+    (so in the same global block order on every mesh) and summed on every device, again a
+    reduction of the same shape everywhere."""
     specs = [s.spec for s in jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))]
-    local = {name: blocks // size for name, size in mesh.shape.items()}
+    local = {name: blocks[name] // size for name, size in mesh.shape.items() if name in blocks}
+
+    def leaf_sums(x: jax.Array, spec) -> jax.Array:
+        axes = [(i, name) for i, name in enumerate(spec) if name is not None]
+        if not axes:  # replicated: the whole leaf, on every device
+            return _sum_squares(x).reshape(1)
+        # split each sharded dimension into (local blocks, block), block counts to the front
+        shape, front = list(x.shape), []
+        for i, name in reversed(axes):
+            n = local[name]
+            shape[i : i + 1] = [n, x.shape[i] // n]
+        x = x.reshape(shape)
+        starts = [i + k for k, (i, _) in enumerate(axes)]  # where each block count sits now
+        x = jnp.moveaxis(x, starts, list(range(len(axes))))
+        front = x.shape[: len(axes)]
+        sums = jax.lax.map(_sum_squares, x.reshape((-1, *x.shape[len(axes) :]))).reshape(front)
+        for k, (_, name) in enumerate(axes):  # gather each axis's blocks: global block order
+            sums = jax.lax.all_gather(sums, name, axis=k, tiled=True)
+        return sums.reshape(-1)
 
     def partial_sums(*leaves):
-        sums = []
-        for x, spec in zip(leaves, specs):
-            axes = [i for i, name in enumerate(spec) if name is not None]
-            if not axes:  # replicated: the whole leaf, on every device
-                sums.append(_sum_squares(x).reshape(1))
-                continue
-            a, name = axes[0], spec[axes[0]]
-            n = local[name]
-            stacked = jnp.moveaxis(x.reshape(x.shape[:a] + (n, x.shape[a] // n) + x.shape[a + 1 :]), a, 0)
-            sums.append(jax.lax.all_gather(jax.lax.map(_sum_squares, stacked), name, tiled=True))
+        sums = [leaf_sums(x, spec) for x, spec in zip(leaves, specs)]
         return jnp.sqrt(jnp.sum(jax.lax.optimization_barrier(jnp.concatenate(sums))))  # (same shape everywhere)
 
     def norm(tree: Any) -> jax.Array:
@@ -85,12 +95,12 @@ def block_norm(shardings: Any, blocks: int, mesh: Mesh) -> Callable[[Any], jax.A
         if len(leaves) != len(specs):
             raise ValueError(f"block_norm: {len(leaves)} leaves, {len(specs)} shardings")
         for x, spec in zip(leaves, specs):
-            axes = [i for i, name in enumerate(spec) if name is not None]
-            if len(axes) > 1 or (axes and x.shape[axes[0]] % blocks):
-                raise ValueError(
-                    f"block_norm: a leaf of shape {x.shape} and partition {tuple(spec)} "
-                    f"is not {blocks} equal blocks along one sharded dimension"
-                )
+            for i, name in enumerate(spec):
+                if name is not None and (not isinstance(name, str) or name not in blocks or x.shape[i] % blocks[name]):
+                    raise ValueError(
+                        f"block_norm: a leaf of shape {x.shape} and partition {tuple(spec)} is not "
+                        f"equal blocks along its sharded dimensions (blocks per axis: {dict(blocks)})"
+                    )
         return jax.shard_map(partial_sums, mesh=mesh, in_specs=tuple(specs), out_specs=P(), check_vma=False)(*leaves)
 
     return norm

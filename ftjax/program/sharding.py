@@ -1,9 +1,13 @@
 """A replica's mesh, and the one place where logical axis names become mesh axes.
 
 Models annotate each parameter with logical axis names (`("vocab", "embed")`, `("embed", "mlp")`,
-...). FSDP inside a replica shards every parameter along its `embed` dimension over all of the
-replica's devices; everything else is replicated. Optimizer state follows its parameter. Batches
-are split along their first dimension over the same devices.
+...). FSDP inside a replica shards every parameter along its `embed` dimension over the `fsdp`
+axis. With `mesh.tensor: T > 1` the mesh is `fsdp x tensor` (T consecutive devices of a host form
+a tensor group) and the heads and the MLP's hidden dimension (`heads`, `kv_heads`, `qkv`, `mlp`)
+are split over `tensor` (Megatron-style tensor parallelism, here by sharding annotations: XLA
+inserts the collectives). Everything else is replicated. Optimizer state follows its parameter.
+Batches are split along their first dimension over `fsdp` and replicated over `tensor` (a tensor
+group computes the same rows together).
 """
 
 from __future__ import annotations
@@ -17,28 +21,37 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 FSDP = "fsdp"
+TENSOR = "tensor"
 REPLICA = "replica"  # only in the synchronous HSDP baseline mesh
 
-# logical axis name -> mesh axis (None: replicated). Names not listed are replicated.
+# logical axis name -> mesh axis (None: replicated). Names not listed, and axes the mesh does not
+# have (`tensor` on a mesh without tensor parallelism), are replicated.
 LOGICAL_AXIS_RULES: Mapping[str, str | None] = {
     "embed": FSDP,
     "vocab": None,
-    "mlp": None,
-    "qkv": None,
-    "heads": None,
+    "mlp": TENSOR,
+    "qkv": TENSOR,
+    "heads": TENSOR,
+    "kv_heads": TENSOR,
     "seq": None,
 }
 
 
-def replica_mesh(devices: list | None = None) -> Mesh:
-    """All of this replica's devices (every host's) along one `fsdp` axis.
+def replica_mesh(devices: list | None = None, tensor: int = 1) -> Mesh:
+    """All of this replica's devices (every host's): one `fsdp` axis, or `fsdp x tensor` when
+    `tensor` > 1 (groups of `tensor` consecutive devices; the config makes it divide a host's).
 
-    Device order is JAX's global order, so process i holds a contiguous block of the axis and its
-    local shards are the i-th slice of every sharded dimension: the same layout on every replica
-    of the same topology, which FTAR relies on (host rank h of each replica owns the same shards).
+    Device order is JAX's global order, so process i holds a contiguous block of the fsdp axis and
+    its local shards are the i-th slice of every fsdp-sharded dimension: the same layout on every
+    replica of the same topology, which FTAR relies on (host rank h of each replica owns the same
+    shards). A reduced-degree replica keeps `tensor` and has fewer fsdp rows.
     """
     devices = jax.devices() if devices is None else devices
-    return Mesh(np.asarray(devices), (FSDP,))
+    if tensor == 1:
+        return Mesh(np.asarray(devices), (FSDP,))
+    if len(devices) % tensor:
+        raise ValueError(f"mesh: {len(devices)} devices are not groups of tensor={tensor}")
+    return Mesh(np.asarray(devices).reshape(-1, tensor), (FSDP, TENSOR))
 
 
 def hsdp_mesh(devices: list, replicas: int) -> Mesh:
@@ -47,14 +60,24 @@ def hsdp_mesh(devices: list, replicas: int) -> Mesh:
     return Mesh(np.asarray(devices).reshape(replicas, -1), (REPLICA, FSDP))
 
 
-def logical_to_mesh(spec: P) -> P:
-    return P(*(LOGICAL_AXIS_RULES.get(name) if isinstance(name, str) else None for name in spec))
+def logical_to_mesh(spec: P, axes: tuple[str, ...] = (FSDP,)) -> P:
+    """The mesh PartitionSpec of a logical one, on a mesh with `axes`. A mesh axis is used once
+    per leaf (the first dimension that maps to it), as a PartitionSpec requires."""
+    out, used = [], set()
+    for name in spec:
+        axis = LOGICAL_AXIS_RULES.get(name) if isinstance(name, str) else None
+        if axis not in axes or axis in used:
+            axis = None
+        used.add(axis)
+        out.append(axis)
+    return P(*out)
 
 
 def param_shardings(logical_specs: Any, mesh: Mesh) -> Any:
     """A tree of NamedShardings for a tree of logical PartitionSpecs."""
+    axes = tuple(mesh.axis_names)
     return jax.tree.map(
-        lambda s: NamedSharding(mesh, logical_to_mesh(s)), logical_specs, is_leaf=lambda x: isinstance(x, P)
+        lambda s: NamedSharding(mesh, logical_to_mesh(s, axes)), logical_specs, is_leaf=lambda x: isinstance(x, P)
     )
 
 
@@ -79,7 +102,9 @@ def follow_params(tree_shape: Any, params_sharding: Any, mesh: Mesh) -> Any:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(tuple(mesh.axis_names)))  # rows split; any trailing axes whole
+    """Rows split over the data axes (all but `tensor`, whose groups share their rows); any
+    trailing axes whole."""
+    return NamedSharding(mesh, P(tuple(a for a in mesh.axis_names if a != TENSOR)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -194,7 +194,7 @@ def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task
         # jax.devices() is global (every process's devices); a replica uses the first
         # live hosts x devices_per_host of them, which lets tests build several meshes in one process.
         devices = jax.devices()[: cfg.mesh.live_devices]
-        mesh = shd.replica_mesh(devices)
+        mesh = shd.replica_mesh(devices, cfg.mesh.tensor)
     lay = _layout(cfg, mesh, task)
     return ReplicaProgram(
         cfg=cfg,
@@ -220,8 +220,8 @@ def _layout(cfg: Config, mesh: jax.sharding.Mesh, task: Task) -> _Layout:
     ms_shard = jax.tree.map(lambda _: shd.replicated(mesh), ms_shape)
     has_ms = bool(jax.tree.leaves(ms_shape))
     # the clip's norm in blocks of a full replica's shards: the same bits on every degree
-    full_devices = cfg.mesh.hosts * cfg.mesh.devices_per_host
-    tx = task.optimizer or make_optimizer(cfg.optim, cfg.steps, norm=block_norm(p_shard, full_devices, mesh))
+    blocks = {shd.FSDP: cfg.mesh.fsdp, shd.TENSOR: cfg.mesh.tensor}
+    tx = task.optimizer or make_optimizer(cfg.optim, cfg.steps, norm=block_norm(p_shard, blocks, mesh))
     opt_shard = shd.follow_params(jax.eval_shape(tx.init, params_shape), p_shard, mesh)
     rep = shd.replicated(mesh)
     state_shardings = {

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ftjax.program.sharding import FSDP
+from ftjax.program.sharding import FSDP, TENSOR
 from ftjax.runtime.regions import Piece, Region, assemble, contains, region_of, size, within
 
 
@@ -40,24 +40,28 @@ def lane_host(lane: int, live: int, lanes: int) -> int:
     return lane * live // lanes
 
 
-def lane_regions(shape: tuple[int, ...], spec: Sequence, lanes: int, devices_per_host: int) -> list[list[Region]]:
+def lane_regions(
+    shape: tuple[int, ...], spec: Sequence, lanes: int, devices_per_host: int, tensor: int = 1
+) -> list[list[Region]]:
     """For each lane, the distinct regions of a leaf of `shape` and partition `spec` that host l of
-    a full replica holds, in device order. Only the FSDP axis may shard a dimension."""
-    n = lanes * devices_per_host
-    axes = [i for i, name in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))) if name is not None]
-    if any(tuple(spec)[i] != FSDP for i in axes) or len(axes) > 1:
-        raise ValueError(f"partition {tuple(spec)}: gradient lanes support one '{FSDP}' axis per leaf")
-    whole = tuple((0, d) for d in shape)
-    if not axes:
-        return [[whole] for _ in range(lanes)]
-    a, step = axes[0], shape[axes[0]] // n
+    a full replica holds, in device order. A full replica's device g sits at (g // tensor,
+    g % tensor) of its `fsdp x tensor` mesh (`tensor` divides devices_per_host, so a host holds
+    whole tensor groups); a dimension may be sharded over `fsdp` or `tensor`."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    counts = {FSDP: lanes * devices_per_host // tensor, TENSOR: tensor}
+    if any(name is not None and name not in counts for name in spec):
+        raise ValueError(f"partition {spec}: gradient lanes support the '{FSDP}' and '{TENSOR}' axes only")
     out = []
     for lane in range(lanes):
-        regions = []
+        regions: list[Region] = []
         for g in range(lane * devices_per_host, (lane + 1) * devices_per_host):
-            r = list(whole)
-            r[a] = (g * step, (g + 1) * step)
-            regions.append(tuple(r))
+            at = {FSDP: g // tensor, TENSOR: g % tensor}
+            region = tuple(
+                (0, d) if name is None else (at[name] * (d // counts[name]), (at[name] + 1) * (d // counts[name]))
+                for d, name in zip(shape, spec)
+            )
+            if region not in regions:  # replicated over an axis: held once
+                regions.append(region)
         out.append(regions)
     return out
 
@@ -77,6 +81,7 @@ class LaneFlattener:
         devices_per_host: int,
         served: Sequence[int],
         dtype=np.float32,
+        tensor: int = 1,
     ):
         self.treedef = jax.tree.structure(tree_shape)
         self.shapes = [tuple(x.shape) for x in jax.tree.leaves(tree_shape)]
@@ -94,7 +99,7 @@ class LaneFlattener:
         for lane in self.served:
             pieces, offset = [], 0
             for i, (shape, sharding) in enumerate(zip(self.shapes, self.shardings)):
-                for region in lane_regions(shape, sharding.spec, lanes, devices_per_host)[lane]:
+                for region in lane_regions(shape, sharding.spec, lanes, devices_per_host, tensor)[lane]:
                     pieces.append((i, region, offset))
                     offset += size(region)
             self.pieces.append(pieces)

@@ -468,7 +468,7 @@ def _placed(cfg: Any, *trees: Any) -> tuple:
 
     from ftjax.program.sharding import replica_mesh
 
-    mesh = replica_mesh(jax.devices()[: cfg.mesh.devices_per_host])
+    mesh = replica_mesh(jax.devices()[: cfg.mesh.devices_per_host], cfg.mesh.tensor)
 
     def placed(a):  # a leaf with no mesh sharding (plain, or on one device) is replicated on the replica's mesh
         sharding = getattr(a, "sharding", None)

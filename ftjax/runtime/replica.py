@@ -117,6 +117,7 @@ def member_protocol(
         lanes=cfg.mesh.hosts,
         devices_per_host=cfg.mesh.devices_per_host,
         served=served,
+        tensor=cfg.mesh.tensor,
     )
     return StepProtocol(
         replica_id=str(args.replica_id),

@@ -34,6 +34,18 @@ LANE_CASES = {
     "replicated: whole in every lane": ((5,), P(), 2, 2, [[((0, 5),)], [((0, 5),)]]),
     "one lane": ((4, 4), P("fsdp"), 1, 2, [[((0, 2), (0, 4)), ((2, 4), (0, 4))]]),
 }
+# mesh.tensor = 2: a host's 2 devices are one tensor group (fsdp rows = hosts)
+TENSOR_CASES = {
+    "fsdp x tensor": (
+        (4, 6),
+        P("fsdp", "tensor"),
+        2,
+        2,
+        [[((0, 2), (0, 3)), ((0, 2), (3, 6))], [((2, 4), (0, 3)), ((2, 4), (3, 6))]],
+    ),
+    "tensor only: every lane holds it all": ((6,), P("tensor"), 2, 2, [[((0, 3),), ((3, 6),)]] * 2),
+    "fsdp only: a tensor group shares its rows": ((4, 3), P("fsdp"), 2, 2, [[((0, 2), (0, 3))], [((2, 4), (0, 3))]]),
+}
 
 
 @pytest.mark.parametrize("shape,spec,lanes,dph,want", LANE_CASES.values(), ids=LANE_CASES.keys())
@@ -41,8 +53,13 @@ def test_lane_regions(shape, spec, lanes, dph, want):
     assert lane_regions(shape, spec, lanes, dph) == want
 
 
-def test_an_axis_other_than_fsdp_is_refused_naming_it():
-    with pytest.raises(ValueError, match="one 'fsdp' axis"):
+@pytest.mark.parametrize("shape,spec,lanes,dph,want", TENSOR_CASES.values(), ids=TENSOR_CASES.keys())
+def test_lane_regions_with_tensor_groups(shape, spec, lanes, dph, want):
+    assert lane_regions(shape, spec, lanes, dph, tensor=2) == want
+
+
+def test_an_axis_other_than_fsdp_and_tensor_is_refused_naming_it():
+    with pytest.raises(ValueError, match="'fsdp' and 'tensor' axes only"):
         lane_regions((4, 4), P("tp", None), 2, 1)
 
 
@@ -73,6 +90,37 @@ def test_every_degree_makes_the_same_lane_buffers_and_takes_them_back():
         for x, y, s in zip(jax.tree.leaves(tree), jax.tree.leaves(back), jax.tree.leaves(shard)):
             np.testing.assert_array_equal(np.asarray(y), 2 * np.asarray(x))
             assert y.sharding == s
+
+
+def _tensor_tree(devices: int):
+    mesh = replica_mesh(jax.devices()[:devices], tensor=2)
+    tree = {"w": jnp.arange(48.0).reshape(8, 6), "b": jnp.arange(6.0), "e": jnp.arange(12.0).reshape(4, 3), "s": 7.0}
+    specs = {"w": P("fsdp", "tensor"), "b": P("tensor"), "e": P("fsdp"), "s": P()}
+    shard = {k: NamedSharding(mesh, v) for k, v in specs.items()}
+    return jax.device_put(tree, shard), shard
+
+
+def test_tensor_groups_make_the_same_lane_buffers_on_every_degree_and_take_them_back():
+    """mesh.tensor = 2: a full replica of 2 hosts x 2 devices (fsdp 2 x tensor 2) and a reduced
+    one of 1 host x 2 devices (fsdp 1 x tensor 2) cut the same lanes from their 2-D shards."""
+    full, full_shard = _tensor_tree(4)
+    reduced, red_shard = _tensor_tree(2)
+    kw = dict(lanes=2, devices_per_host=2, tensor=2)
+    f_full = LaneFlattener(full, full_shard, served=[0, 1], **kw)
+    f_red = LaneFlattener(reduced, red_shard, served=[0, 1], **kw)
+    f_host0 = LaneFlattener(full, full_shard, served=[0], **kw)
+    assert f_full.size == f_red.size == 48 // 2 + 6 + 12 // 2 + 1  # per lane: half of w and e, all of b and s
+    bufs_full, bufs_red = f_full.flatten(full), f_red.flatten(reduced)
+    for a, b in zip(bufs_full, bufs_red):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(f_host0.flatten(full)[0], bufs_full[0])
+    w = np.arange(48.0).reshape(8, 6)  # leaves in tree order b, e, s, w: lane 1's w from offset 6 + 6 + 1
+    np.testing.assert_array_equal(bufs_full[1][13:], np.concatenate([w[4:, :3].ravel(), w[4:, 3:].ravel()]))
+    for flat, bufs, tree, shard in ((f_full, bufs_full, full, full_shard), (f_red, bufs_red, reduced, red_shard)):
+        back = flat.unflatten([b * 2 for b in bufs])
+        for x, y, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(back), jax.tree.leaves(shard)):
+            np.testing.assert_array_equal(np.asarray(y), 2 * np.asarray(x))
+            assert y.sharding == sh
 
 
 def _quorum(rank: int, lanes: list[list[str]]) -> QuorumResult:
