@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ftjax.runs.jsonl import read_jsonl
+from ftjax.runs.summary import median_mfu
 
 LINES_PER_RUN = 20  # plain output: about this many step lines per run, besides every event
 
@@ -37,12 +38,6 @@ class ModelFlops:
         if self.peak_per_device and rows and step_time_s > 0:
             out["mfu"] = round(flops / (step_time_s * self.devices * self.peak_per_device), 6)
         return out
-
-
-def median_mfu(records: list[dict[str, Any]]) -> float | None:
-    """The median MFU of the step records that carry one (None: none does)."""
-    values = [r["mfu"] for r in records if r.get("mfu") is not None]
-    return round(statistics.median(values), 6) if values else None
 
 
 class PlainLines:
