@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from ftjax.base.accelerators import GIB, lookup
 from ftjax.program.step import ReplicaProgram, model_state
 
-LOOKUP_AXES = ("vocab", "seq")  # a parameter whose first logical axis is one of these is a table, read by index
+LOOKUP_AXES = ("vocab", "seq")  # a matrix whose first logical axis is one of these is a table, read by index
 
 
 class DoesNotFit(ValueError):
@@ -114,7 +114,8 @@ def step_flops(program: ReplicaProgram) -> float | None:
 def closed_form_flops_per_token(program: ReplicaProgram, params_shape: Any) -> float | None:
     """6N + 12 L d T (training FLOPs per token: forward and backward; PaLM, appendix B) for the
     built-in transformers (a config with `model.n_layers`, `d_model`, `seq_len` whose task is
-    built-in and not the MLP); N leaves out lookup tables (a first logical axis in LOOKUP_AXES).
+    built-in and not the MLP); N leaves out lookup tables (matrices whose first logical axis is in
+    LOOKUP_AXES: token and position embeddings).
     None for other tasks."""
     cfg, task = program.cfg, program.task
     model = cfg.model
@@ -130,7 +131,7 @@ def closed_form_flops_per_token(program: ReplicaProgram, params_shape: Any) -> f
         dense = sum(a.size for a in jax.tree.leaves(params_shape))
     else:
         pairs = zip(jax.tree.leaves(params_shape), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, P)))
-        dense = sum(a.size for a, spec in pairs if not (len(spec) and spec[0] in LOOKUP_AXES))
+        dense = sum(a.size for a, spec in pairs if not (a.ndim == 2 and spec[0] in LOOKUP_AXES))
     return 6.0 * dense + 12.0 * layers * width * length
 
 
