@@ -169,7 +169,7 @@ def _table(r: dict[str, Any]) -> str:
         rows.append(("FLOPs per token", human_flops(r["flops_per_token"]) + check))
     d = r["device"]
     if d is not None:
-        peaks = f", peak {d['peak_bf16_flops'] / 1e12:,.0f} TFLOP/s bf16" if d["peak_bf16_flops"] else ""
+        peaks = f", peak {d['peak_bf16_flops'] / 1e12:,.1f} TFLOP/s bf16" if d["peak_bf16_flops"] else ""
         if d["peak_fp32_flops"]:
             peaks += f", {d['peak_fp32_flops'] / 1e12:,.1f} fp32"
         rows.append(("device", f"{d['name']}: {human_bytes(d['memory_bytes'])}{peaks}"))
