@@ -255,6 +255,17 @@ class FTConfig(_Strict):
         return self
 
 
+class HardwareConfig(_Strict):
+    """What the devices can do, where JAX's device kind does not say (ftjax/base/accelerators.py)."""
+
+    peak_flops_per_device: float | None = Field(
+        None,
+        gt=0,
+        description="peak dense FLOP/s of one device, the denominator of each step's MFU; default: "
+        "the known devices' bf16 peak by device kind (none on CPU: no MFU)",
+    )
+
+
 class NetConfig(_Strict):
     """Where a train process's listeners (FTAR, catch-up, its replica's jax.distributed service)
     bind, and the address its peers dial (ftjax/base/net.py). The environment wins over these, since it
@@ -298,6 +309,7 @@ class Config(_Strict):
     coordinator: CoordinatorConfig = CoordinatorConfig()
     ft: FTConfig = FTConfig()
     net: NetConfig = NetConfig()
+    hardware: HardwareConfig = HardwareConfig()
     task: str | None = Field(
         None,
         description="what to train: 'package.module:factory', called as factory(cfg, "

@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
         print(f"ftjax train: {e}", file=sys.stderr)
         return 2
     from ftjax.coordinator.client import CoordinatorError
+    from ftjax.program.plan import DoesNotFit
     from ftjax.program.task import TaskError
     from ftjax.program.tasks import check_task
     from ftjax.runtime.checkpoint import CheckpointError
@@ -64,10 +65,10 @@ def main(argv: list[str]) -> int:
         if args.coordinator:
             return run_member(cfg, args, out)
         return run_standalone(cfg, args, out)
-    except (CheckpointError, SpillError, CoordinatorError) as e:
-        # another job's checkpoint or none intact (2); a full disk, the coordinator unreachable (1):
-        # one line, no traceback
-        code = 2 if isinstance(e, CheckpointError) else 1
+    except (CheckpointError, SpillError, CoordinatorError, DoesNotFit) as e:
+        # another job's checkpoint or none intact, a step that does not fit the device (2); a full
+        # disk, the coordinator unreachable (1): one line, no traceback
+        code = 2 if isinstance(e, (CheckpointError, DoesNotFit)) else 1
         print(f"ftjax train: error: {e}", file=sys.stderr, flush=True)
         if cfg.mesh.hosts > 1:
             os._exit(code)  # (as below: not into jax.distributed's shutdown barrier)

@@ -216,8 +216,8 @@ class CoordinatorClient:
 
     def report_step(self, record: dict, *, target_steps: int = 0, replicas: int = 0) -> None:
         """Keep a step record of the training loop (ftjax/runtime/trainer.py) to send with the next quorum
-        request: the coordinator's status page and /metrics show the replicas' loss, step time and
-        tokens from them. Records that are not steps are ignored."""
+        request: the coordinator's status page and /metrics show the replicas' loss, step time,
+        tokens and MFU from them. Records that are not steps are ignored."""
         if "step" not in record or "event" in record:
             return
         loss = record.get("loss")
@@ -230,6 +230,7 @@ class CoordinatorClient:
             tokens=int(record.get("tokens") or 0),
             target_steps=target_steps,
             replicas=replicas,
+            mfu=record.get("mfu"),
         )
 
     def quorum(

@@ -128,7 +128,7 @@ class _StateCollector:
     """Counters and gauges read from the state at scrape time (nothing to update on the hot path).
 
     Per replica (label `replica`, its replica id): whether it is up, its lifecycle state, step,
-    loss, step time, tokens/s, restarts. For the job: target and committed steps, steps/s, ETA,
+    loss, step time, tokens/s, MFU, restarts. For the job: target and committed steps, steps/s, ETA,
     tokens/s, tokens, goodput, ETTR, loss. A figure not known yet (no report, no warm-up) has no sample."""
 
     def __init__(self, state: CoordinatorState) -> None:
@@ -240,6 +240,13 @@ def _replica_families(rows: list[dict]):
         "ftjax_replica_tokens_per_second",
         "Tokens per second of the replica's latest step.",
         "tokens_per_s",
+    )
+    yield family(
+        GaugeMetricFamily,
+        "ftjax_replica_mfu",
+        "Model FLOPs utilization of the replica's latest step: model FLOPs / (step time x devices x peak "
+        "FLOP/s); no sample where the devices' peak is not known.",
+        "mfu",
     )
     yield family(
         GaugeMetricFamily, "ftjax_replica_healing", "1 while the latest quorum has the replica heal.", "healing"

@@ -66,6 +66,10 @@ def count(n: float | None, unit: str = "") -> str:
     return f"{n:.0f}{' ' + unit if unit else ''}"
 
 
+def percent(v: float | None) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v:.1%}"
+
+
 def _loss(v: float | None) -> str:
     return "-" if v is None else ("NaN" if isinstance(v, float) and math.isnan(v) else f"{v:.4f}")
 
@@ -194,20 +198,22 @@ def _replicas(s: dict) -> str:
             f'<tr class="st-{esc(r["state"].replace(" ", "-"))}"><td class="rid">{esc(r["replica_id"])}</td>'
             f"<td>{badge(r['state'])}{words}</td>"
             f'<td class="n">{r["step"]:,}</td><td class="n">{loss}</td><td class="n">{step_time}</td>'
-            f'<td class="n">{count(r.get("tokens_per_s"))}</td><td class="n">{r["data_position"]:,}</td>'
+            f'<td class="n">{count(r.get("tokens_per_s"))}</td><td class="n">{percent(r.get("mfu"))}</td>'
+            f'<td class="n">{r["data_position"]:,}</td>'
             f'<td class="n">{restarts}</td><td class="n">{esc(heard)}</td></tr>'
         )
     more = f'<p class="muted">{len(rows) - len(shown)} more in /status.</p>' if len(shown) < len(rows) else ""
     return (
         '<table class="replicas"><tr><th>replica</th><th>state</th><th>step</th><th>loss</th><th>step time</th>'
-        "<th>tokens/s</th><th>data position<sup>*</sup></th><th>restarts</th><th>last heard</th></tr>"
+        "<th>tokens/s</th><th>MFU</th><th>data position<sup>*</sup></th><th>restarts</th><th>last heard</th></tr>"
         + "".join(body)
         + "</table>"
         + more
         + '<p class="note"><sup>*</sup> data position: the next batch of the replica\'s own data stream, i.e. how '
         "many of its batches the job has trained. It equals the step count while the replica trains from the "
         "start; a replica that was down or caught up trails it by the steps the job took without its batches "
-        "(they were not skipped: its stream resumes where it stopped). Step, loss and tokens/s are from the "
+        "(they were not skipped: its stream resumes where it stopped). Step, loss, tokens/s and MFU (model FLOPs "
+        "over step time x devices x peak FLOP/s; - where the peak is not known) are from the "
         "replica's latest report; restarts count the incarnations this coordinator has seen.</p>"
     )
 

@@ -43,6 +43,7 @@ RATE_WINDOW_S = 60.0  # steps/s and the ETA: over the job's progress in this win
 TOKENS_WINDOW_S = 30  # tokens/s: over this many one-second buckets
 LOSS_POINTS = 400  # the loss curve keeps at most this many points (thinned by 2 when full)
 MAX_STEP_TIME_S = 1e7
+MAX_MFU = 100.0  # (above 1 only with a wrong peak, hardware.peak_flops_per_device: shown as reported)
 MAX_REPLICAS = 1 << 20
 # The stall rule (ftjax.runs.lifecycle.is_stall) judges every gap between a replica's steps, as the
 # launcher's summary does. A replica is *shown* stalled now only once its current gap is also
@@ -62,6 +63,7 @@ class StepFigures(NamedTuple):
     tokens: int
     target_steps: int = 0
     replicas: int = 0
+    mfu: float | None = None  # model FLOPs utilization of the step (None: the devices' peak is not known)
 
     def validate(self, prefix: str = "report") -> None:
         """InvalidField naming the first field out of bounds (the loss may be any float)."""
@@ -74,6 +76,8 @@ class StepFigures(NamedTuple):
                 f"{prefix}.step_time_s",
                 f"{self.step_time_s} is not a finite number of seconds in [0, {MAX_STEP_TIME_S:g}]",
             )
+        if self.mfu is not None and not (math.isfinite(self.mfu) and 0 <= self.mfu <= MAX_MFU):
+            raise InvalidField(f"{prefix}.mfu", f"{self.mfu} is not a finite fraction in [0, {MAX_MFU:g}]")
 
 
 @dataclass
@@ -455,6 +459,7 @@ class JobProgress:
             "loss": r.loss if r is not None and r.contributed and math.isfinite(r.loss) else None,
             "step_time_s": r.step_time_s if r is not None else None,
             "tokens_per_s": r.tokens / r.step_time_s if r is not None and r.contributed and r.step_time_s > 0 else None,
+            "mfu": r.mfu if r is not None and r.contributed else None,
             "report_step": r.step if r is not None else None,
         }
 

@@ -369,7 +369,15 @@ def _step_figures(request: pb.QuorumRequest) -> StepFigures | None:
         return None
     r = request.report
     figures = StepFigures(
-        r.step, r.committed, r.contributed, r.loss, r.step_time_s, r.tokens, r.target_steps, r.replicas
+        r.step,
+        r.committed,
+        r.contributed,
+        r.loss,
+        r.step_time_s,
+        r.tokens,
+        r.target_steps,
+        r.replicas,
+        r.mfu if r.HasField("mfu") else None,
     )
     figures.validate()
     return figures

@@ -93,6 +93,8 @@ class StepField(StrEnum):
     PARTICIPANTS = "participants"  # replicas in the step's quorum
     CONTRIBUTORS = "contributors"  # of which contributed a batch
     PARAM_DIGEST = "param_digest"  # digest of its parameters after the step (every ft.digest_every steps)
+    MODEL_FLOPS_PER_STEP = "model_flops_per_step"  # FLOPs of the rows it computed (the compiled step's cost analysis)
+    MFU = "mfu"  # model FLOPs / (step time x devices x peak FLOP/s); absent where the peak is not known
 
 
 def is_step(record: dict) -> bool:

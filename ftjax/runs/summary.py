@@ -44,6 +44,9 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
 - **constant_batch** (constant global batch only): that check, and who computed whose rows: the
   steps in which some rows were computed by another replica than their own, the rows each replica
   computed for others, and each run of consecutive steps with the same reassignment.
+- **median_mfu** (per replica): the median of its committed steps' `mfu` (model FLOPs / (step
+  time x devices x peak FLOP/s), ftjax/runtime/metrics.py), null when no step carried one (no known
+  peak: CPU without `hardware.peak_flops_per_device`).
 - **failure_events**: every replica death and coordinator loss, with `recovery_s` (from a
   replica's death to its rejoin, when it rejoined: restart delay + start + catch-up).
 - **partitions** (`--partition`, a virtual cluster): for each cut, the replica and host, the
@@ -465,7 +468,14 @@ def _replica_summary(
         "exactly_once": once,
         **({"exactly_once_error": why} if why else {}),
         "seconds_in_state": {k: round(v, 3) for k, v in in_state.items()},
+        "median_mfu": median_mfu(committed),
     }
+
+
+def median_mfu(steps: list[dict]) -> float | None:
+    """The median MFU of a replica's committed steps that carry one (None: no peak was known)."""
+    values = [s[StepField.MFU] for s in steps if s.get(StepField.MFU) is not None]
+    return round(statistics.median(values), 6) if values else None
 
 
 def _failure_events(run: Run) -> list[dict[str, Any]]:

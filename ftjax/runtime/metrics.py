@@ -1,6 +1,7 @@
 """Per-step metrics: `RUN_DIR/metrics.jsonl` (one JSON object per step), a rich progress line when
 attached to a terminal, plain lines on stdout when it is not one (a file, a pipe, a job's log), and
-`RUN_DIR/summary.json` at the end of a run."""
+`RUN_DIR/summary.json` at the end of a run. A step record carries its model FLOPs and, where the
+devices' peak is known, its MFU (`ModelFlops`: both fixed once the step is compiled)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,34 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from ftjax.runs.jsonl import read_jsonl
+from ftjax.runs.summary import median_mfu
 
 LINES_PER_RUN = 20  # plain output: about this many step lines per run, besides every event
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """The model FLOPs of the replica's steps and the peak of its devices, known once its gradient
+    step is compiled (ftjax/program/plan.py): a step record's `model_flops_per_step` and `mfu` are
+    two multiplications away, nothing is measured on the hot path."""
+
+    per_row: float  # FLOPs of one example's forward and backward pass (the compiled step's / its rows)
+    devices: int  # the replica's devices
+    peak_per_device: float | None = None  # dense FLOP/s; None: no MFU (CPU without hardware.peak_flops_per_device)
+
+    def fields(self, rows: int, step_time_s: float) -> dict[str, float]:
+        """`model_flops_per_step` of a step that computed `rows` examples in `step_time_s`, and its
+        `mfu` (model FLOPs / (step time x devices x peak)) when the peak is known and rows were computed."""
+        flops = self.per_row * rows
+        out = {"model_flops_per_step": flops}
+        if self.peak_per_device and rows and step_time_s > 0:
+            out["mfu"] = round(flops / (step_time_s * self.devices * self.peak_per_device), 6)
+        return out
 
 
 class PlainLines:
@@ -54,6 +77,8 @@ class PlainLines:
         ]
         if "participants" in r and r["participants"] != 1:
             parts.append(f"quorum {r.get('contributors')}/{r['participants']} contributing")
+        if r.get("mfu") is not None:
+            parts.append(f"MFU {r['mfu']:.1%}")
         if not r.get("committed", True):
             parts.append("not committed")
         self._print("  ".join(parts))
@@ -153,6 +178,7 @@ class MetricsLog:
             "first_loss": steps[0].get("loss") if steps else None,
             "final_loss": steps[-1].get("loss") if steps else None,
             "median_step_s": statistics.median(times) if times else None,
+            "median_mfu": median_mfu(steps[1:]),
             **extra,
         }
         if self.enabled:

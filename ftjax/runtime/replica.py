@@ -26,7 +26,8 @@ from ftjax.coordinator.layout import fingerprint
 from ftjax.coordinator.types import MemberInfo, new_incarnation
 from ftjax.ftar import FTAREndpoint
 from ftjax.program.data import make_stream
-from ftjax.program.step import build_program
+from ftjax.program.plan import check_fits, peak_flops, step_flops
+from ftjax.program.step import ReplicaProgram, build_program
 from ftjax.program.task import Task
 from ftjax.runtime.args import RunOptions
 from ftjax.runtime.catchup import ShardTransport
@@ -34,7 +35,7 @@ from ftjax.runtime.checkpoint import DurableCheckpoints
 from ftjax.runtime.faults import InjectedFaults, parse_die_at, parse_flip_at
 from ftjax.runtime.host_group import JaxHostGroup
 from ftjax.runtime.lanes import LaneFlattener, served_lanes
-from ftjax.runtime.metrics import MetricsLog
+from ftjax.runtime.metrics import MetricsLog, ModelFlops
 from ftjax.runtime.protocol import LocalQuorum, StepProtocol
 from ftjax.runtime.reduce import FTARReducer, LocalReducer
 from ftjax.runtime.replay import ReplayBuffer
@@ -194,10 +195,27 @@ def standalone_protocol(cfg: Config, args: RunOptions, out: Path, group: JaxHost
     )
 
 
+def _compile(cfg: Config, program: ReplicaProgram) -> ModelFlops | None:
+    """Compile the replica's step functions ahead of time (before joining: a late compile would
+    stall every peer's FTAR), refuse a program that does not fit the device before anything is
+    allocated (DoesNotFit, with the numbers; skipped on CPU), and the model FLOPs of its steps (for
+    each record's MFU: computed once, here)."""
+    program.precompile()
+    check_fits(program)
+    flops = step_flops(program)
+    if flops is None:
+        return None
+    return ModelFlops(
+        per_row=flops / cfg.data.batch_size,
+        devices=int(program.mesh.devices.size),
+        peak_per_device=peak_flops(cfg, jax.local_devices()[0]),
+    )
+
+
 def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Addresses, task: Task | None) -> Trainer:
     group = JaxHostGroup()
     program = build_program(cfg, task=task)
-    program.precompile()  # before joining: a late compile would stall every peer's FTAR
+    flops = _compile(cfg, program)
     group.meet("compiled")  # the first collective follows (warm_up): every host is ready for it
     program.warm_up()
     stream = make_stream(cfg, replica=args.replica_id, task=program.task)
@@ -225,6 +243,7 @@ def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Add
         watchdog=NoWatchdog(),
         replica_id=str(args.replica_id),
         restore_durable=True,
+        flops=flops,
     )
     trainer.watchdog = protocol.watchdog = ProgressWatchdog(cfg.ft.progress_timeout_s, trainer.no_progress)
     # SIGTERM (a launcher taking the replica back to full degree, a scheduler's preemption): leave
@@ -247,6 +266,7 @@ def _metrics_log(cfg: Config, args: RunOptions, out: Path, group: JaxHostGroup) 
 def _standalone(cfg: Config, args: RunOptions, out: Path, task: Task | None) -> Trainer:
     group = JaxHostGroup()
     program = build_program(cfg, task=task)
+    flops = _compile(cfg, program)
     stream = make_stream(cfg, replica=args.replica_id, task=program.task)
     log = _metrics_log(cfg, args, out, group)
     return Trainer(
@@ -261,6 +281,7 @@ def _standalone(cfg: Config, args: RunOptions, out: Path, task: Task | None) -> 
         replica_id=str(args.replica_id),
         restore_durable=args.resume,
         stop_after=args.stop_after,
+        flops=flops,
     )
 
 

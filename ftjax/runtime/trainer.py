@@ -30,6 +30,7 @@ from ftjax.program.task import concat_rows, slice_rows
 from ftjax.runs.events import EXIT_LEFT, EXIT_NO_PROGRESS, ReplicaEvent
 from ftjax.runtime.checkpoint import load_init
 from ftjax.runtime.manager import FaultTolerance, Finished, Left
+from ftjax.runtime.metrics import ModelFlops
 from ftjax.runtime.protocol import StepProtocol
 
 
@@ -76,8 +77,10 @@ class Trainer:
         replica_id: str,
         restore_durable: bool,
         stop_after: int | None = None,
+        flops: ModelFlops | None = None,
     ) -> None:
         self.cfg, self.program, self.stream = cfg, program, stream
+        self.flops = flops  # each step record's model FLOPs and MFU (None: not known)
         self.log, self.ckpt, self.faults, self.watchdog = log, ckpt, faults, watchdog
         self.replica_id = replica_id
         self.restore_durable = restore_durable  # a fault-tolerant run, or a standalone --resume
@@ -317,6 +320,8 @@ class Trainer:
                 if computed is not None
                 else None
             )
+        if self.flops is not None:
+            record.update(self.flops.fields(rows, record["step_time_s"]))
         if computed is not None and computed.aux:
             record["aux"] = {k: float(v) for k, v in computed.aux.items()}
         if digest:
