@@ -540,7 +540,8 @@ def machines(tmp_path_factory):
 
 def test_each_machine_advertises_the_address_of_its_route_to_the_coordinator(machines):
     code = (
-        "import sys; from ftjax.base import net; print(net.choose(sys.argv[1], environ={}).address(1), net.host_address())"
+        "import sys; from ftjax.base import net; "
+        "print(net.choose(sys.argv[1], environ={}).address(1), net.host_address())"
     )
     for family in ("ipv4", "ipv6") if machines.no_ipv6 is None else ("ipv4",):
         coordinator = machines.address("a", family)
