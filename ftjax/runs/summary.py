@@ -54,9 +54,11 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   its own end record (matched by the window's number: overlapping windows end in any order):
   `in_flight` is the step after the replica's last commit before the cut (its records may land
   just after the cut record: it committed before its links went),
-  `isolated_commits` every other step the cut-off replica committed (none, or there was a split
-  brain), `peer_commits` how many steps each other replica committed meanwhile (it trains on), and
-  `rejoined_at_step` where the cut-off replica caught up afterwards (null: it did not).
+  `isolated_commits` every other step the cut-off replica committed without a peer (none, or
+  there was a split brain; a step committed with a peer in a quorum of the same size was trained
+  together before the links went, on a machine too busy to cut them at once), `peer_commits`
+  how many steps each other replica committed meanwhile (it trains on), and `rejoined_at_step`
+  where the cut-off replica caught up afterwards (null: it did not).
 - **divergences**: every incident in which the coordinator found a replica's state digest of a
   step different from the one it kept (the majority's) and made it heal (`diverged` events).
   Replicas that end with different digests make `ftjax launch` exit 1 (`exit_code`).
@@ -330,7 +332,17 @@ def partitions(run: Run) -> list[dict[str, Any]]:
             return [s for s in _steps(run.metrics[o]) if s.get(StepField.COMMITTED)]
 
         before = max((s[StepField.STEP] for s in committed(r) if s[TIME] <= t_cut), default=0)
-        during = [s[StepField.STEP] for s in committed(r) if t_cut < s[TIME] <= t_end]
+        during = [s for s in committed(r) if t_cut < s[TIME] <= t_end]
+        # committed together with a peer (the same step in a quorum of the same size > 1): the
+        # links went later than the cut record (cutting takes a while on a busy machine)
+        shared = {
+            (s[StepField.STEP], s.get(StepField.PARTICIPANTS))
+            for o in range(run.replicas)
+            if o != r
+            for s in committed(o)
+            if (s.get(StepField.PARTICIPANTS) or 0) > 1
+        }
+        alone = [s[StepField.STEP] for s in during if (s[StepField.STEP], s.get(StepField.PARTICIPANTS)) not in shared]
         back = next((e for e in run.metrics[r] if e.get(EVENT) == ReplicaEvent.CATCHUP_DONE and e[TIME] > t_end), None)
         out.append(
             {
@@ -340,8 +352,8 @@ def partitions(run: Run) -> list[dict[str, Any]]:
                 "seconds": cut.get("seconds"),
                 "time_s": round(t_cut - run.start, 3),
                 "restored": end is not None,
-                "in_flight": [n for n in during if n == before + 1],
-                "isolated_commits": [n for n in during if n != before + 1],
+                "in_flight": [s[StepField.STEP] for s in during if s[StepField.STEP] == before + 1],
+                "isolated_commits": [n for n in alone if n != before + 1],
                 "peer_commits": {
                     str(o): sum(1 for s in committed(o) if t_cut < s[TIME] <= t_end)
                     for o in range(run.replicas)

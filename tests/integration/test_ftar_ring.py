@@ -576,8 +576,13 @@ def test_a_retry_after_a_call_abandoned_before_it_began_reads_no_stale_frame(sha
 
     B's listener is slowed down between reading A's notice and recording it: A's call returns
     only after B acknowledged, so B must hold the notice by then (it once acknowledged first, and
-    a B entering in between ran the call on its stale links: `connection closed`, not `abandoned`)."""
-    eps = [FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=1, shared_memory=shared_memory) for _ in range(2)]
+    a B entering in between ran the call on its stale links: `connection closed`, not `abandoned`).
+    A waits up to probe_timeout_s for each acknowledgement: 5 s here, far above the slowdown, so
+    that a busy machine does not make A give up on B's answer (then nothing says B holds it)."""
+    eps = [
+        FTAREndpoint(TOKEN, chunk_bytes=CHUNK_BYTES, timeout_s=1, shared_memory=shared_memory, probe_timeout_s=5)
+        for _ in range(2)
+    ]
     members = [ep.address for ep in eps]
     record = eps[1]._on_notice
 

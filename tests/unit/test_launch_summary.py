@@ -403,12 +403,33 @@ def test_overlapping_partitions_are_each_checked_over_their_own_window(tmp_path)
     )
     r0 = [_step(100.0 + k, k + 1, batch=2 * k, position=k + 1, loss=2.0) for k in range(20)]  # steps 1-20 at 100-119
     r1 = [_step(100.0 + k, k + 1, batch=2 * k + 1, position=k + 1, loss=2.0) for k in range(10)]  # 1-10 by 109
-    r1 += [_step(122.0, 14, batch=27, position=11, loss=2.0)]  # committed while still cut off by #2
+    r1 += [{**_step(122.0, 14, batch=27, position=11, loss=2.0), "participants": 1}]  # alone, still cut off by #2
     _write(tmp_path / "replica-0" / "metrics.jsonl", r0)
     _write(tmp_path / "replica-1" / "metrics.jsonl", r1)
     first, second = build_summary(tmp_path)["partitions"]
     assert (first["restored"], first["isolated_commits"], first["peer_commits"]) == (True, [], {"0": 9})
     assert (second["restored"], second["isolated_commits"], second["peer_commits"]) == (True, [14], {"0": 4})
+
+
+def test_steps_committed_with_the_peer_after_the_cut_record_are_not_isolated(tmp_path):
+    """The launcher records a cut before it cuts; on a busy machine cutting takes a while, and the
+    replica may commit a step or two more together with its peer (the same step, a quorum of 2 in
+    both records) after the record: not a split brain. A step it commits alone is one."""
+    cut = {"time": 110.5, "event": "fault", "kind": "partition", "replica": 1, "step": 10, "host": None}
+    cut |= {"hosts": ["r1h0"], "seconds": 5.0, "cut": 1}
+    end = {"time": 115.5, "event": "partition_ended", "replica": 1, "host": None, "hosts": ["r1h0"]}
+    end |= {"seconds": 5.0, "cut": 1, "restored": ["r1h0"]}
+    _write(tmp_path / "launcher.jsonl", [{"time": 100.0, "event": "launch", "replicas": 2, "steps": 20}, cut, end])
+    r0 = [_step(100.0 + k, k + 1, batch=2 * k, position=k + 1, loss=2.0) for k in range(20)]
+    together = [_step(100.0 + k, k + 1, batch=2 * k + 1, position=k + 1, loss=2.0) for k in range(13)]  # to 112
+    alone = {**_step(113.0, 14, batch=27, position=14, loss=2.0), "participants": 1}
+    _write(tmp_path / "replica-0" / "metrics.jsonl", r0)
+    _write(tmp_path / "replica-1" / "metrics.jsonl", together)
+    (p,) = build_summary(tmp_path)["partitions"]
+    assert (p["in_flight"], p["isolated_commits"]) == ([12], []), p  # 13 too: with the peer
+    _write(tmp_path / "replica-1" / "metrics.jsonl", [*together, alone])
+    (p,) = build_summary(tmp_path)["partitions"]
+    assert p["isolated_commits"] == [14], p
 
 
 def make_split_run(tmp_path, *, late_trains_again: bool):
