@@ -1,9 +1,9 @@
 """A replica's mesh, and the one place where logical axis names become mesh axes.
 
 Models annotate each parameter with logical axis names (`("vocab", "embed")`, `("embed", "mlp")`,
-...). FSDP inside a replica shards every parameter along its `embed` dimension over all of the
-replica's devices; everything else is replicated. Optimizer state follows its parameter. Batches
-are split along their first dimension over the same devices.
+`("embed", "heads", "head_dim")`, ...). FSDP inside a replica shards every parameter along its
+`embed` dimension over all of the replica's devices; everything else is replicated. Optimizer
+state follows its parameter. Batches are split along their first dimension over the same devices.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ LOGICAL_AXIS_RULES: Mapping[str, str | None] = {
     "vocab": None,
     "mlp": None,
     "qkv": None,
-    "heads": None,
+    "heads": None,  # query heads (llama: attention's output projection too)
+    "kv_heads": None,  # key/value heads of grouped-query attention
+    "head_dim": None,
     "seq": None,
 }
 
