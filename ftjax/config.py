@@ -72,12 +72,11 @@ class ModelConfig(_Strict):
             if self.n_heads % self.kv_heads:
                 raise ValueError(f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})")
             return self
-        llama_only = ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps")
-        for name in (*llama_only, *(("remat",) if self.kind == "mlp" else ())):
+        for name in ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps"):
             if name in self.model_fields_set:
-                raise ValueError(
-                    f"{name}: only for kind llama{' or gpt' if name == 'remat' else ''} (kind is {self.kind})"
-                )
+                raise ValueError(f"{name}: only for kind llama (kind is {self.kind})")
+        if self.kind == "mlp" and self.remat != "none":
+            raise ValueError("remat: only for kind llama or gpt (kind is mlp)")
         if self.compute_dtype == "bfloat16":
             raise ValueError(f"compute_dtype: bfloat16 is for kind llama; the {self.kind} model computes in float32")
         return self
@@ -238,6 +237,11 @@ class FTConfig(_Strict):
         description="constant mode: rows of one micro-batch (the unit "
         "in which missing batches are dealt out); default: batch_size / 4, or "
         "less to stay a multiple of the replica's device count",
+    )
+    grad_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="the dtype of the update that leaves the device for FTAR (bfloat16: half the bytes; "
+        "FTAR sums in float32 and rounds the average once); parameters and the update's apply stay float32",
     )
     ftar_timeout_s: float = Field(5.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
     ftar_shared_memory: bool = Field(
