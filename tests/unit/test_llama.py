@@ -10,6 +10,7 @@ from flax import nnx
 
 from ftjax.config import ConfigError, load_config
 from ftjax.program import models
+from ftjax.program.models.llama import apply_rope, rope_tables
 from ftjax.program.sharding import LOGICAL_AXIS_RULES
 
 
@@ -149,3 +150,18 @@ def test_auto_compute_dtype_is_float32_on_cpu():
     assert jax.default_backend() == "cpu"
     assert tiny_model(compute_dtype="auto").compute_dtype == jnp.float32
     assert tiny_model(compute_dtype="bfloat16").compute_dtype == jnp.bfloat16
+
+
+def test_rope_scores_depend_on_the_distance_only_and_theta_sets_the_frequencies():
+    """RoPE: q at position m against k at position n scores the same as at m + s, n + s, and
+    differently at another distance; another theta, other scores."""
+    q, k = jax.random.normal(jax.random.key(5), (2, 1, 1, 1, 16))
+
+    def score(m, n, theta=10000.0):
+        cos, sin = rope_tables(64, 16, theta)
+        at = lambda x, i: apply_rope(x, cos[i : i + 1], sin[i : i + 1])
+        return float(jnp.sum(at(q, m) * at(k, n)))
+
+    assert score(9, 4) == pytest.approx(score(40, 35), rel=1e-5)
+    assert score(9, 4) != pytest.approx(score(9, 6), rel=1e-3)
+    assert score(9, 4, 500000.0) != pytest.approx(score(9, 4), rel=1e-3)
