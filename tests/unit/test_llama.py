@@ -2,6 +2,8 @@
 configs and their checks, the causal and document mask. Training in bfloat16, remat and gradient
 accumulation, which compile whole train steps, are in tests/integration/test_llama.py."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,10 +26,12 @@ def closed_form(m) -> int:
     return m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + m.n_layers * block + m.d_model
 
 
-def abstract_params(model_cfg):
-    """The model's parameters as shapes only (nothing allocated: the 8B builds on any machine)."""
+@functools.lru_cache
+def abstract_params(name: str):
+    """The parameters of built-in config `name`'s model as shapes only (nothing allocated: the 8B
+    builds on any machine)."""
     with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: models.build(model_cfg, nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: models.build(load_config(name).model, nnx.Rngs(0)))
     return nnx.state(model, nnx.Param)
 
 
@@ -38,7 +42,7 @@ def abstract_params(model_cfg):
 def test_builtin_configs_validate_and_build_with_the_closed_form_parameter_count(name, count):
     cfg = load_config(name)
     assert cfg.model.kind == "llama"
-    params = abstract_params(cfg.model)
+    params = abstract_params(name)
     got = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     assert got == closed_form(cfg.model)
     assert got == count, f"{name}: {got:,}"
@@ -52,8 +56,8 @@ def test_builtin_configs_validate_and_build_with_the_closed_form_parameter_count
 def test_llama_3_shapes():
     """The 1B ties its embeddings (no output matrix); the 8B does not. Grouped-query attention:
     8 key/value heads of 128 dims for 32 query heads."""
-    one = nnx.to_pure_dict(abstract_params(load_config("llama_1b").model))
-    eight = nnx.to_pure_dict(abstract_params(load_config("llama_8b").model))
+    one = nnx.to_pure_dict(abstract_params("llama_1b"))
+    eight = nnx.to_pure_dict(abstract_params("llama_8b"))
     assert "head" not in one and eight["head"].shape == (4096, 128256)
     attn = eight["blocks"][0]["attn"]
     assert attn["wq"].shape == (4096, 32, 128) and attn["wk"].shape == attn["wv"].shape == (4096, 8, 128)
