@@ -33,24 +33,75 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    kind: Literal["gpt", "mlp"] = "gpt"
+    kind: Literal["gpt", "mlp", "llama"] = "gpt"
     vocab_size: int = Field(256, gt=0, description="byte-level tokens: 256")
     d_model: int = Field(64, gt=0)
     n_layers: int = Field(2, gt=0)
     n_heads: int = Field(4, gt=0)
     d_ff: int = Field(256, gt=0)
     seq_len: int = Field(64, gt=1)
+    # llama only (docs/design.md, "The Llama model")
+    n_kv_heads: int | None = Field(
+        None, gt=0, description="llama: key/value heads of grouped-query attention, dividing n_heads; default n_heads"
+    )
+    rope_theta: float = Field(10000.0, gt=0, description="llama: the base of the rotary position embedding")
+    tie_embeddings: bool = Field(False, description="llama: the output projection is the input embedding's transpose")
+    norm_eps: float = Field(1e-5, gt=0, description="llama: RMSNorm's epsilon")
+    # how the model is computed, not what (docs/design.md, "Precision", "Rematerialization")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="llama: the dtype of the matmuls (parameters and optimizer state stay float32); "
+        "auto: bfloat16 on gpu and tpu, float32 on cpu. gpt and mlp compute in float32",
+    )
+    remat: Literal["none", "full", "save_dots"] = Field(
+        "none",
+        description="rematerialize each transformer block in the backward pass (llama, gpt): none; full "
+        "(save only the block's input); save_dots (also the outputs of its weight matmuls)",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
-        if self.kind == "gpt" and self.d_model % self.n_heads:
+        if self.kind in ("gpt", "llama") and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.kind == "llama":
+            if (self.d_model // self.n_heads) % 2:
+                raise ValueError(
+                    f"d_model / n_heads ({self.d_model // self.n_heads}, the head size) must be even "
+                    "(RoPE rotates pairs of a head's dimensions)"
+                )
+            if self.n_heads % self.kv_heads:
+                raise ValueError(f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})")
+            return self
+        for name in ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps"):
+            if name in self.model_fields_set:
+                raise ValueError(f"{name}: only for kind llama (kind is {self.kind})")
+        if self.kind == "mlp" and self.remat != "none":
+            raise ValueError("remat: only for kind llama or gpt (kind is mlp)")
+        if self.compute_dtype == "bfloat16":
+            raise ValueError(f"compute_dtype: bfloat16 is for kind llama; the {self.kind} model computes in float32")
         return self
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_heads, else n_heads (multi-head attention)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
 
 class DataConfig(_Strict):
     source: Literal["stdlib", "synthetic"] = "stdlib"
     batch_size: int = Field(8, gt=0, description="sequences per step, per replica")
+    micro_batches: int = Field(
+        1,
+        gt=0,
+        description="gradient accumulation: a replica computes its batch in this many micro-batches of "
+        "batch_size / micro_batches rows, summed on the device (one all-reduce per step, the same update)",
+    )
+
+    @model_validator(mode="after")
+    def _micro_batches_divide(self) -> DataConfig:
+        if self.batch_size % self.micro_batches:
+            raise ValueError(f"micro_batches ({self.micro_batches}) must divide batch_size ({self.batch_size})")
+        return self
 
 
 class MeshConfig(_Strict):
@@ -203,6 +254,11 @@ class FTConfig(_Strict):
         "in which missing batches are dealt out); default: batch_size / 4, or "
         "less to stay a multiple of the replica's device count",
     )
+    grad_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="the dtype of the update that leaves the device for FTAR (bfloat16: half the bytes; "
+        "FTAR sums in float32 and rounds the average once); parameters and the update's apply stay float32",
+    )
     ftar_timeout_s: float = Field(5.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
     ftar_shared_memory: bool = Field(
         True,
@@ -348,9 +404,16 @@ class Config(_Strict):
                 f"mesh: model.d_model ({self.model.d_model}) must be divisible by the replica's {n} devices "
                 "(FSDP shards the embedding dimension)"
             )
-        t = self.mesh.tensor
-        if (self.task is None or self.task.startswith("ftjax.program.tasks:")) and self.model.d_ff % t:
-            raise ValueError(f"mesh: model.d_ff ({self.model.d_ff}) must be divisible by mesh.tensor ({t})")
+        t, model = self.mesh.tensor, self.model
+        if t > 1 and (self.task is None or self.task.startswith("ftjax.program.tasks:")):
+            # tensor parallelism splits the MLP's hidden dimension and (llama) the heads
+            split = {
+                "d_ff": model.d_ff,
+                **({"n_heads": model.n_heads, "n_kv_heads": model.kv_heads} if model.kind == "llama" else {}),
+            }
+            for name, size in split.items():
+                if size % t:
+                    raise ValueError(f"mesh: model.{name} ({size}) must be divisible by mesh.tensor ({t})")
         m = self.ft.micro_batch_rows
         if m is not None and (self.data.batch_size % m or m % n):
             raise ValueError(
@@ -374,6 +437,17 @@ class Config(_Strict):
                 f"mesh.live_hosts ({self.mesh.live}): its share of the batch ({self.own_rows} of "
                 f"{self.data.batch_size} rows) is not a whole number of micro-batches "
                 f"({self.micro_rows} rows, ft.micro_batch_rows)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _micro_batches_fit(self) -> Config:
+        # a micro-batch is split over the replica's devices like a batch (ftjax/program/step.py)
+        n, k = self.mesh.num_devices, self.data.micro_batches
+        if (self.data.batch_size // k) % n:
+            raise ValueError(
+                f"data.micro_batches ({k}): a micro-batch of {self.data.batch_size // k} rows "
+                f"(data.batch_size / micro_batches) must be divisible by the replica's {n} devices"
             )
         return self
 

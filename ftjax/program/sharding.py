@@ -1,13 +1,13 @@
 """A replica's mesh, and the one place where logical axis names become mesh axes.
 
 Models annotate each parameter with logical axis names (`("vocab", "embed")`, `("embed", "mlp")`,
-...). FSDP inside a replica shards every parameter along its `embed` dimension over the `fsdp`
-axis. With `mesh.tensor: T > 1` the mesh is `fsdp x tensor` (T consecutive devices of a host form
-a tensor group) and the heads and the MLP's hidden dimension (`heads`, `kv_heads`, `qkv`, `mlp`)
-are split over `tensor` (Megatron-style tensor parallelism, here by sharding annotations: XLA
-inserts the collectives). Everything else is replicated. Optimizer state follows its parameter.
-Batches are split along their first dimension over `fsdp` and replicated over `tensor` (a tensor
-group computes the same rows together).
+`("embed", "heads", "head_dim")`, ...). FSDP inside a replica shards every parameter along its
+`embed` dimension over the `fsdp` axis. With `mesh.tensor: T > 1` the mesh is `fsdp x tensor` (T
+consecutive devices of a host form a tensor group) and the heads and the MLP's hidden dimension
+(`heads`, `kv_heads`, `qkv`, `mlp`) are split over `tensor` (Megatron-style tensor parallelism, here
+by sharding annotations: XLA inserts the collectives). Everything else is replicated. Optimizer
+state follows its parameter. Batches are split along their first dimension over `fsdp` and
+replicated over `tensor` (a tensor group computes the same rows together).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ LOGICAL_AXIS_RULES: Mapping[str, str | None] = {
     "vocab": None,
     "mlp": TENSOR,
     "qkv": TENSOR,
-    "heads": TENSOR,
-    "kv_heads": TENSOR,
+    "heads": TENSOR,  # query heads (llama: attention's output projection too)
+    "kv_heads": TENSOR,  # key/value heads of grouped-query attention
+    "head_dim": None,
     "seq": None,
 }
 

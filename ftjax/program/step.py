@@ -17,6 +17,7 @@ included, are linear in the learning rate), and a scale of exactly 1.0 leaves ev
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,7 +287,7 @@ def _state_functions(task: Task, lay: _Layout):
 
 def _loss_functions(cfg: Config, task: Task, lay: _Layout):
     """(grads, accumulate): a batch's mean loss, metrics and update; rows' update added to a sum."""
-    has_ms, B = lay.has_ms, cfg.data.batch_size
+    has_ms, B, k = lay.has_ms, cfg.data.batch_size, cfg.data.micro_batches
 
     def update_of(params, ms, batch, where, weight):
         """(per-example losses, aux, the update of `batch` with its loss weighted `weight` per row)."""
@@ -303,17 +304,54 @@ def _loss_functions(cfg: Config, task: Task, lay: _Layout):
             update["model_state"] = jax.tree.map(lambda x: x.astype(jnp.float32) * (rows * weight), new_ms)
         return per_example, aux, update
 
+    def summed(params, ms, rows, where, weight):
+        """`update_of`, in micro-batches when data.micro_batches asks for them."""
+        if k == 1:
+            return update_of(params, ms, rows, where, weight)
+        return in_micro_batches(lambda *a: update_of(params, ms, *a, weight), rows, where, B // k)
+
     def grads(params, ms, batch, where):
-        per_example, aux, update = update_of(params, ms, batch, where, 1.0 / batch_rows(batch))
-        return per_example.mean(), {k: v.mean() for k, v in aux.items()}, update
+        per_example, aux, update = summed(params, ms, batch, where, 1.0 / batch_rows(batch))
+        return per_example.mean(), {name: v.mean() for name, v in aux.items()}, update
 
     def accumulate(acc, params, ms, rows, where):
         # Gradient accumulation for a constant global batch (ftjax/base/batches.py): each row's loss
         # counts 1 / batch_size, so the micro-batches of one whole batch sum to its mean loss.
-        per_row, _, update = update_of(params, ms, rows, where, 1.0 / B)
+        per_row, _, update = summed(params, ms, rows, where, 1.0 / B)
         return jax.tree.map(jnp.add, acc, update), per_row
 
     return grads, accumulate
+
+
+def in_micro_batches(update_of, rows, where, most: int):
+    """`update_of(rows, where) -> (per-example losses, aux, update)` of `rows`, computed as micro-batches
+    of at most `most` rows whose updates a `lax.scan` sums: the device holds one micro-batch's
+    activations at a time, and the sum leaves it once (gradient accumulation, data.micro_batches).
+
+    Micro-batch j is rows j, j + m, j + 2m, ... (m micro-batches): a device's rows of the batch (a
+    block of them) then hold an equal part of every micro-batch, so no row moves between devices.
+    Its RNG key is that of its first row (`where`'s third entry + j). The losses come back in the
+    rows' order; a scalar metric, one per micro-batch."""
+    n = batch_rows(rows)
+    size = math.gcd(n, most)  # (both multiples of the device count: so is the micro-batch)
+    if size == n:
+        return update_of(rows, where)
+    m = n // size
+    pieces = jax.tree.map(lambda x: jnp.swapaxes(x.reshape(size, m, *x.shape[1:]), 0, 1), rows)
+
+    def body(acc, xs):
+        j, piece = xs
+        per_example, aux, update = update_of(piece, where.at[2].add(j))
+        return jax.tree.map(jnp.add, acc, update), (per_example, aux)
+
+    first = jax.tree.map(lambda x: x[0], pieces)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(update_of, first, where)[2])
+    update, (per_example, aux) = jax.lax.scan(body, zeros, (jnp.arange(m, dtype=where.dtype), pieces))
+
+    def in_order(v):  # [m, size] -> the rows' order; [m] (a scalar per micro-batch) as is
+        return v.T.reshape(n) if v.ndim == 2 else v
+
+    return in_order(per_example), {name: in_order(v) for name, v in aux.items()}, update
 
 
 def _jitted(lay: _Layout, init, apply, zeros, grads, accumulate) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """The built-in tasks, and the task of a config.
 
 `language_model` is a task like any user's: the config's `model:` section builds a Flax NNX model
-(ftjax/models: the GPT-2-style byte model, or the token MLP), `data.source` names the source, and
-the loss is each sequence's mean next-token cross-entropy. A config without `task:` trains it.
+(ftjax/program/models: the GPT-2-style model, the Llama-class one, or the token MLP), `data.source`
+names the source, and the loss is each sequence's mean next-token cross-entropy (in float32). A
+config without `task:` trains it.
 `token_lm` is the same model and loss on a tokenized corpus (`ftjax data prepare`, ftjax/program/tokens.py).
 """
 
@@ -18,12 +19,15 @@ _loaded: dict[str, Task] = {}
 
 
 def _lm_task(cfg, source, name: str) -> Task:
-    """Next-token prediction on `source`'s int32[seq_len + 1] token windows with the model of `cfg.model`."""
+    """Next-token prediction on `source`'s int32[seq_len + 1] token windows with the model of `cfg.model`.
+    An example may also be a dict of `tokens` and `segment_ids` (packed documents, the same length;
+    the llama model attends within a segment only)."""
     from ftjax.program import models
 
-    def loss(model, tokens):
-        logits = model(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(axis=1)
+    def loss(model, batch):
+        tokens, segments = (batch["tokens"], batch.get("segment_ids")) if isinstance(batch, dict) else (batch, None)
+        logits = model(tokens[:, :-1], **({} if segments is None else {"segment_ids": segments[:, :-1]}))
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype("float32"), tokens[:, 1:]).mean(axis=1)
 
     return nnx_task(
         lambda rngs: models.build(cfg.model, rngs), loss, source, name=name, tokens_per_example=cfg.model.seq_len

@@ -132,16 +132,19 @@ def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, An
     content fingerprint `data.fingerprint`, `data.batch_size`, and `ft.replicas`, which splits the
     stream among replicas: the stream position of a checkpoint means other batches under another
     split); the whole `model` section (the architecture; a shape change would otherwise surface as an
-    orbax shape error); the whole `optim` section (learning rate and its schedule, AdamW, clipping)
-    and `ft.lr_scaling`. Whole sections, so that a field added to them later is checked by default.
+    orbax shape error; the llama's fields only when not at their defaults, so that checkpoints
+    older than them keep their identity); the whole `optim` section (learning rate and its schedule,
+    AdamW, clipping) and `ft.lr_scaling`. Whole sections, so that a field added to them later is
+    checked by default.
     The task: its import path and arguments (`task`, `task_args`), and the structure of its parameter
     tree (`params` given: paths, shapes, dtypes).
 
     The run's starting point when it is not the seed's (`checkpoint.init_from`, `checkpoint.init_opt`).
 
-    Out, because the same job may change them between restarts: `steps` (a run may be extended; with
-    no `optim.decay_steps` the cosine decay then stretches from the resume on, which is what extending
-    means), the mesh (a checkpoint is resharded onto another device count), the checkpoint cadence
+    Out, because the same job may change them between restarts: `model.compute_dtype` and
+    `model.remat` (how the model is computed, not what), `data.micro_batches`, `steps` (a run may be
+    extended; with no `optim.decay_steps` the cosine decay then stretches from the resume on, which
+    is what extending means), the mesh (a checkpoint is resharded onto another device count), the checkpoint cadence
     and directory, logging, the coordinator and every fault-tolerance timeout or transport knob.
     """
     identity: dict[str, Any] = {
@@ -164,7 +167,19 @@ def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, An
         identity["params.structure"] = params_structure(params)
     for section in ("model", "optim"):
         identity.update({f"{section}.{k}": v for k, v in getattr(cfg, section).model_dump().items()})
+    for k in _HOW:
+        del identity[k]
+    defaults = type(cfg.model)()
+    for k in _LATER:  # recorded only when set (like init_from): older checkpoints keep their identity
+        if getattr(cfg.model, k) == getattr(defaults, k):
+            del identity[f"model.{k}"]
     return identity
+
+
+# How the model is computed, not what: a job may change them between restarts, like its mesh.
+_HOW = ("model.compute_dtype", "model.remat")
+# Model fields added after checkpoints recorded their job's identity (the llama's).
+_LATER = ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps")
 
 
 class DurableCheckpoints:

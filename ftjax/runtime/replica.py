@@ -63,6 +63,11 @@ def _divisor(cfg: Config) -> int | None:
     return cfg.ft.replicas if cfg.ft.global_batch == "constant" else None
 
 
+def _grad_dtype(cfg: Config):
+    """The dtype of the update on FTAR's wire (ft.grad_dtype; bfloat16 is ml_dtypes')."""
+    return jax.numpy.dtype(cfg.ft.grad_dtype)
+
+
 def addresses(cfg: Config, coordinator: str) -> net.Addresses:
     """What this process's listeners bind and advertise (ftjax/base/net.py): by default every interface,
     and the source address of this machine's route to the coordinator."""
@@ -119,6 +124,7 @@ def member_protocol(
         devices_per_host=cfg.mesh.devices_per_host,
         served=served,
         tensor=cfg.mesh.tensor,
+        dtype=_grad_dtype(cfg),
     )
     return StepProtocol(
         replica_id=str(args.replica_id),
@@ -187,7 +193,7 @@ def standalone_protocol(cfg: Config, args: RunOptions, out: Path, group: JaxHost
         replica_id=rid,
         incarnation=new_incarnation(),
         group=group,
-        reducer=LocalReducer(_divisor(cfg)),
+        reducer=LocalReducer(_divisor(cfg), _grad_dtype(cfg)),
         transport=None,
         quorums=LocalQuorum(rid) if group.rank == 0 else None,
         buffer=ReplayBuffer(out / "replay-unused", 0),

@@ -1,14 +1,36 @@
 """Flax NNX models with FSDP partitioning annotations (logical axis names on every parameter)."""
 
 from ftjax.program.models.gpt import GPT
+from ftjax.program.models.llama import Llama
 from ftjax.program.models.mlp import TokenMLP
 
-MODELS = {"gpt": GPT, "mlp": TokenMLP}
+MODELS = {"gpt": GPT, "mlp": TokenMLP, "llama": Llama}
+
+
+def compute_dtype(setting: str):
+    """The dtype of a model's matmuls for `model.compute_dtype`: auto is bfloat16 on an accelerator
+    (gpu, tpu) and float32 on cpu, where bfloat16 matmuls are emulated and slower."""
+    import jax
+    import jax.numpy as jnp
+
+    if setting == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.dtype(setting)
 
 
 def build(cfg, rngs):
-    """Build the model named by a ModelConfig (`kind`: gpt | mlp)."""
+    """Build the model named by a ModelConfig (`kind`: gpt | mlp | llama)."""
     kwargs = dict(vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_ff=cfg.d_ff)
+    if cfg.kind in ("gpt", "llama"):
+        kwargs.update(n_layers=cfg.n_layers, n_heads=cfg.n_heads, remat=cfg.remat)
     if cfg.kind == "gpt":
-        kwargs.update(n_layers=cfg.n_layers, n_heads=cfg.n_heads, seq_len=cfg.seq_len)
+        kwargs.update(seq_len=cfg.seq_len)
+    if cfg.kind == "llama":
+        kwargs.update(
+            n_kv_heads=cfg.kv_heads,
+            rope_theta=cfg.rope_theta,
+            tie_embeddings=cfg.tie_embeddings,
+            norm_eps=cfg.norm_eps,
+            compute_dtype=compute_dtype(cfg.compute_dtype),
+        )
     return MODELS[cfg.kind](**kwargs, rngs=rngs)

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ftjax.program.models.llama import REMAT_POLICIES
+
 _init = nnx.initializers.normal(stddev=0.02)
 
 
@@ -77,8 +79,18 @@ class Block(nnx.Module):
 
 class GPT(nnx.Module):
     def __init__(
-        self, *, vocab_size: int, d_model: int, n_layers: int, n_heads: int, d_ff: int, seq_len: int, rngs: nnx.Rngs
+        self,
+        *,
+        vocab_size: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        d_ff: int,
+        seq_len: int,
+        remat: str = "none",
+        rngs: nnx.Rngs,
     ):
+        self.remat = remat  # each block rematerialized in the backward pass (ftjax/program/models/llama.py)
         self.wte = nnx.Embed(
             vocab_size, d_model, embedding_init=nnx.with_partitioning(_init, ("vocab", "embed")), rngs=rngs
         )
@@ -90,6 +102,11 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens (batch, time) int32 -> logits (batch, time, vocab) float32."""
         x = self.wte(tokens) + self.wpe[: tokens.shape[1]]
+        run = _call if self.remat == "none" else nnx.remat(_call, policy=REMAT_POLICIES[self.remat])
         for block in self.blocks:
-            x = block(x)
+            x = run(block, x)
         return self.head(self.ln_f(x))
+
+
+def _call(block: Block, x: jax.Array) -> jax.Array:
+    return block(x)

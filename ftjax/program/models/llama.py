@@ -1,0 +1,169 @@
+"""A Llama-class decoder (the Llama 2/3 architecture) in Flax NNX.
+
+Pre-norm blocks of RMSNorm, grouped-query attention with rotary position embeddings (RoPE), and a
+SwiGLU feed-forward; no biases; the output projection optionally tied to the input embedding.
+
+Every parameter carries logical axis names (ftjax/program/sharding.py maps them to the mesh):
+`vocab`, `embed` (the model width), `heads` (query heads), `kv_heads` (key/value heads),
+`head_dim`, `mlp` (the feed-forward's hidden width). Heads and the hidden width are named apart so
+that a tensor-parallel axis can shard them.
+
+Precision (docs/design.md, "Precision"): parameters are float32 master weights; the matmuls run
+in `compute_dtype` (their inputs cast); the residual stream, RMSNorm's statistics, RoPE, the
+attention softmax and the logits are float32.
+
+Attention goes through `jax.nn.dot_product_attention` (the implementation is JAX's to choose),
+causal, and with `segment_ids` [B, T] (packed documents) also within a token's own segment.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+F32 = jnp.float32
+
+# remat setting -> what a block keeps for the backward pass (the rest is recomputed)
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # its input only
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # and its weight matmuls' outputs
+}
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float = 0.02) -> nnx.Param:
+    init = nnx.with_partitioning(nnx.initializers.normal(stddev=std), axes)
+    return nnx.Param(init(rngs.params(), shape))
+
+
+def _mm(spec: str, x: jax.Array, w: nnx.Param, dtype) -> jax.Array:
+    """A matmul in `dtype`: both operands cast (the float32 parameter stays the master copy)."""
+    return jnp.einsum(spec, x.astype(dtype), w[...].astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, d: int, eps: float, rngs: nnx.Rngs):
+        self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",))(rngs.params(), (d,)))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, dtype) -> jax.Array:
+        """The statistics in float32, the result in `dtype` (the next matmul's input)."""
+        x = x.astype(F32)
+        y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(dtype)
+
+
+def rope_tables(length: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [length, head_dim / 2] of RoPE's angles: position x theta^(-2i / head_dim)."""
+    freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim)
+    angle = jnp.arange(length, dtype=F32)[:, None] * freq[None, :]
+    return jnp.cos(angle), jnp.sin(angle)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, heads, head_dim] rotated by position, in float32: the head's first half paired
+    with its second half (the rotate-half layout)."""
+    x1, x2 = jnp.split(x.astype(F32), 2, axis=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, 1, T, T]: query t may attend to key s of the same segment (causality is added apart).
+    Positions need no reset at a document's start: RoPE sees only the distance between tokens."""
+    return (segment_ids[:, None, :, None] == segment_ids[:, None, None, :]).astype(bool)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
+
+    def __init__(self, d: int, n_heads: int, n_kv_heads: int, n_layers: int, rngs: nnx.Rngs):
+        hd = d // n_heads
+        self.wq = _param(rngs, (d, n_heads, hd), ("embed", "heads", "head_dim"))
+        self.wk = _param(rngs, (d, n_kv_heads, hd), ("embed", "kv_heads", "head_dim"))
+        self.wv = _param(rngs, (d, n_kv_heads, hd), ("embed", "kv_heads", "head_dim"))
+        # GPT-2's scaled init of the residual projections keeps the residual stream's variance flat
+        self.wo = _param(rngs, (n_heads, hd, d), ("heads", "head_dim", "embed"), std=0.02 / (2 * n_layers) ** 0.5)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None, dtype) -> jax.Array:
+        q = apply_rope(_mm("btd,dhk->bthk", x, self.wq, dtype), cos, sin)
+        k = apply_rope(_mm("btd,dhk->bthk", x, self.wk, dtype), cos, sin)
+        v = _mm("btd,dhk->bthk", x, self.wv, dtype)
+        y = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)  # softmax in float32
+        return _mm("bthk,hkd->btd", y, self.wo, dtype)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, d: int, d_ff: int, n_layers: int, rngs: nnx.Rngs):
+        self.w_gate = _param(rngs, (d, d_ff), ("embed", "mlp"))
+        self.w_up = _param(rngs, (d, d_ff), ("embed", "mlp"))
+        self.w_down = _param(rngs, (d_ff, d), ("mlp", "embed"), std=0.02 / (2 * n_layers) ** 0.5)
+
+    def __call__(self, x: jax.Array, dtype) -> jax.Array:
+        h = jax.nn.silu(_mm("btd,df->btf", x, self.w_gate, dtype)) * _mm("btd,df->btf", x, self.w_up, dtype)
+        return _mm("btf,fd->btd", h, self.w_down, dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, d: int, n_heads: int, n_kv_heads: int, d_ff: int, n_layers: int, eps: float, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(d, eps, rngs)
+        self.attn = Attention(d, n_heads, n_kv_heads, n_layers, rngs)
+        self.mlp_norm = RMSNorm(d, eps, rngs)
+        self.mlp = SwiGLU(d, d_ff, n_layers, rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None, dtype) -> jax.Array:
+        """x: the float32 residual stream; each branch computes in `dtype` and is added in float32."""
+        x = x + self.attn(self.attn_norm(x, dtype), cos, sin, mask, dtype).astype(F32)
+        return x + self.mlp(self.mlp_norm(x, dtype), dtype).astype(F32)
+
+
+def block_runner(remat: str, dtype):
+    """`run(block, x, cos, sin, mask)`: a block's forward, rematerialized by `remat`'s policy."""
+
+    def run(block: Block, x, cos, sin, mask):
+        return block(x, cos, sin, mask, dtype)
+
+    return run if remat == "none" else nnx.remat(run, policy=REMAT_POLICIES[remat])
+
+
+class Llama(nnx.Module):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        d_ff: int,
+        n_kv_heads: int | None = None,
+        rope_theta: float = 10000.0,
+        tie_embeddings: bool = False,
+        norm_eps: float = 1e-5,
+        compute_dtype=F32,
+        remat: str = "none",
+        rngs: nnx.Rngs,
+    ):
+        n_kv_heads = n_kv_heads or n_heads
+        self.head_dim, self.rope_theta = d_model // n_heads, rope_theta
+        self.compute_dtype, self.remat = jnp.dtype(compute_dtype), remat
+        self.embed = _param(rngs, (vocab_size, d_model), ("vocab", "embed"))
+        self.blocks = nnx.List(
+            [Block(d_model, n_heads, n_kv_heads, d_ff, n_layers, norm_eps, rngs) for _ in range(n_layers)]
+        )
+        self.norm = RMSNorm(d_model, norm_eps, rngs)
+        self.head = None if tie_embeddings else _param(rngs, (d_model, vocab_size), ("embed", "vocab"))
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """tokens (batch, time) int32, segment_ids (batch, time) int or None -> logits (batch, time,
+        vocab) float32."""
+        dtype = self.compute_dtype
+        x = jnp.take(self.embed[...], tokens, axis=0)  # float32 rows of the master embedding
+        cos, sin = rope_tables(tokens.shape[1], self.head_dim, self.rope_theta)
+        mask = None if segment_ids is None else segment_mask(segment_ids)
+        run = block_runner(self.remat, dtype)
+        for block in self.blocks:
+            x = run(block, x, cos, sin, mask)
+        h = self.norm(x, dtype)
+        if self.head is None:  # tied: the embedding's transpose
+            return jnp.einsum("btd,vd->btv", h, self.embed[...].astype(dtype), preferred_element_type=F32)
+        return jnp.einsum("btd,dv->btv", h, self.head[...].astype(dtype), preferred_element_type=F32)

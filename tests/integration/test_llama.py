@@ -1,0 +1,181 @@
+"""The Llama recipe (issue 28) through the whole program: bfloat16 compute, remat and gradient
+accumulation give the update they should (each compiles whole train steps, hence not a unit test);
+`ftjax train llama_tiny` learns; and a 3-replica `ftjax launch llama_tiny` with a replica killed in
+FTAR and another while it catches up ends with equal digests, every batch exactly once."""
+
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FTJAX, REPO
+from launchrun import Launch
+
+from ftjax.config import load_config
+from ftjax.program.models.llama import REMAT_POLICIES
+from ftjax.program.step import build_program, device_batch, model_state, where
+from ftjax.runtime.metrics import read_metrics
+
+
+def relative(a, b) -> float:
+    """The largest relative difference of two trees, leaf by leaf: |a - b| / |b| (2-norms)."""
+    return max(
+        float(np.linalg.norm(np.asarray(x) - np.asarray(y)) / np.linalg.norm(np.asarray(y)))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+
+
+def program(name: str, *overrides: str):
+    return build_program(load_config(name, list(overrides)))
+
+
+def first_batch(prog, rows: int = 8):
+    return np.stack([prog.task.source[i] for i in range(rows)])
+
+
+def _steps(dtype: str, n: int = 4):
+    """Losses of n fused train steps of llama_tiny computing in `dtype`, and the final state."""
+    prog = program("llama_tiny", f"model.compute_dtype={dtype}")
+    state, losses = prog.init(np.int32(0)), []
+    for i in range(n):
+        batch = np.stack([prog.task.source[j] for j in range(i * 8, i * 8 + 8)])
+        state, loss = prog.train_step(state, batch, np.float32(1.0))
+        losses.append(float(loss))
+    return losses, state
+
+
+def test_bfloat16_compute_trains_close_to_float32_with_float32_master_weights():
+    ref, _ = _steps("float32")
+    got, state = _steps("bfloat16")
+    print(f"float32 {ref}\nbfloat16 {got}")
+    assert ref != got  # the matmuls did run in bfloat16:
+    for dtype, expect in (("float32", set()), ("bfloat16", {jnp.dtype(jnp.bfloat16)})):
+        prog = program("llama_tiny", f"model.compute_dtype={dtype}")
+        dots = [e for e in _equations(_traced(prog).jaxpr) if e.primitive.name == "dot_general"]
+        assert {v.aval.dtype for e in dots for v in e.invars} - {jnp.dtype(jnp.float32)} == expect
+    np.testing.assert_allclose(got, ref, rtol=2e-2)
+    assert got[-1] < got[0]
+    for leaf in jax.tree.leaves({"params": state["params"], "opt": state["opt"]}):
+        assert leaf.dtype in (jnp.float32, jnp.int32), leaf.dtype  # master weights, optimizer state
+
+
+def _grads(prog, rows: int = 8):
+    state = prog.init(np.int32(0))
+    batch = device_batch(prog, first_batch(prog, rows))
+    loss, _, update = prog.grads(state["params"], model_state(state), batch, where(0, 0, 0))
+    return state, batch, float(loss), update
+
+
+def _traced(prog):
+    """The jaxpr of the program's gradient function (what remat and accumulation change)."""
+    st, w, _ = prog._abstract_args()
+    return jax.make_jaxpr(prog.grads)(st["params"], model_state(st), prog.example, w)
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr, those of the jaxprs inside it (jit, scan, remat) too."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for inner in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+def _primitives(prog) -> list[str]:
+    return [e.primitive.name for e in _equations(_traced(prog).jaxpr)]
+
+
+def _remat_policies(prog) -> list:
+    return [e.params["policy"] for e in _equations(_traced(prog).jaxpr) if "policy" in e.params]
+
+
+@pytest.mark.parametrize("config", ["llama_tiny", "tiny"])
+def test_remat_gives_the_same_gradients(config):
+    """model.remat full and save_dots recompute each block in the backward pass (the traced program
+    has a checkpoint per block) and give the gradients of no remat within 1e-6 (float32)."""
+    base = program(config, "model.compute_dtype=float32", "model.remat=none")
+    _, _, loss, want = _grads(base)
+    assert _remat_policies(base) == []
+    for remat in ("full", "save_dots"):
+        prog = program(config, "model.compute_dtype=float32", f"model.remat={remat}")
+        assert _remat_policies(prog) == [REMAT_POLICIES[remat]] * 2  # one per block (2 layers)
+        _, _, got_loss, got = _grads(prog)
+        assert got_loss == pytest.approx(loss, rel=1e-6)
+        assert relative(got, want) <= 1e-6, (remat, relative(got, want))
+
+
+def test_micro_batches_give_the_same_loss_and_update_in_one_all_reduce():
+    """data.micro_batches=2: the batch in two micro-batches summed on the device (a scan in the one
+    gradient program), on a replica of 2 devices. The loss, the update that leaves the device and
+    the parameters after it equal one batch's within 1e-6 (float32), for `grads` (a replica's own
+    batch) and `accumulate` (rows computed for a missing peer under a constant global batch)."""
+    two = ("model.compute_dtype=float32", "mesh.devices_per_host=2")
+    base, split = program("llama_tiny", *two), program("llama_tiny", *two, "data.micro_batches=2")
+    assert "scan" not in _primitives(base) and "scan" in _primitives(split)
+    state, batch, loss, want = _grads(base)
+    _, _, got_loss, got = _grads(split)
+    assert got_loss == pytest.approx(loss, rel=1e-6)
+    assert relative(got, want) <= 1e-6
+    acc, per_row = split.accumulate(split.zeros(), state["params"], {}, batch, where(0, 1, 0))
+    _, want_rows = base.accumulate(base.zeros(), state["params"], {}, batch, where(0, 1, 0))
+    assert relative(acc, want) <= 1e-6
+    np.testing.assert_allclose(per_row, want_rows, rtol=1e-6)  # each row's loss, in the rows' order
+    after = base.apply(jax.tree.map(jnp.copy, state), want, np.float32(1.0))
+    got_after = base.apply(jax.tree.map(jnp.copy, state), got, np.float32(1.0))
+    assert relative(got_after["params"], after["params"]) <= 1e-6
+
+
+def test_train_llama_tiny_learns(tmp_path):
+    """`ftjax train llama_tiny steps=20`: the loss falls."""
+    run = tmp_path / "run"
+    r = subprocess.run(
+        [*FTJAX, "train", "llama_tiny", "--out", str(run), "steps=20"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [m["loss"] for m in read_metrics(run / "metrics.jsonl")]
+    assert len(losses) == 20 and losses[-1] <= 0.8 * losses[0], losses
+
+
+@pytest.mark.slow
+def test_launch_llama_tiny_with_kills_in_ftar_and_in_catchup_ends_equal_exactly_once(procs, tmp_path):
+    """`ftjax launch llama_tiny --replicas 3 --kill 1@20:ftar --kill 2@40:catchup steps=60`."""
+    args = ["llama_tiny", "--replicas", "3", "--kill", "1@20:ftar", "--kill", "2@40:catchup", "steps=60"]
+    run = Launch(procs, [*args, "--restart-delay-s", "0.5", "ft.drain_timeout_s=120"], tmp_path / "run")
+    try:
+        code = run.wait(900)
+        s = run.summary()
+        downs = [(e["replica"], e.get("at")) for e in s["failure_events"]]
+        assert (1, "20:ftar") in downs and (2, "40:forward") in downs, downs
+        kills = [e["replica"] for e in run.events() if e["event"] == "fault" and e.get("kind") == "kill_catchup"]
+        assert kills == [2], run.output()
+        assert s["committed_steps"] == 60
+        assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
+        assert run.leftovers() == []
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+def test_launch_with_a_bfloat16_all_reduce_ends_equal_exactly_once(procs, tmp_path):
+    """ft.grad_dtype=bfloat16 (FTAR's buffers in bfloat16; a healing replica relays bfloat16 zeros
+    and replays bfloat16 updates), replica 1 killed in FTAR and back mid-run: equal digests, every
+    batch once, and the loss falls."""
+    args = ["llama_tiny", "--replicas", "2", "--kill", "1@10:ftar", "steps=1000", "ft.grad_dtype=bfloat16"]
+    run = Launch(procs, [*args, "--restart-delay-s", "0.5", "ft.drain_timeout_s=120"], tmp_path / "run")
+    try:
+        code = run.wait(900)
+        s = run.summary()
+        assert [(e["replica"], e.get("at")) for e in s["failure_events"]] == [(1, "10:ftar")]
+        assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
+        assert s["replicas"]["1"]["catchups"] >= 1 and s["replicas"]["1"]["steps_contributed"] > 9, s["replicas"]
+        losses = [m["loss"] for m in run.metrics(0) if m.get("committed") and "event" not in m]
+        assert losses[-1] < 0.8 * losses[0], losses
+    finally:
+        run.close()

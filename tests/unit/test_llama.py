@@ -1,0 +1,171 @@
+"""The Llama model (issue 28): its shapes and parameter counts against the closed form, the built-in
+configs and their checks, the causal and document mask. Training in bfloat16, remat and gradient
+accumulation, which compile whole train steps, are in tests/integration/test_llama.py."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ftjax.config import ConfigError, load_config
+from ftjax.program import models
+from ftjax.program.models.llama import apply_rope, rope_tables
+from ftjax.program.sharding import LOGICAL_AXIS_RULES
+
+
+def closed_form(m) -> int:
+    """Parameters of a Llama of ModelConfig `m`: embedding (and untied output), per block the four
+    attention matrices (query and output n_heads heads, key and value n_kv_heads), SwiGLU's three
+    matrices and two RMSNorm scales, and the final norm."""
+    hd = m.d_model // m.n_heads
+    attn = m.d_model * hd * (2 * m.n_heads + 2 * m.kv_heads)
+    block = attn + 3 * m.d_model * m.d_ff + 2 * m.d_model
+    return m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + m.n_layers * block + m.d_model
+
+
+@functools.lru_cache
+def abstract_params(name: str):
+    """The parameters of built-in config `name`'s model as shapes only (nothing allocated: the 8B
+    builds on any machine)."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: models.build(load_config(name).model, nnx.Rngs(0)))
+    return nnx.state(model, nnx.Param)
+
+
+@pytest.mark.parametrize(
+    "name, count",
+    [("llama_tiny", 115_008), ("llama_150m", 151_758_144), ("llama_1b", 1_235_814_400), ("llama_8b", 8_030_261_248)],
+)
+def test_builtin_configs_validate_and_build_with_the_closed_form_parameter_count(name, count):
+    cfg = load_config(name)
+    assert cfg.model.kind == "llama"
+    params = abstract_params(name)
+    got = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    assert got == closed_form(cfg.model)
+    assert got == count, f"{name}: {got:,}"
+    # every parameter has logical axis names, one per dimension, each one the sharding rules know
+    for path, spec in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.get_partition_spec(params)))[0]:
+        assert all(a in LOGICAL_AXIS_RULES for a in spec), (path, spec)
+    for leaf in jax.tree.leaves(params):
+        assert leaf.dtype == jnp.float32  # master weights
+
+
+def test_llama_3_shapes():
+    """The 1B ties its embeddings (no output matrix); the 8B does not. Grouped-query attention:
+    8 key/value heads of 128 dims for 32 query heads."""
+    one = nnx.to_pure_dict(abstract_params("llama_1b"))
+    eight = nnx.to_pure_dict(abstract_params("llama_8b"))
+    assert "head" not in one and eight["head"].shape == (4096, 128256)
+    attn = eight["blocks"][0]["attn"]
+    assert attn["wq"].shape == (4096, 32, 128) and attn["wk"].shape == attn["wv"].shape == (4096, 8, 128)
+    assert attn["wo"].shape == (32, 128, 4096)
+    mlp = eight["blocks"][31]["mlp"]
+    assert mlp["w_gate"].shape == mlp["w_up"].shape == (4096, 14336) and mlp["w_down"].shape == (14336, 4096)
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["model.kind=llama", "model.n_kv_heads=3"], "model: n_kv_heads (3) must divide n_heads (4)"),
+        (["model.kind=llama", "model.n_heads=8", "model.d_model=24"], "model: d_model / n_heads (3, the head size)"),
+        (["model.n_kv_heads=2"], "model: n_kv_heads: only for kind llama (kind is gpt)"),
+        (["model.tie_embeddings=true"], "model: tie_embeddings: only for kind llama"),
+        (["model.compute_dtype=bfloat16"], "model: compute_dtype: bfloat16 is for kind llama"),
+        (["model.kind=mlp", "model.remat=full"], "model: remat: only for kind llama or gpt (kind is mlp)"),
+        (["model.remat=some"], "model.remat: Input should be 'none', 'full' or 'save_dots'"),
+        (["model.compute_dtype=fp16"], "model.compute_dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
+        (["data.micro_batches=3"], "data: micro_batches (3) must divide batch_size (8)"),
+        (["data.micro_batches=8", "mesh.devices_per_host=2"], "data.micro_batches (8): a micro-batch of 1 rows"),
+    ],
+)
+def test_settings_are_checked_and_name_the_field(overrides, says):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides)
+    assert says in str(e.value)
+
+
+def test_gpt_and_mlp_configs_are_unchanged():
+    for name, overrides in (("tiny", []), ("gpt_small", []), ("tiny", ["model.kind=mlp"])):
+        cfg = load_config(name, overrides)
+        assert cfg.model.compute_dtype == "auto" and cfg.model.remat == "none"
+
+
+def tiny_model(**overrides):
+    cfg = load_config("llama_tiny", [f"model.{k}={v}" for k, v in overrides.items()])
+    with nnx.use_eager_sharding(False):
+        return models.build(cfg.model, nnx.Rngs(0))
+
+
+def jitted(model):
+    """The model's forward, compiled once: (tokens, segment_ids or None) -> logits."""
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda t, s: nnx.merge(graphdef, state)(t, s))
+
+
+def test_forward_shapes_and_tied_or_untied_output():
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    for tie in (True, False):
+        model = tiny_model(tie_embeddings=tie)
+        logits = jitted(model)(tokens, None)
+        assert logits.shape == (2, 16, 256) and logits.dtype == jnp.float32
+        assert (model.head is None) == tie
+        assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_a_token_sees_only_earlier_tokens_of_its_own_segment():
+    """Two documents packed in one row (segment ids 0 then 1): an output does not change when a
+    token of the other segment or a later token changes, and does when an earlier token of its own
+    segment does (so the comparison can fail)."""
+    model = jitted(tiny_model())
+    tokens = jax.random.randint(jax.random.key(2), (1, 16), 0, 256)
+    seg = jnp.asarray([[0] * 6 + [1] * 10])
+
+    def out(t, s=seg):
+        return np.asarray(model(t, s)[0])
+
+    base = out(tokens)
+    other_doc = out(tokens.at[0, 3].set((tokens[0, 3] + 1) % 256))  # a token of document 0
+    np.testing.assert_array_equal(other_doc[6:], base[6:])  # document 1 does not see it
+    assert not np.allclose(other_doc[3:6], base[3:6])  # document 0 does, from position 3 on
+    later = out(tokens.at[0, 10].set((tokens[0, 10] + 1) % 256))
+    np.testing.assert_array_equal(later[:10], base[:10])  # causal: nothing before position 10 moves
+    assert not np.allclose(later[10:], base[10:])
+    # without segment ids the row is one document: document 1's outputs do see position 3
+    whole = out(tokens, None)
+    changed = out(tokens.at[0, 3].set((tokens[0, 3] + 1) % 256), None)
+    assert not np.allclose(changed[6:], whole[6:])
+
+
+def test_positions_restart_nowhere_a_document_is_the_same_wherever_it_is_packed():
+    """RoPE depends on distances only: a document's outputs are the same at the start of a row and
+    after another document (up to float32 rounding of the rotation angles)."""
+    model = jitted(tiny_model())
+    doc = jax.random.randint(jax.random.key(3), (1, 8), 0, 256)
+    before = jax.random.randint(jax.random.key(4), (1, 8), 0, 256)
+    alone = np.asarray(model(doc, None)[0])
+    packed = np.asarray(model(jnp.concatenate([before, doc], 1), jnp.asarray([[0] * 8 + [1] * 8]))[0, 8:])
+    np.testing.assert_allclose(packed, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_auto_compute_dtype_is_float32_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert tiny_model(compute_dtype="auto").compute_dtype == jnp.float32
+    assert tiny_model(compute_dtype="bfloat16").compute_dtype == jnp.bfloat16
+
+
+def test_rope_scores_depend_on_the_distance_only_and_theta_sets_the_frequencies():
+    """RoPE: q at position m against k at position n scores the same as at m + s, n + s, and
+    differently at another distance; another theta, other scores."""
+    q, k = jax.random.normal(jax.random.key(5), (2, 1, 1, 1, 16))
+
+    def score(m, n, theta=10000.0):
+        cos, sin = rope_tables(64, 16, theta)
+        at = lambda x, i: apply_rope(x, cos[i : i + 1], sin[i : i + 1])
+        return float(jnp.sum(at(q, m) * at(k, n)))
+
+    assert score(9, 4) == pytest.approx(score(40, 35), rel=1e-5)
+    assert score(9, 4) != pytest.approx(score(9, 6), rel=1e-3)
+    assert score(9, 4, 500000.0) != pytest.approx(score(9, 4), rel=1e-3)
