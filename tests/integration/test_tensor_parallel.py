@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from launchrun import Launch
 
 from ftjax.config import ConfigError, load_config
 from ftjax.program.data import make_stream
@@ -16,8 +17,8 @@ from ftjax.program.step import build_program, device_batch
 STEPS = 20
 
 
-def _losses(overrides: list[str]) -> list[float]:
-    cfg = load_config("tiny", ["mesh.hosts=1", "mesh.devices_per_host=4", f"steps={STEPS}", *overrides])
+def _losses(config: str, overrides: list[str]) -> list[float]:
+    cfg = load_config(config, ["mesh.hosts=1", "mesh.devices_per_host=4", f"steps={STEPS}", *overrides])
     program = build_program(cfg)
     stream = make_stream(cfg, replica=0)
     state, losses = program.init(jnp.int32(0)), []
@@ -27,10 +28,11 @@ def _losses(overrides: list[str]) -> list[float]:
     return losses
 
 
-def test_tensor_x_fsdp_trains_like_fsdp_alone():
+@pytest.mark.parametrize("config", ["tiny", "llama_tiny"])
+def test_tensor_x_fsdp_trains_like_fsdp_alone(config):
     """2 x 2 (fsdp x tensor) against FSDP over the same 4 devices: the same loss at every step of
     20, within 1e-5 relative (the sums are grouped differently; nothing else differs)."""
-    fsdp, tp = _losses([]), _losses(["mesh.tensor=2"])
+    fsdp, tp = _losses(config, []), _losses(config, ["mesh.tensor=2"])
     assert fsdp[-1] < fsdp[0]  # it trains
     np.testing.assert_allclose(tp, fsdp, rtol=1e-5)
 
@@ -83,15 +85,18 @@ def test_a_tensor_size_that_does_not_fit_is_refused_naming_the_field(overrides, 
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_job_survives_kills_in_ftar_and_in_catch_up(launch):
-    """Issue 28: 3 replicas of fsdp 1 x tensor 2, replica 1 killed mid-FTAR at step 20, replica 2
-    at step 40 and again while it catches up: every replica ends with the same digest, every batch
-    trained exactly once (the lanes, FTAR, catch-up and digests carry tensor-sharded leaves)."""
-    run = launch(
-        "--replicas", "3", "--kill", "1@20:ftar", "--kill", "2@40:catchup",
-        "mesh.devices_per_host=2", "mesh.tensor=2", "steps=60",
-    )  # fmt: skip
-    code = run.wait(timeout=600)
-    s = run.summary()
-    assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
-    assert sorted(e["replica"] for e in s["failure_events"]) == [1, 2, 2], s["failure_events"]
+def test_a_tensor_parallel_llama_job_survives_kills_in_ftar_and_in_catch_up(procs, tmp_path):
+    """Issue 28: 3 replicas of llama_tiny on fsdp 1 x tensor 2, replica 1 killed mid-FTAR at step
+    20, replica 2 at step 40 and again while it catches up: every replica ends with the same digest,
+    every batch trained exactly once (lanes, FTAR, catch-up and digests carry tensor-sharded leaves)."""
+    args = ["llama_tiny", "--replicas", "3", "--kill", "1@20:ftar", "--kill", "2@40:catchup", "steps=60"]
+    tp = ["mesh.devices_per_host=2", "mesh.tensor=2", "ft.drain_timeout_s=120"]
+    run = Launch(procs, [*args, *tp, "--restart-delay-s", "0.5"], tmp_path / "run")
+    try:
+        code = run.wait(900)
+        s = run.summary()
+        assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
+        assert sorted(e["replica"] for e in s["failure_events"]) == [1, 2, 2], s["failure_events"]
+        assert s["committed_steps"] == 60 and run.leftovers() == []
+    finally:
+        run.close()
