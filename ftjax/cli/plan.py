@@ -88,14 +88,36 @@ def main(argv: list[str]) -> int:
     from ftjax.program.task import TaskError
 
     try:
+        cfg, note = _plannable(cfg)
         plan = plan_program(build_program(cfg))
     except TaskError as e:
         return _fail(str(e))
     report = _report(args, cfg, plan, accelerator)
+    if note:
+        report["note"] = note
     print(json.dumps(report) if args.json else _table(report))
     if report["fits"] is False:
         return _fail(f"{args.config}: {report['verdict']}")
     return 0
+
+
+def _plannable(cfg: Config) -> tuple[Config, str | None]:
+    """The config to plan: itself, or, when it trains the built-in model on token files that are
+    not on this machine (planned before `ftjax data prepare`, or elsewhere), the same model on the
+    built-in corpus: the shapes, and so every figure, are the same."""
+    from ftjax.program.task import TaskError
+    from ftjax.program.tasks import task_of
+
+    if cfg.task != "ftjax.program.tasks:token_lm":
+        return cfg, None
+    try:
+        task_of(cfg)
+        return cfg, None
+    except TaskError as e:
+        if "task_args.dir" not in str(e):
+            raise
+        planned = cfg.model_copy(update={"task": "ftjax.program.tasks:language_model", "task_args": {}})
+        return planned, f"planned on the built-in corpus (same shapes): {e}"
 
 
 def _report(args: argparse.Namespace, cfg: Config, plan: Any, accelerator: Accelerator | None) -> dict[str, Any]:
@@ -176,5 +198,7 @@ def _table(r: dict[str, Any]) -> str:
         if r["step_s_at_peak"]:
             rows.append(("step time at 100% MFU", f"{human_seconds(r['step_s_at_peak'])} (at the bf16 peak)"))
         rows.append(("verdict", r["verdict"]))
+    if r.get("note"):
+        rows.append(("note", r["note"]))
     width = max(len(k) for k, _ in rows) + 2
     return "\n".join(f"{k:<{width}}{v}" for k, v in rows)

@@ -106,9 +106,19 @@ def compiled_flops(compiled: jax.stages.Compiled) -> float | None:
 
 
 def step_flops(program: ReplicaProgram) -> float | None:
-    """FLOPs of the replica's gradient step on a whole batch, all devices together."""
+    """Model FLOPs of the replica's gradient step on a whole batch, all devices together: what MFU
+    divides. For the built-in transformers the closed form (6N + 12 L d T per token: recomputation
+    under remat is not model work); otherwise XLA's count of the compiled step, times the
+    micro-batches (XLA counts a loop's body once)."""
+    st = program.abstract_state()
+    closed = closed_form_flops_per_token(program, st["params"])
+    tokens = program.cfg.data.batch_size * program.task.tokens_per_example
+    if closed is not None and tokens:
+        return closed * tokens
     per_device = compiled_flops(compiled_grads(program))
-    return per_device * program.mesh.devices.size if per_device is not None else None
+    if per_device is None:
+        return None
+    return per_device * program.mesh.devices.size * getattr(program.cfg.data, "micro_batches", 1)
 
 
 def closed_form_flops_per_token(program: ReplicaProgram, params_shape: Any) -> float | None:
@@ -154,7 +164,9 @@ def plan_program(program: ReplicaProgram) -> Plan:
         batch_bytes=max(0, int(mem.argument_size_in_bytes) - param_bytes - model_state_bytes),
         update_bytes=int(mem.output_size_in_bytes),
         temp_bytes=int(mem.temp_size_in_bytes),
-        flops_per_step=per_device * program.mesh.devices.size if per_device is not None else None,
+        flops_per_step=(
+            per_device * program.mesh.devices.size * program.cfg.data.micro_batches if per_device is not None else None
+        ),
         rows_per_step=rows,
         tokens_per_step=rows * program.task.tokens_per_example,
         closed_form_flops_per_token=closed_form_flops_per_token(program, st["params"]),

@@ -163,3 +163,10 @@ def test_ruff_finds_nothing(command):
     assert ruff, "ruff is a dev dependency (pip install -e '.[dev]')"
     done = subprocess.run([ruff, *command, "."], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest imports test files by their base name (rootdir-relative, no packages): two of one name
+    in two tiers stop `make test` at collection."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert not {n for n in names if names.count(n) > 1}

@@ -1,6 +1,6 @@
 """The Llama model (issue 28): its shapes and parameter counts against the closed form, the built-in
 configs and their checks, the causal and document mask. Training in bfloat16, remat and gradient
-accumulation, which compile whole train steps, are in tests/integration/test_llama.py."""
+accumulation, which compile whole train steps, are in tests/integration/test_llama_training.py."""
 
 import functools
 

@@ -70,13 +70,17 @@ def test_flops_per_token_agree_with_6n_plus_attention_and_precompile_gives_the_s
     dense = total - V * d - T * d  # the lookup tables do no matmul
     assert plan.closed_form_flops_per_token == 6 * dense + 12 * L * d * T
     assert 0.95 < plan.flops_per_token / plan.closed_form_flops_per_token < 1.15  # (+ softmax, norms, GELU)
-    program.precompile()  # the trainer's executable: the same figure, without a second compile
-    assert step_flops(program) == plan.flops_per_step
+    # MFU's model FLOPs: the closed form (work XLA counts beyond it, like remat's recompute, is not
+    # the model's)
+    assert step_flops(program) == plan.closed_form_flops_per_token * plan.tokens_per_step
 
 
 def test_a_task_that_is_not_a_transformer_has_no_closed_form():
-    plan = plan_program(tiny(1, "model.kind=mlp"))
+    program = tiny(1, "model.kind=mlp")
+    plan = plan_program(program)
     assert plan.closed_form_flops_per_token is None and plan.flops_per_step > 0
+    program.precompile()  # the trainer's executable: XLA's figure, without a second compile
+    assert step_flops(program) == plan.flops_per_step
 
 
 def test_known_devices_by_kind_and_short_name():
