@@ -167,15 +167,15 @@ def _plain_program(*leaves: jax.Array) -> jax.Array:
     return jnp.stack([_sums(x, (), x.shape) for x in leaves])
 
 
-def _layout(leaves: list) -> tuple[Any, tuple] | None:
-    """(mesh, specs) when every leaf is laid out by a NamedSharding on one mesh in equal blocks
-    (what `shard_map` takes), else None."""
-    shardings = [getattr(x, "sharding", None) for x in leaves]
+def _layout(leaves: tuple) -> tuple[Any, tuple] | None:
+    """(mesh, specs) when every leaf (shape, dtype, sharding) is laid out by a NamedSharding on one
+    mesh in equal blocks (what `shard_map` takes), else None."""
+    shardings = [sharding for _, _, sharding in leaves]
     if not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings):
         return None
     mesh = shardings[0].mesh
-    for x, s in zip(leaves, shardings):
-        if s.mesh != mesh or any(n % _split(s.spec, d, mesh) for d, n in enumerate(x.shape)):
+    for shape, _, s in leaves:
+        if s.mesh != mesh or any(n % _split(s.spec, d, mesh) for d, n in enumerate(shape)):
             return None
     return mesh, tuple(s.spec for s in shardings)
 
@@ -196,21 +196,35 @@ def leaf_sums(leaves: list) -> np.ndarray:
     it), as any program over the state is."""
     if not leaves:
         return np.zeros((0, 2), np.uint32)
-    layout = _layout(leaves)
-    out = _plain_program(*leaves) if layout is None else _sharded_program(*layout)(*leaves)
+    leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]
+    out = _program(tuple((x.shape, x.dtype, x.sharding) for x in leaves))(*leaves)
     return np.asarray(out.addressable_data(0))
+
+
+@functools.lru_cache(maxsize=16)
+def _program(leaves: tuple) -> Any:
+    """The program for leaves of these (shape, dtype, sharding)s (looked up once per layout)."""
+    layout = _layout(leaves)
+    return _plain_program if layout is None else _sharded_program(*layout)
 
 
 def tree_checksum(tree: Any) -> str:
     """sha256 (first 16 hex digits) of every leaf's path, dtype and shape and its two sums
     (`leaf_sums`, little-endian), in tree order: 64 bits from a few bytes per leaf on the host."""
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    sums = leaf_sums([leaf for _, leaf in flat])
-    h = hashlib.sha256()
-    for (path, leaf), row in zip(flat, sums):
-        h.update(f"{jax.tree_util.keystr(path)}|{jnp.dtype(leaf.dtype)}|{tuple(leaf.shape)}|".encode())
-        h.update(row.astype("<u4").tobytes())
-    return h.hexdigest()[:16]
+    leaves, treedef = jax.tree.flatten(tree)
+    sums = leaf_sums(leaves)
+    heads = _headers(treedef, tuple((np.shape(x), x.dtype) for x in leaves))
+    return hashlib.sha256(b"".join(h + row.astype("<u4").tobytes() for h, row in zip(heads, sums))).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=16)
+def _headers(treedef: Any, leaves: tuple) -> tuple[bytes, ...]:
+    """Each leaf's `PATH|DTYPE|SHAPE|` (as `tree_digest` writes them), once per tree layout."""
+    numbered = jax.tree.unflatten(treedef, range(len(leaves)))
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(numbered)[0]]
+    return tuple(
+        f"{jax.tree_util.keystr(p)}|{dtype}|{tuple(shape)}|".encode() for p, (shape, dtype) in zip(paths, leaves)
+    )
 
 
 def state_checksum(state: dict) -> str:

@@ -141,7 +141,7 @@ def test_the_checksum_moves_no_leaf_between_devices():
     program = build_program(load_config("tiny", ["mesh.hosts=4"]), replica_mesh(jax.devices()[:4]))
     state = program.init(jnp.int32(0))
     leaves = jax.tree.leaves({k: state[k] for k in ("params", "opt")})
-    mesh, specs = digest._layout(leaves)
+    mesh, specs = digest._layout(tuple((x.shape, x.dtype, x.sharding) for x in leaves))
     assert any(s != P() for s in specs)  # (something is sharded)
     text = digest._sharded_program(mesh, specs).lower(*leaves).compile().as_text()
     collectives = re.findall(
