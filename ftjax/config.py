@@ -273,7 +273,12 @@ class FTConfig(_Strict):
         "progress this long (waits for the quorum, init, restores and checkpoint "
         "saves aside) leaves the job and exits; must exceed ftar_timeout_s",
     )
-    digest_every: int = Field(1, ge=0, description="log the state digest every N steps (0: never)")
+    digest_every: int = Field(
+        1,
+        ge=0,
+        description="every N steps (0: never) send the coordinator the state's checksum, computed on the "
+        "devices (it compares replicas and heals a diverged one); the full sha256 is taken at checkpoints and the end",
+    )
     catchup_buffer_mib: float = Field(
         256.0,
         ge=0,

@@ -12,6 +12,12 @@ devices, and against one of its replicas training alone.
 the other in this command, so they see the same machine; each step time is the median after
 warm-up. Prints one JSON line: ft_step_s, sync_step_s, ratio = ft / sync, standalone_step_s and
 ft_vs_standalone = ft / standalone (the fault tolerance's own overhead).
+
+The digests (ft.digest_every at its default, 1: (a) and (c) compute the per-step checksum every
+step, inside their step time), from (a)'s replica 0: digest_s, the median time of the per-step
+checksum (`state_checksum`, its step records' `digest_s`), sha256_s, the time of the sha256 of the
+same state at the end of the run (`state_digest`, what the per-step digest was before issue 28),
+digest_share = digest_s / ft_step_s and sha256_share = sha256_s / ft_step_s.
 """
 
 from __future__ import annotations
@@ -36,6 +42,15 @@ def _median_step(metrics: Path, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _digest_costs(run: Path, warmup: int) -> tuple[float, float]:
+    """(median seconds of the per-step checksum after warm-up, seconds of the final sha256) of a
+    replica's run directory."""
+    times = [r["digest_s"] for r in read_metrics(run / "metrics.jsonl") if r["step"] > warmup and "digest_s" in r]
+    if not times:
+        raise RuntimeError(f"{run}: no per-step digest after the {warmup} warm-up steps")
+    return statistics.median(times), json.loads((run / "summary.json").read_text())["param_digest_s"]
+
+
 def run_ft(config: str, overrides: list[str], out: Path, timeout: float) -> Path:
     with ProcessGroup() as procs:
         job = LocalJob(config, [*overrides, "coordinator.min_replicas=2"], out, replicas=2, procs=procs)
@@ -45,7 +60,7 @@ def run_ft(config: str, overrides: list[str], out: Path, timeout: float) -> Path
         codes = job.wait(timeout=timeout)
         if codes != {0: [0], 1: [0]}:
             raise RuntimeError(f"FT-HSDP run failed {codes}:\n{job.log_tail(0)}")
-        return job.replica_dir(0) / "metrics.jsonl"
+        return job.replica_dir(0)
 
 
 def _run_processes(name: str, commands: list[list[str]], devices: int, out: Path, timeout: float) -> None:
@@ -123,14 +138,16 @@ def main(argv: list[str]) -> int:
         f"steps={args.steps}",
         f"mesh.devices_per_host={devices}",
         "mesh.hosts=1",
-        "ft.digest_every=0",
+        "ft.digest_every=1",
         "checkpoint.every=0",
     ]
     cfg = common.load("step", args.config, overrides)
     if cfg is None:
         return 2
     with common.run_directory("step", args.out) as out:
-        ft = _median_step(run_ft(args.config, overrides, out / "ft", args.timeout), args.warmup)
+        ft_run = run_ft(args.config, overrides, out / "ft", args.timeout)
+        ft = _median_step(ft_run / "metrics.jsonl", args.warmup)
+        checksum, sha256 = _digest_costs(ft_run, args.warmup)
         alone = _median_step(
             run_standalone(args.config, [*overrides, "ft.replicas=1"], devices, out, args.timeout), args.warmup
         )
@@ -153,6 +170,10 @@ def main(argv: list[str]) -> int:
                 "ratio": round(ft / sync, 4),
                 "standalone_step_s": round(alone, 5),
                 "ft_vs_standalone": round(ft / alone, 4),
+                "digest_s": round(checksum, 5),
+                "sha256_s": round(sha256, 5),
+                "digest_share": round(checksum / ft, 5),
+                "sha256_share": round(sha256 / ft, 5),
             }
         )
     )

@@ -29,7 +29,7 @@ import optax
 from ftjax.config import Config
 from ftjax.coordinator.layout import fingerprint
 from ftjax.program import sharding as shd
-from ftjax.program.digest import state_digest
+from ftjax.program.digest import state_checksum
 from ftjax.program.optim import block_norm, make_optimizer
 from ftjax.program.task import Task, TaskError, batch_rows, normalize_loss, replicated_axes, step_key
 
@@ -138,8 +138,8 @@ class ReplicaProgram:
                 g, _ = self.accumulate_rows(g, state, jax.tree.map(zeros, rows_like(self.example, n)), w)
             g = self.add(g, self.zeros())
         state = jax.block_until_ready(self.apply(state, g, zeros(lr)))  # (donates the old one)
-        if self.cfg.ft.digest_every and jax.process_count() > 1:  # its gather compiles on first use
-            state_digest(state)
+        if self.cfg.ft.digest_every:  # the per-step digest's program compiles on first use
+            state_checksum(state)
 
     def topology(self) -> str:
         """Gradient lanes, and every state leaf's shape, dtype and shard layout: replicas may

@@ -69,6 +69,9 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   which is no split. A split history makes the launcher exit non-zero. A replica that ended behind
   a finished job (`job_finished`: it was cut off, and nobody alive held the final state) is
   `ended_behind`: its digest is not the job's and is left out of `digests_equal`.
+- **digests**: a replica's `param_digest` is the one its `RUN/replica-R/summary.json` records (the
+  sha256 of its final state), none when it did not finish. Its step records' `param_digest`s are
+  the per-step checksum, another function of the state: never compared with a final one.
 - **final_loss**: the mean training loss of every contribution in the last 5% of the steps (at
   least the last step), over all replicas: a single batch's loss is too noisy to compare runs.
 """
@@ -458,7 +461,6 @@ def _replica_summary(
     steps = _steps(run.metrics[r])
     committed = [s for s in steps if s.get(StepField.COMMITTED)]
     final = run.finals.get(r) or {}
-    digests = [s[StepField.PARAM_DIGEST] for s in committed if StepField.PARAM_DIGEST in s]
     catchups = [e for e in run.metrics[r] if e.get(EVENT) == ReplicaEvent.CATCHUP_DONE]
     once, why = exactly_once(run, r) if constant is None else (constant["exactly_once"], constant.get("error", ""))
     in_state = {phase.value: 0.0 for phase in Phase}
@@ -472,7 +474,7 @@ def _replica_summary(
         "failures": sum(1 for e in run.events if e[EVENT] == LauncherEvent.REPLICA_DOWN and e[REPLICA] == r),
         "catchup_s": round(sum(e.get("catchup_s") or 0.0 for e in catchups), 3),
         "catchups": len(catchups),
-        "param_digest": final.get("param_digest") or (digests[-1] if digests else None),
+        "param_digest": final.get("param_digest"),  # (not a step record's: another function of the state)
         "final_loss": final.get("final_loss"),
         "data_position": final_position(run, r),
         "finished": bool(final),

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from ftjax.coordinator.layout import fingerprint
 from ftjax.coordinator.types import QuorumResult
-from ftjax.program.digest import state_digest
+from ftjax.program.digest import state_checksum, state_digest
 from ftjax.runs.events import ReplicaEvent
 from ftjax.runtime.args import RunOptions
 from ftjax.runtime.protocol import StepProtocol
@@ -89,8 +91,9 @@ class FaultTolerance:
         self.step = 0  # steps committed (the state's step when it has one)
         self.data_position = 0  # next batch of this replica's own stream
         self.job_step = 0  # the highest step of a quorum with state this process has seen
-        self.digest = ""  # the latest digest of the state (ft.digest_every)
+        self.digest = ""  # the latest digest of the state (ft.digest_every; `state_checksum`)
         self.last_digest = ""  # the digest the latest commit computed ("" if none)
+        self.last_digest_s = 0.0  # the seconds it took (the update it follows excluded)
         self.state_lost_since: float | None = None  # since when no quorum had a member with state
 
     @property
@@ -179,12 +182,21 @@ class FaultTolerance:
             if contributed:
                 self.data_position += 1
             if self.digest_every and self.step % self.digest_every == 0:
-                digest = self.digest = state_digest(self.state)  # (the coordinator compares them)
+                digest = self.digest = self._checksum()  # (the coordinator compares them)
         else:  # healing: keep the update for the replay
             self.protocol.keep(q, update, scale)
         self.last_digest = digest
         self.ask(digest)  # the next quorum is requested while the loop finishes this step
         return applied
+
+    def _checksum(self) -> str:
+        """The per-step digest of the state (`state_checksum`: on the devices, a few bytes per leaf
+        to the host), timed apart from the update it follows (`last_digest_s`)."""
+        jax.block_until_ready(self.state)
+        began = time.perf_counter()
+        digest = state_checksum(self.state)
+        self.last_digest_s = time.perf_counter() - began
+        return digest
 
     # --- what a quorum means for this replica ----------------------------------------------------
     def _follow(self, q: QuorumResult, install: Any) -> bool:
@@ -277,6 +289,19 @@ class FaultTolerance:
 
     def close(self) -> None:
         self.protocol.close()
+
+
+def final_digests(state: Any) -> dict:
+    """What a replica's summary records of its final state: `param_digest`, the sha256 of every
+    byte (`state_digest`: what the launcher compares between replicas), the seconds it took, and
+    `state_checksum`, the per-step digest of the same state (its last step record's)."""
+    began = time.perf_counter()
+    digest = state_digest(state)
+    return {
+        "param_digest": digest,
+        "param_digest_s": time.perf_counter() - began,
+        "state_checksum": state_checksum(state),
+    }
 
 
 # --- a script that owns its loop ----------------------------------------------------------------------
@@ -390,7 +415,7 @@ class ScriptFaultTolerance(FaultTolerance):
             "commit_failures": self.commit_failures,
         }
         if self.last_digest:
-            record["param_digest"] = self.last_digest
+            record["param_digest"], record["digest_s"] = self.last_digest, self.last_digest_s
         self.log.log(record)
         return applied
 
@@ -399,7 +424,7 @@ class ScriptFaultTolerance(FaultTolerance):
         if self.has_peers:
             self.drain(self.replicas, self.drain_timeout_s)
         self.log.summary(
-            param_digest=state_digest(self.state),
+            **final_digests(self.state),
             replica=self.replica_id,
             incarnation=self.incarnation,
             data_position=self.data_position,

@@ -24,12 +24,12 @@ from ftjax.base.batches import RowSpan, assign, chunk_sizes, row_count, share_ro
 from ftjax.config import Config
 from ftjax.coordinator.types import QuorumResult
 from ftjax.program.data import make_stream
-from ftjax.program.digest import params_digest, state_digest
+from ftjax.program.digest import params_digest
 from ftjax.program.step import device_batch, param_count, topology_fingerprint, where
 from ftjax.program.task import concat_rows, slice_rows
 from ftjax.runs.events import EXIT_LEFT, EXIT_NO_PROGRESS, ReplicaEvent
 from ftjax.runtime.checkpoint import load_init
-from ftjax.runtime.manager import FaultTolerance, Finished, Left
+from ftjax.runtime.manager import FaultTolerance, Finished, Left, final_digests
 from ftjax.runtime.metrics import ModelFlops
 from ftjax.runtime.protocol import StepProtocol
 
@@ -275,7 +275,7 @@ class Trainer:
         position = self.position  # (the batch trained: commit moves past it)
         applied = self.ft.commit(q, update, scale=scale, contributed=contributes)
         batch_id = self.stream.batch_id(position) if applied and contributes else None
-        digest = self.ft.last_digest
+        digest = (self.ft.last_digest, self.ft.last_digest_s)
         if self.ckpt is not None and applied:
             with self.watchdog.exempt("checkpoint save"):  # its length depends on the model, like a restore
                 self.ckpt.maybe_save(self.step, self.state, self._meta(), force=self.step == self.stop)
@@ -290,7 +290,7 @@ class Trainer:
         batch_id: int | None,
         scale: float,
         timing: _Timing,
-        digest: str = "",
+        digest: tuple[str, float] = ("", 0.0),
     ) -> None:
         t5 = time.perf_counter()
         rows = row_count(computed.work) if computed is not None else 0
@@ -324,8 +324,8 @@ class Trainer:
             record.update(self.flops.fields(rows, record["step_time_s"]))
         if computed is not None and computed.aux:
             record["aux"] = {k: float(v) for k, v in computed.aux.items()}
-        if digest:
-            record["param_digest"] = digest
+        if digest[0]:  # the state's per-step digest, and the seconds it took
+            record["param_digest"], record["digest_s"] = digest
         self.log.log(record)
 
     # --- state from elsewhere -------------------------------------------------------------------
@@ -377,7 +377,7 @@ class Trainer:
             self.ckpt.maybe_save(self.step, self.state, self._meta(), force=True)
             self.ckpt.close()
         self.log.summary(
-            param_digest=state_digest(self.state),
+            **final_digests(self.state),
             params_digest=params_digest(self.state),
             replica=self.replica_id,
             incarnation=self.ft.incarnation,

@@ -41,6 +41,7 @@ def test_bench_step_compares_ft_with_sync_hsdp_and_standalone():
     out = _bench("step", TINY, "--steps", "4", "--warmup", "1")
     assert out["bench"] == "step" and out["steps"] == 4
     _ratio(out["ratio"]), _ratio(out["ft_vs_standalone"])
+    _ratio(out["digest_share"]), _ratio(out["sha256_share"])  # the per-step checksum's cost, the sha256's
 
 
 @pytest.mark.slow

@@ -41,8 +41,10 @@ def test_a_flipped_bit_is_detected_at_the_next_quorum_and_healed_from_the_kept_s
     after = sorted(s for s in d1 if s > FLIP)
     assert all(s > done["at_step"] for s in after), (after, done)
     assert all(d1[s] == d0[s] for s in after), [(s, d1[s], d0[s]) for s in after if d1[s] != d0[s]]
-    final = [json.loads((job.replica_dir(r) / "summary.json").read_text())["param_digest"] for r in (0, 1)]
-    assert final[0] == final[1] == d0[steps]
+    # the end: the same sha256 of the whole state, and the same per-step checksum as step `steps`'
+    final = [json.loads((job.replica_dir(r) / "summary.json").read_text()) for r in (0, 1)]
+    assert final[0]["param_digest"] == final[1]["param_digest"]
+    assert final[0]["state_checksum"] == final[1]["state_checksum"] == d0[steps] == d1[steps]
 
     # the job's summary (the launcher's record of this run: it ended well) lists the incident
     (tmp_path / "launcher.jsonl").write_text(
