@@ -105,7 +105,7 @@ def verify(step_dir: Path, step: int) -> None:
 class _SealingManager(ocp.CheckpointManager):
     """Seals each checkpoint once orbax has committed it: `_finalize_checkpoint` runs after the
     step's files are final, on the save's finalize thread (async) or in `save` (sync). A private
-    hook; tests/unit/test_checkpoint_integrity.py fails if an orbax upgrade stops calling it."""
+    hook; tests/integration/test_checkpoint_integrity.py fails if an orbax upgrade stops calling it."""
 
     def _finalize_checkpoint(self, step: int):
         super()._finalize_checkpoint(step)
