@@ -16,7 +16,8 @@ from ftjax.program.models.llama import REMAT_POLICIES
 _init = nnx.initializers.normal(stddev=0.02)
 
 
-def _linear(din: int, dout: int, axes: tuple[str, str], rngs: nnx.Rngs, std: float = 0.02) -> nnx.Linear:
+def linear(din: int, dout: int, axes: tuple[str, str], rngs: nnx.Rngs, std: float = 0.02) -> nnx.Linear:
+    """A dense layer with logical axis names on its kernel (`axes`) and bias (the output axis)."""
     return nnx.Linear(
         din,
         dout,
@@ -39,9 +40,9 @@ def _layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
 class CausalSelfAttention(nnx.Module):
     def __init__(self, d_model: int, n_heads: int, n_layers: int, rngs: nnx.Rngs):
         self.n_heads = n_heads
-        self.qkv = _linear(d_model, 3 * d_model, ("embed", "qkv"), rngs)
+        self.qkv = linear(d_model, 3 * d_model, ("embed", "qkv"), rngs)
         # GPT-2's scaled init of residual projections keeps the residual stream's variance flat.
-        self.proj = _linear(d_model, d_model, ("qkv", "embed"), rngs, std=0.02 / (2 * n_layers) ** 0.5)
+        self.proj = linear(d_model, d_model, ("qkv", "embed"), rngs, std=0.02 / (2 * n_layers) ** 0.5)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
@@ -58,8 +59,8 @@ class CausalSelfAttention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, d_model: int, d_ff: int, n_layers: int, rngs: nnx.Rngs):
-        self.fc = _linear(d_model, d_ff, ("embed", "mlp"), rngs)
-        self.proj = _linear(d_ff, d_model, ("mlp", "embed"), rngs, std=0.02 / (2 * n_layers) ** 0.5)
+        self.fc = linear(d_model, d_ff, ("embed", "mlp"), rngs)
+        self.proj = linear(d_ff, d_model, ("mlp", "embed"), rngs, std=0.02 / (2 * n_layers) ** 0.5)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.proj(jax.nn.gelu(self.fc(x)))
@@ -97,7 +98,7 @@ class GPT(nnx.Module):
         self.wpe = nnx.Param(nnx.with_partitioning(_init, ("seq", "embed"))(rngs.params(), (seq_len, d_model)))
         self.blocks = nnx.List([Block(d_model, n_heads, d_ff, n_layers, rngs) for _ in range(n_layers)])
         self.ln_f = _layer_norm(d_model, rngs)
-        self.head = _linear(d_model, vocab_size, ("embed", "vocab"), rngs)
+        self.head = linear(d_model, vocab_size, ("embed", "vocab"), rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens (batch, time) int32 -> logits (batch, time, vocab) float32."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from ftjax.program.models.gpt import linear
+
 
 class TokenMLP(nnx.Module):
     def __init__(self, *, vocab_size: int, d_model: int, d_ff: int, rngs: nnx.Rngs, **_unused):
@@ -16,20 +18,8 @@ class TokenMLP(nnx.Module):
         self.wte = nnx.Embed(
             vocab_size, d_model, embedding_init=nnx.with_partitioning(init, ("vocab", "embed")), rngs=rngs
         )
-        self.fc = nnx.Linear(
-            d_model,
-            d_ff,
-            kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
-            bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("mlp",)),
-            rngs=rngs,
-        )
-        self.out = nnx.Linear(
-            d_ff,
-            vocab_size,
-            kernel_init=nnx.with_partitioning(init, ("mlp", "vocab")),
-            bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ("vocab",)),
-            rngs=rngs,
-        )
+        self.fc = linear(d_model, d_ff, ("embed", "mlp"), rngs)
+        self.out = linear(d_ff, vocab_size, ("mlp", "vocab"), rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.out(jax.nn.gelu(self.fc(self.wte(tokens))))
