@@ -73,7 +73,8 @@ class ModelConfig(_Strict):
                 raise ValueError(f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})")
             return self
         for name in ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps"):
-            if name in self.model_fields_set:
+            # (set to its default is no setting: a dumped config round-trips)
+            if getattr(self, name) != type(self).model_fields[name].default:
                 raise ValueError(f"{name}: only for kind llama (kind is {self.kind})")
         if self.kind == "mlp" and self.remat != "none":
             raise ValueError("remat: only for kind llama or gpt (kind is mlp)")
