@@ -91,39 +91,58 @@ def open_tokens(directory: str | Path, split: str, index: dict | None = None) ->
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+PACKINGS = ("none", "segments")
+
+
+def segment_ids(window: np.ndarray, eos_id: int) -> np.ndarray:
+    """int32 document numbers of a window's tokens, from 0: a document's EOS is its last token, so
+    the id steps up on the token after each EOS."""
+    ends = np.asarray(window) == eos_id
+    return np.concatenate([[0], np.cumsum(ends[:-1])]).astype(np.int32)
+
+
 class TokenWindows:
     """Random-access source of non-overlapping `window`-token windows of one split (int32 arrays).
 
     Window i is tokens [i * window, (i + 1) * window): documents run across windows, separated by
     EOS (the tail shorter than a window is left out). Only the indexed window is read from disk,
     and pickling (a grain worker, a copy of the task) reopens the map instead of copying tokens.
+    `packing="segments"`: an example is a dict of the window's `tokens` and `segment_ids` (its
+    documents numbered from 0 by the index's EOS id, `segment_ids`), so that a model attends, and a
+    loss trains, within a document only.
     """
 
-    def __init__(self, directory: str | Path, split: str = "train", window: int = 65):
+    def __init__(self, directory: str | Path, split: str = "train", window: int = 65, packing: str = "none"):
         if window < 1:
             raise TokenFileError(f"window: must be >= 1 (got {window})")
-        self.directory, self.split, self.window = Path(directory), split, int(window)
+        if packing not in PACKINGS:
+            raise TokenFileError(f"packing: expected one of {', '.join(PACKINGS)}, got {packing!r}")
+        self.directory, self.split, self.window, self.packing = Path(directory), split, int(window), packing
         self.index = read_index(self.directory)
-        self.vocab_size = int(self.index["vocab_size"])
+        self.vocab_size, self.eos_id = int(self.index["vocab_size"]), int(self.index["eos_id"])
         self.tokens = open_tokens(self.directory, split, self.index)
         self.n = len(self.tokens) // self.window
-        # Same content, split and window: same examples, whatever the directory is called.
-        self.fingerprint = f"{self.index['fingerprint']}-{split}-w{self.window}"
+        # Same content, split, window and packing: same examples, whatever the directory is called.
+        packed = "" if packing == "none" else f"-{packing}"
+        self.fingerprint = f"{self.index['fingerprint']}-{split}-w{self.window}{packed}"
 
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def __getitem__(self, i: int) -> np.ndarray | dict:
         i = int(i)
         if not 0 <= i < self.n:
             raise IndexError(f"window {i} out of range: {self.split} has {self.n} windows of {self.window} tokens")
-        return np.asarray(self.tokens[i * self.window : (i + 1) * self.window], dtype=np.int32)
+        tokens = np.asarray(self.tokens[i * self.window : (i + 1) * self.window], dtype=np.int32)
+        if self.packing == "none":
+            return tokens
+        return {"tokens": tokens, "segment_ids": segment_ids(tokens, self.eos_id)}
 
     def __getstate__(self) -> dict:
-        return {"directory": self.directory, "split": self.split, "window": self.window}
+        return {"directory": self.directory, "split": self.split, "window": self.window, "packing": self.packing}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["directory"], state["split"], state["window"])
+        self.__init__(state["directory"], state["split"], state["window"], state.get("packing", "none"))
 
 
 # --- writing (ftjax/cli/prepare.py) ---------------------------------------------------------------------
