@@ -8,8 +8,10 @@
     DIR/heldout/...           the same for the held-out documents
 
 Tokens are uint16 when the vocabulary fits, else uint32, little-endian, no header: a flat array any
-tool can map. Reading maps the file (`np.memmap`), so a replica touches only the pages of the rows
-it trains, and a corpus of many GiB costs no RAM up front.
+tool can map. `open_tokens` maps the file (`np.memmap`); TokenWindows reads each window with one
+`os.pread` instead, so the pages it has read stay in the kernel's page cache (shared, reclaimable)
+and never count in the replica's resident memory: reading a 2 GiB file end to end grows a reader's
+RSS by a few MB (tests/integration/test_token_rss.py), where a map it indexes grows by 2 GiB.
 """
 
 from __future__ import annotations
@@ -105,8 +107,9 @@ class TokenWindows:
     """Random-access source of non-overlapping `window`-token windows of one split (int32 arrays).
 
     Window i is tokens [i * window, (i + 1) * window): documents run across windows, separated by
-    EOS (the tail shorter than a window is left out). Only the indexed window is read from disk,
-    and pickling (a grain worker, a copy of the task) reopens the map instead of copying tokens.
+    EOS (the tail shorter than a window is left out). Only the indexed window is read from disk
+    (one pread, not through the map: module docstring), and pickling (a grain worker, a copy of the
+    task) reopens the files instead of copying tokens.
     `packing="segments"`: an example is a dict of the window's `tokens` and `segment_ids` (its
     documents numbered from 0 by the index's EOS id, `segment_ids`), so that a model attends, and a
     loss trains, within a document only.
@@ -120,8 +123,10 @@ class TokenWindows:
         self.directory, self.split, self.window, self.packing = Path(directory), split, int(window), packing
         self.index = read_index(self.directory)
         self.vocab_size, self.eos_id = int(self.index["vocab_size"]), int(self.index["eos_id"])
-        self.tokens = open_tokens(self.directory, split, self.index)
+        self.tokens = open_tokens(self.directory, split, self.index)  # (its length; windows are read apart)
         self.n = len(self.tokens) // self.window
+        self._fd: int | None = None
+        self._pid = -1
         # Same content, split, window and packing: same examples, whatever the directory is called.
         packed = "" if packing == "none" else f"-{packing}"
         self.fingerprint = f"{self.index['fingerprint']}-{split}-w{self.window}{packed}"
@@ -133,10 +138,25 @@ class TokenWindows:
         i = int(i)
         if not 0 <= i < self.n:
             raise IndexError(f"window {i} out of range: {self.split} has {self.n} windows of {self.window} tokens")
-        tokens = np.asarray(self.tokens[i * self.window : (i + 1) * self.window], dtype=np.int32)
+        tokens = self._read(i * self.window, self.window).astype(np.int32)
         if self.packing == "none":
             return tokens
         return {"tokens": tokens, "segment_ids": segment_ids(tokens, self.eos_id)}
+
+    def _read(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count) by one pread (the file opened once per process: a forked
+        worker opens its own)."""
+        if self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.directory / self.split / TOKENS, os.O_RDONLY), os.getpid()
+        size = self.tokens.dtype.itemsize
+        data = os.pread(self._fd, count * size, start * size)
+        if len(data) != count * size:
+            raise TokenFileError(f"{self.directory / self.split / TOKENS}: short read at token {start} (truncated?)")
+        return np.frombuffer(data, self.tokens.dtype)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None and self._pid == os.getpid():
+            os.close(self._fd)
 
     def __getstate__(self) -> dict:
         return {"directory": self.directory, "split": self.split, "window": self.window, "packing": self.packing}
