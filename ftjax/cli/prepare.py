@@ -4,10 +4,12 @@ Inputs are plain text files (one document per file; a directory or a glob stands
 under it, in sorted order) and JSON Lines files (`.jsonl`, `.ndjson`: one document per line, its
 text in `--field`). The tokenizer is a local file, nothing is downloaded: a Hugging Face
 `tokenizer.json` (a `.json` file), else a SentencePiece model (`tokenizer.model`, `spm.model`).
-Each document is followed by the EOS token. Documents are split between `train` and `heldout` by a
-hash of their index in the input (`--heldout-fraction`), so the split does not depend on anything
-but the input's order. Output: the token files of ftjax/program/tokens.py, written under a temporary name
-and renamed into place when complete, so a crashed run never leaves something that looks done.
+Each document is followed by the EOS token. `--format array_record` stores each split as an
+ArrayRecord file of one record per document instead of a flat tokens.bin (the same tokens, the same
+fingerprint). Documents are split between `train` and `heldout` by a hash of their index in the
+input (`--heldout-fraction`), so the split does not depend on anything but the input's order.
+Output: the token files of ftjax/program/tokens.py, written under a temporary name and renamed
+into place when complete, so a crashed run never leaves something that looks done.
 
 The work is spread over processes (`--workers`, default: every core) in chunks of documents
 (`--chunk-mib` of input each); results are written in input order, so the files are the same
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ftjax.program.tokens import SPLITS, SplitWriter, TokenFileError, token_dtype, write_index
+from ftjax.program.tokens import SPLITS, STORAGES, SplitWriter, TokenFileError, token_dtype, write_index
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 DEFAULT_EOS = ("</s>", "<|endoftext|>")
@@ -284,6 +286,7 @@ def prepare(
     chunk_bytes: int = 1 << 20,
     force: bool = False,
     progress: bool = False,
+    storage: str = "bin",
 ) -> dict:
     """Tokenize `inputs` into token files at `out`; returns the index with `seconds` (the wall time)."""
     t0 = time.perf_counter()
@@ -303,7 +306,7 @@ def prepare(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        writers = {split: SplitWriter(tmp, split, dtype) for split in SPLITS}
+        writers = {split: SplitWriter(tmp, split, dtype, storage) for split in SPLITS}
         docs, empty = _tokenize(
             files, chunk_bytes, workers, str(tokenizer), eos_id, field, vocab_size, heldout_fraction, writers, progress
         )
@@ -314,6 +317,7 @@ def prepare(
             tmp,
             {
                 "dtype": dtype.name,
+                "storage": storage,
                 "vocab_size": vocab_size,
                 "eos_id": eos_id,
                 "eos_token": eos_token,
@@ -428,6 +432,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workers", type=int, default=None, help="processes (default: this machine's cores)")
     p.add_argument("--chunk-mib", type=float, default=1.0, help="input per work item, MiB (1)")
+    p.add_argument(
+        "--format",
+        choices=STORAGES,
+        default="bin",
+        help="bin: a flat tokens.bin per split (default); array_record: an ArrayRecord file, a record per document",
+    )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     return p
 
@@ -462,6 +472,7 @@ def main(argv: list[str]) -> int:
             chunk_bytes=max(1, int(args.chunk_mib * (1 << 20))),
             force=args.force,
             progress=True,
+            storage=args.format,
         )
     except (PrepareError, TokenFileError) as e:
         print(f"ftjax data prepare: error: {e}", file=sys.stderr)

@@ -86,7 +86,7 @@ def token_lm(cfg, *, dir: str, split: str = "train", packing: str = "none") -> T
         )
     if len(source) == 0:
         raise TaskError(
-            f"task {name}: split {split!r} of {dir} has {len(source.tokens)} tokens, fewer than one "
+            f"task {name}: split {split!r} of {dir} has {source.count} tokens, fewer than one "
             f"window of model.seq_len + 1 = {source.window}"
         )
     return _lm_task(cfg, source, name)

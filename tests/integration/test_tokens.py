@@ -353,3 +353,20 @@ def test_prepare_with_a_sentencepiece_model_twice_writes_the_same_bytes(corpus, 
     assert len(docs) == 300 and all(d[-1] == 1 and 1 not in d[:-1] for d in docs)
     first = split_documents(outs[0], "train")[0]
     assert sp.decode(first[:-1].tolist()).startswith("document ")
+
+
+def test_prepare_as_array_record_reads_the_same_windows_by_record(corpus, prepared, tmp_path):
+    from ftjax.program.tokens import TokenWindows
+
+    done = prepare(corpus, tmp_path / "ar", "--workers", "1", "--format", "array_record")
+    assert done.returncode == 0, done.stderr
+    files = sorted(str(p.relative_to(tmp_path / "ar")) for p in (tmp_path / "ar").rglob("*") if p.is_file())
+    assert "train/tokens.array_record" in files and "train/tokens.bin" not in files
+    flat, records = TokenWindows(prepared[0], "train", 33), TokenWindows(tmp_path / "ar", "train", 33, "segments")
+    assert records.storage == "array_record" and records.tokens is None
+    # the same tokens: the same content fingerprint and windows (windows that span several records)
+    assert records.fingerprint == flat.fingerprint + "-segments" and len(records) == len(flat)
+    for i in range(len(flat)):
+        assert np.array_equal(records[i]["tokens"], flat[i]), i
+    copy = pickle.loads(pickle.dumps(records))
+    assert np.array_equal(copy[7]["tokens"], flat[7])
