@@ -94,6 +94,9 @@ def test_the_second_documents_losses_do_not_depend_on_the_first(tmp_path):
     params, state = task.init(jax.random.key(0))
     row = task.loss(params, state, batch, jax.random.key(0))[0]
     assert row.shape == (1,) and np.isfinite(float(row[0]))
+    from ftjax.program.tasks import check_task
+
+    check_task(llama_cfg(tmp_path / "1-segments", "segments"))  # (what `ftjax train` checks first: a batch of 2)
     # without packing, the second document's losses see the first
     c, wc, _, _ = per_token(tmp_path, 1, "none")
     d, _, _, _ = per_token(tmp_path, 2, "none")
