@@ -2,11 +2,14 @@
 
 Inputs are plain text files (one document per file; a directory or a glob stands for the files
 under it, in sorted order) and JSON Lines files (`.jsonl`, `.ndjson`: one document per line, its
-text in `--field`). The tokenizer is a local Hugging Face `tokenizer.json`; nothing is downloaded.
-Each document is followed by the EOS token. Documents are split between `train` and `heldout` by a
-hash of their index in the input (`--heldout-fraction`), so the split does not depend on anything
-but the input's order. Output: the token files of ftjax/program/tokens.py, written under a temporary name
-and renamed into place when complete, so a crashed run never leaves something that looks done.
+text in `--field`). The tokenizer is a local file, nothing is downloaded: a Hugging Face
+`tokenizer.json` (a `.json` file), else a SentencePiece model (`tokenizer.model`, `spm.model`).
+Each document is followed by the EOS token. `--format array_record` stores each split as an
+ArrayRecord file of one record per document instead of a flat tokens.bin (the same tokens, the same
+fingerprint). Documents are split between `train` and `heldout` by a hash of their index in the
+input (`--heldout-fraction`), so the split does not depend on anything but the input's order.
+Output: the token files of ftjax/program/tokens.py, written under a temporary name and renamed
+into place when complete, so a crashed run never leaves something that looks done.
 
 The work is spread over processes (`--workers`, default: every core) in chunks of documents
 (`--chunk-mib` of input each); results are written in input order, so the files are the same
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ftjax.program.tokens import SPLITS, SplitWriter, TokenFileError, token_dtype, write_index
+from ftjax.program.tokens import SPLITS, STORAGES, SplitWriter, TokenFileError, token_dtype, write_index
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 DEFAULT_EOS = ("</s>", "<|endoftext|>")
@@ -117,9 +120,7 @@ _worker: dict = {}
 def _init_worker(tokenizer_path: str, eos_id: int, field: str) -> None:
     # The workers are the parallelism: the tokenizer's own threads would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenizers import Tokenizer
-
-    _worker.update(tokenizer=Tokenizer.from_file(tokenizer_path), eos_id=eos_id, field=field)
+    _worker.update(tokenizer=load_tokenizer(tokenizer_path), eos_id=eos_id, field=field)
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -182,14 +183,14 @@ def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
     eos = _worker["eos_id"]
     texts = read_documents(chunk, _worker["field"])
     # No special tokens of the tokenizer's own (BOS, CLS): a document is its text, then EOS.
-    encodings = _worker["tokenizer"].encode_batch(texts, add_special_tokens=False)
+    encodings = _worker["tokenizer"].encode(texts)
     ids: list[int] = []
     lengths = np.zeros(len(texts), np.int64)
     for k, enc in enumerate(encodings):
-        if enc.ids:
-            ids += enc.ids
+        if enc:
+            ids += enc
             ids.append(eos)
-            lengths[k] = len(enc.ids) + 1
+            lengths[k] = len(enc) + 1
     return np.asarray(ids, np.uint32), lengths
 
 
@@ -209,15 +210,52 @@ def heldout_mask(doc_index: np.ndarray, fraction: float) -> np.ndarray:
 # --- the tokenizer -----------------------------------------------------------------------------------
 
 
-def load_tokenizer(path: str | Path):
-    from tokenizers import Tokenizer
+class HFTokenizer:
+    """A Hugging Face tokenizer.json: ids of texts, the id of a token, the vocabulary size."""
 
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # (the Rust side raises plain Exception)
+            raise PrepareError(f"--tokenizer {path}: not a Hugging Face tokenizer.json: {e}") from None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model file (`.model`: its serialized ModelProto), the same interface."""
+
+    def __init__(self, path: str | Path):
+        import sentencepiece
+
+        try:
+            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as e:
+            raise PrepareError(f"--tokenizer {path}: not a SentencePiece model: {e}") from None
+        self.vocab_size = self.sp.get_piece_size()
+
+    def token_to_id(self, token: str) -> int | None:
+        """The piece's id, None when the model has no such piece (piece_to_id answers unk's id)."""
+        i = self.sp.piece_to_id(token)
+        return i if self.sp.id_to_piece(i) == token else None
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        # No BOS or EOS of the model's own; one thread (the workers are the parallelism)
+        return self.sp.encode(texts, out_type=int, add_bos=False, add_eos=False, num_threads=1)
+
+
+def load_tokenizer(path: str | Path) -> HFTokenizer | SentencePieceTokenizer:
+    """A `.json` file is a Hugging Face tokenizer.json; anything else, a SentencePiece model."""
     if not Path(path).is_file():
-        raise PrepareError(f"--tokenizer {path}: no such file (a Hugging Face tokenizer.json)")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # (the Rust side raises plain Exception)
-        raise PrepareError(f"--tokenizer {path}: not a Hugging Face tokenizer.json: {e}") from None
+        raise PrepareError(f"--tokenizer {path}: no such file (a tokenizer.json or a SentencePiece .model)")
+    return HFTokenizer(path) if Path(path).suffix == ".json" else SentencePieceTokenizer(path)
 
 
 def eos_of(tokenizer, eos_token: str | None) -> tuple[str, int]:
@@ -248,6 +286,7 @@ def prepare(
     chunk_bytes: int = 1 << 20,
     force: bool = False,
     progress: bool = False,
+    storage: str = "bin",
 ) -> dict:
     """Tokenize `inputs` into token files at `out`; returns the index with `seconds` (the wall time)."""
     t0 = time.perf_counter()
@@ -258,7 +297,7 @@ def prepare(
         raise PrepareError(f"--out {out}: exists (--force replaces it)")
     tok = load_tokenizer(tokenizer)
     eos_token, eos_id = eos_of(tok, eos_token)
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    vocab_size = tok.vocab_size
     dtype = token_dtype(vocab_size)
     files = list_inputs(inputs)
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
@@ -267,7 +306,7 @@ def prepare(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        writers = {split: SplitWriter(tmp, split, dtype) for split in SPLITS}
+        writers = {split: SplitWriter(tmp, split, dtype, storage) for split in SPLITS}
         docs, empty = _tokenize(
             files, chunk_bytes, workers, str(tokenizer), eos_id, field, vocab_size, heldout_fraction, writers, progress
         )
@@ -278,6 +317,7 @@ def prepare(
             tmp,
             {
                 "dtype": dtype.name,
+                "storage": storage,
                 "vocab_size": vocab_size,
                 "eos_id": eos_id,
                 "eos_token": eos_token,
@@ -374,7 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ftjax data prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, directories, globs, .jsonl files")
-    p.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json")
+    p.add_argument(
+        "--tokenizer", required=True, help="a Hugging Face tokenizer.json, or a SentencePiece model file (.model)"
+    )
     p.add_argument("--out", required=True, help="the token files' directory (written whole, or not at all)")
     p.add_argument("--field", default="text", help="JSONL: the field holding a document's text (text)")
     p.add_argument(
@@ -390,6 +432,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workers", type=int, default=None, help="processes (default: this machine's cores)")
     p.add_argument("--chunk-mib", type=float, default=1.0, help="input per work item, MiB (1)")
+    p.add_argument(
+        "--format",
+        choices=STORAGES,
+        default="bin",
+        help="bin: a flat tokens.bin per split (default); array_record: an ArrayRecord file, a record per document",
+    )
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     return p
 
@@ -398,7 +446,7 @@ def main(argv: list[str]) -> int:
     """`ftjax data SUBCOMMAND`: only `prepare` for now."""
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: ftjax data prepare INPUT... --tokenizer tokenizer.json --out DIR\n\n"
+            "usage: ftjax data prepare INPUT... --tokenizer tokenizer.json|spm.model --out DIR\n\n"
             "  prepare      tokenize a corpus once into token files (`ftjax data prepare --help`)"
         )
         return 0 if argv else 2
@@ -424,6 +472,7 @@ def main(argv: list[str]) -> int:
             chunk_bytes=max(1, int(args.chunk_mib * (1 << 20))),
             force=args.force,
             progress=True,
+            storage=args.format,
         )
     except (PrepareError, TokenFileError) as e:
         print(f"ftjax data prepare: error: {e}", file=sys.stderr)

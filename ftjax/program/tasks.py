@@ -9,6 +9,7 @@ config without `task:` trains it.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import optax
 
 from ftjax.program.task import Task, TaskError, batch_rows, load_task, nnx_task, normalize_loss
@@ -18,16 +19,31 @@ BUILTIN = "ftjax.program.tasks:language_model"
 _loaded: dict[str, Task] = {}
 
 
+def token_losses(model, batch):
+    """Per-token next-token cross-entropy (float32) [B, seq_len] and its weights [B, seq_len].
+
+    A batch is an int32[B, seq_len + 1] token array (every weight 1), or a dict of `tokens` and
+    `segment_ids` (packed documents, the same shape): the model attends within a segment only, and
+    a target in another segment than its input (the first token of the next document, after an EOS)
+    weighs 0, so no loss crosses a document boundary."""
+    tokens, segments = (batch["tokens"], batch.get("segment_ids")) if isinstance(batch, dict) else (batch, None)
+    logits = model(tokens[:, :-1], **({} if segments is None else {"segment_ids": segments[:, :-1]}))
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype("float32"), tokens[:, 1:])
+    if segments is None:
+        return losses, jnp.ones_like(losses)
+    return losses, (segments[:, 1:] == segments[:, :-1]).astype(losses.dtype)
+
+
 def _lm_task(cfg, source, name: str) -> Task:
-    """Next-token prediction on `source`'s int32[seq_len + 1] token windows with the model of `cfg.model`.
-    An example may also be a dict of `tokens` and `segment_ids` (packed documents, the same length;
-    the llama model attends within a segment only)."""
+    """Next-token prediction on `source`'s examples (`token_losses`) with the model of `cfg.model`:
+    each sequence's mean loss over its weighted targets."""
     from ftjax.program import models
 
     def loss(model, batch):
-        tokens, segments = (batch["tokens"], batch.get("segment_ids")) if isinstance(batch, dict) else (batch, None)
-        logits = model(tokens[:, :-1], **({} if segments is None else {"segment_ids": segments[:, :-1]}))
-        return optax.softmax_cross_entropy_with_integer_labels(logits.astype("float32"), tokens[:, 1:]).mean(axis=1)
+        losses, weights = token_losses(model, batch)
+        if not isinstance(batch, dict) or "segment_ids" not in batch:
+            return losses.mean(axis=1)  # (the unpacked loss, bit for bit as before)
+        return (losses * weights).sum(axis=1) / jnp.maximum(weights.sum(axis=1), 1.0)
 
     return nnx_task(
         lambda rngs: models.build(cfg.model, rngs), loss, source, name=name, tokens_per_example=cfg.model.seq_len
@@ -41,17 +57,25 @@ def language_model(cfg) -> Task:
     return _lm_task(cfg, token_source(cfg.data.source, cfg.seed, cfg.model.seq_len, cfg.model.vocab_size), BUILTIN)
 
 
-def token_lm(cfg, *, dir: str, split: str = "train") -> Task:
+def token_lm(cfg, *, dir: str, split: str = "train", packing: str = "none") -> Task:
     """The model of `cfg.model` on token files (`ftjax data prepare --out DIR`): windows of
     seq_len + 1 tokens of `split`, memory-mapped. `model.vocab_size` must hold the files' vocabulary
-    (it may be larger: a vocabulary padded to a round size)."""
-    from ftjax.program.tokens import SPLITS, TokenFileError, TokenWindows
+    (it may be larger: a vocabulary padded to a round size). `packing: segments` (llama models):
+    attention and loss stay within each document of a window (TokenWindows, `token_losses`)."""
+    from ftjax.program.tokens import PACKINGS, SPLITS, TokenFileError, TokenWindows
 
     name = "ftjax.program.tasks:token_lm"
     if split not in SPLITS:
         raise TaskError(f"task {name}: task_args.split: {split!r} is not one of {', '.join(SPLITS)}")
+    if packing not in PACKINGS:
+        raise TaskError(f"task {name}: task_args.packing: {packing!r} is not one of {', '.join(PACKINGS)}")
+    if packing != "none" and cfg.model.kind != "llama":
+        raise TaskError(
+            f"task {name}: task_args.packing={packing} needs a model that takes segment ids "
+            f"(model.kind=llama), not model.kind={cfg.model.kind}"
+        )
     try:
-        source = TokenWindows(dir, split, cfg.model.seq_len + 1)
+        source = TokenWindows(dir, split, cfg.model.seq_len + 1, packing)
     except TokenFileError as e:
         raise TaskError(f"task {name}: task_args.dir: {e}") from None
     if cfg.model.vocab_size < source.vocab_size:
@@ -62,7 +86,7 @@ def token_lm(cfg, *, dir: str, split: str = "train") -> Task:
         )
     if len(source) == 0:
         raise TaskError(
-            f"task {name}: split {split!r} of {dir} has {len(source.tokens)} tokens, fewer than one "
+            f"task {name}: split {split!r} of {dir} has {source.count} tokens, fewer than one "
             f"window of model.seq_len + 1 = {source.window}"
         )
     return _lm_task(cfg, source, name)

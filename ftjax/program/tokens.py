@@ -8,8 +8,10 @@
     DIR/heldout/...           the same for the held-out documents
 
 Tokens are uint16 when the vocabulary fits, else uint32, little-endian, no header: a flat array any
-tool can map. Reading maps the file (`np.memmap`), so a replica touches only the pages of the rows
-it trains, and a corpus of many GiB costs no RAM up front.
+tool can map. `open_tokens` maps the file (`np.memmap`); TokenWindows reads each window with one
+`os.pread` instead, so the pages it has read stay in the kernel's page cache (shared, reclaimable)
+and never count in the replica's resident memory: reading a 2 GiB file end to end grows a reader's
+RSS by a few MB (tests/integration/test_token_rss.py), where a map it indexes grows by 2 GiB.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ INDEX = "index.json"
 SPLITS = ("train", "heldout")
 TOKENS = "tokens.bin"
 OFFSETS = "offsets.npy"
+ARRAY_RECORD = "tokens.array_record"
+STORAGES = ("bin", "array_record")  # the index's `storage` (absent: bin)
+ARRAY_RECORD_WRITE = "group_size:1,uncompressed"  # (a document per chunk: one read per record)
+ARRAY_RECORD_READ = "readahead_buffer_size:0,max_parallelism:0"  # (random access)
 
 
 class TokenFileError(ValueError):
@@ -91,39 +97,118 @@ def open_tokens(directory: str | Path, split: str, index: dict | None = None) ->
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+PACKINGS = ("none", "segments")
+
+
+def segment_ids(window: np.ndarray, eos_id: int) -> np.ndarray:
+    """int32 document numbers of a window's tokens, from 0: a document's EOS is its last token, so
+    the id steps up on the token after each EOS."""
+    ends = np.asarray(window) == eos_id
+    return np.concatenate([[0], np.cumsum(ends[:-1])]).astype(np.int32)
+
+
 class TokenWindows:
     """Random-access source of non-overlapping `window`-token windows of one split (int32 arrays).
 
     Window i is tokens [i * window, (i + 1) * window): documents run across windows, separated by
-    EOS (the tail shorter than a window is left out). Only the indexed window is read from disk,
-    and pickling (a grain worker, a copy of the task) reopens the map instead of copying tokens.
+    EOS (the tail shorter than a window is left out). Only the indexed window is read from disk
+    (one pread, not through the map: module docstring), and pickling (a grain worker, a copy of the
+    task) reopens the files instead of copying tokens.
+    `packing="segments"`: an example is a dict of the window's `tokens` and `segment_ids` (its
+    documents numbered from 0 by the index's EOS id, `segment_ids`), so that a model attends, and a
+    loss trains, within a document only.
     """
 
-    def __init__(self, directory: str | Path, split: str = "train", window: int = 65):
+    def __init__(self, directory: str | Path, split: str = "train", window: int = 65, packing: str = "none"):
         if window < 1:
             raise TokenFileError(f"window: must be >= 1 (got {window})")
-        self.directory, self.split, self.window = Path(directory), split, int(window)
+        if packing not in PACKINGS:
+            raise TokenFileError(f"packing: expected one of {', '.join(PACKINGS)}, got {packing!r}")
+        self.directory, self.split, self.window, self.packing = Path(directory), split, int(window), packing
         self.index = read_index(self.directory)
-        self.vocab_size = int(self.index["vocab_size"])
-        self.tokens = open_tokens(self.directory, split, self.index)
-        self.n = len(self.tokens) // self.window
-        # Same content, split and window: same examples, whatever the directory is called.
-        self.fingerprint = f"{self.index['fingerprint']}-{split}-w{self.window}"
+        self.vocab_size, self.eos_id = int(self.index["vocab_size"]), int(self.index["eos_id"])
+        self.storage = self.index.get("storage", "bin")
+        self.dtype, self.count = (
+            _dtype(self.directory, self.index),
+            int(_split_info(directory, self.index, split)["tokens"]),
+        )
+        if self.storage == "bin":
+            self.tokens = open_tokens(self.directory, split, self.index)  # (checked; windows are read apart)
+        elif self.storage == "array_record":
+            self.tokens = None
+            if not (self.directory / split / ARRAY_RECORD).is_file():
+                raise TokenFileError(f"{self.directory / split / ARRAY_RECORD}: no such file")
+        else:
+            raise TokenFileError(f"{self.directory / INDEX}: storage: expected one of {STORAGES}, got {self.storage!r}")
+        self.n = self.count // self.window
+        self._fd, self._pid, self._records = None, -1, None
+        # Same content, split, window and packing: same examples, whatever the directory is called.
+        packed = "" if packing == "none" else f"-{packing}"
+        self.fingerprint = f"{self.index['fingerprint']}-{split}-w{self.window}{packed}"
 
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> np.ndarray:
+    def __getitem__(self, i: int) -> np.ndarray | dict:
         i = int(i)
         if not 0 <= i < self.n:
             raise IndexError(f"window {i} out of range: {self.split} has {self.n} windows of {self.window} tokens")
-        return np.asarray(self.tokens[i * self.window : (i + 1) * self.window], dtype=np.int32)
+        tokens = self._read(i * self.window, self.window).astype(np.int32)
+        if self.packing == "none":
+            return tokens
+        return {"tokens": tokens, "segment_ids": segment_ids(tokens, self.eos_id)}
+
+    def _read(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count): one pread of tokens.bin, or the ArrayRecord records (one a
+        document) that hold them. The files are opened once per process (a forked worker opens its own)."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            if self.storage == "bin":
+                self._fd = os.open(self.directory / self.split / TOKENS, os.O_RDONLY)
+            else:
+                self._records = ArrayRecordTokens(self.directory / self.split, self.dtype)
+        if self._records is not None:
+            return self._records.read(start, count)
+        size = self.dtype.itemsize
+        data = os.pread(self._fd, count * size, start * size)
+        if len(data) != count * size:
+            raise TokenFileError(f"{self.directory / self.split / TOKENS}: short read at token {start} (truncated?)")
+        return np.frombuffer(data, self.dtype)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None and self._pid == os.getpid():
+            os.close(self._fd)
 
     def __getstate__(self) -> dict:
-        return {"directory": self.directory, "split": self.split, "window": self.window}
+        return {"directory": self.directory, "split": self.split, "window": self.window, "packing": self.packing}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["directory"], state["split"], state["window"])
+        self.__init__(state["directory"], state["split"], state["window"], state.get("packing", "none"))
+
+
+class ArrayRecordTokens:
+    """A split stored as an ArrayRecord file (`--format array_record`): record k is document k's
+    tokens (with its EOS), read by record index through array_record's random access; offsets.npy
+    (memory-mapped) says which records hold a range of tokens."""
+
+    def __init__(self, path: Path, dtype: np.dtype):
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        self.path, self.dtype = path / ARRAY_RECORD, dtype
+        self.reader = ArrayRecordReader(str(self.path), ARRAY_RECORD_READ)
+        self.offsets = np.load(path / OFFSETS, mmap_mode="r")
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        last = int(np.searchsorted(self.offsets, start + count, side="left"))  # (records first..last - 1)
+        data = b"".join(self.reader.read(list(range(first, last))))
+        skip = start - int(self.offsets[first])
+        tokens = np.frombuffer(data, self.dtype)[skip : skip + count]
+        if len(tokens) != count:
+            raise TokenFileError(
+                f"{self.path}: records {first}..{last - 1} hold too few tokens (not this index's file?)"
+            )
+        return tokens
 
 
 # --- writing (ftjax/cli/prepare.py) ---------------------------------------------------------------------
@@ -132,11 +217,17 @@ class TokenWindows:
 class SplitWriter:
     """Appends documents (tokens already followed by EOS) to one split's files, hashing as it goes."""
 
-    def __init__(self, directory: Path, split: str, dtype: np.dtype):
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, storage: str = "bin"):
         self.path = directory / split
         self.path.mkdir(parents=True)
         self.dtype = dtype
-        self._file = open(self.path / TOKENS, "wb")
+        self._file, self._records = None, None
+        if storage == "bin":
+            self._file = open(self.path / TOKENS, "wb")
+        else:
+            from array_record.python.array_record_module import ArrayRecordWriter
+
+            self._records = ArrayRecordWriter(str(self.path / ARRAY_RECORD), ARRAY_RECORD_WRITE)
         self._sha = hashlib.sha256()
         self._lengths: list[np.ndarray] = []
         self.tokens = 0
@@ -144,15 +235,25 @@ class SplitWriter:
     def append(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Documents whose tokens are `tokens`, `lengths[k]` tokens each, in order."""
         data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
-        self._file.write(data)
-        self._sha.update(data)
+        if self._file is not None:
+            self._file.write(data)
+        else:  # a record per document
+            bounds = np.concatenate([[0], np.cumsum(lengths)]) * self.dtype.itemsize
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                self._records.write(data[a:b])
+        self._sha.update(data)  # (the same hash in either storage: the tokens')
         self._lengths.append(np.asarray(lengths, np.int64))
         self.tokens += len(tokens)
 
     def close(self) -> dict:
         """Write the offsets; this split's entry of the index. Both files are on disk when it returns
         (fsync: the directory is renamed into place next, and must not look finished before it is)."""
-        _sync_close(self._file)
+        if self._file is not None:
+            _sync_close(self._file)
+        else:
+            self._records.close()
+            with open(self.path / ARRAY_RECORD, "rb") as f:
+                os.fsync(f.fileno())
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         with open(self.path / OFFSETS, "wb") as f:

@@ -303,3 +303,70 @@ def test_a_token_lm_config_is_checked_like_the_built_in_model():
             "tiny",
             ["task=ftjax.program.tasks:token_lm", "task_args={dir: x}", "mesh.devices_per_host=3", "data.batch_size=9"],
         )
+
+
+def test_prepare_with_a_sentencepiece_model_twice_writes_the_same_bytes(corpus, tmp_path):
+    """A SentencePiece model trained here on the corpus (its own trainer, local files only)."""
+    import sentencepiece
+
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus["texts"]),
+        model_prefix=str(tmp_path / "spm"),
+        vocab_size=120,
+        model_type="bpe",
+        eos_id=1,
+        bos_id=-1,
+        num_threads=1,
+        minloglevel=2,
+    )
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "spm.model"))
+    outs = []
+    for name, extra in (("a", ["--workers", "2"]), ("b", ["--workers", "1", "--chunk-mib", "0.001"])):
+        done = subprocess.run(
+            [
+                *FTJAX,
+                "data",
+                "prepare",
+                *corpus["inputs"],
+                "--field",
+                "body",
+                "--tokenizer",
+                str(tmp_path / "spm.model"),
+                "--out",
+                str(tmp_path / name),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        outs.append(tmp_path / name)
+    files = sorted(p.relative_to(outs[0]) for p in outs[0].rglob("*") if p.is_file())
+    assert len(files) == 5
+    for f in files:
+        assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes(), f
+    index = json.loads((outs[0] / "index.json").read_text())
+    assert index["eos_id"] == sp.eos_id() == 1 and index["eos_token"] == "</s>" and index["vocab_size"] == 120
+    assert index["tokenizer"]["name"] == "spm.model"
+    docs = split_documents(outs[0], "train") + split_documents(outs[0], "heldout")
+    assert len(docs) == 300 and all(d[-1] == 1 and 1 not in d[:-1] for d in docs)
+    first = split_documents(outs[0], "train")[0]
+    assert sp.decode(first[:-1].tolist()).startswith("document ")
+
+
+def test_prepare_as_array_record_reads_the_same_windows_by_record(corpus, prepared, tmp_path):
+    from ftjax.program.tokens import TokenWindows
+
+    done = prepare(corpus, tmp_path / "ar", "--workers", "1", "--format", "array_record")
+    assert done.returncode == 0, done.stderr
+    files = sorted(str(p.relative_to(tmp_path / "ar")) for p in (tmp_path / "ar").rglob("*") if p.is_file())
+    assert "train/tokens.array_record" in files and "train/tokens.bin" not in files
+    flat, records = TokenWindows(prepared[0], "train", 33), TokenWindows(tmp_path / "ar", "train", 33, "segments")
+    assert records.storage == "array_record" and records.tokens is None
+    # the same tokens: the same content fingerprint and windows (windows that span several records)
+    assert records.fingerprint == flat.fingerprint + "-segments" and len(records) == len(flat)
+    for i in range(len(flat)):
+        assert np.array_equal(records[i]["tokens"], flat[i]), i
+    copy = pickle.loads(pickle.dumps(records))
+    assert np.array_equal(copy[7]["tokens"], flat[7])
