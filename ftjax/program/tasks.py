@@ -9,6 +9,8 @@ config without `task:` trains it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import optax
 
 from ftjax.program.task import Task, TaskError, batch_rows, load_task, nnx_task, normalize_loss
@@ -65,7 +67,19 @@ def token_lm(cfg, *, dir: str, split: str = "train") -> Task:
             f"task {name}: split {split!r} of {dir} has {len(source.tokens)} tokens, fewer than one "
             f"window of model.seq_len + 1 = {source.window}"
         )
-    return _lm_task(cfg, source, name)
+    heldout = _heldout(dir, cfg.model.seq_len + 1) if split == "train" else None
+    return dataclasses.replace(_lm_task(cfg, source, name), heldout=heldout)
+
+
+def _heldout(dir: str, window: int):
+    """The `heldout` split's windows (for `eval:`), or None when it holds less than one window."""
+    from ftjax.program.tokens import TokenFileError, TokenWindows
+
+    try:
+        source = TokenWindows(dir, "heldout", window)
+    except TokenFileError:
+        return None
+    return source if len(source) else None
 
 
 def task_of(cfg) -> Task:
@@ -83,6 +97,12 @@ def check_task(cfg) -> Task:
     import jax
 
     task = task_of(cfg)
+    if cfg.eval.every and task.heldout is None:
+        raise TaskError(
+            f"eval.every={cfg.eval.every}: task {task.name} has no held-out data to evaluate on (the built-in "
+            "language_model has none; token files' heldout split, from `ftjax data prepare`, is used by "
+            "ftjax.program.tasks:token_lm; a task of yours sets Task.heldout): set eval.every=0"
+        )
     batch = task.example_batch(min(cfg.data.batch_size, 2))
     try:
         params, state = jax.eval_shape(task.init, jax.random.key(0))

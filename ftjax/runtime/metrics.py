@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ftjax.runs.jsonl import read_jsonl
-from ftjax.runs.summary import median_mfu
+from ftjax.runs.summary import last_eval_loss, median_mfu
 
 LINES_PER_RUN = 20  # plain output: about this many step lines per run, besides every event
 
@@ -119,7 +119,9 @@ class MetricsLog:
         total_steps: int | None = None,
         label: str = "train",
         log_every: int | None = None,
+        tensorboard: str | Path | None = None,
     ):
+        """`tensorboard`: a directory for TensorBoard event files of the same records (None: none)."""
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.records: list[dict[str, Any]] = []
@@ -127,8 +129,13 @@ class MetricsLog:
         self._file = None
         self._progress = None
         self._plain: PlainLines | None = None
+        self._tensorboard = None
         if enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if tensorboard is not None:
+                from ftjax.runtime.tensorboard import TensorBoardWriter
+
+                self._tensorboard = TensorBoardWriter(tensorboard)
             self._file = open(self.run_dir / filename, "a", buffering=1)
             if not _isatty(sys.stdout):
                 self._plain = PlainLines(sys.stdout, label, total_steps, log_every)
@@ -152,6 +159,8 @@ class MetricsLog:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            self._tensorboard.step(record)
         for listener in self.listeners:
             listener(record)
         if self._plain is not None:
@@ -166,6 +175,8 @@ class MetricsLog:
         """A non-step record (restore, failure, ...): same file, `event` instead of `step`."""
         if self.enabled:
             self._file.write(json.dumps({"time": round(time.time(), 6), "event": kind, **fields}) + "\n")
+            if self._tensorboard is not None:
+                self._tensorboard.event(kind, fields)
             if self._plain is not None:
                 self._plain.event(kind, fields)
 
@@ -179,6 +190,7 @@ class MetricsLog:
             "final_loss": steps[-1].get("loss") if steps else None,
             "median_step_s": statistics.median(times) if times else None,
             "median_mfu": median_mfu(steps[1:]),
+            "last_eval_loss": last_eval_loss(steps),
             **extra,
         }
         if self.enabled:
@@ -190,6 +202,9 @@ class MetricsLog:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if self._file is not None:
             self._file.close()
             self._file = None
