@@ -43,7 +43,7 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 class TensorBoardWriter:
     """One replica leader's event files under `directory`, written off the training thread."""
 
-    def __init__(self, directory: str | Path, flush_s: float = 10.0) -> None:
+    def __init__(self, directory: str | Path, flush_s: float = 5.0) -> None:
         self.directory = Path(directory)
         self.flush_s = flush_s
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
