@@ -65,3 +65,34 @@ def test_metrics_log_writes_every_record_and_event_to_tensorboard_too(tmp_path):
     assert values["train/loss"] == [(1, 3.0), (2, 2.0)] and values["eval/loss"] == [(2, 2.5)]
     assert values["events/commit_failure"] == [(1, 1.0)]  # marked at the latest step logged
     assert "events/commit_failure/text_summary" in acc.Tags()["tensors"]
+
+
+def test_the_status_page_shows_each_replicas_latest_eval_loss():
+    from ftjax.coordinator import coordinator_pb2 as pb
+    from ftjax.coordinator.page import status_page
+    from ftjax.coordinator.progress import StepFigures
+    from ftjax.coordinator.quorum import MemberReport, Settings
+    from ftjax.coordinator.server import _step_figures
+    from ftjax.coordinator.state import CoordinatorState
+
+    wire = pb.QuorumRequest(report=pb.StepReport(step=2, committed=True, contributed=True, eval_loss=2.25))
+    assert _step_figures(wire).eval_loss == 2.25
+    assert _step_figures(pb.QuorumRequest(report=pb.StepReport(step=2))).eval_loss is None
+    state = CoordinatorState(Settings(min_replicas=1, expected_replicas=2), 0.0, startup_grace=0.0)
+
+    def member(rid: str, step: int) -> MemberReport:
+        return MemberReport(rid, f"{rid}-inc", step=step, data_position=step, ftar_addresses=(f"h:{rid}",))
+
+    for rid in "ab":
+        state.register(member(rid, 0), 0.0)
+    for t, step in ((0.1, 0), (0.2, 1), (0.3, 2)):
+        for rid in "ab":  # a evaluates at step 1 only: its latest eval loss stays on the page
+            fig = StepFigures(
+                step, True, True, 5.0, 0.1, 512, 10, 2, eval_loss=3.125 if (rid, step) == ("a", 1) else None
+            )
+            state.request(member(rid, step), t, fig if step else None)
+        assert state.evaluate(t).quorum is not None
+    rows = {r["replica_id"]: r for r in state.snapshot(0.4)["replicas"]}
+    assert rows["a"]["eval_loss"] == 3.125 and rows["b"]["eval_loss"] is None
+    page = status_page(state.snapshot(0.4))
+    assert "<th>eval loss</th>" in page and '<td class="n">3.1250</td>' in page
