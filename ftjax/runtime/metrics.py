@@ -41,8 +41,8 @@ class ModelFlops:
 
 
 class PlainLines:
-    """One plain line per `every` steps (and the first and last), one per event, and the end of the
-    run, flushed as written: what `ftjax train ... > log` leaves in the log."""
+    """One plain line per `every` steps (and the first, the last and each evaluation), one per event,
+    and the end of the run, flushed as written: what `ftjax train ... > log` leaves in the log."""
 
     def __init__(self, out: IO[str], label: str, total_steps: int | None, every: int | None = None) -> None:
         self.out, self.label, self.total = out, label, total_steps
@@ -62,7 +62,7 @@ class PlainLines:
         step = r.get("step", 0)
         self._tokens += int(r.get("tokens") or 0)
         first = self._last_tokens is None
-        if not (first or step % self.every == 0 or step == self.total):
+        if not (first or step % self.every == 0 or step == self.total or "eval_loss" in r):
             return
         now = time.monotonic()
         rate = ""
@@ -79,6 +79,8 @@ class PlainLines:
             parts.append(f"quorum {r.get('contributors')}/{r['participants']} contributing")
         if r.get("mfu") is not None:
             parts.append(f"MFU {r['mfu']:.1%}")
+        if r.get("eval_loss") is not None:
+            parts.append(f"eval loss {r['eval_loss']:.4f}")
         if not r.get("committed", True):
             parts.append("not committed")
         self._print("  ".join(parts))
