@@ -25,6 +25,7 @@ from ftjax.config import Config
 from ftjax.coordinator.types import QuorumResult
 from ftjax.program.data import eval_share, heldout_batch, make_stream
 from ftjax.program.digest import params_digest
+from ftjax.program.optim import schedule
 from ftjax.program.step import device_batch, model_state, param_count, topology_fingerprint, where
 from ftjax.program.task import concat_rows, slice_rows
 from ftjax.runs.events import EXIT_LEFT, EXIT_NO_PROGRESS, ReplicaEvent
@@ -32,6 +33,14 @@ from ftjax.runtime.checkpoint import load_init
 from ftjax.runtime.manager import FaultTolerance, Finished, Left, final_digests
 from ftjax.runtime.metrics import ModelFlops
 from ftjax.runtime.protocol import StepProtocol
+
+
+def learning_rates(cfg: Config, task: Any) -> np.ndarray | None:
+    """The config's AdamW learning rate of the update of each step (index: the step before it), for
+    the step records; None for a task's own optimizer (its schedule is not known here)."""
+    if task.optimizer is not None:
+        return None
+    return np.asarray(jax.vmap(schedule(cfg.optim, cfg.steps))(np.arange(cfg.steps)), np.float64)
 
 
 def lr_scale(policy: str, live: int, total: int) -> float:
@@ -114,6 +123,7 @@ class Trainer:
         self.work = self.own_work if cfg.own_rows == cfg.data.batch_size else ((self.own, 0, cfg.own_rows),)
         self.step_work: list[list[int]] | None = None  # constant: the whole step's [who, stream, a, b]
         self._streams = {self.own: stream}
+        self.lrs = learning_rates(cfg, program.task)
 
     # the state, the step and the data position are the fault-tolerance object's
     state = property(lambda self: self.ft.state, lambda self, v: setattr(self.ft, "state", v))
@@ -327,6 +337,8 @@ class Trainer:
                 if computed is not None
                 else None
             )
+        if self.lrs is not None and 0 <= q.step < len(self.lrs):  # the learning rate this update applied
+            record["lr"] = float(self.lrs[q.step]) * scale
         if self.flops is not None:
             record.update(self.flops.fields(rows, record["step_time_s"]))
         if computed is not None and computed.aux:

@@ -116,6 +116,7 @@ def test_eval_loss_every_eval_every_steps_and_the_same_values_in_tensorboard(tok
     assert tb["eval/perplexity"] == pytest.approx({r["step"]: r["eval_perplexity"] for r in evaluated}, rel=1e-6)
     assert tb["train/loss"] == pytest.approx({r["step"]: r["loss"] for r in steps}, rel=1e-6)
     assert set(tb["quorum/participants"].values()) == {1.0} and len(tb["tokens_per_s"]) == 7
+    assert tb["lr"] == pytest.approx({r["step"]: r["lr"] for r in steps}, rel=1e-6)
 
 
 def test_evaluation_changes_nothing_of_the_training(tokens, tmp_path):

@@ -46,9 +46,10 @@ def test_last_eval_loss_is_the_latest_record_that_has_one():
 
 def test_a_step_record_becomes_scalars_by_tag():
     record = {"step": 3, "loss": 2.0, "eval_loss": 1.5, "eval_perplexity": 4.48, "participants": 2, "mfu": None}
-    out = scalars({**record, "tokens": 512, "step_time_s": 0.5, "committed": True, "batch_id": 7})
+    out = scalars({**record, "tokens": 512, "step_time_s": 0.5, "committed": True, "batch_id": 7, "lr": 1e-3})
     assert out["train/loss"] == 2.0 and out["eval/loss"] == 1.5 and out["eval/perplexity"] == 4.48
     assert out["quorum/participants"] == 2 and out["tokens_per_s"] == 1024 and "mfu" not in out
+    assert out["lr"] == 1e-3
 
 
 def test_metrics_log_writes_every_record_and_event_to_tensorboard_too(tmp_path):
