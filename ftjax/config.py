@@ -199,6 +199,25 @@ class CheckpointConfig(_Strict):
         return self
 
 
+class EvalConfig(_Strict):
+    """Held-out evaluation (docs/design.md, "Evaluation"): every `every` steps, after the commit,
+    each replica computes the loss of its share of `batches` held-out batches (no gradient, no
+    state change) and writes `eval_loss` and `eval_perplexity` into its step record."""
+
+    every: int = Field(0, ge=0, description="evaluate every N steps (0: never)")
+    batches: int = Field(4, gt=0, description="held-out batches per evaluation, dealt round-robin to the replicas")
+
+
+class LogConfig(_Strict):
+    """What a replica's leader writes besides RUN/metrics.jsonl."""
+
+    tensorboard: bool = Field(
+        True,
+        description="TensorBoard event files of every step record and event: RUN/tensorboard/replica-R/ "
+        "(a standalone run: RUN/tensorboard/)",
+    )
+
+
 class CoordinatorConfig(_Strict):
     """The coordinator's settings: the one place their defaults live. `ftjax coordinator` has a flag
     for each field (`heartbeat_timeout_s` -> `--heartbeat-timeout-s`) defaulting to it, and the
@@ -372,6 +391,8 @@ class Config(_Strict):
     ft: FTConfig = FTConfig()
     net: NetConfig = NetConfig()
     hardware: HardwareConfig = HardwareConfig()
+    eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
     task: str | None = Field(
         None,
         description="what to train: 'package.module:factory', called as factory(cfg, "

@@ -231,6 +231,7 @@ class CoordinatorClient:
             target_steps=target_steps,
             replicas=replicas,
             mfu=record.get("mfu"),
+            eval_loss=record.get("eval_loss"),
         )
 
     def quorum(

@@ -199,13 +199,14 @@ def _replicas(s: dict) -> str:
             f"<td>{badge(r['state'])}{words}</td>"
             f'<td class="n">{r["step"]:,}</td><td class="n">{loss}</td><td class="n">{step_time}</td>'
             f'<td class="n">{count(r.get("tokens_per_s"))}</td><td class="n">{percent(r.get("mfu"))}</td>'
+            f'<td class="n">{_loss(r.get("eval_loss"))}</td>'
             f'<td class="n">{r["data_position"]:,}</td>'
             f'<td class="n">{restarts}</td><td class="n">{esc(heard)}</td></tr>'
         )
     more = f'<p class="muted">{len(rows) - len(shown)} more in /status.</p>' if len(shown) < len(rows) else ""
     return (
         '<table class="replicas"><tr><th>replica</th><th>state</th><th>step</th><th>loss</th><th>step time</th>'
-        "<th>tokens/s</th><th>MFU</th><th>data position<sup>*</sup></th><th>restarts</th><th>last heard</th></tr>"
+        "<th>tokens/s</th><th>MFU</th><th>eval loss</th><th>data position<sup>*</sup></th><th>restarts</th><th>last heard</th></tr>"
         + "".join(body)
         + "</table>"
         + more

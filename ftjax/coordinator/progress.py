@@ -64,6 +64,7 @@ class StepFigures(NamedTuple):
     target_steps: int = 0
     replicas: int = 0
     mfu: float | None = None  # model FLOPs utilization of the step (None: the devices' peak is not known)
+    eval_loss: float | None = None  # its held-out loss after the step (None: it did not evaluate)
 
     def validate(self, prefix: str = "report") -> None:
         """InvalidField naming the first field out of bounds (the loss may be any float)."""
@@ -101,6 +102,7 @@ class ReplicaView:
     last_signal: float | None = None  # its latest quorum as a contributor (this incarnation, no heal since)
     finished: bool = False  # it contributed to a quorum at the job's target step
     report: StepFigures | None = None
+    eval_loss: float | None = None  # its latest report's that had one (eval.every)
     down_why: str = ""
     phase_before_down: Phase = Phase.STARTING
     accusation: _Accusation | None = None
@@ -205,6 +207,8 @@ class JobProgress:
     def reported(self, rid: str, fig: StepFigures, now: float) -> None:
         v = self._view(rid)
         v.report = fig
+        if fig.eval_loss is not None and math.isfinite(fig.eval_loss):
+            v.eval_loss = fig.eval_loss
         self.target_steps = max(self.target_steps, fig.target_steps)
         self.job_replicas = max(self.job_replicas, fig.replicas)
         if not (fig.committed and fig.contributed):
@@ -460,6 +464,7 @@ class JobProgress:
             "step_time_s": r.step_time_s if r is not None else None,
             "tokens_per_s": r.tokens / r.step_time_s if r is not None and r.contributed and r.step_time_s > 0 else None,
             "mfu": r.mfu if r is not None and r.contributed else None,
+            "eval_loss": v.eval_loss,
             "report_step": r.step if r is not None else None,
         }
 

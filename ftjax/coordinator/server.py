@@ -378,6 +378,7 @@ def _step_figures(request: pb.QuorumRequest) -> StepFigures | None:
         r.target_steps,
         r.replicas,
         r.mfu if r.HasField("mfu") else None,
+        r.eval_loss if r.HasField("eval_loss") else None,
     )
     figures.validate()
     return figures

@@ -138,3 +138,18 @@ def make_stream(cfg, replica: int = 0, task=None) -> BatchStream:
         replicas=cfg.ft.replicas,
         fingerprint=task.data_fingerprint(),
     )
+
+
+def eval_share(batches: int, replica: int, replicas: int) -> list[int]:
+    """The held-out batches replica `replica` of `replicas` evaluates: i with i % replicas == replica
+    (every replica its own share: nobody waits for another's)."""
+    return list(range(replica, batches, replicas))
+
+
+def heldout_batch(source, i: int, batch_size: int):
+    """Held-out batch i: examples i*B .. (i+1)*B - 1 of `source` in order, wrapping around its end
+    (no shuffle: the same rows on every run, whatever the training did)."""
+    from ftjax.program.task import stack
+
+    n = len(source)
+    return stack([source[(i * batch_size + j) % n] for j in range(batch_size)])

@@ -58,6 +58,7 @@ class ReplicaProgram:
     zeros: Any  # () -> an update of zeros, in the update's shardings
     add: Any  # (a, b) -> a + b, updates (neither donated)
     opt_init: Any  # (params) -> the optimizer's initial state (a start from given parameters)
+    evaluate: Any  # (params, model_state, batch) -> the batch's mean loss (no gradient, nothing donated)
     compiled_accumulate: dict = field(default_factory=dict)  # rows -> `accumulate` compiled for them
 
     def accumulate_rows(self, acc, state, rows, where):
@@ -113,6 +114,8 @@ class ReplicaProgram:
         ms, upd = model_state(st), self.abstract_update()
         self.grads = self.grads.lower(st["params"], ms, self.example, where).compile()
         self.apply = self.apply.lower(st, upd, lr).compile()
+        if self.cfg.eval.every:  # an evaluation must not stall the next step's peers with a compile
+            self.evaluate = self.evaluate.lower(st["params"], ms, self.example).compile()
         if self.cfg.ft.global_batch == "constant":  # an outage must not wait for a compile
             for n in self.chunk_rows:
                 rows = rows_like(self.example, n)
@@ -286,7 +289,8 @@ def _state_functions(task: Task, lay: _Layout):
 
 
 def _loss_functions(cfg: Config, task: Task, lay: _Layout):
-    """(grads, accumulate): a batch's mean loss, metrics and update; rows' update added to a sum."""
+    """(grads, accumulate, evaluate): a batch's mean loss, metrics and update; rows' update added to a
+    sum; a batch's mean loss alone."""
     has_ms, B, k = lay.has_ms, cfg.data.batch_size, cfg.data.micro_batches
 
     def update_of(params, ms, batch, where, weight):
@@ -320,7 +324,13 @@ def _loss_functions(cfg: Config, task: Task, lay: _Layout):
         per_row, _, update = summed(params, ms, rows, where, 1.0 / B)
         return jax.tree.map(jnp.add, acc, update), per_row
 
-    return grads, accumulate
+    def evaluate(params, ms, batch):
+        # the loss alone: no gradient, and the model state it returns is dropped (eval changes nothing)
+        per_example, aux, _ = task.loss(params, ms, batch, step_key(cfg.seed, jnp.full(3, -1, jnp.int32)))
+        per_example, _ = normalize_loss((per_example, aux), batch_rows(batch), task.name)
+        return per_example.mean()
+
+    return grads, accumulate, evaluate
 
 
 def in_micro_batches(update_of, rows, where, most: int):
@@ -354,7 +364,7 @@ def in_micro_batches(update_of, rows, where, most: int):
     return in_order(per_example), {name: in_order(v) for name, v in aux.items()}, update
 
 
-def _jitted(lay: _Layout, init, apply, zeros, grads, accumulate) -> dict[str, Any]:
+def _jitted(lay: _Layout, init, apply, zeros, grads, accumulate, evaluate) -> dict[str, Any]:
     """ReplicaProgram's functions, each one `jax.jit` with its shardings (and donations)."""
     p_shard, b_shard, rep = lay.p_shard, lay.b_shard, lay.rep
     state_shardings, update_shardings = lay.state_shardings, lay.update_shardings
@@ -392,6 +402,7 @@ def _jitted(lay: _Layout, init, apply, zeros, grads, accumulate) -> dict[str, An
             out_shardings=update_shardings,
         ),
         opt_init=jax.jit(lay.tx.init, in_shardings=(p_shard,), out_shardings=lay.opt_shard),
+        evaluate=jax.jit(evaluate, in_shardings=(p_shard, ms_in, b_shard), out_shardings=rep),
     )
 
 

@@ -57,6 +57,7 @@ class Task:
     `init(key)` returns `(params, model_state)` (pure pytrees of arrays; model_state may be `{}`).
     `loss(params, model_state, batch, key)` returns `(per_example, aux, new_model_state)`.
     `source` is random access (`len`, `__getitem__` -> one example); ftjax shuffles and batches it.
+    `heldout`: examples of the same form that training never sees, for `eval:` (None: no evaluation).
     `param_axes`: a logical PartitionSpec per parameter (ftjax/program/sharding.py maps names to mesh
     axes), or None (every parameter replicated). `optimizer`: any optax transformation, or None for
     the config's AdamW (`optim:`), whose clip gives the same bits on every replica degree.
@@ -69,6 +70,7 @@ class Task:
     param_axes: PyTree | None = None
     optimizer: optax.GradientTransformation | None = None
     tokens_per_example: int = 0  # for the tokens/s figures (0: not a token model)
+    heldout: Any = None  # a random-access source of held-out examples, like `source` (eval.every); None: none
 
     def data_fingerprint(self) -> str:
         """The source's own `fingerprint` attribute, else a hash of its type, length and first example."""

@@ -9,6 +9,8 @@ config without `task:` trains it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import optax
 
@@ -89,7 +91,20 @@ def token_lm(cfg, *, dir: str, split: str = "train", packing: str = "none") -> T
             f"task {name}: split {split!r} of {dir} has {source.count} tokens, fewer than one "
             f"window of model.seq_len + 1 = {source.window}"
         )
-    return _lm_task(cfg, source, name)
+    heldout = _heldout(dir, cfg.model.seq_len + 1, packing) if split == "train" else None
+    return dataclasses.replace(_lm_task(cfg, source, name), heldout=heldout)
+
+
+def _heldout(dir: str, window: int, packing: str):
+    """The `heldout` split's windows (for `eval:`; packed as the training windows are: the same
+    loss), or None when it holds less than one window."""
+    from ftjax.program.tokens import TokenFileError, TokenWindows
+
+    try:
+        source = TokenWindows(dir, "heldout", window, packing)
+    except TokenFileError:
+        return None
+    return source if len(source) else None
 
 
 def task_of(cfg) -> Task:
@@ -107,6 +122,12 @@ def check_task(cfg) -> Task:
     import jax
 
     task = task_of(cfg)
+    if cfg.eval.every and task.heldout is None:
+        raise TaskError(
+            f"eval.every={cfg.eval.every}: task {task.name} has no held-out data to evaluate on (the built-in "
+            "language_model has none; token files' heldout split, from `ftjax data prepare`, is used by "
+            "ftjax.program.tasks:token_lm; a task of yours sets Task.heldout): set eval.every=0"
+        )
     batch = task.example_batch(min(cfg.data.batch_size, 2))
     try:
         params, state = jax.eval_shape(task.init, jax.random.key(0))

@@ -95,6 +95,9 @@ class StepField(StrEnum):
     PARAM_DIGEST = "param_digest"  # digest of its parameters after the step (every ft.digest_every steps)
     MODEL_FLOPS_PER_STEP = "model_flops_per_step"  # FLOPs of the rows it computed (the compiled step's cost analysis)
     MFU = "mfu"  # model FLOPs / (step time x devices x peak FLOP/s); absent where the peak is not known
+    LR = "lr"  # the learning rate of its update (AdamW's schedule x lr_scale; absent: a task's own optimizer)
+    EVAL_LOSS = "eval_loss"  # mean held-out loss of its share of eval.batches (every eval.every steps)
+    EVAL_PERPLEXITY = "eval_perplexity"  # exp(eval_loss)
 
 
 def is_step(record: dict) -> bool:

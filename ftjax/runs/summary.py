@@ -47,6 +47,8 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
 - **median_mfu** (per replica): the median of its committed steps' `mfu` (model FLOPs / (step
   time x devices x peak FLOP/s), ftjax/runtime/metrics.py), null when no step carried one (no known
   peak: CPU without `hardware.peak_flops_per_device`).
+- **last_eval_loss** (per replica): the `eval_loss` of its latest committed step that evaluated
+  (`eval.every`), null when none did.
 - **failure_events**: every replica death and coordinator loss, with `recovery_s` (from a
   replica's death to its rejoin, when it rejoined: restart delay + start + catch-up).
 - **partitions** (`--partition`, a virtual cluster): for each cut, the replica and host, the
@@ -483,7 +485,13 @@ def _replica_summary(
         **({"exactly_once_error": why} if why else {}),
         "seconds_in_state": {k: round(v, 3) for k, v in in_state.items()},
         "median_mfu": median_mfu(committed),
+        "last_eval_loss": last_eval_loss(committed),
     }
+
+
+def last_eval_loss(steps: list[dict]) -> float | None:
+    """The `eval_loss` of the latest step record that has one (None: no evaluation)."""
+    return next((r["eval_loss"] for r in reversed(steps) if r.get("eval_loss") is not None), None)
 
 
 def median_mfu(steps: list[dict]) -> float | None:

@@ -78,7 +78,7 @@ def _fault_arguments(p: argparse.ArgumentParser) -> None:
         "--die-at",
         default=None,
         metavar="STEP:PHASE",
-        help="fault injection: SIGKILL this process at that step and phase (forward|ftar|commit|catchup)",
+        help="fault injection: SIGKILL this process at that step and phase (forward|ftar|commit|catchup|eval)",
     )
     p.add_argument(
         "--hang-at",

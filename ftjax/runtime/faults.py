@@ -20,7 +20,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-PHASES = ("forward", "ftar", "commit", "catchup")
+PHASES = ("forward", "ftar", "commit", "catchup", "eval")  # eval: during an evaluation (eval.every)
 
 
 def parse_step_phase(text: str, flag: str) -> tuple[int, str]:

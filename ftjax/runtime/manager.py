@@ -461,7 +461,12 @@ def join(
     abstract, template = _placed(cfg, state, update_template)
     group = JaxHostGroup()
     log = MetricsLog(
-        out, enabled=True, total_steps=cfg.steps, label=f"replica {options.replica_id}", log_every=options.log_every
+        out,
+        enabled=True,
+        total_steps=cfg.steps,
+        label=f"replica {options.replica_id}",
+        log_every=options.log_every,
+        tensorboard=rp.tensorboard_dir(cfg, options, out),
     )
     topology = _script_topology(cfg, template, abstract)
     protocol = _script_protocol(run, group, log, template, topology)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ftjax.runs.jsonl import read_jsonl
-from ftjax.runs.summary import median_mfu
+from ftjax.runs.summary import last_eval_loss, median_mfu
 
 LINES_PER_RUN = 20  # plain output: about this many step lines per run, besides every event
 
@@ -41,8 +41,8 @@ class ModelFlops:
 
 
 class PlainLines:
-    """One plain line per `every` steps (and the first and last), one per event, and the end of the
-    run, flushed as written: what `ftjax train ... > log` leaves in the log."""
+    """One plain line per `every` steps (and the first, the last and each evaluation), one per event,
+    and the end of the run, flushed as written: what `ftjax train ... > log` leaves in the log."""
 
     def __init__(self, out: IO[str], label: str, total_steps: int | None, every: int | None = None) -> None:
         self.out, self.label, self.total = out, label, total_steps
@@ -62,7 +62,7 @@ class PlainLines:
         step = r.get("step", 0)
         self._tokens += int(r.get("tokens") or 0)
         first = self._last_tokens is None
-        if not (first or step % self.every == 0 or step == self.total):
+        if not (first or step % self.every == 0 or step == self.total or "eval_loss" in r):
             return
         now = time.monotonic()
         rate = ""
@@ -79,6 +79,8 @@ class PlainLines:
             parts.append(f"quorum {r.get('contributors')}/{r['participants']} contributing")
         if r.get("mfu") is not None:
             parts.append(f"MFU {r['mfu']:.1%}")
+        if r.get("eval_loss") is not None:
+            parts.append(f"eval loss {r['eval_loss']:.4f}")
         if not r.get("committed", True):
             parts.append("not committed")
         self._print("  ".join(parts))
@@ -119,7 +121,9 @@ class MetricsLog:
         total_steps: int | None = None,
         label: str = "train",
         log_every: int | None = None,
+        tensorboard: str | Path | None = None,
     ):
+        """`tensorboard`: a directory for TensorBoard event files of the same records (None: none)."""
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.records: list[dict[str, Any]] = []
@@ -127,8 +131,13 @@ class MetricsLog:
         self._file = None
         self._progress = None
         self._plain: PlainLines | None = None
+        self._tensorboard = None
         if enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if tensorboard is not None:
+                from ftjax.runtime.tensorboard import TensorBoardWriter
+
+                self._tensorboard = TensorBoardWriter(tensorboard)
             self._file = open(self.run_dir / filename, "a", buffering=1)
             if not _isatty(sys.stdout):
                 self._plain = PlainLines(sys.stdout, label, total_steps, log_every)
@@ -152,6 +161,8 @@ class MetricsLog:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            self._tensorboard.step(record)
         for listener in self.listeners:
             listener(record)
         if self._plain is not None:
@@ -166,6 +177,8 @@ class MetricsLog:
         """A non-step record (restore, failure, ...): same file, `event` instead of `step`."""
         if self.enabled:
             self._file.write(json.dumps({"time": round(time.time(), 6), "event": kind, **fields}) + "\n")
+            if self._tensorboard is not None:
+                self._tensorboard.event(kind, fields)
             if self._plain is not None:
                 self._plain.event(kind, fields)
 
@@ -179,6 +192,7 @@ class MetricsLog:
             "final_loss": steps[-1].get("loss") if steps else None,
             "median_step_s": statistics.median(times) if times else None,
             "median_mfu": median_mfu(steps[1:]),
+            "last_eval_loss": last_eval_loss(steps),
             **extra,
         }
         if self.enabled:
@@ -190,6 +204,9 @@ class MetricsLog:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -266,7 +266,18 @@ def _metrics_log(cfg: Config, args: RunOptions, out: Path, group: JaxHostGroup) 
         total_steps=cfg.steps,
         label=f"replica {args.replica_id}",
         log_every=args.log_every,
+        tensorboard=tensorboard_dir(cfg, args, out),
     )
+
+
+def tensorboard_dir(cfg: Config, args: RunOptions, out: Path) -> Path | None:
+    """Where a replica's TensorBoard event files go (`log.tensorboard`): RUN/tensorboard/replica-R/ for
+    a job's member (its records are in RUN/replica-R/), RUN/tensorboard/ for a standalone run."""
+    if not cfg.log.tensorboard:
+        return None
+    if args.coordinator:
+        return Path(out).parent / "tensorboard" / f"replica-{args.replica_id}"
+    return Path(out) / "tensorboard"
 
 
 def _standalone(cfg: Config, args: RunOptions, out: Path, task: Task | None) -> Trainer:

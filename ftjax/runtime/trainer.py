@@ -23,15 +23,24 @@ import numpy as np
 from ftjax.base.batches import RowSpan, assign, chunk_sizes, row_count, share_rows
 from ftjax.config import Config
 from ftjax.coordinator.types import QuorumResult
-from ftjax.program.data import make_stream
+from ftjax.program.data import eval_share, heldout_batch, make_stream
 from ftjax.program.digest import params_digest
-from ftjax.program.step import device_batch, param_count, topology_fingerprint, where
+from ftjax.program.optim import schedule
+from ftjax.program.step import device_batch, model_state, param_count, topology_fingerprint, where
 from ftjax.program.task import concat_rows, slice_rows
 from ftjax.runs.events import EXIT_LEFT, EXIT_NO_PROGRESS, ReplicaEvent
 from ftjax.runtime.checkpoint import load_init
 from ftjax.runtime.manager import FaultTolerance, Finished, Left, final_digests
 from ftjax.runtime.metrics import ModelFlops
 from ftjax.runtime.protocol import StepProtocol
+
+
+def learning_rates(cfg: Config, task: Any) -> np.ndarray | None:
+    """The config's AdamW learning rate of the update of each step (index: the step before it), for
+    the step records; None for a task's own optimizer (its schedule is not known here)."""
+    if task.optimizer is not None:
+        return None
+    return np.asarray(jax.vmap(schedule(cfg.optim, cfg.steps))(np.arange(cfg.steps)), np.float64)
 
 
 def lr_scale(policy: str, live: int, total: int) -> float:
@@ -60,6 +69,7 @@ class _Timing:
     quorum: float = 0.0
     ftar: float = 0.0
     shared: float = 0.0  # seconds computing the rest of the share, once the quorum said what it is
+    end: float = 0.0  # when the step was done (before an evaluation); 0: when its record is written
 
 
 class Trainer:
@@ -113,6 +123,7 @@ class Trainer:
         self.work = self.own_work if cfg.own_rows == cfg.data.batch_size else ((self.own, 0, cfg.own_rows),)
         self.step_work: list[list[int]] | None = None  # constant: the whole step's [who, stream, a, b]
         self._streams = {self.own: stream}
+        self.lrs = learning_rates(cfg, program.task)
 
     # the state, the step and the data position are the fault-tolerance object's
     state = property(lambda self: self.ft.state, lambda self, v: setattr(self.ft, "state", v))
@@ -279,7 +290,12 @@ class Trainer:
         if self.ckpt is not None and applied:
             with self.watchdog.exempt("checkpoint save"):  # its length depends on the model, like a restore
                 self.ckpt.maybe_save(self.step, self.state, self._meta(), force=self.step == self.stop)
-        self._record(q, applied, computed, batch_id, scale, timing, digest)
+        every = self.cfg.eval.every
+        evaluated = {}
+        if applied and contributes and every and self.step % every == 0:
+            timing.end = time.perf_counter()
+            evaluated = self._evaluate()
+        self._record(q, applied, computed, batch_id, scale, timing, digest, evaluated)
         self.watchdog.arm()  # a step is done: from now on this process must make progress
 
     def _record(
@@ -291,8 +307,9 @@ class Trainer:
         scale: float,
         timing: _Timing,
         digest: tuple[str, float] = ("", 0.0),
+        evaluated: dict | None = None,
     ) -> None:
-        t5 = time.perf_counter()
+        t5 = timing.end or time.perf_counter()
         rows = row_count(computed.work) if computed is not None else 0
         record = {
             "step": q.step + 1,
@@ -320,13 +337,38 @@ class Trainer:
                 if computed is not None
                 else None
             )
+        if self.lrs is not None and 0 <= q.step < len(self.lrs):  # the learning rate this update applied
+            record["lr"] = float(self.lrs[q.step]) * scale
         if self.flops is not None:
             record.update(self.flops.fields(rows, record["step_time_s"]))
         if computed is not None and computed.aux:
             record["aux"] = {k: float(v) for k, v in computed.aux.items()}
         if digest[0]:  # the state's per-step digest, and the seconds it took
             record["param_digest"], record["digest_s"] = digest
+        record.update(evaluated or {})
         self.log.log(record)
+
+    def _evaluate(self) -> dict:
+        """The loss of this replica's share of the `eval.batches` held-out batches on the state just
+        committed (docs/design.md, "Evaluation"): a jitted loss alone, so neither the state nor the
+        data position changes, and no peer takes part. {} when its share is empty."""
+        share = eval_share(self.cfg.eval.batches, self.own, self.cfg.ft.replicas)
+        if not share:
+            return {}
+        self.watchdog.beat("eval")
+        began, losses = time.perf_counter(), []
+        params, ms = self.state["params"], model_state(self.state)
+        for i in share:
+            batch = device_batch(self.program, heldout_batch(self.program.task.heldout, i, self.cfg.data.batch_size))
+            losses.append(float(self.program.evaluate(params, ms, batch)))
+            self.faults.point(self.step, "eval")  # (--die-at STEP:eval: killed during an evaluation)
+        loss = float(np.mean(losses))
+        return {
+            "eval_loss": loss,
+            "eval_perplexity": math.exp(min(loss, 700.0)),
+            "eval_batches": share,
+            "eval_s": time.perf_counter() - began,
+        }
 
     # --- state from elsewhere -------------------------------------------------------------------
     def _init_state(self) -> None:
