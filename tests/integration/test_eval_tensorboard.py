@@ -12,51 +12,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FTJAX
+from corpora import documents, train_tokenizer
 
 from ftjax.runs.jsonl import read_jsonl
-
-WORDS = [
-    "the",
-    "a",
-    "cat",
-    "dog",
-    "runs",
-    "sat",
-    "on",
-    "mat",
-    "tree",
-    "blue",
-    "green",
-    "fast",
-    "slow",
-    "token",
-    "file",
-    "window",
-    "replica",
-]
 
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory) -> Path:
     """300 short documents in a JSONL file, a BPE tokenizer (vocabulary 300) trained on them, and the
     token files `ftjax data prepare` makes of them (a fifth of the documents held out)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     root = tmp_path_factory.mktemp("eval_corpus")
-    rng = np.random.default_rng(0)
-    texts = [f"document {i}: " + " ".join(rng.choice(WORDS, rng.integers(3, 30))) for i in range(300)]
+    texts = documents(300)
     (root / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.save(str(root / "tokenizer.json"))
+    train_tokenizer(texts, root / "tokenizer.json", 300)
     out = root / "tokens"
     done = subprocess.run(
         [*FTJAX, "data", "prepare", str(root / "corpus.jsonl"), "--tokenizer", str(root / "tokenizer.json")]

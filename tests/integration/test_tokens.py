@@ -13,55 +13,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FTJAX
+from corpora import documents, train_tokenizer
 
 VOCAB = 300
-WORDS = [
-    "the",
-    "a",
-    "cat",
-    "dog",
-    "runs",
-    "sat",
-    "on",
-    "mat",
-    "tree",
-    "blue",
-    "green",
-    "fast",
-    "slow",
-    "token",
-    "file",
-    "window",
-    "replica",
-]
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict:
     """40 text files (a directory) then a JSONL file of 260 lines (text in `body`); every document
     starts with its index. A BPE tokenizer.json trained on them, with `</s>`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     root = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    texts = [f"document {i}: " + " ".join(rng.choice(WORDS, rng.integers(3, 30))) for i in range(300)]
+    texts = documents(300)
     (root / "docs").mkdir()
     for i, text in enumerate(texts[:40]):
         (root / "docs" / f"doc_{i:03d}.txt").write_text(text)
     (root / "more.jsonl").write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(texts[40:])))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(
-        texts,
-        trainer=trainers.BpeTrainer(
-            vocab_size=VOCAB,
-            special_tokens=["</s>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    tok.save(str(root / "tokenizer.json"))
+    tok = train_tokenizer(texts, root / "tokenizer.json", VOCAB)
     return {
         "root": root,
         "texts": texts,
