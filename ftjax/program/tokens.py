@@ -175,9 +175,10 @@ class TokenWindows:
             raise TokenFileError(f"{self.directory / self.split / TOKENS}: short read at token {start} (truncated?)")
         return np.frombuffer(data, self.dtype)
 
-    def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None and self._pid == os.getpid():
-            os.close(self._fd)
+    def __del__(self, _getpid=os.getpid, _close=os.close) -> None:
+        # (bound at definition: at interpreter exit the module's `os` may already be None)
+        if getattr(self, "_fd", None) is not None and self._pid == _getpid():
+            _close(self._fd)
 
     def __getstate__(self) -> dict:
         return {"directory": self.directory, "split": self.split, "window": self.window, "packing": self.packing}
