@@ -158,48 +158,18 @@ def test_reading_maps_the_file_and_pickling_does_not_copy_it(prepared):
 
 def test_a_jsonl_line_without_the_field_or_not_json_exits_2_naming_path_and_line(corpus, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"body": "one"}\n\n{"body": "two"}\n{"text": "three"}\n')
-    done = subprocess.run(
-        [
-            *FTJAX,
-            "data",
-            "prepare",
-            str(bad),
-            "--field",
-            "body",
-            "--tokenizer",
-            corpus["tokenizer"],
-            "--out",
-            str(tmp_path / "out"),
-            "--workers",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+
+    def prepare_bad(text: str) -> subprocess.CompletedProcess:
+        bad.write_text(text)
+        args = [str(bad), "--field", "body", "--tokenizer", corpus["tokenizer"], "--out", str(tmp_path / "out")]
+        return subprocess.run(
+            [*FTJAX, "data", "prepare", *args, "--workers", "1"], capture_output=True, text=True, timeout=60
+        )
+
+    done = prepare_bad('{"body": "one"}\n\n{"body": "two"}\n{"text": "three"}\n')
     assert done.returncode == 2
     assert f"{bad}:4: no field 'body'" in done.stderr and "Traceback" not in done.stderr
-    bad.write_text('{"body": "one"}\n{"body": "two"\n')
-    done = subprocess.run(
-        [
-            *FTJAX,
-            "data",
-            "prepare",
-            str(bad),
-            "--field",
-            "body",
-            "--tokenizer",
-            corpus["tokenizer"],
-            "--out",
-            str(tmp_path / "out"),
-            "--workers",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = prepare_bad('{"body": "one"}\n{"body": "two"\n')
     assert done.returncode == 2 and f"{bad}:2: not a JSON line" in done.stderr
     assert not list(tmp_path.glob("*out*")) and not list(tmp_path.glob(".*")), "partial output left behind"
 
