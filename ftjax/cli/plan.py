@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from ftjax.base.accelerators import GIB, Accelerator, known_names, lookup
@@ -105,19 +106,13 @@ def _plannable(cfg: Config) -> tuple[Config, str | None]:
     """The config to plan: itself, or, when it trains the built-in model on token files that are
     not on this machine (planned before `ftjax data prepare`, or elsewhere), the same model on the
     built-in corpus: the shapes, and so every figure, are the same."""
-    from ftjax.program.task import TaskError
-    from ftjax.program.tasks import task_of
+    from ftjax.program.tokens import INDEX
 
-    if cfg.task != "ftjax.program.tasks:token_lm":
-        return cfg, None
-    try:
-        task_of(cfg)
-        return cfg, None
-    except TaskError as e:
-        if "task_args.dir" not in str(e):
-            raise
-        planned = cfg.model_copy(update={"task": "ftjax.program.tasks:language_model", "task_args": {}})
-        return planned, f"planned on the built-in corpus (same shapes): {e}"
+    index = Path(str(cfg.task_args.get("dir", ""))) / INDEX
+    if cfg.task != "ftjax.program.tasks:token_lm" or index.exists():
+        return cfg, None  # (token_lm itself names anything else wrong with its files)
+    planned = cfg.model_copy(update={"task": "ftjax.program.tasks:language_model", "task_args": {}})
+    return planned, f"planned on the built-in corpus (same shapes): {index}: no such file"
 
 
 def _report(args: argparse.Namespace, cfg: Config, plan: Any, accelerator: Accelerator | None) -> dict[str, Any]:
