@@ -29,7 +29,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -128,6 +128,8 @@ class FTAREndpoint:
         contributors: Sequence[bool] | None = None,
         out: np.ndarray | None = None,
         divisor: int | None = None,
+        ready: Callable[[int, int], None] | None = None,
+        on_result: Callable[[int, int], None] | None = None,
     ) -> np.ndarray:
         """Average ``buf`` over the contributing members of the ring ``members`` (this one is
         ``members[rank]``). Non-contributors add zeros but still relay. Returns ``out`` (or a new
@@ -138,6 +140,11 @@ class FTAREndpoint:
         Every member must pass the same ``members``, ``contributors``, length and dtype (checked:
         each frame carries a fingerprint of them). Calls with the same ``quorum_id`` reuse the
         links; a new one keeps links to unchanged neighbours. Pass ``out`` to reuse its memory.
+
+        Pipelining (``ftjax.runtime.pipeline``): ``buf`` may still be filling when the call begins;
+        ``ready(a, b)``, called from the call's threads before they first read ``buf[a:b]``, returns
+        once that range is filled. ``on_result(a, b)`` is called once ``out[a:b]`` holds its final
+        bits; every element is covered exactly once by the time the call returns.
 
         Raises ValueError for bad arguments (nothing changes), FTARError subclasses naming the peer
         at fault if the ring fails; ``out`` then holds garbage, and the endpoint serves the next
@@ -154,16 +161,26 @@ class FTAREndpoint:
         try:
             count = sum(contributors) if divisor is None else int(divisor)
             if len(members) == 1:
-                if count == 1:
-                    np.copyto(out, buf)
-                elif buf.dtype == np.float32:
-                    np.divide(buf, count, out=out)
-                else:  # bfloat16: one rounding of the float32 quotient, as the ring does
-                    out[...] = buf.astype(np.float32) / count
+                if ready is not None:
+                    ready(0, buf.size)
+                self._alone(buf, out, count)
+                if on_result is not None:
+                    on_result(0, buf.size)
                 return out
-            return self._ring_call(buf, out, quorum_id, step, list(members), rank, contributors, count)
+            hooks = dict(ready=ready, on_result=on_result)
+            return self._ring_call(buf, out, quorum_id, step, list(members), rank, contributors, count, hooks)
         finally:
             self._call_lock.release()
+
+    @staticmethod
+    def _alone(buf: np.ndarray, out: np.ndarray, count: int) -> None:
+        """A ring of one: the average is the data divided by the divisor, rounded as the ring does."""
+        if count == 1:
+            np.copyto(out, buf)
+        elif buf.dtype == np.float32:
+            np.divide(buf, count, out=out)
+        else:  # bfloat16: one rounding of the float32 quotient, as the ring does
+            out[...] = buf.astype(np.float32) / count
 
     def _validate(
         self,
@@ -231,6 +248,7 @@ class FTAREndpoint:
         rank: int,
         contributors: list[bool],
         count: int,
+        hooks: dict,
     ) -> np.ndarray:
         world = len(members)
         left, right = members[(rank - 1) % world], members[(rank + 1) % world]
@@ -252,6 +270,7 @@ class FTAREndpoint:
             timeout_s=self.timeout_s,
             checksum=self.checksum,
             scratch=self._scratch_for(buf),
+            **hooks,
         )
         links: dict[str, socket.socket] = {}
         try:

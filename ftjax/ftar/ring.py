@@ -148,8 +148,14 @@ class Ring:
         timeout_s: float,
         checksum: bool,
         scratch: np.ndarray | None = None,
+        ready: Callable[[int, int], None] | None = None,
+        on_result: Callable[[int, int], None] | None = None,
     ) -> None:
         self.state, self.buf, self.res = state, buf, res
+        # the pipeline's hooks (ftjax.runtime.pipeline): `ready(a, b)` returns once buf[a:b] holds this
+        # member's data (its device-to-host copy may still be filling the rest), `on_result(a, b)` says
+        # res[a:b] is final (its host-to-device copy may start); both run in the ring's threads
+        self.ready, self.on_result = ready or _always, on_result or _always
         self.contributes, self.count = contributes, count
         self.meta, self.left, self.right = meta, left, right
         self.timeout_s, self.checksum = timeout_s, checksum
@@ -195,6 +201,8 @@ class Ring:
                         while state.done <= chunk.need and state.error is None:
                             state.cond.wait()
                 state.check()
+                if chunk.first and self.contributes:
+                    self.ready(chunk.start, chunk.stop)
                 if segment is None:
                     payload = self._send_view(chunk)
                     wire.send_all(sock, [self._header(chunk, seq, payload), payload])
@@ -244,6 +252,8 @@ class Ring:
             header = memoryview(bytearray(wire.FRAME.size))
             for seq, chunk in enumerate(self.recvs):
                 dest = self.acc[chunk.start : chunk.stop] if chunk.phase == RS else self.res[chunk.start : chunk.stop]
+                if chunk.phase == RS and self.contributes:
+                    self.ready(chunk.start, chunk.stop)
                 if segment is None:
                     payload = _bytes(dest)
                     wire.recv_into_all(sock, [header, payload])
@@ -262,6 +272,8 @@ class Ring:
                     wire.send_all(sock, [memoryview(shm.ACK.pack(seq))])  # the slot is the sender's again
                 if chunk.owned:
                     self._finalise(chunk, dest)
+                if chunk.owned or chunk.phase == AG:
+                    self.on_result(chunk.start, chunk.stop)
                 with state.cond:
                     state.done = seq + 1
                     state.cond.notify_all()
@@ -310,6 +322,10 @@ class Ring:
         if isinstance(exc, Aborted):
             return
         self.state.fail(_translate(exc, peer, self.state, self.timeout_s))
+
+
+def _always(start: int, stop: int) -> None:
+    pass
 
 
 def _await_acks(sock, acked: int, upto: int) -> int:

@@ -153,6 +153,58 @@ def test_bfloat16_rounds_once_at_the_owner(pool):
     assert all((r == expected).all() for r in results)
 
 
+class Filling:
+    """A buffer that starts as NaN and is filled in slices by a thread (a device-to-host copy in
+    flight), with the pipeline's hooks: `ready` waits for a range, `on_result` counts each element."""
+
+    def __init__(self, data: np.ndarray, slices: int):
+        self.data, self.buf = data, np.full_like(data, np.nan)
+        self.filled, self.cond = 0, threading.Condition()
+        self.results = np.zeros(data.size, np.int64)
+        self.thread = threading.Thread(target=self._fill, args=(slices,), daemon=True)
+
+    def _fill(self, slices: int) -> None:
+        for a, b in itertools.pairwise(np.linspace(0, self.data.size, slices + 1).astype(int)):
+            time.sleep(0.002)
+            self.buf[a:b] = self.data[a:b]
+            with self.cond:
+                self.filled = b
+                self.cond.notify_all()
+
+    def ready(self, a: int, b: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.filled >= b)
+
+    def on_result(self, a: int, b: int) -> None:
+        self.results[a:b] += 1
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_buffer_still_filling_is_read_only_where_ready_and_every_result_is_announced_once(pool, world):
+    """The pipeline's hooks: members start the call on NaN buffers still being filled; a ring that read
+    a range before `ready` said so would carry a NaN into the average."""
+    rng = np.random.default_rng(world)
+    fills = [Filling(rng.standard_normal(3001).astype(np.float32), slices=40) for _ in range(world)]
+    members, quorum_id, results = [ep.address for ep in pool[:world]], next(_quorums), [None] * world
+
+    def member(i):
+        fills[i].thread.start()
+        results[i] = pool[i].allreduce(
+            fills[i].buf, quorum_id=quorum_id, step=0, members=members, rank=i,
+            ready=fills[i].ready, on_result=fills[i].on_result,
+        )  # fmt: skip
+
+    threads = [threading.Thread(target=member, args=(i,), daemon=True) for i in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    expected = np.mean([f.data.astype(np.float64) for f in fills], axis=0)
+    for f, res in zip(fills, results):
+        np.testing.assert_allclose(res, expected, rtol=1e-6, atol=1e-6)
+        assert (f.results == 1).all(), np.flatnonzero(f.results != 1)[:10]
+
+
 def test_world_of_one_returns_the_buffer(pool):
     buf = np.arange(10, dtype=np.float32)
     out = pool[0].allreduce(buf, quorum_id=next(_quorums), step=0, members=[pool[0].address], rank=0)
