@@ -285,6 +285,11 @@ class FTConfig(_Strict):
         description="FTAR links between replicas on one host carry payloads "
         "through /dev/shm (frame headers stay on TCP)",
     )
+    pipeline: bool = Field(
+        True,
+        description="overlap the update's device -> host copies, FTAR and the host -> device copies "
+        "(false: one after another, the serial path; the same bits either way)",
+    )
     quorum_timeout_s: float = Field(120.0, gt=0)
     progress_timeout_s: float = Field(
         10.0,

@@ -13,6 +13,12 @@ the other in this command, so they see the same machine; each step time is the m
 warm-up. Prints one JSON line: ft_step_s, sync_step_s, ratio = ft / sync, standalone_step_s and
 ft_vs_standalone = ft / standalone (the fault tolerance's own overhead).
 
+The gradient path (issue 30): (a) runs pipelined (ft.pipeline, the default: device -> host, FTAR
+and host -> device overlap); (d) runs (a) again with `ft.pipeline=false`, the serial path, in the
+same command: ft_serial_step_s and serial_vs_standalone. `phases` and `serial_phases`: the medians
+of (a)'s and (d)'s replica 0 per-step d2h_s, ring_s, h2d_s, reduce_wall_s and overlap_share
+(the share of d2h + ring + h2d hidden behind each other). `--no-sync` skips (b) (its fields are null).
+
 The digests (ft.digest_every at its default, 1: (a) and (c) compute the per-step checksum every
 step, inside their step time), from (a)'s replica 0: digest_s, the median time of the per-step
 checksum (`state_checksum`, its step records' `digest_s`), sha256_s, the time of the sha256 of the
@@ -40,6 +46,15 @@ def _median_step(metrics: Path, warmup: int) -> float:
     if not times:
         raise RuntimeError(f"{metrics}: no steps after the {warmup} warm-up steps")
     return statistics.median(times)
+
+
+PHASES = ("d2h_s", "ring_s", "h2d_s", "reduce_wall_s", "overlap_share")
+
+
+def _phases(metrics: Path, warmup: int) -> dict:
+    """Medians after warm-up of a replica's per-step gradient-path phases."""
+    recs = [r for r in read_metrics(metrics) if r["step"] > warmup and "d2h_s" in r]
+    return {k: round(statistics.median(r[k] for r in recs), 5) for k in PHASES} if recs else {}
 
 
 def _digest_costs(run: Path, warmup: int) -> tuple[float, float]:
@@ -128,11 +143,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=540.0)
+    p.add_argument("--no-sync", action="store_true", help="skip the synchronous HSDP baseline (b)")
+    p.add_argument(
+        "--devices", type=int, default=2, help="devices per replica (1 on a machine of one GPU: both replicas share it)"
+    )
     args = p.parse_intermixed_args(argv)
     if args.steps <= args.warmup + 1:
         print("ftjax bench step: --steps must exceed --warmup + 1", file=sys.stderr)
         return 2
-    devices = 2
+    devices = args.devices
     overrides = [
         *args.overrides,
         f"steps={args.steps}",
@@ -148,33 +167,38 @@ def main(argv: list[str]) -> int:
         ft_run = run_ft(args.config, overrides, out / "ft", args.timeout)
         ft = _median_step(ft_run / "metrics.jsonl", args.warmup)
         checksum, sha256 = _digest_costs(ft_run, args.warmup)
+        serial_run = run_ft(args.config, [*overrides, "ft.pipeline=false"], out / "ft-serial", args.timeout)
+        serial = _median_step(serial_run / "metrics.jsonl", args.warmup)
         alone = _median_step(
             run_standalone(args.config, [*overrides, "ft.replicas=1"], devices, out, args.timeout), args.warmup
         )
-        sync = _median_step(
-            run_sync(args.config, [*overrides, "ft.replicas=1"], cfg.data.batch_size, devices, out, args.timeout),
-            args.warmup,
-        )
-    print(
-        json.dumps(
-            {
-                "bench": "step",
-                "config": args.config,
-                "replicas": 2,
-                "devices_per_replica": devices,
-                "global_batch": 2 * cfg.data.batch_size,
-                "steps": args.steps,
-                "warmup": args.warmup,
-                "ft_step_s": round(ft, 5),
-                "sync_step_s": round(sync, 5),
-                "ratio": round(ft / sync, 4),
-                "standalone_step_s": round(alone, 5),
-                "ft_vs_standalone": round(ft / alone, 4),
-                "digest_s": round(checksum, 5),
-                "sha256_s": round(sha256, 5),
-                "digest_share": round(checksum / ft, 5),
-                "sha256_share": round(sha256 / ft, 5),
-            }
-        )
-    )
+        sync = None
+        if not args.no_sync:
+            sync = _median_step(
+                run_sync(args.config, [*overrides, "ft.replicas=1"], cfg.data.batch_size, devices, out, args.timeout),
+                args.warmup,
+            )
+        record = {
+            "bench": "step",
+            "config": args.config,
+            "replicas": 2,
+            "devices_per_replica": devices,
+            "global_batch": 2 * cfg.data.batch_size,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "ft_step_s": round(ft, 5),
+            "sync_step_s": None if sync is None else round(sync, 5),
+            "ratio": None if sync is None else round(ft / sync, 4),
+            "standalone_step_s": round(alone, 5),
+            "ft_vs_standalone": round(ft / alone, 4),
+            "ft_serial_step_s": round(serial, 5),
+            "serial_vs_standalone": round(serial / alone, 4),
+            "phases": _phases(ft_run / "metrics.jsonl", args.warmup),
+            "serial_phases": _phases(serial_run / "metrics.jsonl", args.warmup),
+            "digest_s": round(checksum, 5),
+            "sha256_s": round(sha256, 5),
+            "digest_share": round(checksum / ft, 5),
+            "sha256_share": round(sha256 / ft, 5),
+        }
+    print(json.dumps(record))
     return 0

@@ -1,40 +1,36 @@
 #!/usr/bin/env bash
-# ftjax on one GPU: a standalone run of gpt_small, then a 2-replica fault-tolerant job sharing the
-# GPU (XLA_PYTHON_CLIENT_MEM_FRACTION) with a replica killed mid-FTAR. Prints one JSON line per run; writes the runs under $1 (default /tmp/gpu).
-# Usage: bash scripts/gpu_check.sh [OUT_DIR] [PLATFORM]   (PLATFORM: gpu, or cpu to try it here)
-set -uo pipefail
-out=${1:-/tmp/gpu}
-platform=${2:-gpu}
-mkdir -p "$out"
-py=${PYTHON:-python3}
-common=(configs/gpt_small.yaml "platform=$platform" data.batch_size=32 ft.digest_every=10)
-
-"$py" - <<'EOF'
-import jax, json
-print(json.dumps({"jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}))
-EOF
-
-summary() {  # the median step after warm-up of a run directory's replica 0
-  "$py" - "$1" "$2" <<'EOF'
+# The GPU checks of issues 28 and 30, in one run on a machine of one GPU (README "On a GPU").
+# Usage: bash scripts/gpu_check.sh OUT [CONFIG]   (CONFIG: llama_1b; llama_tiny to try it on CPU)
+# Wheels the machine lacks are in .whl/ (pip download --python-version 3.12 --only-binary=:all:).
+set -u
+OUT=${1:?out dir}; CONFIG=${2:-llama_1b}; mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # ftjax from this checkout, run as `python -m ftjax`
+if [ "${SKIP_INSTALL:-0}" != 1 ]; then
+  $PY -m pip install -q --no-deps --no-index $(ls .whl/*.whl | grep -v grpcio-) 2>&1 | tail -3
+  $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+fi
+$PY -c "import jax; print(jax.devices(), jax.__version__)" 2>&1 | tail -1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
+SYN=(task=ftjax.program.tasks:language_model 'task_args={}' data.source=synthetic checkpoint.every=0 ft.digest_every=0
+     mesh.devices_per_host=1 data.micro_batches=1)
+# raw device <-> host copies of a 1 GiB buffer (pageable and pinned host memory)
+timeout 60 $PY scripts/copy_probe.py > "$OUT/probe.json" 2> "$OUT/probe.err"; cat "$OUT/probe.json"
+# issue 28: the 1B Llama in bf16 alone on the GPU: MFU per step (metrics.jsonl)
+timeout ${T_TRAIN:-150} $PY -m ftjax train "$CONFIG" --out "$OUT/alone" "${SYN[@]}" steps=10 data.batch_size=8 \
+  model.seq_len=2048 > "$OUT/alone.log" 2>&1; tail -2 "$OUT/alone.log"
+$PY - "$OUT/alone/metrics.jsonl" <<'PY' | tee "$OUT/mfu.json"
 import json, statistics, sys
-from pathlib import Path
-run, label = Path(sys.argv[1]), sys.argv[2]
-m = run / "metrics.jsonl" if (run / "metrics.jsonl").exists() else run / "replica-0" / "metrics.jsonl"
-steps = [json.loads(l) for l in m.read_text().splitlines()]
-steps = [s for s in steps if "event" not in s and s.get("committed")]
-out = {"run": label, "steps": len(steps),
-       "median_step_s": round(statistics.median(s["step_time_s"] for s in steps[10:]), 5),
-       "final_loss": round(steps[-1]["loss"], 4)}
-summ = run / "summary.json"
-if summ.exists():
-    s = json.loads(summ.read_text())
-    out.update({k: s.get(k) for k in ("digests_equal", "exactly_once", "ok")})
-print(json.dumps(out))
-EOF
-}
-
-"$py" -m ftjax train "${common[@]}" steps=60 --out "$out/alone" >"$out/alone.log" 2>&1 \
-  && summary "$out/alone" "standalone-$platform" || tail -30 "$out/alone.log"
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 "$py" -m ftjax launch "${common[@]}" steps=80 --replicas 2 \
-  --kill 1@30:ftar --timeout-s 400 --out "$out/ft" >"$out/ft.log" 2>&1 \
-  && summary "$out/ft" "ft-2-replicas-kill-$platform" || tail -30 "$out/ft.log"
+recs = [json.loads(l) for l in open(sys.argv[1])][3:]
+print(json.dumps({k: statistics.median(r[k] for r in recs) for k in ("step_time_s", "mfu", "tokens_per_s") if k in recs[0]}))
+PY
+# issue 30: two replicas sharing the GPU: FT (pipelined, then serial) against both training alone
+export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
+timeout ${T_BENCH:-300} $PY -m ftjax bench step "$CONFIG" --devices 1 --no-sync --steps 7 --warmup 2 --timeout 280 \
+  --out "$OUT/bench" "${SYN[@]}" data.batch_size=4 model.seq_len=2048 model.remat=full ${BENCH_ARGS:-} \
+  > "$OUT/bench_step.json" 2> "$OUT/bench_step.err"; cat "$OUT/bench_step.json"; tail -3 "$OUT/bench_step.err"
+# the fault tolerance on the accelerator: 2 replicas of the tiny Llama share the GPU, one killed in FTAR
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
+timeout ${T_KILL:-100} $PY -m ftjax launch llama_tiny --replicas 2 --kill 1@10:ftar steps=40 --timeout-s 90 \
+  --out "$OUT/kill" "${SYN[@]}" > "$OUT/kill.log" 2>&1
+$PY -c "import json,sys; s=json.load(open(sys.argv[1])); print(json.dumps({k: s.get(k) for k in ('ok','digests_equal','exactly_once','committed_steps')}))" "$OUT/kill/summary.json" | tee "$OUT/kill.json"

@@ -75,6 +75,9 @@ class FakeReducer:
     def tree(self, update):
         return update
 
+    def detach(self, update):
+        return update
+
     def close(self):
         pass
 

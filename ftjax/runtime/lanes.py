@@ -107,42 +107,57 @@ class LaneFlattener:
 
     def flatten(self, tree: Any) -> list[np.ndarray]:
         """One buffer per served lane, from this host's shards of `tree` (device -> host)."""
-        shards = [
-            [(region_of(s.index, shape), s) for s in leaf.addressable_shards]
-            for leaf, shape in zip(jax.tree.leaves(tree), self.shapes)
-        ]
+        shards = self.host_shards(tree)
         out = []
         for pieces in self.pieces:
             buf = np.empty(self.size, self.dtype)
             for leaf, region, offset in pieces:
-                held, shard = next((r, s) for r, s in shards[leaf] if contains(r, region))
-                data = np.asarray(shard.data)
-                buf[offset : offset + size(region)] = (data if held == region else data[within(region, held)]).reshape(
-                    -1
-                )
+                buf[offset : offset + size(region)] = self.piece_data(shards, leaf, region)
             out.append(buf)
         return out
 
     def unflatten(self, bufs: Sequence[np.ndarray]) -> Any:
         """Arrays with the original shardings, from the served lanes' buffers (host -> device)."""
+        by_leaf = self.pieces_by_leaf(bufs)
+        leaves = [self.leaf_array(i, by_leaf[i]) for i in range(len(self.shapes))]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def host_shards(self, tree: Any) -> list[list[tuple[Region, Any]]]:
+        """Per leaf of `tree`: (region, shard) of each of this host's shards."""
+        return [
+            [(region_of(s.index, shape), s) for s in leaf.addressable_shards]
+            for leaf, shape in zip(jax.tree.leaves(tree), self.shapes)
+        ]
+
+    def piece_data(self, shards: list[list[tuple[Region, Any]]], leaf: int, region: Region) -> np.ndarray:
+        """The values of `region` of `leaf`, flat, from the shard that holds it (device -> host)."""
+        held, shard = next((r, s) for r, s in shards[leaf] if contains(r, region))
+        data = np.asarray(shard.data)
+        return (data if held == region else data[within(region, held)]).reshape(-1)
+
+    def pieces_by_leaf(self, bufs: Sequence[np.ndarray]) -> dict[int, list[Piece]]:
+        """Per leaf: its pieces, views into the served lanes' buffers `bufs`."""
         by_leaf: dict[int, list[Piece]] = defaultdict(list)
         for buf, pieces in zip(bufs, self.pieces):
             for leaf, region, offset in pieces:
                 by_leaf[leaf].append(
                     Piece(str(leaf), region, buf[offset : offset + size(region)].reshape([b - a for a, b in region]))
                 )
-        leaves = []
-        for i, (shape, sharding) in enumerate(zip(self.shapes, self.shardings)):
-            pieces = _distinct(by_leaf[i])
-            arrays = [
-                jax.device_put(
-                    assemble(pieces, region_of(index, shape), self.dtype, f"leaf {i}", f"lanes {list(self.served)}"),
-                    device,
-                )
-                for device, index in sharding.addressable_devices_indices_map(shape).items()
-            ]
-            leaves.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))
-        return jax.tree.unflatten(self.treedef, leaves)
+        return by_leaf
+
+    def leaf_array(self, i: int, pieces: list[Piece], copy: bool = False) -> jax.Array:
+        """Leaf i with its sharding, from its pieces (host -> device). `copy`: the array must not
+        alias the pieces' memory (a buffer the next step overwrites)."""
+        shape, sharding, pieces = self.shapes[i], self.shardings[i], _distinct(pieces)
+        arrays = [
+            jax.device_put(
+                assemble(pieces, region_of(index, shape), self.dtype, f"leaf {i}", f"lanes {list(self.served)}"),
+                device,
+                may_alias=False if copy else None,
+            )
+            for device, index in sharding.addressable_devices_indices_map(shape).items()
+        ]
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _distinct(pieces: list[Piece]) -> list[Piece]:

@@ -55,6 +55,7 @@ class QuorumSource(Protocol):
 class Reducer(Protocol):
     def average(self, q: QuorumResult, grads: Any | None) -> Any: ...  # raises FTARError
     def tree(self, update: Any) -> Any: ...
+    def detach(self, update: Any) -> Any: ...  # what the replay may keep past the next step
     def close(self) -> None: ...
 
 
@@ -369,7 +370,7 @@ class StepProtocol:
 
     def keep(self, q: QuorumResult, update: Any, scale: float) -> None:
         """Healing: keep the averaged update of this step for the replay."""
-        self.buffer.put(q.step, update, scale)
+        self.buffer.put(q.step, self.reducer.detach(update), scale)
 
     def install(
         self, got: FetchResult, q: QuorumResult, abstract_state: Any, apply: Callable[[Any, Any, float], Any]

@@ -13,6 +13,7 @@ each segment), and is widened back to float32 for `apply`; a standalone replica 
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,31 +23,55 @@ import numpy as np
 from ftjax.coordinator.types import QuorumResult
 from ftjax.ftar import FTAREndpoint
 from ftjax.runtime.lanes import LaneFlattener
+from ftjax.runtime.pipeline import Averaged, Phases, Pipeline
 
 
 class FTARReducer:
     """`endpoints`: one per lane this host serves (`flat.served`, in that order). `divisor`: None
     averages over the contributors (elastic global batch); the job's batch count R divides the
-    contributors' sums in constant-batch mode, whoever computed the R batches."""
+    contributors' sums in constant-batch mode, whoever computed the R batches. `pipelined`
+    (ft.pipeline): device -> host, the ring and host -> device overlap (`ftjax.runtime.pipeline`);
+    otherwise they run one after another (the path before it, kept to compare and to fall back on).
+    `phases`: the last step's seconds in each (metrics.jsonl)."""
 
-    def __init__(self, endpoints: list[FTAREndpoint], flat: LaneFlattener, divisor: int | None = None):
+    def __init__(
+        self, endpoints: list[FTAREndpoint], flat: LaneFlattener, divisor: int | None = None, pipelined: bool = True
+    ):
         if len(endpoints) != len(flat.served):
             raise ValueError(f"{len(endpoints)} FTAR endpoints for {len(flat.served)} lanes")
         self.endpoints, self.flat, self.divisor = endpoints, flat, divisor
-        self._zeros = [np.zeros(flat.size, flat.dtype) for _ in flat.served]  # (a healing member's)
+        self.pipeline = Pipeline(flat) if pipelined else None
+        self._zeros = [np.zeros(flat.size, flat.dtype) for _ in flat.served] if not pipelined else None
+        self.phases = Phases()
         shardings = jax.tree.unflatten(flat.treedef, flat.shardings)
         self._narrow = _cast(flat.dtype, shardings) if flat.dtype != np.float32 else None
         self._widen = _cast(np.float32, shardings) if flat.dtype != np.float32 else None
         # lanes after the first run beside it, each on its own endpoint (one call at a time each)
         self._pool = ThreadPoolExecutor(len(endpoints) - 1, "ftar-lane") if len(endpoints) > 1 else None
 
-    def average(self, q: QuorumResult, grads: Any | None) -> np.ndarray:
-        """The averages of this host's lanes, end to end in one buffer (raises FTARError naming the
-        peer, once every lane's call has ended)."""
+    def average(self, q: QuorumResult, grads: Any | None) -> Averaged | np.ndarray:
+        """The averages of this host's lanes, end to end in one buffer (pipelined: with the tree
+        already back on the devices); raises FTARError naming the peer, once every lane's call has ended."""
         if grads is not None and self._narrow is not None:
             grads = self._narrow(grads)
-        bufs = self.flat.flatten(grads) if grads is not None else self._zeros
         contributors = [not p.healing for p in q.participants]
+        if self.pipeline is not None:
+            try:
+                return self.pipeline.run(
+                    grads, q.rank, len(q.participants), lambda b, o, h: self._lanes(q, contributors, b, o, h)
+                )
+            finally:
+                self.phases = self.pipeline.phases
+        began = time.perf_counter()
+        bufs = self.flat.flatten(grads) if grads is not None else self._zeros
+        copied = time.perf_counter()
+        outs = self._lanes(q, contributors, bufs, [None] * len(bufs), [{}] * len(bufs))
+        done = time.perf_counter()
+        self.phases = Phases(d2h_s=copied - began, ring_s=done - copied, wall_s=done - began)
+        return np.concatenate(outs) if len(outs) > 1 else outs[0]
+
+    def _lanes(self, q: QuorumResult, contributors: list[bool], bufs, outs, hooks) -> list[np.ndarray]:
+        """Every lane's FTAR call: the first here, the others beside it in the pool."""
 
         def lane(i: int) -> np.ndarray:
             return self.endpoints[i].allreduce(
@@ -57,6 +82,8 @@ class FTARReducer:
                 contributors=contributors,
                 members=[p.ftar_addresses[self.flat.served[i]] for p in q.participants],
                 divisor=self.divisor,
+                out=outs[i],
+                **hooks[i],
             )
 
         others = [self._pool.submit(lane, i) for i in range(1, len(bufs))] if self._pool else []
@@ -66,11 +93,22 @@ class FTARReducer:
             errors = [f.exception() for f in others]
         if any(errors):
             raise next(e for e in errors if e is not None)
-        return np.concatenate([first, *(f.result() for f in others)]) if others else first
+        return [first, *(f.result() for f in others)]
 
-    def tree(self, update: np.ndarray) -> Any:
-        tree = self.flat.unflatten(np.split(update, len(self.flat.served)))
+    def tree(self, update: Averaged | np.ndarray) -> Any:
+        """The update as arrays on this host's devices, float32."""
+        if isinstance(update, Averaged) and update.tree is not None:
+            tree = update.tree
+        else:
+            began = time.perf_counter()
+            flat = update.flat if isinstance(update, Averaged) else update
+            tree = self.flat.unflatten(np.split(flat, len(self.flat.served)))
+            self.phases.h2d_s = time.perf_counter() - began
         return tree if self._widen is None else self._widen(tree)
+
+    def detach(self, update: Averaged | np.ndarray) -> np.ndarray:
+        """The update as host memory of its own (the replay keeps it; the pipeline reuses its buffers)."""
+        return update.flat.copy() if isinstance(update, Averaged) else update
 
     def close(self) -> None:
         for e in self.endpoints:
@@ -94,6 +132,9 @@ class LocalReducer:
         return jax.tree.map(lambda g: g / self.divisor, grads)
 
     def tree(self, update: Any) -> Any:
+        return update
+
+    def detach(self, update: Any) -> Any:
         return update
 
     def close(self) -> None:

@@ -130,7 +130,7 @@ def member_protocol(
         replica_id=str(args.replica_id),
         incarnation=incarnation,
         group=group,
-        reducer=FTARReducer(endpoints, flat, divisor=_divisor(cfg)),
+        reducer=FTARReducer(endpoints, flat, divisor=_divisor(cfg), pipelined=cfg.ft.pipeline),
         transport=transport,
         quorums=client,
         buffer=buffer,

@@ -341,6 +341,9 @@ class Trainer:
             record["lr"] = float(self.lrs[q.step]) * scale
         if self.flops is not None:
             record.update(self.flops.fields(rows, record["step_time_s"]))
+        phases = getattr(self.ft.protocol.reducer, "phases", None)  # FTAR's: d2h, ring, h2d, overlap
+        if phases is not None:
+            record.update(phases.record())
         if computed is not None and computed.aux:
             record["aux"] = {k: float(v) for k, v in computed.aux.items()}
         if digest[0]:  # the state's per-step digest, and the seconds it took

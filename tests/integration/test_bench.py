@@ -42,6 +42,10 @@ def test_bench_step_compares_ft_with_sync_hsdp_and_standalone():
     assert out["bench"] == "step" and out["steps"] == 4
     _ratio(out["ratio"]), _ratio(out["ft_vs_standalone"])
     _ratio(out["digest_share"]), _ratio(out["sha256_share"])  # the per-step checksum's cost, the sha256's
+    _ratio(out["serial_vs_standalone"])  # issue 30: the serial path in the same run, and both breakdowns
+    for phases in (out["phases"], out["serial_phases"]):
+        assert set(phases) == {"d2h_s", "ring_s", "h2d_s", "reduce_wall_s", "overlap_share"}, phases
+        assert phases["ring_s"] > 0 and 0 <= phases["overlap_share"] < 1
 
 
 @pytest.mark.slow
