@@ -117,6 +117,7 @@ class FTAREndpoint:
         self._call_lock = threading.Lock()
         self._scratch: np.ndarray | None = None  # see _scratch_for
         self._stages: np.ndarray | None = None  # see _stages_for
+        self._image: np.ndarray | None = None  # see _image_for
         # counters, for metrics and tests: links dialled, links accepted, hellos refused, and of
         # those links, the ones whose payloads go through shared memory (dialled / accepted)
         # and connections closed unheard to make room for newer ones (MAX_HANDSHAKES)
@@ -294,6 +295,7 @@ class FTAREndpoint:
             wire_dtype=WIRE_DTYPES[self.wire_dtype],
             streams=self.streams,
             stages=self._stages_for(),
+            image=self._image_for(buf),
             **hooks,
         )
         links_in: dict[tuple[str, int], socket.socket] = {}  # (peer, stream) -> link, as the call takes them
@@ -320,6 +322,16 @@ class FTAREndpoint:
         if self._scratch is None or self._scratch.size < buf.size:
             self._scratch = np.empty(buf.size, np.float32)
         return self._scratch
+
+    def _image_for(self, buf: np.ndarray) -> np.ndarray | None:
+        """bfloat16 copy of a float32 result for a bfloat16 wire (what its all-gather forwards, so
+        that it is rounded once), kept across calls like the scratch accumulator."""
+        wire_dtype = WIRE_DTYPES[self.wire_dtype]
+        if wire_dtype is None or buf.dtype == wire_dtype:
+            return None
+        if self._image is None or self._image.size < buf.size:
+            self._image = np.empty(buf.size, wire_dtype)
+        return self._image
 
     def _stages_for(self) -> np.ndarray:
         """The ring threads' staging rows (a chunk each; see Ring), kept across calls."""

@@ -139,7 +139,9 @@ class Ring:
     sums and all-gather frames the result's own dtype. A bfloat16 wire carries every frame in
     bfloat16, whatever the buffer: a sender rounds its partial sum as it sends, a receiver widens
     and adds in float32, the owner divides in float32 and rounds once, and a float32 ``res`` ends
-    holding the owner's bfloat16 bits widened, so every member is still bitwise identical.
+    holding the owner's bfloat16 bits widened, so every member is still bitwise identical. The
+    all-gather then moves the bfloat16 result in ``image`` (bfloat16, ``buf``'s length, kept by the
+    caller), so that forwarding a chunk never rounds it again; ``res`` gets each chunk widened.
 
     Each link is ``streams`` TCP connections: frame ``seq`` travels on connection ``seq % streams``,
     each with a sender (or receiver) thread of its own taking its frames in order. A link whose
@@ -171,6 +173,7 @@ class Ring:
         wire_dtype: np.dtype | None = None,
         streams: int = 1,
         stages: np.ndarray | None = None,
+        image: np.ndarray | None = None,
     ) -> None:
         self.state, self.buf, self.res = state, buf, res
         # the pipeline's hooks (ftjax.runtime.pipeline): `ready(a, b)` returns once buf[a:b] holds this
@@ -196,6 +199,12 @@ class Ring:
         else:
             assert scratch is not None and scratch.dtype == np.float32 and scratch.size >= buf.size
             self.acc = scratch[: buf.size]
+        # the result as the all-gather carries it: ``res`` itself unless it is wider than the wire
+        if res.dtype == self.wire_ag:
+            self.image = res
+        else:
+            assert image is not None and image.dtype == self.wire_ag and image.size >= buf.size
+            self.image = image[: buf.size]
         # a non-contributor's first step sends zeros
         self.zeros = None if contributes else np.zeros(chunk_elems, self.wire_rs)
 
@@ -312,7 +321,7 @@ class Ring:
             for seq in range(first, len(self.recvs), streams):
                 chunk = self.recvs[seq]
                 a, b = chunk.start, chunk.stop
-                dest = self.acc[a:b] if chunk.phase == RS else self.res[a:b]
+                dest = self.acc[a:b] if chunk.phase == RS else self.image[a:b]
                 if chunk.phase == RS and self.contributes:
                     self.ready(a, b)
                 dtype = self._wire(chunk)
@@ -330,7 +339,9 @@ class Ring:
                     self._combine(chunk, slot, dest)
                     wire.send_all(sock, [memoryview(shm.ACK.pack(seq))])  # the slot is the sender's again
                 if chunk.owned:
-                    self._finalise(chunk, dest, stage)
+                    self._finalise(chunk, dest)
+                elif chunk.phase == AG and self.image is not self.res:
+                    np.copyto(self.res[a:b], dest)  # widened: the owner's bits
                 if chunk.owned or chunk.phase == AG:
                     with self._result_lock:
                         self.on_result(a, b)
@@ -360,7 +371,7 @@ class Ring:
         reduce-scatter steps), this member's own data (the first), or None for a non-contributor's zeros."""
         a, b = chunk.start, chunk.stop
         if chunk.phase == AG:
-            return self.res[a:b]
+            return self.image[a:b]
         if not chunk.first:
             return self.acc[a:b]
         return self.buf[a:b] if self.contributes else None
@@ -368,7 +379,7 @@ class Ring:
     def _send_view(self, chunk: Chunk, stage: np.ndarray) -> memoryview:
         """A TCP send's payload in the frame's dtype: the source itself where it has that dtype (no
         copy), else the source converted into ``stage`` (bfloat16 own data widened for a float32 wire;
-        float32 sums rounded for a bfloat16 one)."""
+        float32 sums rounded for a bfloat16 one; the all-gather's ``image`` always has the wire's dtype)."""
         src = self._source(chunk)
         if src is None:  # non-contributor: zeros
             return _bytes(self.zeros[: chunk.stop - chunk.start])
@@ -391,24 +402,22 @@ class Ring:
 
     def _combine(self, chunk: Chunk, incoming: np.ndarray, dest: np.ndarray) -> None:
         """Put a received frame in place: reduce-scatter adds this member's data (in float32, the
-        frame widened), all-gather copies (widened where ``res`` is float32 and the wire bfloat16)."""
+        frame widened), all-gather copies (from a staging row or a shared-memory slot)."""
         if chunk.phase == RS and self.contributes:
             np.add(incoming, self.buf[chunk.start : chunk.stop], out=dest)
         elif incoming is not dest:
             np.copyto(dest, incoming)
 
-    def _finalise(self, chunk: Chunk, acc: np.ndarray, stage: np.ndarray) -> None:
+    def _finalise(self, chunk: Chunk, acc: np.ndarray) -> None:
         """The owner's average: divide in float32, then the one rounding (to a bfloat16 result, or to
-        the bfloat16 wire, whose bits a float32 result then holds on every member alike)."""
+        the bfloat16 wire's image, whose bits a float32 result then holds on every member alike)."""
         if self.count != 1:
             np.divide(acc, self.count, out=acc)
-        res = self.res[chunk.start : chunk.stop]
-        if self.wire_ag != res.dtype:  # float32 result, bfloat16 wire: round in place through the stage
-            rounded = stage[: acc.size]
-            np.copyto(rounded, acc)
-            np.copyto(res, rounded)
-        elif self.acc is not self.res:
-            res[...] = acc  # the one rounding to bfloat16, at the owner
+        a, b = chunk.start, chunk.stop
+        if self.acc is not self.image:
+            np.copyto(self.image[a:b], acc)  # the one rounding to bfloat16, at the owner
+        if self.image is not self.res:
+            np.copyto(self.res[a:b], self.image[a:b])
 
     def _fail(self, exc: BaseException, peer: str) -> None:
         if isinstance(exc, Aborted):
