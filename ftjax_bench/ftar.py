@@ -35,9 +35,11 @@ measures FTAR with every combination of TCP connections per link (ft.link_stream
 (ft.wire_dtype; each member holds one endpoint per setting, and each round runs them all), and raw
 TCP over as many parallel connections between the same two members. ``settings`` lists, per
 combination, ``busbw_gbps`` (always in bytes of the float32 buffer averaged: a bfloat16 wire moves
-half of them), ``link_gbps`` (raw TCP, same streams), ``ratio`` (busbw / link) and, for a bfloat16
-wire, ``vs_float32_wire`` (its busbw over the float32 wire's, same streams); ``best`` is the
-combination with the highest busbw. The top-level figures are those of the first combination.
+half of them), ``link_gbps`` (raw TCP, same streams, one way), ``ratio`` (busbw / link),
+``pattern_gbps`` / ``ratio_pattern`` (the ring's traffic as raw TCP over as many streams: both
+directions at once, which is what bounds FTAR where the CPUs, not the network, are the limit) and,
+for a bfloat16 wire, ``vs_float32_wire`` (its busbw over the float32 wire's, same streams);
+``best`` is the combination with the highest busbw. The top-level figures are those of the first.
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ class _Bench:
         self._collect([dst])
         return seconds
 
-    def pattern(self) -> float:
+    def pattern(self, streams: int = 1) -> float:
         world = len(self.members)
         per_member = 2 * (world - 1) * self.nbytes // world
         for rank, m in enumerate(self.members):
@@ -197,6 +199,7 @@ class _Bench:
                 nbytes=per_member,
                 chunk=self.args.chunk_bytes,
                 spread=True,
+                streams=streams,
             )
         return max(r["seconds"] for r in self._collect(self.members))
 
@@ -232,12 +235,13 @@ def _rounds(bench: _Bench, tcp: list[MemberClient], args: argparse.Namespace) ->
     for count in streams:  # warm-up: touches the yardsticks' buffers
         bench.link(True, count)
     bench.link(False), bench.pattern()
-    times: dict[str, list[float]] = {"allreduce": [], "allreduce_tcp": [], "link": [], "link_hot": [], "pattern": []}
+    times: dict[str, list[float]] = {"allreduce": [], "allreduce_tcp": [], "link": [], "link_hot": []}
     for _ in range(args.rounds):
         for count in streams:
             times.setdefault(f"link_s{count}", []).append(bench.link(True, count))
         times["link_hot"].append(bench.link(False))
-        times["pattern"].append(bench.pattern())
+        for count in sorted({1, *streams}):
+            times.setdefault(f"pattern_s{count}", []).append(bench.pattern(count))
         for (count, wire_dtype), name in names.items():
             took = bench.allreduce(args.iters + 1, endpoint=name)[1:]
             times.setdefault(f"allreduce_s{count}-{wire_dtype}", []).extend(took)
@@ -245,6 +249,7 @@ def _rounds(bench: _Bench, tcp: list[MemberClient], args: argparse.Namespace) ->
             times["allreduce_tcp"] += bench.allreduce(args.iters + 1, members=tcp)[1:]
     count, wire_dtype = next(iter(names))
     times["allreduce"], times["link"] = times[f"allreduce_s{count}-{wire_dtype}"], times[f"link_s{count}"]
+    times["pattern"] = times["pattern_s1"]
     for m in bench.members + tcp:
         m.send(op="exit")
     return times, shm_links
@@ -258,6 +263,8 @@ def _per_setting(args: argparse.Namespace, med: dict[str, float], bus: float, nb
         link = nbytes / med[f"link_s{streams}"] / 1e9
         rec = {"streams": streams, "wire_dtype": wire_dtype, "busbw_gbps": round(busbw, 3)}
         rec |= {"link_gbps": round(link, 3), "ratio": round(busbw / link, 3)}
+        pattern = bus / med[f"pattern_s{streams}"]  # both directions at once, as the ring moves them
+        rec |= {"pattern_gbps": round(pattern, 3), "ratio_pattern": round(busbw / pattern, 3)}
         fp32 = f"allreduce_s{streams}-float32"
         if wire_dtype == "bfloat16" and fp32 in med:
             rec["vs_float32_wire"] = round(med[fp32] / med[f"allreduce_s{streams}-bfloat16"], 3)
