@@ -279,6 +279,20 @@ class FTConfig(_Strict):
         description="the dtype of the update that leaves the device for FTAR (bfloat16: half the bytes; "
         "FTAR sums in float32 and rounds the average once); parameters and the update's apply stay float32",
     )
+    wire_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="what FTAR frames carry between replicas. float32: reduce-scatter partial sums in float32, "
+        "the all-gather in grad_dtype; bfloat16: every frame in bfloat16 whatever grad_dtype (half the bytes of "
+        "float32 sums; each hop rounds the partial sum, receivers add in float32, the average is rounded once "
+        "and every replica gets the same bits)",
+    )
+    link_streams: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="TCP connections per FTAR ring link (frame n on connection n % link_streams): more than one "
+        "can fill a fast network that one connection's copies cannot; links through shared memory keep one",
+    )
     ftar_timeout_s: float = Field(5.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
     ftar_shared_memory: bool = Field(
         True,

@@ -8,7 +8,10 @@ the others until a call asks for them (a neighbour may dial for quorum q+1 while
 still finishing quorum q). After a successful call both links stay cached; the next call, of the
 same or a new quorum, reuses a link whose neighbour is unchanged and dials only changed links.
 A dialer offers a shared-memory segment after its hello; a listener on the same host maps it,
-and the link's payloads then go through it (shm.py), its headers still over TCP.
+and the link's payloads then go through it (shm.py), its headers still over TCP. A TCP link may be
+``streams`` connections (ring.py: frame seq on connection seq % streams); each hello names its
+stream index, and links are parked and cached per (peer, stream). A link through shared memory
+keeps one connection: only stream 0 is dialled (and offers the segment).
 
 Failures. Any error in a call interrupts and resets both of its links (and any cached one: see
 `_end`), which makes the neighbours fail at once, and so on around the ring. A failing member also
@@ -42,6 +45,9 @@ from ftjax.ftar.ring import Aborted, CallState, Ring
 log = logging.getLogger("ftjax.ftar")
 
 DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
+# ft.wire_dtype: what frames carry. float32: reduce-scatter partial sums in float32, the all-gather
+# in the buffer's dtype; bfloat16: every frame in bfloat16, whatever the buffer (half the bytes)
+WIRE_DTYPES = {"float32": None, "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 DEFAULT_CHUNK_BYTES = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not finish its hello in time is dropped
 # Connections still in their handshake, each on its own thread: at most this many. Past it the oldest
@@ -58,7 +64,9 @@ class FTAREndpoint:
     picks); peers dial :attr:`address`, ``advertise`` (default: ``host``, or this machine's address
     when ``host`` is every interface) with the bound port. One call at a time; use
     the same endpoint for the whole life of the replica host, and ``close()`` it at the end.
-    All members of a job must use the same ``chunk_bytes`` and ``checksum`` settings.
+    All members of a job must use the same ``chunk_bytes``, ``checksum``, ``wire_dtype`` and
+    ``streams`` settings (the last two are in every frame's fingerprint: a member that differs
+    fails the call with ProtocolError naming it).
     """
 
     def __init__(
@@ -73,6 +81,8 @@ class FTAREndpoint:
         checksum: bool = False,
         probe_timeout_s: float = 0.5,
         shared_memory: bool = True,
+        wire_dtype: str = "float32",
+        streams: int = 1,
     ) -> None:
         if not isinstance(token, str) or not token:
             raise ValueError("token: must be a non-empty string (the job's shared secret)")
@@ -82,6 +92,11 @@ class FTAREndpoint:
             raise ValueError(f"chunk_bytes: must be an int >= 4, got {chunk_bytes!r}")
         if not probe_timeout_s > 0:
             raise ValueError(f"probe_timeout_s: must be > 0, got {probe_timeout_s!r}")
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype: must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
+        if not isinstance(streams, int) or isinstance(streams, bool) or not 1 <= streams <= wire.MAX_STREAMS:
+            raise ValueError(f"streams: must be an int in 1..{wire.MAX_STREAMS}, got {streams!r}")
+        self.wire_dtype, self.streams = wire_dtype, streams
         self.timeout_s = float(timeout_s)
         self.chunk_elems = chunk_bytes // 4  # in float32 elements: the unit of both phases
         self.checksum = checksum
@@ -94,13 +109,15 @@ class FTAREndpoint:
         self._cv = threading.Condition()  # guards everything below
         self._closed = False
         self._floor = -1  # newest quorum id begun here; hellos for older ones are refused
-        self._parked: dict[tuple[str, int], socket.socket] = {}  # (dialer address, quorum) -> link
-        self._links_in: dict[str, socket.socket] = {}  # left neighbour -> idle link, after a success
-        self._links_out: dict[str, socket.socket] = {}  # right neighbour -> idle link
+        self._parked: dict[tuple[str, int, int], socket.socket] = {}  # (dialer address, quorum, stream) -> link
+        self._links_in: dict[tuple[str, int], socket.socket] = {}  # (left neighbour, stream) -> idle link
+        self._links_out: dict[tuple[str, int], socket.socket] = {}  # (right neighbour, stream) -> idle link
         self._notices: dict[tuple[int, int], wire.Hello] = {}  # (quorum, step) -> first abort notice
         self._call: CallState | None = None
         self._call_lock = threading.Lock()
         self._scratch: np.ndarray | None = None  # see _scratch_for
+        self._stages: np.ndarray | None = None  # see _stages_for
+        self._image: np.ndarray | None = None  # see _image_for
         # counters, for metrics and tests: links dialled, links accepted, hellos refused, and of
         # those links, the ones whose payloads go through shared memory (dialled / accepted)
         # and connections closed unheard to make room for newer ones (MAX_HANDSHAKES)
@@ -163,7 +180,7 @@ class FTAREndpoint:
             if len(members) == 1:
                 if ready is not None:
                     ready(0, buf.size)
-                self._alone(buf, out, count)
+                self._alone(buf, out, count, WIRE_DTYPES[self.wire_dtype])
                 if on_result is not None:
                     on_result(0, buf.size)
                 return out
@@ -173,9 +190,12 @@ class FTAREndpoint:
             self._call_lock.release()
 
     @staticmethod
-    def _alone(buf: np.ndarray, out: np.ndarray, count: int) -> None:
-        """A ring of one: the average is the data divided by the divisor, rounded as the ring does."""
-        if count == 1:
+    def _alone(buf: np.ndarray, out: np.ndarray, count: int, wire_dtype: np.dtype | None) -> None:
+        """A ring of one: the average is the data divided by the divisor, rounded as the ring does
+        (a bfloat16 wire rounds a float32 result too, so that its values do not depend on the world)."""
+        if wire_dtype is not None and buf.dtype != wire_dtype:
+            out[...] = (buf / np.float32(count)).astype(wire_dtype)
+        elif count == 1:
             np.copyto(out, buf)
         elif buf.dtype == np.float32:
             np.divide(buf, count, out=out)
@@ -252,7 +272,9 @@ class FTAREndpoint:
     ) -> np.ndarray:
         world = len(members)
         left, right = members[(rank - 1) % world], members[(rank + 1) % world]
-        meta = wire.call_fingerprint(buf.size, buf.dtype, self.chunk_elems, members, contributors, count)
+        meta = wire.call_fingerprint(
+            buf.size, buf.dtype, self.chunk_elems, members, contributors, count, self.wire_dtype, self.streams
+        )
         state = CallState(quorum_id, step, on_abort=self._wake)
         pending = self._begin(state, left, right)
         ring = Ring(
@@ -270,20 +292,27 @@ class FTAREndpoint:
             timeout_s=self.timeout_s,
             checksum=self.checksum,
             scratch=self._scratch_for(buf),
+            wire_dtype=WIRE_DTYPES[self.wire_dtype],
+            streams=self.streams,
+            stages=self._stages_for(),
+            image=self._image_for(buf),
             **hooks,
         )
-        links: dict[str, socket.socket] = {}
+        links_in: dict[tuple[str, int], socket.socket] = {}  # (peer, stream) -> link, as the call takes them
+        links_out: dict[tuple[str, int], socket.socket] = {}
         try:
             if pending is not None:
                 raise pending
-            ring.run(lambda: self._link_out(right, state, links), lambda: self._link_in(left, state, links))
+            ring.run(
+                lambda i: self._link_out(right, i, state, links_out), lambda i: self._link_in(left, i, state, links_in)
+            )
         except FTARError as err:
             self._end(state, None)
             raise self._resolve(err, members) from None
         except BaseException:
             self._end(state, None)
             raise
-        self._end(state, links)
+        self._end(state, (links_in, links_out))
         return out
 
     def _scratch_for(self, buf: np.ndarray) -> np.ndarray | None:
@@ -293,6 +322,23 @@ class FTAREndpoint:
         if self._scratch is None or self._scratch.size < buf.size:
             self._scratch = np.empty(buf.size, np.float32)
         return self._scratch
+
+    def _image_for(self, buf: np.ndarray) -> np.ndarray | None:
+        """bfloat16 copy of a float32 result for a bfloat16 wire (what its all-gather forwards, so
+        that it is rounded once), kept across calls like the scratch accumulator."""
+        wire_dtype = WIRE_DTYPES[self.wire_dtype]
+        if wire_dtype is None or buf.dtype == wire_dtype:
+            return None
+        if self._image is None or self._image.size < buf.size:
+            self._image = np.empty(buf.size, wire_dtype)
+        return self._image
+
+    def _stages_for(self) -> np.ndarray:
+        """The ring threads' staging rows (a chunk each; see Ring), kept across calls."""
+        dtype = WIRE_DTYPES[self.wire_dtype] or np.dtype(np.float32)
+        if self._stages is None:
+            self._stages = np.empty((2 * self.streams, self.chunk_elems), dtype)
+        return self._stages
 
     def _begin(self, state: CallState, left: str, right: str) -> FTARError | None:
         """Enter a call: raise the quorum floor, drop what is stale, keep links to unchanged
@@ -304,24 +350,24 @@ class FTAREndpoint:
             for k in [k for k in self._parked if k[1] < q]:
                 wire.close_hard(self._parked.pop(k))
             for links, keep in ((self._links_in, left), (self._links_out, right)):
-                for peer in [p for p in links if p != keep]:
-                    wire.close_hard(links.pop(peer))
+                for key in [k for k in links if k[0] != keep]:
+                    wire.close_hard(links.pop(key))
             for k in [k for k in self._notices if k < key]:
                 del self._notices[k]
             self._call = state
             notice = self._notices.get(key)
             return self._notice_error(notice, state) if notice is not None else None
 
-    def _end(self, state: CallState, links: dict[str, socket.socket] | None) -> None:
+    def _end(self, state: CallState, links: tuple[dict, dict] | None) -> None:
         """Leave a call: cache its links after a success, reset them all after a failure. A failure
         also resets the cached links the call never took up (it failed first, or was abandoned
         before it began): a neighbour may have sent this call's frames into one and lost its own
         reset in a partition, and the retry, under a new quorum, would read them as its own."""
         with self._cv:
             self._call = None
-            if links is not None:
-                self._links_in[links["left"]] = links["in_sock"]
-                self._links_out[links["right"]] = links["out_sock"]
+            if links is not None:  # (incoming, outgoing): (peer, stream) -> socket
+                self._links_in.update(links[0])
+                self._links_out.update(links[1])
                 return
             stale = [*state.sockets, *self._links_in.values(), *self._links_out.values()]
             self._links_in.clear()
@@ -330,20 +376,21 @@ class FTAREndpoint:
             wire.close_hard(sock)
 
     # --- links ---------------------------------------------------------------------------------
-    def _link_out(self, right: str, state: CallState, links: dict) -> socket.socket:
+    def _link_out(self, right: str, stream: int, state: CallState, links: dict) -> socket.socket:
+        """Connection ``stream`` of the link to ``right``: the cached one if still open, else a dial."""
         with self._cv:
-            sock = self._links_out.pop(right, None)
+            sock = self._links_out.pop((right, stream), None)
         if sock is not None and not wire.is_open(sock):
             wire.close_hard(sock)
             sock = None
         if sock is None:
-            sock = self._dial(right, state)
+            sock = self._dial(right, stream, state)
         else:
             state.attach(sock)
-        links.update(right=right, out_sock=sock)
+        links[(right, stream)] = sock
         return sock
 
-    def _dial(self, peer: str, state: CallState) -> socket.socket:
+    def _dial(self, peer: str, stream: int, state: CallState) -> socket.socket:
         host, port = wire.parse_address(peer)
         sock = socket.create_connection((host, port), timeout=self.timeout_s)
         with self._cv:
@@ -353,10 +400,10 @@ class FTAREndpoint:
         except Aborted:
             sock.close()
             raise
-        hello = wire.Hello(wire.KIND_RING, state.quorum_id, self._address)
-        offer, segment, path = (
+        hello = wire.Hello(wire.KIND_RING, state.quorum_id, self._address, stream=stream)
+        offer, segment, path = (  # only stream 0 offers: a link through shared memory is one connection
             shm.create_offer(shm.DEFAULT_SLOTS, self.chunk_elems * 4)
-            if self.shared_memory
+            if self.shared_memory and stream == 0
             else (shm.NO_OFFER, None, None)
         )
         try:
@@ -379,9 +426,9 @@ class FTAREndpoint:
         wire.tune(sock, self.timeout_s)
         return sock
 
-    def _link_in(self, left: str, state: CallState, links: dict) -> socket.socket:
-        """The link from ``left``: a parked fresh one, else the cached one if still open, else wait
-        for its dial. While waiting, probe its listener now and then: a neighbour that died before
+    def _link_in(self, left: str, stream: int, state: CallState, links: dict) -> socket.socket:
+        """Connection ``stream`` of the link from ``left``: a parked fresh one, else the cached one if
+        still open, else wait for its dial. While waiting, probe its listener now and then: a neighbour that died before
         dialing us (or whose cached link we find closed) is named at once, not after the timeout.
         Nothing else would tell us in a world of two, where our sender may still have sent its
         first chunk over a link the dying process had not closed yet, and then waits for us."""
@@ -390,7 +437,7 @@ class FTAREndpoint:
         while True:
             with self._cv:
                 state.check()
-                sock, closed = self._ready_link_in(left, state.quorum_id)
+                sock, closed = self._ready_link_in(left, stream, state.quorum_id)
                 if sock is None:
                     now = time.monotonic()
                     if closed:  # closed under us: is it alive?
@@ -416,20 +463,20 @@ class FTAREndpoint:
                 )
             probe_at = time.monotonic() + LIVENESS_PROBE_S
         state.attach(sock)
-        links.update(left=left, in_sock=sock)
+        links[(left, stream)] = sock
         return sock
 
-    def _ready_link_in(self, left: str, quorum_id: int) -> tuple[socket.socket | None, bool]:
+    def _ready_link_in(self, left: str, stream: int, quorum_id: int) -> tuple[socket.socket | None, bool]:
         """(link, False) if one from ``left`` is usable now: a parked fresh one, else the cached one
         if still open. (None, True) if the cached one turned out closed, (None, False) if there is
         none. Call with ``self._cv`` held."""
-        sock = self._parked.pop((left, quorum_id), None)
+        sock = self._parked.pop((left, quorum_id, stream), None)
         if sock is not None:  # a fresh link supersedes a cached one: the dialer dropped it
-            old = self._links_in.pop(left, None)
+            old = self._links_in.pop((left, stream), None)
             if old is not None:
                 wire.close_hard(old)
             return sock, False
-        sock = self._links_in.pop(left, None)
+        sock = self._links_in.pop((left, stream), None)
         if sock is None:
             return None, False
         if wire.is_open(sock):
@@ -525,10 +572,11 @@ class FTAREndpoint:
                 conn.close()
                 return
             shm.bind(conn, segment)
-            old = self._parked.pop((hello.address, hello.quorum_id), None)
+            key = (hello.address, hello.quorum_id, hello.stream)
+            old = self._parked.pop(key, None)
             if old is not None:  # the dialer redialled: the newer link wins
                 wire.close_hard(old)
-            self._parked[(hello.address, hello.quorum_id)] = conn
+            self._parked[key] = conn
             self.stats["accepted"] += 1
             self.stats["shm_accepted"] += segment is not None
             self._cv.notify_all()

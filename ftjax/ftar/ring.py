@@ -16,6 +16,12 @@ A link to a member on the same host usually has a shared-memory segment (see shm
 then writes each chunk into a slot of it and sends only the frame header; the receiver adds (or
 copies) straight from the slot, then hands the slot back with an acknowledgement on the link. The
 schedule, the frame checks and every failure path are the same on both kinds of link.
+
+A TCP link may be several connections (``streams``): frame ``seq`` travels on connection
+``seq % streams``, so each connection still carries its frames in order and its receiver knows
+which frame comes next on it; one sender and one receiver thread per connection. The receives then
+complete out of order across connections, and ``done`` counts the longest finished prefix. A
+failure on any connection interrupts all of them (every socket is attached to the CallState).
 """
 
 from __future__ import annotations
@@ -89,7 +95,7 @@ class CallState:
     step: int
     on_abort: Callable[[], None] = lambda: None  # wakes waiters outside this object (the endpoint)
     error: BaseException | None = None
-    done: int = 0  # receives completed, in order
+    done: int = 0  # receives completed, in order (the longest finished prefix: see Ring._complete)
     sockets: list = field(default_factory=list)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -127,8 +133,22 @@ class Ring:
 
     ``res`` has ``buf``'s length and dtype (float32 or bfloat16). float32 sums accumulate in ``res``
     itself; bfloat16 ones in ``scratch`` (float32, at least as long as ``buf``; the caller keeps it
-    across calls so its pages are not faulted in again every step), reduce-scatter frames carry
-    float32 partial sums and all-gather frames the rounded bfloat16 values.
+    across calls so its pages are not faulted in again every step).
+
+    What the frames carry (``wire_dtype``): by default reduce-scatter frames carry float32 partial
+    sums and all-gather frames the result's own dtype. A bfloat16 wire carries every frame in
+    bfloat16, whatever the buffer: a sender rounds its partial sum as it sends, a receiver widens
+    and adds in float32, the owner divides in float32 and rounds once, and a float32 ``res`` ends
+    holding the owner's bfloat16 bits widened, so every member is still bitwise identical. The
+    all-gather then moves the bfloat16 result in ``image`` (bfloat16, ``buf``'s length, kept by the
+    caller), so that forwarding a chunk never rounds it again; ``res`` gets each chunk widened.
+
+    Each link is ``streams`` TCP connections: frame ``seq`` travels on connection ``seq % streams``,
+    each with a sender (or receiver) thread of its own taking its frames in order. A link whose
+    payloads go through shared memory keeps one connection (the copies, not the socket, bound it).
+    ``stages`` (at least ``2 * streams`` rows of a chunk, of the reduce-scatter wire dtype; kept by
+    the caller across calls) are the threads' staging buffers for frames whose dtype differs from
+    the memory they come from or go to.
     """
 
     def __init__(
@@ -150,52 +170,100 @@ class Ring:
         scratch: np.ndarray | None = None,
         ready: Callable[[int, int], None] | None = None,
         on_result: Callable[[int, int], None] | None = None,
+        wire_dtype: np.dtype | None = None,
+        streams: int = 1,
+        stages: np.ndarray | None = None,
+        image: np.ndarray | None = None,
     ) -> None:
         self.state, self.buf, self.res = state, buf, res
         # the pipeline's hooks (ftjax.runtime.pipeline): `ready(a, b)` returns once buf[a:b] holds this
         # member's data (its device-to-host copy may still be filling the rest), `on_result(a, b)` says
         # res[a:b] is final (its host-to-device copy may start); both run in the ring's threads
+        # (on_result one call at a time, as with a single receiver thread)
         self.ready, self.on_result = ready or _always, on_result or _always
+        self._result_lock = threading.Lock()
         self.contributes, self.count = contributes, count
         self.meta, self.left, self.right = meta, left, right
         self.timeout_s, self.checksum = timeout_s, checksum
         self.sends, self.recvs = schedule(buf.size, world, rank, chunk_elems)
+        self.finished = bytearray(len(self.recvs))  # receives completed, in any order (see _complete)
+        self.wire_rs = np.dtype(np.float32) if wire_dtype is None else np.dtype(wire_dtype)
+        self.wire_ag = res.dtype if wire_dtype is None else np.dtype(wire_dtype)
+        self.streams = streams
+        if stages is None:
+            stages = np.empty((2 * streams, chunk_elems), self.wire_rs)
+        assert stages.dtype == self.wire_rs and stages.shape[0] >= 2 * streams and stages.shape[1] >= chunk_elems
+        self.stages = stages  # rows [0, streams): the senders'; [streams, 2 streams): the receivers'
         if res.dtype == np.float32:
             self.acc = res
         else:
             assert scratch is not None and scratch.dtype == np.float32 and scratch.size >= buf.size
             self.acc = scratch[: buf.size]
-        # own data for the first step, as float32: zeros for a non-contributor, a converted copy for
-        # bfloat16 (float32 contributors send straight from ``buf``)
-        self.own = None
-        if not contributes:
-            self.own = np.zeros(chunk_elems, np.float32)
-        elif buf.dtype != np.float32:
-            self.own = np.empty(chunk_elems, np.float32)
+        # the result as the all-gather carries it: ``res`` itself unless it is wider than the wire
+        if res.dtype == self.wire_ag:
+            self.image = res
+        else:
+            assert image is not None and image.dtype == self.wire_ag and image.size >= buf.size
+            self.image = image[: buf.size]
+        # a non-contributor's first step sends zeros
+        self.zeros = None if contributes else np.zeros(chunk_elems, self.wire_rs)
 
     # --- public -----------------------------------------------------------------------------
-    def run(self, connect_out: Callable[[], object], connect_in: Callable[[], object]) -> None:
-        """Run the call: ``connect_out()`` (in the sender thread) and ``connect_in()`` (here) return
-        the two links. Raises the call's first error."""
+    def run(self, connect_out: Callable[[int], object], connect_in: Callable[[int], object]) -> None:
+        """Run the call: ``connect_out(i)`` and ``connect_in(i)`` return connection ``i`` of the link
+        to the right and of the one from the left (each called in the thread that will use it).
+        Raises the call's first error."""
         sender = threading.Thread(
-            target=self._sender, args=(connect_out,), daemon=True, name=f"ftar-send-q{self.state.quorum_id}"
+            target=self._side,
+            args=(self._sender, connect_out, self.right),
+            daemon=True,
+            name=f"ftar-send-q{self.state.quorum_id}",
         )
         sender.start()
         try:
-            self._receiver(connect_in)
+            self._side(self._receiver, connect_in, self.left)
         finally:
             sender.join()
         if self.state.error is not None:
             raise self.state.error
 
     # --- threads ----------------------------------------------------------------------------
-    def _sender(self, connect: Callable[[], object]) -> None:
+    def _side(self, loop: Callable, connect: Callable[[int], object], peer: str) -> None:
+        """One direction of the ring: open connection 0, learn from it how many the link has (one
+        where payloads go through shared memory: both ends know whether it does), and run it here
+        and every other connection in a thread of its own."""
         try:
-            sock = connect()
+            sock = connect(0)
+        except BaseException as exc:
+            self._fail(exc, peer)
+            return
+        streams = 1 if shm.segment_of(sock) is not None else self.streams
+        threads = [
+            threading.Thread(target=self._stream, args=(loop, connect, i, streams, peer), daemon=True)
+            for i in range(1, streams)
+        ]
+        for t in threads:
+            t.start()
+        loop(sock, 0, streams)
+        for t in threads:
+            t.join()
+
+    def _stream(self, loop: Callable, connect: Callable[[int], object], index: int, streams: int, peer: str) -> None:
+        try:
+            sock = connect(index)
+        except BaseException as exc:
+            self._fail(exc, peer)
+            return
+        loop(sock, index, streams)
+
+    def _sender(self, sock, first: int, streams: int) -> None:
+        """Send frames ``first``, ``first + streams``, ... on ``sock``, each once its data is there."""
+        try:
             segment = shm.segment_of(sock)
-            state = self.state
+            state, stage = self.state, self.stages[first]
             acked = 0  # shared memory: slots the receiver has handed back
-            for seq, chunk in enumerate(self.sends):
+            for seq in range(first, len(self.sends), streams):
+                chunk = self.sends[seq]
                 if chunk.need >= 0 and state.done <= chunk.need:
                     with state.cond:
                         while state.done <= chunk.need and state.error is None:
@@ -204,7 +272,7 @@ class Ring:
                 if chunk.first and self.contributes:
                     self.ready(chunk.start, chunk.stop)
                 if segment is None:
-                    payload = self._send_view(chunk)
+                    payload = self._send_view(chunk, stage)
                     wire.send_all(sock, [self._header(chunk, seq, payload), payload])
                     continue
                 if seq - acked >= segment.slots:  # the slot is still the receiver's: wait for it
@@ -244,66 +312,86 @@ class Ring:
             shm=shm,
         )
 
-    def _receiver(self, connect: Callable[[], object]) -> None:
+    def _receiver(self, sock, first: int, streams: int) -> None:
+        """Receive frames ``first``, ``first + streams``, ... from ``sock``, in order, into place."""
         try:
-            sock = connect()
             segment = shm.segment_of(sock)
-            state = self.state
             header = memoryview(bytearray(wire.FRAME.size))
-            for seq, chunk in enumerate(self.recvs):
-                dest = self.acc[chunk.start : chunk.stop] if chunk.phase == RS else self.res[chunk.start : chunk.stop]
+            stage = self.stages[self.streams + first]
+            for seq in range(first, len(self.recvs), streams):
+                chunk = self.recvs[seq]
+                a, b = chunk.start, chunk.stop
+                dest = self.acc[a:b] if chunk.phase == RS else self.image[a:b]
                 if chunk.phase == RS and self.contributes:
-                    self.ready(chunk.start, chunk.stop)
+                    self.ready(a, b)
+                dtype = self._wire(chunk)
                 if segment is None:
-                    payload = _bytes(dest)
-                    wire.recv_into_all(sock, [header, payload])
-                    self._check(header, payload, chunk, seq)
-                    if chunk.phase == RS and self.contributes:
-                        np.add(dest, self.buf[chunk.start : chunk.stop], out=dest)
+                    # straight into place when the frame's dtype is the destination's
+                    incoming = dest if dest.dtype == dtype else stage[: b - a]
+                    wire.recv_into_all(sock, [header, _bytes(incoming)])
+                    self._check(header, _bytes(incoming), chunk, seq)
+                    self._combine(chunk, incoming, dest)
                 else:
                     # the frame names a slot the sender has filled; read it once, straight into place
                     wire.recv_into_all(sock, [header])
-                    slot = segment.slot(seq, dest.nbytes, dest.dtype)
+                    slot = segment.slot(seq, (b - a) * dtype.itemsize, dtype)
                     self._check(header, _bytes(slot), chunk, seq, shm=True)
-                    if chunk.phase == RS and self.contributes:
-                        np.add(slot, self.buf[chunk.start : chunk.stop], out=dest)
-                    else:
-                        np.copyto(dest, slot)
+                    self._combine(chunk, slot, dest)
                     wire.send_all(sock, [memoryview(shm.ACK.pack(seq))])  # the slot is the sender's again
                 if chunk.owned:
                     self._finalise(chunk, dest)
+                elif chunk.phase == AG and self.image is not self.res:
+                    np.copyto(self.res[a:b], dest)  # widened: the owner's bits
                 if chunk.owned or chunk.phase == AG:
-                    self.on_result(chunk.start, chunk.stop)
-                with state.cond:
-                    state.done = seq + 1
-                    state.cond.notify_all()
+                    with self._result_lock:
+                        self.on_result(a, b)
+                self._complete(seq)
         except BaseException as exc:
             self._fail(exc, self.left)
 
+    def _complete(self, seq: int) -> None:
+        """Count receive ``seq`` done. ``done`` is the number of receives completed *in order* (the
+        longest finished prefix): a send forwarding chunk k waits for ``done > k``, whichever
+        connection chunk k came on."""
+        state = self.state
+        with state.cond:
+            self.finished[seq] = 1
+            if seq == state.done:
+                while state.done < len(self.finished) and self.finished[state.done]:
+                    state.done += 1
+                state.cond.notify_all()
+
     # --- helpers ----------------------------------------------------------------------------
+    def _wire(self, chunk: Chunk) -> np.dtype:
+        """The dtype frame ``chunk`` travels in."""
+        return self.wire_ag if chunk.phase == AG else self.wire_rs
+
     def _source(self, chunk: Chunk) -> np.ndarray | None:
-        """What a send carries, before any widening: the result (all-gather), the running sum (later
+        """What a send carries, before any conversion: the result (all-gather), the running sum (later
         reduce-scatter steps), this member's own data (the first), or None for a non-contributor's zeros."""
         a, b = chunk.start, chunk.stop
         if chunk.phase == AG:
-            return self.res[a:b]
+            return self.image[a:b]
         if not chunk.first:
             return self.acc[a:b]
         return self.buf[a:b] if self.contributes else None
 
-    def _send_view(self, chunk: Chunk) -> memoryview:
-        """A TCP send's payload: float32 for reduce-scatter (bfloat16 own data widened into ``own``)."""
+    def _send_view(self, chunk: Chunk, stage: np.ndarray) -> memoryview:
+        """A TCP send's payload in the frame's dtype: the source itself where it has that dtype (no
+        copy), else the source converted into ``stage`` (bfloat16 own data widened for a float32 wire;
+        float32 sums rounded for a bfloat16 one; the all-gather's ``image`` always has the wire's dtype)."""
         src = self._source(chunk)
         if src is None:  # non-contributor: zeros
-            return _bytes(self.own[: chunk.stop - chunk.start])
-        if chunk.phase == AG or src.dtype == np.float32:  # no copy
+            return _bytes(self.zeros[: chunk.stop - chunk.start])
+        if src.dtype == self._wire(chunk):
             return _bytes(src)
-        np.copyto(self.own[: src.size], src)
-        return _bytes(self.own[: src.size])
+        np.copyto(stage[: src.size], src)
+        return _bytes(stage[: src.size])
 
     def _fill_slot(self, chunk: Chunk, segment: shm.Segment, seq: int) -> np.ndarray:
-        """Write what frame ``seq`` carries into its slot (one copy; bfloat16 widened on the way)."""
-        dtype = self.res.dtype if chunk.phase == AG else np.dtype(np.float32)
+        """Write what frame ``seq`` carries into its slot (one copy, converted on the way). A slot
+        holds a float32 chunk: a bfloat16 frame fills half of it."""
+        dtype = self._wire(chunk)
         slot = segment.slot(seq, (chunk.stop - chunk.start) * dtype.itemsize, dtype)
         src = self._source(chunk)
         if src is None:
@@ -312,11 +400,24 @@ class Ring:
             np.copyto(slot, src)
         return slot
 
+    def _combine(self, chunk: Chunk, incoming: np.ndarray, dest: np.ndarray) -> None:
+        """Put a received frame in place: reduce-scatter adds this member's data (in float32, the
+        frame widened), all-gather copies (from a staging row or a shared-memory slot)."""
+        if chunk.phase == RS and self.contributes:
+            np.add(incoming, self.buf[chunk.start : chunk.stop], out=dest)
+        elif incoming is not dest:
+            np.copyto(dest, incoming)
+
     def _finalise(self, chunk: Chunk, acc: np.ndarray) -> None:
+        """The owner's average: divide in float32, then the one rounding (to a bfloat16 result, or to
+        the bfloat16 wire's image, whose bits a float32 result then holds on every member alike)."""
         if self.count != 1:
             np.divide(acc, self.count, out=acc)
-        if self.acc is not self.res:
-            self.res[chunk.start : chunk.stop] = acc  # the one rounding to bfloat16, at the owner
+        a, b = chunk.start, chunk.stop
+        if self.acc is not self.image:
+            np.copyto(self.image[a:b], acc)  # the one rounding to bfloat16, at the owner
+        if self.image is not self.res:
+            np.copyto(self.res[a:b], self.image[a:b])
 
     def _fail(self, exc: BaseException, peer: str) -> None:
         if isinstance(exc, Aborted):

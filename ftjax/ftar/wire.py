@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ftjax.base.net import split_address
 
-VERSION = 2  # 2: a ring hello is followed by a shared-memory offer (see shm.py)
+VERSION = 3  # 2: a ring hello is followed by a shared-memory offer (see shm.py); 3: hellos name a stream
 
 # --- data frames -------------------------------------------------------------------------------
 FRAME_MAGIC = b"FTRF"
@@ -40,12 +40,20 @@ class WireError(ValueError):
 
 
 def call_fingerprint(
-    n: int, dtype, chunk_elems: int, members: list[str], contributors: list[bool], divisor: int
+    n: int,
+    dtype,
+    chunk_elems: int,
+    members: list[str],
+    contributors: list[bool],
+    divisor: int,
+    wire_dtype: str = "float32",
+    streams: int = 1,
 ) -> int:
-    """32-bit digest of what every member of a call must agree on; carried in every frame."""
-    return zlib.crc32(
-        repr((n, str(dtype), chunk_elems, list(members), [bool(c) for c in contributors], int(divisor))).encode()
-    )
+    """32-bit digest of what every member of a call must agree on; carried in every frame. The wire
+    dtype and the streams per link are in it: a member that frames or spreads chunks differently
+    would otherwise be read as garbage (or waited for on a connection it never opens)."""
+    key = (n, str(dtype), chunk_elems, list(members), [bool(c) for c in contributors], int(divisor))
+    return zlib.crc32(repr(key + (str(wire_dtype), int(streams))).encode())
 
 
 def pack_frame(
@@ -90,7 +98,7 @@ def check_frame(
         ("step", f_step, step),
         ("phase", f_phase, phase),
         ("sequence", f_seq, seq),
-        ("call fingerprint (members, contributors, length, dtype, chunk size)", f_meta, meta),
+        ("call fingerprint (members, contributors, length, dtype, chunk size, wire dtype, streams)", f_meta, meta),
         ("payload length", length, payload.nbytes),
         ("payload place (shared memory)", bool(flags & FLAG_SHM), shm),
     )
@@ -106,10 +114,11 @@ def check_frame(
 
 # --- handshake ---------------------------------------------------------------------------------
 HELLO_MAGIC = b"FTAH"
-# magic, version, kind, address length, suspect length, quorum_id, step, reason
-HELLO = struct.Struct("<4sBBHHqqB")
+# magic, version, kind, address length, suspect length, quorum_id, step, reason, stream
+HELLO = struct.Struct("<4sBBHHqqBB")
 MAC_BYTES = 32
 MAX_ADDRESS = 255
+MAX_STREAMS = 64  # TCP connections per ring link (ft.link_streams); a hello names one of them
 KIND_RING = 1  # a ring link: the dialer will send frames, the listener receives them
 KIND_NOTICE = 2  # an abort notice: "I abandoned (quorum, step) because of <suspect>"
 REASONS = ("failed", "timeout", "protocol", "refused")
@@ -134,6 +143,7 @@ class Hello:
     step: int = 0
     suspect: str = ""  # notices only: the peer the dialer blames
     reason: str = "failed"  # notices only: one of REASONS
+    stream: int = 0  # ring links only: which of the link's connections this is (frame seq % streams)
 
 
 def _mac(token: bytes, body: bytes) -> bytes:
@@ -145,6 +155,8 @@ def encode_hello(token: bytes, hello: Hello) -> bytes:
     addr, suspect = hello.address.encode(), hello.suspect.encode()
     if len(addr) > MAX_ADDRESS or len(suspect) > MAX_ADDRESS:
         raise ValueError("address longer than 255 bytes")
+    if not 0 <= hello.stream < MAX_STREAMS:
+        raise ValueError(f"stream {hello.stream} out of range (0..{MAX_STREAMS - 1})")
     body = (
         HELLO.pack(
             HELLO_MAGIC,
@@ -155,6 +167,7 @@ def encode_hello(token: bytes, hello: Hello) -> bytes:
             hello.quorum_id,
             hello.step,
             REASONS.index(hello.reason),
+            hello.stream,
         )
         + addr
         + suspect
@@ -173,10 +186,10 @@ class HelloRefused(WireError):
 def read_hello(sock: socket.socket, token: bytes) -> Hello:
     """Read and authenticate a hello. Raises HelloRefused (or OSError/EOFError from the socket)."""
     head = recv_exact(sock, HELLO.size)
-    magic, version, kind, addr_len, suspect_len, quorum_id, step, reason = HELLO.unpack(head)
+    magic, version, kind, addr_len, suspect_len, quorum_id, step, reason, stream = HELLO.unpack(head)
     if magic != HELLO_MAGIC or version != VERSION or kind not in (KIND_RING, KIND_NOTICE):
         raise HelloRefused(STATUS_BAD_MESSAGE, f"bad hello (magic {magic!r}, version {version}, kind {kind})")
-    if addr_len > MAX_ADDRESS or suspect_len > MAX_ADDRESS or reason >= len(REASONS):
+    if addr_len > MAX_ADDRESS or suspect_len > MAX_ADDRESS or reason >= len(REASONS) or stream >= MAX_STREAMS:
         raise HelloRefused(STATUS_BAD_MESSAGE, "bad hello (field out of range)")
     rest = recv_exact(sock, addr_len + suspect_len + MAC_BYTES)
     body, mac = head + rest[:-MAC_BYTES], rest[-MAC_BYTES:]
@@ -187,7 +200,7 @@ def read_hello(sock: socket.socket, token: bytes) -> Hello:
         suspect = rest[addr_len : addr_len + suspect_len].decode()
     except UnicodeDecodeError:
         raise HelloRefused(STATUS_BAD_MESSAGE, "bad hello (address is not UTF-8)") from None
-    return Hello(kind, quorum_id, address, step, suspect, REASONS[reason])
+    return Hello(kind, quorum_id, address, step, suspect, REASONS[reason], stream)
 
 
 # --- sockets -----------------------------------------------------------------------------------

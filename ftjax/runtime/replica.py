@@ -147,6 +147,8 @@ def _ftar_endpoints(cfg: Config, token: str, addrs: net.Addresses, served) -> li
             advertise=addrs.advertise,
             timeout_s=cfg.ft.ftar_timeout_s,
             shared_memory=cfg.ft.ftar_shared_memory,
+            wire_dtype=cfg.ft.wire_dtype,
+            streams=cfg.ft.link_streams,
         )
         for _ in served
     ]

@@ -398,10 +398,17 @@ def _bench(*args: str) -> dict:
 
 @pytest.mark.slow
 def test_bench_ftar_between_two_virtual_hosts_reports_busbw_against_raw_tcp(namespaces):
-    rec = _bench("--mib", "8", "--rounds", "2", "--iters", "2")
+    # two connections per link and a bfloat16 wire too: between hosts the links are TCP, so the
+    # streams are real connections here (on one host the links go through shared memory)
+    rec = _bench("--mib", "8", "--rounds", "2", "--iters", "2", "--streams", "1,2", "--wire-dtypes", "float32,bfloat16")
     assert rec["virtual_cluster"] is True and rec["world"] == 2
     assert rec["busbw_gbps"] > 0 and rec["link_gbps"] > 0
     assert rec["ratio"] == pytest.approx(rec["busbw_gbps"] / rec["link_gbps"], rel=0.01)
     assert rec["shm_links"] == 0  # two hosts: the shared-memory offer is declined, the links are TCP
+    assert [(r["streams"], r["wire_dtype"]) for r in rec["settings"]] == [
+        (1, "float32"), (1, "bfloat16"), (2, "float32"), (2, "bfloat16"),
+    ]  # fmt: skip
+    for r in rec["settings"]:
+        assert r["ratio"] == pytest.approx(r["busbw_gbps"] / r["link_gbps"], rel=0.01)
     capped = _bench("--mib", "2", "--rounds", "1", "--iters", "1", "--bandwidth-mbit", "100")
     assert capped["link_gbps"] < 1.2 * 100e6 / 8 / 1e9 and capped["busbw_gbps"] < 1.2 * 100e6 / 8 / 1e9, capped

@@ -56,9 +56,18 @@ def test_bench_catchup_compares_the_transfer_with_the_raw_link():
 
 
 def test_bench_ftar_on_loopback_compares_busbw_with_raw_tcp():
-    out = _bench("ftar", "--world", "2", "--mib", "1", "--iters", "2", "--rounds", "1", timeout=120)
+    # two streams per link and both wire dtypes: 4 settings, each its own endpoint in every member
+    args = ("--world", "2", "--mib", "1", "--iters", "2", "--rounds", "1", "--streams", "1,2")
+    out = _bench("ftar", *args, "--wire-dtypes", "float32,bfloat16", timeout=120)
     assert out["bench"] == "ftar" and out["world"] == 2
     _ratio(out["ratio"]), _ratio(out["ratio_tcp"])
+    settings = {(r["streams"], r["wire_dtype"]): r for r in out["settings"]}
+    assert set(settings) == {(1, "float32"), (2, "float32"), (1, "bfloat16"), (2, "bfloat16")}
+    for (_, wire_dtype), r in settings.items():
+        _ratio(r["ratio"])
+        assert r["busbw_gbps"] > 0 and r["link_gbps"] > 0
+        assert ("vs_float32_wire" in r) == (wire_dtype == "bfloat16")
+    assert out["best"] in out["settings"]
 
 
 @pytest.mark.slow

@@ -72,12 +72,16 @@ def check_next_quorum(survivors, quorum_id, shared_memory):
     assert all((r["stats"]["shm_dials"] > 0) == shared_memory for r in results)
 
 
-LINKS = pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "tcp"])
+# each link kind, with one connection per link or three (ft.link_streams; a shared-memory link keeps
+# one connection, so "shm-3" checks that the members agree on that)
+LINKS = pytest.mark.parametrize(
+    "shared_memory, streams", [(True, 1), (False, 1), (True, 3), (False, 3)], ids=["shm", "tcp", "shm-3", "tcp-3"]
+)
 
 
 @LINKS
-def test_sigkill_mid_allreduce_fails_survivors_within_a_second_then_next_quorum_works(procs, shared_memory):
-    members = start_members(procs, 3, TOKEN, timeout_s=30, shared_memory=shared_memory)
+def test_sigkill_mid_allreduce_fails_survivors_within_a_second_then_next_quorum_works(procs, shared_memory, streams):
+    members = start_members(procs, 3, TOKEN, timeout_s=30, shared_memory=shared_memory, streams=streams)
     start_allreduce(members, quorum_id=1, n=N_64MIB, iters=STRUCK_CALLS)
     victim = members[1]
     killed_at = strike_mid_allreduce(victim, signal.SIGKILL)
@@ -92,9 +96,9 @@ def test_sigkill_mid_allreduce_fails_survivors_within_a_second_then_next_quorum_
 
 
 @LINKS
-def test_sigstop_mid_allreduce_fails_survivors_after_the_timeout(procs, shared_memory):
+def test_sigstop_mid_allreduce_fails_survivors_after_the_timeout(procs, shared_memory, streams):
     timeout = 2.0
-    members = start_members(procs, 3, TOKEN, timeout_s=timeout, shared_memory=shared_memory)
+    members = start_members(procs, 3, TOKEN, timeout_s=timeout, shared_memory=shared_memory, streams=streams)
     start_allreduce(members, quorum_id=1, n=N_64MIB, iters=STRUCK_CALLS)
     victim = members[2]
     stopped_at = strike_mid_allreduce(victim, signal.SIGSTOP)
@@ -123,8 +127,9 @@ def knock(address: str, hello: bytes) -> int | None:
         return answer[0] if answer else None
 
 
-def test_wrong_token_and_stale_quorum_are_refused_during_a_live_allreduce(procs):
-    members = start_members(procs, 3, TOKEN)
+@LINKS
+def test_wrong_token_and_stale_quorum_are_refused_during_a_live_allreduce(procs, shared_memory, streams):
+    members = start_members(procs, 3, TOKEN, shared_memory=shared_memory, streams=streams)
     start_allreduce(members, quorum_id=3, n=1 << 16)  # every member has now begun quorum 3
     assert all(m.result()["ok"] for m in members)
     # members 0 and 1 begin quorum 5; member 2 joins only after the knocks, so the call is live
