@@ -304,6 +304,11 @@ class FTConfig(_Strict):
         description="overlap the update's device -> host copies, FTAR and the host -> device copies "
         "(false: one after another, the serial path; the same bits either way)",
     )
+    pinned_host: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="the pipelined path's device -> host copies through JAX's page-locked host memory kind "
+        "(auto: on accelerators that have it, off on CPU, where it is one more copy)",
+    )
     quorum_timeout_s: float = Field(120.0, gt=0)
     progress_timeout_s: float = Field(
         10.0,

@@ -147,16 +147,16 @@ class LaneFlattener:
 
     def leaf_array(self, i: int, pieces: list[Piece], copy: bool = False) -> jax.Array:
         """Leaf i with its sharding, from its pieces (host -> device). `copy`: the array must not
-        alias the pieces' memory (a buffer the next step overwrites)."""
+        alias the pieces' memory (a buffer the next step overwrites). A CPU `device_put` of a
+        suitably aligned numpy array shares its memory, even with `may_alias=False` (measured:
+        tests/integration/test_pipeline.py), so on CPU the piece is copied first."""
         shape, sharding, pieces = self.shapes[i], self.shardings[i], _distinct(pieces)
-        arrays = [
-            jax.device_put(
-                assemble(pieces, region_of(index, shape), self.dtype, f"leaf {i}", f"lanes {list(self.served)}"),
-                device,
-                may_alias=False if copy else None,
-            )
-            for device, index in sharding.addressable_devices_indices_map(shape).items()
-        ]
+        arrays = []
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            data = assemble(pieces, region_of(index, shape), self.dtype, f"leaf {i}", f"lanes {list(self.served)}")
+            if copy and device.platform == "cpu":
+                data = np.array(data, copy=True)
+            arrays.append(jax.device_put(data, device, may_alias=False if copy else None))
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 

@@ -164,8 +164,16 @@ class Pipeline:
     `grads` (None: a healing member relays zeros) while `call(i, buf, out, ready, on_result)` runs
     lane i's FTAR, and puts the averaged leaves back as they become final."""
 
-    def __init__(self, flat: LaneFlattener, block_elems: int = BLOCK_ELEMS):
+    def __init__(self, flat: LaneFlattener, block_elems: int = BLOCK_ELEMS, pinned: bool = False):
         self.flat = flat
+        # pinned: the update leaves the devices by one DMA into page-locked host memory (JAX's
+        # `pinned_host` memory kind): measured on an H100, 52 GB/s against 1.7 GB/s for pageable
+        # copies (README "On a GPU"); on CPU it is one more copy, so the default is off there
+        self.pinned = (
+            jax.tree.unflatten(flat.treedef, [s.with_memory_kind("pinned_host") for s in flat.shardings])
+            if pinned
+            else None
+        )
         self.bufs = [np.empty(flat.size, flat.dtype) for _ in flat.served]
         self.zeros = [np.zeros(flat.size, flat.dtype) for _ in flat.served]
         self.flat_out = np.empty(flat.size * len(flat.served), flat.dtype)  # the lanes' results, end to end
@@ -217,10 +225,12 @@ class Pipeline:
     def _d2h(self, grads: Any, order: list[tuple[int, int]], phases: Phases) -> None:
         began = time.perf_counter()
         try:
+            if self.pinned is not None:
+                grads = jax.device_put(grads, self.pinned)  # asynchronous: every leaf's DMA in flight
             shards = self.flat.host_shards(grads)
             for leaf in shards:
                 for _, shard in leaf:
-                    shard.data.copy_to_host_async()  # every transfer in flight at once
+                    shard.data.copy_to_host_async()  # every transfer in flight at once (pinned: a no-op)
             parts: dict[tuple[int, int], np.ndarray] = {}
             for lane, k in order:
                 p, a, b = self.blocks.blocks[lane][k]

@@ -32,15 +32,21 @@ class FTARReducer:
     contributors' sums in constant-batch mode, whoever computed the R batches. `pipelined`
     (ft.pipeline): device -> host, the ring and host -> device overlap (`ftjax.runtime.pipeline`);
     otherwise they run one after another (the path before it, kept to compare and to fall back on).
+    `pinned` (ft.pinned_host): the pipeline's device -> host copies go through page-locked memory.
     `phases`: the last step's seconds in each (metrics.jsonl)."""
 
     def __init__(
-        self, endpoints: list[FTAREndpoint], flat: LaneFlattener, divisor: int | None = None, pipelined: bool = True
+        self,
+        endpoints: list[FTAREndpoint],
+        flat: LaneFlattener,
+        divisor: int | None = None,
+        pipelined: bool = True,
+        pinned: bool = False,
     ):
         if len(endpoints) != len(flat.served):
             raise ValueError(f"{len(endpoints)} FTAR endpoints for {len(flat.served)} lanes")
         self.endpoints, self.flat, self.divisor = endpoints, flat, divisor
-        self.pipeline = Pipeline(flat) if pipelined else None
+        self.pipeline = Pipeline(flat, pinned=pinned) if pipelined else None
         self._zeros = [np.zeros(flat.size, flat.dtype) for _ in flat.served] if not pipelined else None
         self.phases = Phases()
         shardings = jax.tree.unflatten(flat.treedef, flat.shardings)

@@ -63,6 +63,15 @@ def _divisor(cfg: Config) -> int | None:
     return cfg.ft.replicas if cfg.ft.global_batch == "constant" else None
 
 
+def _pinned(cfg: Config, shardings: Any) -> bool:
+    """ft.pinned_host: auto is on where this host's devices are accelerators with page-locked host memory."""
+    if cfg.ft.pinned_host != "auto":
+        return cfg.ft.pinned_host == "on"
+    devices = {d for s in jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+               for d in s.addressable_devices}  # fmt: skip
+    return all(d.platform != "cpu" and "pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices)
+
+
 def _grad_dtype(cfg: Config):
     """The dtype of the update on FTAR's wire (ft.grad_dtype; bfloat16 is ml_dtypes')."""
     return jax.numpy.dtype(cfg.ft.grad_dtype)
@@ -130,7 +139,9 @@ def member_protocol(
         replica_id=str(args.replica_id),
         incarnation=incarnation,
         group=group,
-        reducer=FTARReducer(endpoints, flat, divisor=_divisor(cfg), pipelined=cfg.ft.pipeline),
+        reducer=FTARReducer(
+            endpoints, flat, divisor=_divisor(cfg), pipelined=cfg.ft.pipeline, pinned=_pinned(cfg, update_shardings)
+        ),
         transport=transport,
         quorums=client,
         buffer=buffer,

@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,10 @@ class Trainer:
         self.step_work: list[list[int]] | None = None  # constant: the whole step's [who, stream, a, b]
         self._streams = {self.own: stream}
         self.lrs = learning_rates(cfg, program.task)
+        # the next own batch, read and placed on the devices while FTAR averages this step's update
+        # (a batch is a pure function of its position: a prefetch never changes what is trained)
+        self._prefetch_pool = ThreadPoolExecutor(1, "ftjax-prefetch")
+        self._prefetched: tuple[int, Future] | None = None
 
     # the state, the step and the data position are the fault-tolerance object's
     state = property(lambda self: self.ft.state, lambda self, v: setattr(self.ft, "state", v))
@@ -200,6 +205,8 @@ class Trainer:
             computed = self._compute(self.work, computed)
             timing.shared = time.perf_counter() - began
         self.faults.point(q.step + 1, "ftar")
+        if contributes:
+            self._prefetch(self.position + 1)
         update, error = self.ft.average(q, computed.grads if contributes else None)
         timing.ftar = time.perf_counter()
         if not self.ft.vote(q, error):
@@ -235,7 +242,7 @@ class Trainer:
         a computation from scratch gives."""
         self.faults.point(self.step + 1, "forward")
         if work == self.own_work:
-            batch = device_batch(self.program, self.stream.batch(self.position))
+            batch = self._own_batch(self.position)
             loss, aux, grads = self.program.grads_of(self.state, batch, where(self.position, self.own, 0))
             jax.block_until_ready(grads)
             return Computed(loss, grads, self.position, work, aux=aux)
@@ -271,6 +278,17 @@ class Trainer:
             aux=own.aux if own is not None else None,
         )
 
+    def _prefetch(self, position: int) -> None:
+        if self._prefetched is None or self._prefetched[0] != position:
+            batch = lambda: device_batch(self.program, self.stream.batch(position))
+            self._prefetched = (position, self._prefetch_pool.submit(batch))
+
+    def _own_batch(self, position: int) -> Any:
+        """The own batch at `position` on the devices: the prefetched one if it is that position's."""
+        if self._prefetched is not None and self._prefetched[0] == position:
+            return self._prefetched[1].result()
+        return device_batch(self.program, self.stream.batch(position))
+
     def _stream(self, s: int):
         if s not in self._streams:
             self._streams[s] = make_stream(self.cfg, replica=s, task=self.program.task)
@@ -296,7 +314,9 @@ class Trainer:
             timing.end = time.perf_counter()
             evaluated = self._evaluate()
         self._record(q, applied, computed, batch_id, scale, timing, digest, evaluated)
-        self.watchdog.arm()  # a step is done: from now on this process must make progress
+        # a step is done: from now on this process must make progress, the next step within twice
+        # this one's own time (the quorum's wait aside) or ft.progress_timeout_s, whichever is longer
+        self.watchdog.arm(time.perf_counter() - timing.t0 - (timing.quorum - timing.compute))
 
     def _record(
         self,

@@ -12,7 +12,12 @@ compile, restoring a checkpoint or a snapshot, saving a checkpoint). It is armed
 step (`arm()`): before that it is starting, and first executions take as long as they take. If no beat
 comes within `deadline_s` outside such a wait, `on_timeout(phase, silent_s)` runs on the watchdog's
 thread; the replica runtime makes it leave the job and end the process, so its peers go on without
-it and the launcher (or the cluster's scheduler) restarts it. The deadline must exceed the FTAR
+it and the launcher (or the cluster's scheduler) restarts it.
+
+The deadline is the larger of `deadline_s` and twice the previous step's own time (`arm(step_s)`):
+a model whose step takes longer than ft.progress_timeout_s (a large one on CPU), or a step that
+compiles again (a first execution after the first step), is not taken for a hang, and a process
+stuck in a step of a fast model is still named within `deadline_s`. The deadline must exceed the FTAR
 timeout: a healthy replica legitimately waits that long for a hung peer before it reports it.
 """
 
@@ -28,7 +33,7 @@ class ProgressWatchdog:
     def __init__(self, deadline_s: float, on_timeout: Callable[[str, float], None], *, clock=time.monotonic):
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
-        self.deadline_s = deadline_s
+        self.deadline_s = self._limit = deadline_s
         self._on_timeout = on_timeout
         self._clock = clock
         self._cv = threading.Condition()
@@ -39,12 +44,14 @@ class ProgressWatchdog:
         self._thread = threading.Thread(target=self._run, name="ftjax-progress-watchdog", daemon=True)
         self._thread.start()
 
-    def arm(self) -> None:
-        """From now on silence counts (call it once a first step is done; again is harmless)."""
+    def arm(self, step_s: float = 0.0) -> None:
+        """From now on silence counts (call it once a step is done, with its own time, waits on
+        others aside: the next step may be silent for twice that, or `deadline_s` if longer)."""
         with self._cv:
+            self._limit = max(self.deadline_s, 2.0 * step_s)
             if not self._armed:
                 self._armed, self._since = True, self._clock()
-                self._cv.notify()
+            self._cv.notify()
 
     def beat(self, phase: str) -> None:
         """The training loop moved on, into `phase`."""
@@ -77,7 +84,7 @@ class ProgressWatchdog:
                 if self._waiting or not self._armed:
                     self._cv.wait()
                     continue
-                left = self._since + self.deadline_s - self._clock()
+                left = self._since + self._limit - self._clock()
                 if left > 0:
                     self._cv.wait(left)
                     continue
@@ -94,7 +101,7 @@ class NoWatchdog:
     def beat(self, phase: str) -> None:
         pass
 
-    def arm(self) -> None:
+    def arm(self, step_s: float = 0.0) -> None:
         pass
 
     @contextmanager

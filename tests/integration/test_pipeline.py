@@ -49,7 +49,7 @@ def _quorum(qid: int, step: int, lanes: list[list[str]], rank: int, healing=()) 
     )
 
 
-def _reducers(pipelined: list[bool], dtype=np.float32, block_elems: int = 97, lanes: int = 1):
+def _reducers(pipelined: list[bool], dtype=np.float32, block_elems: int = 97, lanes: int = 1, pinned: bool = False):
     """One reducer per member, each of 2 devices; small blocks and chunks: many of each per step."""
     update, shardings = _update(0)
     out = []
@@ -59,7 +59,7 @@ def _reducers(pipelined: list[bool], dtype=np.float32, block_elems: int = 97, la
         )
         r = FTARReducer([FTAREndpoint("t", chunk_bytes=256) for _ in range(lanes)], flat, pipelined=p)
         if p:
-            r.pipeline = Pipeline(flat, block_elems=block_elems)
+            r.pipeline = Pipeline(flat, block_elems=block_elems, pinned=pinned)
         out.append(r)
     return out
 
@@ -104,6 +104,19 @@ def test_the_pipelined_path_gives_the_serial_paths_bits_and_the_mean(dtype, lane
     [r.close() for r in reducers]
 
 
+def test_through_page_locked_host_memory_the_bits_are_the_same():
+    """ft.pinned_host: the update leaves the devices through JAX's pinned_host memory kind (on CPU
+    too, where it exists but is not the default), and the ring gets the same bytes."""
+    reducers = _reducers([True, False], pinned=True)
+    assert reducers[0].pipeline.pinned is not None
+    grads = [_update(seed)[0] for seed in (5, 6)]
+    got = _step(reducers, grads, qid=1)
+    assert _bits(got[0]) == _bits(got[1])
+    want = (np.asarray(grads[0]["s"]) + np.asarray(grads[1]["s"])) / 2
+    np.testing.assert_allclose(np.asarray(got[0]["s"]), want, rtol=1e-6)
+    [r.close() for r in reducers]
+
+
 def test_buffers_are_allocated_once_and_what_went_back_to_the_devices_is_not_overwritten():
     """The pipeline reuses its lane and result buffers every step: the arrays put back on the devices
     must be copies (a CPU device_put may alias host memory), and a kept update must be detached."""
@@ -115,6 +128,9 @@ def test_buffers_are_allocated_once_and_what_went_back_to_the_devices_is_not_ove
     second = _step(reducers, [_update(3)[0], _update(4)[0]], qid=1, step=1)
     assert [b.ctypes.data for b in pipe.bufs] == bufs and [o.ctypes.data for o in pipe.outs] == outs
     assert _bits(first[0]) == first_bits, "step 0's update changed when step 1 reused the buffers"
+    lo, hi = pipe.flat_out.ctypes.data, pipe.flat_out.ctypes.data + pipe.flat_out.nbytes
+    pointers = [s.data.unsafe_buffer_pointer() for leaf in first[0].values() for s in leaf.addressable_shards]
+    assert not any(lo <= p < hi for p in pointers), "an array on the devices is a view of the result buffer"
     assert _bits(second[0]) != first_bits
     update = Averaged(pipe.flat_out)
     kept = reducers[0].detach(update)

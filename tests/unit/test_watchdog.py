@@ -51,6 +51,25 @@ def test_beats_and_waits_on_the_quorum_keep_it_quiet():
         dog.close()
 
 
+def test_a_step_longer_than_the_deadline_allows_the_next_one_twice_its_time():
+    """A large model on CPU, or a step that compiles again: a step of 0.5 s against a deadline of
+    0.2 s lets the next one be silent up to 1 s; a fast step brings the deadline back."""
+    verdicts = Verdicts()
+    dog = ProgressWatchdog(0.2, verdicts)
+    try:
+        dog.arm(0.5)
+        dog.beat("forward")
+        time.sleep(0.6)  # past the deadline, within twice the previous step
+        assert not verdicts.got
+        dog.beat("ftar")
+        dog.arm(0.01)  # a fast step: back to the deadline
+        dog.beat("forward")
+        assert verdicts.fired.wait(10) and verdicts.got[0][0] == "forward"
+        assert verdicts.got[0][1] < 0.9
+    finally:
+        dog.close()
+
+
 def test_close_stops_it_and_a_bad_deadline_is_refused():
     verdicts = Verdicts()
     dog = ProgressWatchdog(0.2, verdicts)
