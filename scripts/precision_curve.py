@@ -1,11 +1,14 @@
-"""The bf16 compute policy against float32: the same config trained twice, one JSON line, a plot.
+"""A bfloat16 setting against float32: the same config trained twice, one JSON line, a plot.
 
     python scripts/precision_curve.py [CONFIG] [--steps 300] [--plot docs/bf16_vs_fp32.png]
+    python scripts/precision_curve.py llama_tiny --setting ft.wire_dtype --replicas 2
 
-Runs `ftjax train CONFIG model.compute_dtype=float32|bfloat16 steps=N` (on this machine's CPU,
-where bf16 matmuls are emulated: slow, but the same numerics as a GPU's bf16 inputs with float32
-accumulation), and prints the final loss of each (the mean of the last 10 steps: one step's loss
-is one batch's) and their relative difference. docs/design.md "Precision" cites the figure.
+Runs `ftjax train CONFIG SETTING=float32|bfloat16 steps=N` (default setting: model.compute_dtype;
+on this machine's CPU bf16 matmuls are emulated: slow, but the same numerics as a GPU's bf16
+inputs with float32 accumulation), or with `--replicas R` (R > 1) `ftjax launch CONFIG --replicas R`
+(FTAR between them: what ft.wire_dtype changes), and prints the final loss of each (replica 0's,
+the mean of the last 10 steps: one step's loss is one batch's) and their relative difference.
+docs/design.md "Precision" and "One step" cite the figures.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import tempfile
 from pathlib import Path
 
 
-def train(config: str, dtype: str, steps: int, out: Path) -> list[float]:
-    cmd = [sys.executable, "-m", "ftjax", "train", config, f"steps={steps}", f"model.compute_dtype={dtype}"]
+def train(config: str, setting: str, dtype: str, steps: int, replicas: int, out: Path) -> list[float]:
+    how = ["train"] if replicas == 1 else ["launch", "--replicas", str(replicas)]
+    cmd = [sys.executable, "-m", "ftjax", *how, config, f"steps={steps}", f"{setting}={dtype}"]
     subprocess.run([*cmd, "ft.digest_every=0", "--out", str(out)], check=True, capture_output=True, text=True)
-    lines = (out / "metrics.jsonl").read_text().splitlines()
+    metrics = out / "metrics.jsonl" if replicas == 1 else out / "replica-0" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
     return [r["loss"] for r in map(json.loads, lines) if "event" not in r and r.get("loss") is not None]
 
 
@@ -30,12 +35,18 @@ def main() -> int:
     p.add_argument("config", nargs="?", default="llama_tiny")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--plot", default=None, help="write both loss curves here (PNG)")
+    p.add_argument("--setting", default="model.compute_dtype", help="the setting set to float32, then bfloat16")
+    p.add_argument("--replicas", type=int, default=1, help="more than 1: a fault-tolerant job of that many")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        curves = {d: train(args.config, d, args.steps, Path(tmp) / d) for d in ("float32", "bfloat16")}
+        curves = {
+            d: train(args.config, args.setting, d, args.steps, args.replicas, Path(tmp) / d)
+            for d in ("float32", "bfloat16")
+        }
     final = {d: sum(c[-10:]) / len(c[-10:]) for d, c in curves.items()}
     rel = abs(final["bfloat16"] - final["float32"]) / final["float32"]
-    print(json.dumps({"config": args.config, "steps": args.steps, "final_loss": final, "relative_difference": rel}))
+    record = {"config": args.config, "setting": args.setting, "replicas": args.replicas, "steps": args.steps}
+    print(json.dumps({**record, "final_loss": final, "relative_difference": rel}))
     if args.plot:
         import matplotlib
 
@@ -44,8 +55,8 @@ def main() -> int:
 
         fig, ax = plt.subplots(figsize=(7, 4))
         for d, c in curves.items():
-            ax.plot(range(1, len(c) + 1), c, label=f"{d} compute (final {final[d]:.4f})", lw=1)
-        ax.set(xlabel="step", ylabel="loss", title=f"{args.config}: bf16 vs float32 compute (float32 master weights)")
+            ax.plot(range(1, len(c) + 1), c, label=f"{args.setting}={d} (final {final[d]:.4f})", lw=1)
+        ax.set(xlabel="step", ylabel="loss", title=f"{args.config}: {args.setting} bf16 vs float32")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
