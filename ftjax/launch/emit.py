@@ -49,6 +49,7 @@ import yaml
 from ftjax.base.env import TOKEN_ENV
 from ftjax.config import Config, load_config
 from ftjax.launch.supervisor import reduced_degree
+from ftjax.runtime.args import option
 
 # Kubernetes: a pod has the node's ports to itself, so the ports are fixed there. Slurm: none is.
 COORDINATOR_PORT = 29400
@@ -140,30 +141,25 @@ def _add_host_arguments(group: argparse._ArgumentGroup) -> None:
         help="GPUs of each replica host (slurm: --gpus-per-node; k8s: a limit of --gpu-resource)",
     )
     group.add_argument("--gpu-resource", default="nvidia.com/gpu", help="k8s: the GPUs' resource name")
-    group.add_argument(
+    option(
+        group,
         "--cpus-per-host",
+        "C",
         type=int,
-        default=None,
-        metavar="C",
         help="CPUs of each replica host (slurm: --cpus-per-task; k8s: a request)",
     )
-    group.add_argument(
+    option(
+        group,
         "--mem-per-host-gib",
+        "GIB",
         type=float,
-        default=None,
-        metavar="GIB",
         help="memory of each replica host (slurm: --mem; k8s: a request and a limit)",
     )
 
 
 def _add_slurm_arguments(group: argparse._ArgumentGroup) -> None:
     """The sbatch-only options: time, partition, account, exclusive."""
-    group.add_argument(
-        "--slurm-time",
-        default=None,
-        metavar="TIME",
-        help="slurm: each job's time limit (sbatch --time: MINUTES, H:M:S, D-H:M:S)",
-    )
+    option(group, "--slurm-time", "TIME", help="slurm: each job's time limit (sbatch --time: MINUTES, H:M:S, D-H:M:S)")
     group.add_argument(
         "--slurm-partition", default=None, metavar="P", help="slurm: the partition(s) (sbatch --partition)"
     )
@@ -175,10 +171,10 @@ def _add_slurm_arguments(group: argparse._ArgumentGroup) -> None:
 
 def _add_claim_arguments(group: argparse._ArgumentGroup) -> None:
     """The k8s outputs' PersistentVolumeClaim: --pvc, --pvc-size, --storage-class."""
-    group.add_argument(
+    option(
+        group,
         "--pvc",
-        default=None,
-        metavar="CLAIM",
+        "CLAIM",
         help="k8s: write the outputs (metrics, checkpoints) to this PersistentVolumeClaim "
         "(ReadWriteMany), under <name>/; default: an emptyDir, lost with the pod",
     )
