@@ -82,6 +82,19 @@ def advertised(bind: str, advertise: str | None = None) -> str:
     return normalize_host(advertise)
 
 
+@dataclass(frozen=True)
+class Listen:
+    """Where a listener binds (`host`, "" for every interface; `port` 0: the OS picks one) and the
+    host its peers dial (`advertise`; default: see `advertised`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise: str | None = None
+
+    def advertised_host(self) -> str:
+        return advertised(self.host, self.advertise)
+
+
 def describe_bind(bind: str) -> str:
     """A bind host for a log line ("every interface" for all of them)."""
     return "every interface" if is_all_interfaces(bind) else bind

@@ -7,24 +7,25 @@ import sys
 
 from ftjax.cli.main import resolve
 
-BENCHES: dict[str, tuple[str, str]] = {
-    "coordinator": ("ftjax_bench.coordinator:main", "quorum latency of N simulated replicas"),
-    "ftar": ("ftjax_bench.ftar:main", "FTAR bus bandwidth against the raw TCP loopback link"),
-    "step": ("ftjax_bench.step:main", "FT-HSDP step time against synchronous HSDP and a standalone replica"),
-    "catchup": ("ftjax_bench.catchup:main", "catch-up transfer rate against the raw link"),
-    "outage": ("ftjax_bench.outage:main", "step time in an outage against healthy, elastic and constant batch"),
-    "reduced": ("ftjax_bench.reduced:main", "a reduced-degree replica's step rate against the full replica's"),
-    "data": ("ftjax_bench.data:main", "token files: prepare's and the loader's tokens/s against the training step's"),
+# name -> one-line help; benchmark NAME is `main(argv)` of the module ftjax_bench.NAME
+BENCHES: dict[str, str] = {
+    "coordinator": "quorum latency of N simulated replicas",
+    "ftar": "FTAR bus bandwidth against the raw TCP loopback link",
+    "step": "FT-HSDP step time against synchronous HSDP and a standalone replica",
+    "catchup": "catch-up transfer rate against the raw link",
+    "outage": "step time in an outage against healthy, elastic and constant batch",
+    "reduced": "a reduced-degree replica's step rate against the full replica's",
+    "data": "token files: prepare's and the loader's tokens/s against the training step's",
 }
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: ftjax bench NAME [ARGS...]\n\nbenchmarks:")
-        for name, (_, help_) in BENCHES.items():
+        for name, help_ in BENCHES.items():
             print(f"  {name:<12} {help_}")
         return 0 if argv else 2
     if argv[0] not in BENCHES:
         print(f"ftjax bench: unknown benchmark {argv[0]!r}; choose from {', '.join(BENCHES)}", file=sys.stderr)
         return 2
-    return int(resolve(BENCHES[argv[0]][0])(argv[1:]) or 0)
+    return int(resolve(f"ftjax_bench.{argv[0]}:main")(argv[1:]) or 0)

@@ -419,6 +419,18 @@ class CoordinatorClient:
         self.close()
 
 
+# MemberInfo's fields that every Member message carries. Its layout text is not one: it goes once,
+# in the first heartbeat, for the coordinator to name what differs when fingerprints do not match.
+_STATIC_FIELDS = (
+    "replica_id",
+    "incarnation",
+    "num_hosts",
+    "ftar_addresses",
+    "catchup_addresses",
+    "topology_fingerprint",
+)
+
+
 def member_proto(
     info: MemberInfo,
     step: int = 0,
@@ -428,16 +440,12 @@ def member_proto(
     digest: str = "",
 ) -> pb.Member:
     """A member's fields as the coordinator's message: its static ones and this moment's."""
+    static = {name: getattr(info, name) for name in _STATIC_FIELDS}
     return pb.Member(
-        replica_id=info.replica_id,
-        incarnation=info.incarnation,
+        **static,
         step=step,
         data_position=data_position,
         has_state=has_state,
-        num_hosts=info.num_hosts,
-        ftar_addresses=info.ftar_addresses,
-        catchup_addresses=info.catchup_addresses,
-        topology_fingerprint=info.topology_fingerprint,
         commit_failures=commit_failures,
         digest=digest,
     )

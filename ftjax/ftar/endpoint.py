@@ -168,7 +168,8 @@ class FTAREndpoint:
         quorum. A (quorum_id, step) that failed is abandoned for good: retry under a new quorum id
         (a member still to join it fails at once, from the abort notices it received).
         """
-        buf, out, contributors = self._validate(buf, quorum_id, step, members, rank, contributors, out)
+        buf, members = self._validate(buf, quorum_id, step, members, rank)
+        out, contributors = self._checked_out(buf, out, contributors, len(members))
         if divisor is not None and (
             not isinstance(divisor, (int, np.integer)) or isinstance(divisor, bool) or divisor < 1
         ):
@@ -185,7 +186,7 @@ class FTAREndpoint:
                     on_result(0, buf.size)
                 return out
             hooks = dict(ready=ready, on_result=on_result)
-            return self._ring_call(buf, out, quorum_id, step, list(members), rank, contributors, count, hooks)
+            return self._ring_call(buf, out, quorum_id, step, members, rank, contributors, count, hooks)
         finally:
             self._call_lock.release()
 
@@ -203,16 +204,10 @@ class FTAREndpoint:
             out[...] = buf.astype(np.float32) / count
 
     def _validate(
-        self,
-        buf: np.ndarray,
-        quorum_id: int,
-        step: int,
-        members: Sequence[str],
-        rank: int,
-        contributors: Sequence[bool] | None,
-        out: np.ndarray | None,
-    ) -> tuple[np.ndarray, np.ndarray, list[bool]]:
-        """Check every argument before anything changes; ValueError names the one at fault."""
+        self, buf: np.ndarray, quorum_id: int, step: int, members: Sequence[str], rank: int
+    ) -> tuple[np.ndarray, list[str]]:
+        """Check the buffer and the ring's identity before anything changes; ValueError names the
+        argument at fault."""
         if self._closed:
             raise RuntimeError("FTAREndpoint is closed")
         if not isinstance(buf, np.ndarray) or buf.ndim != 1:
@@ -238,15 +233,22 @@ class FTAREndpoint:
             raise ValueError(
                 f"rank: members[{rank}] must be this endpoint's address {self._address}, members are {members}"
             )
-        contributors = [True] * len(members) if contributors is None else [bool(c) for c in contributors]
-        if len(contributors) != len(members):
-            raise ValueError(f"contributors: length {len(contributors)} != number of members {len(members)}")
+        return np.ascontiguousarray(buf), members
+
+    @staticmethod
+    def _checked_out(
+        buf: np.ndarray, out: np.ndarray | None, contributors: Sequence[bool] | None, world: int
+    ) -> tuple[np.ndarray, list[bool]]:
+        """The contributors (default: every member) and the result array (default: a new one),
+        checked after `_validate`."""
+        contributors = [True] * world if contributors is None else [bool(c) for c in contributors]
+        if len(contributors) != world:
+            raise ValueError(f"contributors: length {len(contributors)} != number of members {world}")
         if not any(contributors):
             raise ValueError("contributors: at least one member must contribute")
-        buf = np.ascontiguousarray(buf)
         if out is None:
-            out = np.empty_like(buf)
-        elif (
+            return np.empty_like(buf), contributors
+        if (
             not isinstance(out, np.ndarray)
             or out.shape != buf.shape
             or out.dtype != buf.dtype
@@ -254,9 +256,9 @@ class FTAREndpoint:
             or not out.flags.writeable
         ):
             raise ValueError(f"out: must be a writeable contiguous {buf.dtype} array of shape {buf.shape}")
-        elif np.shares_memory(out, buf):
+        if np.shares_memory(out, buf):
             raise ValueError("out: must not overlap buf")
-        return buf, out, contributors
+        return out, contributors
 
     def _ring_call(
         self,

@@ -38,7 +38,7 @@ from ftjax.launch.supervisor import (
     parse_partition,
     parse_seconds,
 )
-from ftjax.runtime.args import init_from_override
+from ftjax.runtime.args import add_init_from, init_from_override, option
 
 if TYPE_CHECKING:
     from ftjax.base.procs import ProcessGroup
@@ -85,21 +85,15 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         "--out", default=None, help="run directory (default: runs/launch-<config name>); must be new or empty"
     )
     p.add_argument("--overwrite", action="store_true", help="delete --out first if it holds an earlier run")
-    p.add_argument(
+    option(
+        p,
         "--entry",
-        default=None,
-        metavar="COMMAND",
+        "COMMAND",
         help="run COMMAND instead of `ftjax train` for each replica (a script that owns its loop through "
         "ftjax.FaultTolerance.join); it gets `ftjax train`'s arguments. A leading `python` is this "
         "launcher's interpreter",
     )
-    p.add_argument(
-        "--init-from",
-        default=None,
-        metavar="DIR",
-        help="every replica starts from the parameters of this orbax checkpoint instead of the seed's "
-        "(sets checkpoint.init_from, passed on to the replicas)",
-    )
+    add_init_from(p, "every replica starts", ", passed on to the replicas")
 
 
 def _add_fault_arguments(p: argparse.ArgumentParser) -> None:
@@ -120,13 +114,7 @@ def _add_fault_arguments(p: argparse.ArgumentParser) -> None:
         help="only host HOST of replica R dies at STEP; the whole replica restarts, or with "
         "ft.on_host_loss=reduce its other hosts go on as a reduced-degree replica",
     )
-    f.add_argument(
-        "--mtbf-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="random whole-replica kills, exponential intervals of mean S seconds",
-    )
+    option(f, "--mtbf-s", "S", type=float, help="random whole-replica kills, exponential intervals of mean S seconds")
     f.add_argument("--seed", type=int, default=0, help="seed of the random kills (default 0)")
     f.add_argument("--hang", action="append", default=[], metavar="R@T", help="SIGSTOP replica R at T seconds")
     f.add_argument(
@@ -169,11 +157,11 @@ def _add_supervision_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("supervision")
     s.add_argument("--restart-delay-s", type=float, default=1.0, help="delay before a dead replica restarts (1.0)")
     s.add_argument("--max-restarts", type=int, default=10, help="per replica; one more failure ends the job (10)")
-    s.add_argument(
+    option(
+        s,
         "--host-repair-s",
+        "S",
         type=float,
-        default=None,
-        metavar="S",
         help="a host whose process died (--kill-host, a crash of one host) is back S seconds later: "
         "its replica restarts whole then, or goes on reduced meanwhile with "
         "ft.on_host_loss=reduce (default: back at once, with the restart)",
@@ -188,10 +176,10 @@ def _add_supervision_arguments(p: argparse.ArgumentParser) -> None:
         "--startup-timeout-s", type=float, default=300.0, help="first step of an incarnation due within (300)"
     )
     s.add_argument("--timeout-s", type=float, default=3600.0, help="the whole job (3600)")
-    s.add_argument(
+    option(
+        s,
         "--compile-cache",
-        default=None,
-        metavar="DIR|none",
+        "DIR|none",
         help="JAX persistent compilation cache shared by the job's processes, so that a restarted "
         "replica does not compile again (default: the machine-wide ~/.cache/ftjax/xla; none: off)",
     )

@@ -49,6 +49,7 @@ import yaml
 from ftjax.base.env import TOKEN_ENV
 from ftjax.config import Config, load_config
 from ftjax.launch.supervisor import reduced_degree
+from ftjax.runtime.args import option
 
 # Kubernetes: a pod has the node's ports to itself, so the ports are fixed there. Slurm: none is.
 COORDINATOR_PORT = 29400
@@ -140,30 +141,25 @@ def _add_host_arguments(group: argparse._ArgumentGroup) -> None:
         help="GPUs of each replica host (slurm: --gpus-per-node; k8s: a limit of --gpu-resource)",
     )
     group.add_argument("--gpu-resource", default="nvidia.com/gpu", help="k8s: the GPUs' resource name")
-    group.add_argument(
+    option(
+        group,
         "--cpus-per-host",
+        "C",
         type=int,
-        default=None,
-        metavar="C",
         help="CPUs of each replica host (slurm: --cpus-per-task; k8s: a request)",
     )
-    group.add_argument(
+    option(
+        group,
         "--mem-per-host-gib",
+        "GIB",
         type=float,
-        default=None,
-        metavar="GIB",
         help="memory of each replica host (slurm: --mem; k8s: a request and a limit)",
     )
 
 
 def _add_slurm_arguments(group: argparse._ArgumentGroup) -> None:
     """The sbatch-only options: time, partition, account, exclusive."""
-    group.add_argument(
-        "--slurm-time",
-        default=None,
-        metavar="TIME",
-        help="slurm: each job's time limit (sbatch --time: MINUTES, H:M:S, D-H:M:S)",
-    )
+    option(group, "--slurm-time", "TIME", help="slurm: each job's time limit (sbatch --time: MINUTES, H:M:S, D-H:M:S)")
     group.add_argument(
         "--slurm-partition", default=None, metavar="P", help="slurm: the partition(s) (sbatch --partition)"
     )
@@ -175,10 +171,10 @@ def _add_slurm_arguments(group: argparse._ArgumentGroup) -> None:
 
 def _add_claim_arguments(group: argparse._ArgumentGroup) -> None:
     """The k8s outputs' PersistentVolumeClaim: --pvc, --pvc-size, --storage-class."""
-    group.add_argument(
+    option(
+        group,
         "--pvc",
-        default=None,
-        metavar="CLAIM",
+        "CLAIM",
         help="k8s: write the outputs (metrics, checkpoints) to this PersistentVolumeClaim "
         "(ReadWriteMany), under <name>/; default: an emptyDir, lost with the pod",
     )
@@ -259,33 +255,22 @@ def default_name(config: str) -> str:
 
 
 # --- the commands --------------------------------------------------------------------------------------
-def train_args(
-    config: str,
-    replica: int,
-    coordinator: str,
-    hosts: int,
-    out: str,
-    process_id: str | None = None,
-    dist: str | None = None,
-    overrides: list[str] = (),
-) -> list[str]:
-    """`ftjax train` arguments of one host of a replica (the same as LocalJob.start_replica)."""
-    args = [
-        "ftjax",
-        "train",
-        config,
-        *overrides,
-        "--out",
-        out,
-        "--replica-id",
-        str(replica),
-        "--coordinator",
-        coordinator,
-        "--num-processes",
-        str(hosts),
-    ]
-    args += ["--process-id", process_id] if process_id is not None else []
-    return args + (["--dist-address", dist] if dist else [])
+@dataclass(frozen=True)
+class TrainCommand:
+    """`ftjax train` as the hosts of a job's replicas run it (the same as LocalJob.start_replica):
+    what every host's command shares; `args` adds one host's own."""
+
+    config: str
+    coordinator: str
+    hosts: int
+    overrides: tuple[str, ...] = ()
+
+    def args(self, replica: int, out: str, process_id: str | None = None, dist: str | None = None) -> list[str]:
+        """The arguments of a host of replica `replica` (`process_id` None: appended later, per task)."""
+        args = ["ftjax", "train", self.config, *self.overrides, "--out", out, "--replica-id", str(replica)]
+        args += ["--coordinator", self.coordinator, "--num-processes", str(self.hosts)]
+        args += ["--process-id", process_id] if process_id is not None else []
+        return args + (["--dist-address", dist] if dist else [])
 
 
 def coordinator_args(
@@ -879,17 +864,8 @@ def _slurm_replica_files(cfg: Config, name: str, o: EmitOptions, common: dict) -
 def _slurm_train_command(r: int, hosts: int) -> str:
     """Replica r's `ftjax train` command in its script."""
     # the process id is appended per task (the `bash -c` above): only srun knows it
-    return shell_join(
-        train_args(
-            Shell('"$JOB_DIR/config.yaml"'),
-            r,
-            Shell('"$COORDINATOR"'),
-            hosts,
-            Shell('"$OUT"'),
-            dist=Shell('"$DIST"') if hosts > 1 else None,
-            overrides=[Shell('"${REDUCED[@]}"')],
-        )
-    )
+    command = TrainCommand(Shell('"$JOB_DIR/config.yaml"'), Shell('"$COORDINATOR"'), hosts, (Shell('"${REDUCED[@]}"'),))
+    return shell_join(command.args(r, Shell('"$OUT"'), dist=Shell('"$DIST"') if hosts > 1 else None))
 
 
 # --- Kubernetes -------------------------------------------------------------------------------------
@@ -1040,15 +1016,8 @@ def _replica_container(cfg: Config, name: str, o: EmitOptions, r: int) -> dict:
     hosts = cfg.mesh.hosts
     # JobSet pod hostnames: <jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain = jobset>
     dist = f"{jobset}-host-0-0.{jobset}:{DIST_PORT}" if hosts > 1 else None
-    args = train_args(
-        "/config/config.yaml",
-        r,
-        f"{name}-coordinator:{COORDINATOR_PORT}",
-        hosts,
-        f"{RUN_DIR}/replica-{r}",
-        Shell('"$JOB_COMPLETION_INDEX"'),
-        dist,
-    )
+    command = TrainCommand("/config/config.yaml", f"{name}-coordinator:{COORDINATOR_PORT}", hosts)
+    args = command.args(r, f"{RUN_DIR}/replica-{r}", Shell('"$JOB_COMPLETION_INDEX"'), dist)
     # each pod advertises its own IP to its peers (ftjax/base/net.py): the route to the coordinator's
     # Service would name the same address, this is explicit
     pod_ip_env = {"name": "FTJAX_ADVERTISE_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}

@@ -37,18 +37,28 @@ _PHASE_STYLE = {
 }
 
 
+# The events whose line is a template of their fields ({r}: the replica); `describe` composes the others.
+_LINES = {
+    LauncherEvent.LAUNCH: (
+        "job: {replicas} replicas x {hosts} hosts x {devices} devices, {steps} steps of {config} -> {out}"
+    ),
+    LauncherEvent.COORDINATOR_STARTED: "coordinator up at {grpc} (status: http://{http}/)",
+    LauncherEvent.COORDINATOR_DOWN: "coordinator down ({cause}); restarting",
+    LauncherEvent.COMMIT_FAILURE: "replica {r}: step {step} discarded ({errors} FTAR error(s)), retrying",
+    LauncherEvent.PEER_UNREACHABLE: (
+        "replica {r}: every attempt at step {step} for {seconds:.0f} s failed on replica {peer_replica} "
+        "at {peer}: can this replica reach it? ({error})"
+    ),
+    LauncherEvent.WARM: "every replica trains (step {step}): fault clocks start",
+    LauncherEvent.REPLICA_DONE: "replica {r} finished at step {step}",
+}
+
+
 def describe(e: dict) -> str | None:
     """One line for a launcher event (None: not worth showing)."""
     k, r = e[EVENT], e.get(REPLICA)
-    if k == LauncherEvent.LAUNCH:
-        return (
-            f"job: {e['replicas']} replicas x {e['hosts']} hosts x {e['devices']} devices, "
-            f"{e['steps']} steps of {e['config']} -> {e['out']}"
-        )
-    if k == LauncherEvent.COORDINATOR_STARTED:
-        return f"coordinator up at {e['grpc']} (status: http://{e['http']}/)"
-    if k == LauncherEvent.COORDINATOR_DOWN:
-        return f"coordinator down ({e['cause']}); restarting"
+    if k in _LINES:
+        return _LINES[k].format_map({**e, "r": r})
     if k == LauncherEvent.REPLICA_STARTED:
         inject = f", will die at {e['die_at']} (host {e['die_host']})" if e.get("die_at") else ""
         verb = "started" if e["incarnation"] == 1 else f"restarted (incarnation {e['incarnation']})"
@@ -71,15 +81,6 @@ def describe(e: dict) -> str | None:
         if e.get("restored") == []:  # an overlapping window still cuts them
             return f"replica {r}{host}: partition of {e['seconds']:g} s over, links still cut by another"
         return f"replica {r}{host}: links restored after {e['seconds']:g} s"
-    if k == LauncherEvent.COMMIT_FAILURE:
-        return f"replica {r}: step {e['step']} discarded ({e['errors']} FTAR error(s)), retrying"
-    if k == LauncherEvent.PEER_UNREACHABLE:
-        return (
-            f"replica {r}: every attempt at step {e['step']} for {e['seconds']:.0f} s failed on replica "
-            f"{e['peer_replica']} at {e['peer']}: can this replica reach it? ({e['error']})"
-        )
-    if k == LauncherEvent.WARM:
-        return f"every replica trains (step {e['step']}): fault clocks start"
     if k in (
         LauncherEvent.HANG_DETECTED,
         LauncherEvent.NOT_RESTARTED,
@@ -90,8 +91,6 @@ def describe(e: dict) -> str | None:
     if k == LauncherEvent.RANDOM_KILLS_STOPPED:
         took = f", a restart takes ~{e['recovery_s']} s" if e.get("recovery_s") is not None else ""
         return f"random kills stopped: {e['steps_left']} steps left{took}"
-    if k == LauncherEvent.REPLICA_DONE:
-        return f"replica {r} finished at step {e['step']}"
     if k == LauncherEvent.END:
         return "job finished" if e["ok"] else f"job ended: {e.get('error') or 'not every replica finished'}"
     return None
@@ -169,13 +168,28 @@ class CoordinatorProbe:
         return "  ".join(parts)
 
 
-class PlainView:
-    """Event lines on a non-terminal stream."""
+class _View:
+    """What both views hold: the console, the coordinator's probe, and the time of the job's first
+    event, from which every event line counts its seconds."""
 
     def __init__(self, console: Console, probe: CoordinatorProbe | None = None):
         self.console = console
         self.probe = probe or CoordinatorProbe()
         self.t0: float | None = None
+
+    def _stamped(self, e: dict, width: int) -> str | None:
+        """`e`'s line after its seconds since the first event, `width` characters wide (None: not shown)."""
+        if self.t0 is None:
+            self.t0 = e[TIME]
+        line = describe(e)
+        return f"[{e[TIME] - self.t0:{width}.1f}s] {line}" if line else None
+
+
+class PlainView(_View):
+    """Event lines on a non-terminal stream."""
+
+    def __init__(self, console: Console, probe: CoordinatorProbe | None = None):
+        super().__init__(console, probe)
         self._next = 1
 
     def start(self) -> None:
@@ -185,11 +199,9 @@ class PlainView:
         self.probe.stop()
 
     def event(self, e: dict) -> None:
-        if self.t0 is None:
-            self.t0 = e[TIME]
-        line = describe(e)
+        line = self._stamped(e, 7)
         if line:
-            self.console.print(f"[{e[TIME] - self.t0:7.1f}s] {line}", markup=False, highlight=False, soft_wrap=True)
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def poll(self, replicas: list[ReplicaStatus], job: dict) -> None:
         self.probe.address = job.get("coordinator_http")
@@ -210,14 +222,12 @@ class PlainView:
             )
 
 
-class LiveView:
+class LiveView(_View):
     """A rich Live table on a terminal."""
 
     def __init__(self, console: Console, keep: int = 8, probe: CoordinatorProbe | None = None):
-        self.console = console
-        self.probe = probe or CoordinatorProbe()
+        super().__init__(console, probe)
         self.events: deque[str] = deque(maxlen=keep)
-        self.t0: float | None = None
         self.live = Live(console=console, refresh_per_second=4, transient=False)
 
     def start(self) -> None:
@@ -229,11 +239,9 @@ class LiveView:
         self.live.stop()
 
     def event(self, e: dict) -> None:
-        if self.t0 is None:
-            self.t0 = e[TIME]
-        line = describe(e)
+        line = self._stamped(e, 6)
         if line:
-            self.events.append(f"[{e[TIME] - self.t0:6.1f}s] {line}")
+            self.events.append(line)
 
     def poll(self, replicas: list[ReplicaStatus], job: dict) -> None:
         self.probe.address = job.get("coordinator_http")

@@ -17,6 +17,25 @@ from ftjax.base.net import split_address
 from ftjax.config import Config, ConfigError, load_config
 
 
+def option(p: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, metavar: str, **kwargs) -> None:
+    """An option that takes a value and stays None when not given (what then applies is derived
+    later, from the config or the job): the common form of `ftjax train`'s, `ftjax launch`'s and
+    the cluster job files' options."""
+    p.add_argument(flag, default=None, metavar=metavar, **kwargs)
+
+
+def add_init_from(p: argparse.ArgumentParser, who: str, more: str) -> None:
+    """`--init-from DIR`, as `ftjax train` takes it and `ftjax launch` passes it on (the override it
+    stands for: `init_from_override`); `who` starts the help, `more` ends it."""
+    option(
+        p,
+        "--init-from",
+        "DIR",
+        help=f"{who} from the parameters of this orbax checkpoint instead of the seed's (sets "
+        f"checkpoint.init_from{more})",
+    )
+
+
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """`ftjax train`'s parser (``description``: its --help text)."""
     p = argparse.ArgumentParser(
@@ -25,11 +44,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     _run_arguments(p)
     _process_arguments(p)
     _fault_arguments(p)
-    p.add_argument(
+    option(
+        p,
         "--log-every",
+        "N",
         type=int,
-        default=None,
-        metavar="N",
         help="when stdout is not a terminal (a file, a pipe), print a plain line every N steps "
         "(default: about 20 lines per run), besides one per event and the end of the run",
     )
@@ -42,20 +61,8 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. steps=30 model.d_model=128")
     p.add_argument("--out", default=None, help="run directory (default: runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the latest durable checkpoint")
-    p.add_argument(
-        "--init-from",
-        default=None,
-        metavar="DIR",
-        help="start from the parameters of this orbax checkpoint instead of the seed's (sets "
-        "checkpoint.init_from; checkpoint.init_opt=true takes its optimizer state too)",
-    )
-    p.add_argument(
-        "--stop-after",
-        type=int,
-        default=None,
-        metavar="N",
-        help="stop (with a checkpoint) once N steps are done, as if interrupted",
-    )
+    add_init_from(p, "start", "; checkpoint.init_opt=true takes its optimizer state too")
+    option(p, "--stop-after", "N", type=int, help="stop (with a checkpoint) once N steps are done, as if interrupted")
 
 
 def _process_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,22 +81,19 @@ def _process_arguments(p: argparse.ArgumentParser) -> None:
 
 def _fault_arguments(p: argparse.ArgumentParser) -> None:
     """Fault injection (ftjax/runtime/faults.py)."""
-    p.add_argument(
+    option(
+        p,
         "--die-at",
-        default=None,
-        metavar="STEP:PHASE",
+        "STEP:PHASE",
         help="fault injection: SIGKILL this process at that step and phase (forward|ftar|commit|catchup|eval)",
     )
-    p.add_argument(
-        "--hang-at",
-        default=None,
-        metavar="STEP:PHASE",
-        help="fault injection: block the training thread forever at that step and phase",
+    option(
+        p, "--hang-at", "STEP:PHASE", help="fault injection: block the training thread forever at that step and phase"
     )
-    p.add_argument(
+    option(
+        p,
         "--flip-bit-at",
-        default=None,
-        metavar="STEP",
+        "STEP",
         help="fault injection: flip one bit of one parameter after applying that step (a silent "
         "divergence, which the coordinator detects from the digests and heals)",
     )

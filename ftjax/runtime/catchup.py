@@ -126,9 +126,7 @@ class SnapshotServer:
         self,
         token: str,
         *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        advertise: str | None = None,
+        listen: net.Listen | None = None,
         rate_limit_mbps: float | None = None,
         wait_offer_s: float = 30.0,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
@@ -140,12 +138,13 @@ class SnapshotServer:
         self._snapshots: dict[str, _Snapshot] = {}
         self._refresh: dict[str, int] = {}  # key -> min step a fetcher asked for
         self._cv = threading.Condition()
-        self._advertise = net.advertised(host, advertise)
+        listen = listen or net.Listen()  # default: loopback, a port the OS picks
+        self._advertise = listen.advertised_host()
         # Idle connections time out and surplus ones are refused (a peer stalled or flooding the
         # port cannot pin threads in the training process); a slow transfer that keeps moving, and
         # the wait for an offer, are not cut.
         self._httpd = BoundedHTTPServer(
-            (host, port), self._handler(), idle_timeout_s=idle_timeout_s, max_connections=max_connections
+            (listen.host, listen.port), self._handler(), idle_timeout_s=idle_timeout_s, max_connections=max_connections
         )
         threading.Thread(target=self._httpd.serve_forever, name="snapshot-server", daemon=True).start()
 
@@ -403,7 +402,9 @@ class ShardTransport:
         advertise: str | None = None,
     ):
         self.token, self.timeout_s = token, timeout_s
-        self.server = SnapshotServer(token, host=host, advertise=advertise, rate_limit_mbps=rate_limit_mbps)
+        self.server = SnapshotServer(
+            token, listen=net.Listen(host, advertise=advertise), rate_limit_mbps=rate_limit_mbps
+        )
         self.address = self.server.address
 
     def offer(self, key: str, state: Any, step: int, meta: dict) -> None:

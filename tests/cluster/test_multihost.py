@@ -162,7 +162,7 @@ def test_coordinator_and_catchup_servers_bound_to_every_interface_answer_over_ip
         if client is not None:
             client.close()
         server.stop()
-    snapshots = SnapshotServer(TOKEN, host="", advertise="::1")
+    snapshots = SnapshotServer(TOKEN, listen=net.Listen("", advertise="::1"))
     try:
         host, port = split_address(snapshots.address)
         assert host == "::1"

@@ -1,7 +1,7 @@
 """Flax NNX models with FSDP partitioning annotations (logical axis names on every parameter)."""
 
 from ftjax.program.models.gpt import GPT
-from ftjax.program.models.llama import Llama
+from ftjax.program.models.llama import Decoder, Llama
 from ftjax.program.models.mlp import TokenMLP
 
 MODELS = {"gpt": GPT, "mlp": TokenMLP, "llama": Llama}
@@ -20,17 +20,18 @@ def compute_dtype(setting: str):
 
 def build(cfg, rngs):
     """Build the model named by a ModelConfig (`kind`: gpt | mlp | llama)."""
-    kwargs = dict(vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_ff=cfg.d_ff)
-    if cfg.kind in ("gpt", "llama"):
-        kwargs.update(n_layers=cfg.n_layers, n_heads=cfg.n_heads, remat=cfg.remat)
+    if cfg.kind == "mlp":
+        return TokenMLP(vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_ff=cfg.d_ff, rngs=rngs)
+    shape = Decoder(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff)
     if cfg.kind == "gpt":
-        kwargs.update(seq_len=cfg.seq_len)
-    if cfg.kind == "llama":
-        kwargs.update(
-            n_kv_heads=cfg.kv_heads,
-            rope_theta=cfg.rope_theta,
-            tie_embeddings=cfg.tie_embeddings,
-            norm_eps=cfg.norm_eps,
-            compute_dtype=compute_dtype(cfg.compute_dtype),
-        )
-    return MODELS[cfg.kind](**kwargs, rngs=rngs)
+        return GPT(shape, seq_len=cfg.seq_len, remat=cfg.remat, rngs=rngs)
+    return Llama(
+        shape,
+        n_kv_heads=cfg.kv_heads,
+        rope_theta=cfg.rope_theta,
+        tie_embeddings=cfg.tie_embeddings,
+        norm_eps=cfg.norm_eps,
+        compute_dtype=compute_dtype(cfg.compute_dtype),
+        remat=cfg.remat,
+        rngs=rngs,
+    )

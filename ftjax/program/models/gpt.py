@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ftjax.program.models.llama import REMAT_POLICIES
+from ftjax.program.models.llama import REMAT_POLICIES, Decoder
 
 _init = nnx.initializers.normal(stddev=0.02)
 
@@ -79,26 +79,16 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    def __init__(
-        self,
-        *,
-        vocab_size: int,
-        d_model: int,
-        n_layers: int,
-        n_heads: int,
-        d_ff: int,
-        seq_len: int,
-        remat: str = "none",
-        rngs: nnx.Rngs,
-    ):
+    def __init__(self, shape: Decoder, *, seq_len: int, remat: str = "none", rngs: nnx.Rngs):
+        d, vocab = shape.d_model, shape.vocab_size
         self.remat = remat  # each block rematerialized in the backward pass (ftjax/program/models/llama.py)
-        self.wte = nnx.Embed(
-            vocab_size, d_model, embedding_init=nnx.with_partitioning(_init, ("vocab", "embed")), rngs=rngs
+        self.wte = nnx.Embed(vocab, d, embedding_init=nnx.with_partitioning(_init, ("vocab", "embed")), rngs=rngs)
+        self.wpe = nnx.Param(nnx.with_partitioning(_init, ("seq", "embed"))(rngs.params(), (seq_len, d)))
+        self.blocks = nnx.List(
+            [Block(d, shape.n_heads, shape.d_ff, shape.n_layers, rngs) for _ in range(shape.n_layers)]
         )
-        self.wpe = nnx.Param(nnx.with_partitioning(_init, ("seq", "embed"))(rngs.params(), (seq_len, d_model)))
-        self.blocks = nnx.List([Block(d_model, n_heads, d_ff, n_layers, rngs) for _ in range(n_layers)])
-        self.ln_f = _layer_norm(d_model, rngs)
-        self.head = linear(d_model, vocab_size, ("embed", "vocab"), rngs)
+        self.ln_f = _layer_norm(d, rngs)
+        self.head = linear(d, vocab, ("embed", "vocab"), rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens (batch, time) int32 -> logits (batch, time, vocab) float32."""

@@ -18,6 +18,8 @@ causal, and with `segment_ids` [B, T] (packed documents) also within a token's o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -29,6 +31,18 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # its input only
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # and its weight matmuls' outputs
 }
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """The shape every decoder here shares (this one and the GPT): its vocabulary, its width, its
+    blocks, their attention heads and their feed-forward width."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float = 0.02) -> nnx.Param:
@@ -129,12 +143,8 @@ def block_runner(remat: str, dtype):
 class Llama(nnx.Module):
     def __init__(
         self,
+        shape: Decoder,
         *,
-        vocab_size: int,
-        d_model: int,
-        n_layers: int,
-        n_heads: int,
-        d_ff: int,
         n_kv_heads: int | None = None,
         rope_theta: float = 10000.0,
         tie_embeddings: bool = False,
@@ -143,15 +153,18 @@ class Llama(nnx.Module):
         remat: str = "none",
         rngs: nnx.Rngs,
     ):
-        n_kv_heads = n_kv_heads or n_heads
-        self.head_dim, self.rope_theta = d_model // n_heads, rope_theta
+        d, kv_heads = shape.d_model, n_kv_heads or shape.n_heads
+        self.head_dim, self.rope_theta = d // shape.n_heads, rope_theta
         self.compute_dtype, self.remat = jnp.dtype(compute_dtype), remat
-        self.embed = _param(rngs, (vocab_size, d_model), ("vocab", "embed"))
+        self.embed = _param(rngs, (shape.vocab_size, d), ("vocab", "embed"))
         self.blocks = nnx.List(
-            [Block(d_model, n_heads, n_kv_heads, d_ff, n_layers, norm_eps, rngs) for _ in range(n_layers)]
+            [
+                Block(d, shape.n_heads, kv_heads, shape.d_ff, shape.n_layers, norm_eps, rngs)
+                for _ in range(shape.n_layers)
+            ]
         )
-        self.norm = RMSNorm(d_model, norm_eps, rngs)
-        self.head = None if tie_embeddings else _param(rngs, (d_model, vocab_size), ("embed", "vocab"))
+        self.norm = RMSNorm(d, norm_eps, rngs)
+        self.head = None if tie_embeddings else _param(rngs, (d, shape.vocab_size), ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """tokens (batch, time) int32, segment_ids (batch, time) int or None -> logits (batch, time,
