@@ -293,21 +293,18 @@ class FTConfig(_Strict):
         description="TCP connections per FTAR ring link (frame n on connection n % link_streams): more than one "
         "can fill a fast network that one connection's copies cannot; links through shared memory keep one",
     )
+    grad_path: Literal["auto", "serial", "pipelined", "pinned"] = Field(
+        "auto",
+        description='how the update reaches FTAR and comes back (docs/design.md, "One step"): serial (device -> '
+        "host, the ring, host -> device, one after another); pipelined (the three overlap, buffers allocated once); "
+        "pinned (pipelined, the device -> host copies through JAX's page-locked host memory); auto: pinned on "
+        "accelerators that have it, pipelined on CPU (where page-locked memory is one more copy). Same bits in all",
+    )
     ftar_timeout_s: float = Field(5.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
     ftar_shared_memory: bool = Field(
         True,
         description="FTAR links between replicas on one host carry payloads "
         "through /dev/shm (frame headers stay on TCP)",
-    )
-    pipeline: bool = Field(
-        True,
-        description="overlap the update's device -> host copies, FTAR and the host -> device copies "
-        "(false: one after another, the serial path; the same bits either way)",
-    )
-    pinned_host: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="the pipelined path's device -> host copies through JAX's page-locked host memory kind "
-        "(auto: on accelerators that have it, off on CPU, where it is one more copy)",
     )
     quorum_timeout_s: float = Field(120.0, gt=0)
     progress_timeout_s: float = Field(

@@ -13,8 +13,8 @@ the other in this command, so they see the same machine; each step time is the m
 warm-up. Prints one JSON line: ft_step_s, sync_step_s, ratio = ft / sync, standalone_step_s and
 ft_vs_standalone = ft / standalone (the fault tolerance's own overhead).
 
-The gradient path (issue 30): (a) runs pipelined (ft.pipeline, the default: device -> host, FTAR
-and host -> device overlap); (d) runs (a) again with `ft.pipeline=false`, the serial path, in the
+The gradient path (issue 30): (a) runs pipelined (ft.grad_path auto: device -> host, FTAR
+and host -> device overlap); (d) runs (a) again with `ft.grad_path=serial`, the serial path, in the
 same command: ft_serial_step_s and serial_vs_standalone. `phases` and `serial_phases`: the medians
 of (a)'s and (d)'s replica 0 per-step d2h_s, ring_s, h2d_s, reduce_wall_s and overlap_share
 (the share of d2h + ring + h2d hidden behind each other). `--no-sync` skips (b) (its fields are null).
@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
         ft_run = run_ft(args.config, overrides, out / "ft", args.timeout)
         ft = _median_step(ft_run / "metrics.jsonl", args.warmup)
         checksum, sha256 = _digest_costs(ft_run, args.warmup)
-        serial_run = run_ft(args.config, [*overrides, "ft.pipeline=false"], out / "ft-serial", args.timeout)
+        serial_run = run_ft(args.config, [*overrides, "ft.grad_path=serial"], out / "ft-serial", args.timeout)
         serial = _median_step(serial_run / "metrics.jsonl", args.warmup)
         alone = _median_step(
             run_standalone(args.config, [*overrides, "ft.replicas=1"], devices, out, args.timeout), args.warmup

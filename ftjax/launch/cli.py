@@ -18,7 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -273,8 +273,20 @@ def check_task_in_child(config: str, overrides: list[str]) -> None:
         )
 
 
-def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan, Path]:
-    """Validate everything before anything starts: (config, overrides, replicas, faults, run dir)."""
+@dataclass(frozen=True)
+class Launch:
+    """A launch, validated: the options, the config, its overrides, replicas, the faults, the run directory."""
+
+    args: argparse.Namespace
+    cfg: Config
+    overrides: list[str]
+    replicas: int
+    plan: FaultPlan
+    out: Path
+
+
+def prepare(args: argparse.Namespace) -> Launch:
+    """Validate everything before anything starts."""
     check_options(args)
     overrides = list(args.overrides)
     if args.hosts_per_replica is not None:
@@ -322,7 +334,7 @@ def prepare(args: argparse.Namespace) -> tuple[Config, list[str], int, FaultPlan
         why = unavailable() or (bandwidth_unavailable() if plan.bandwidth else None)
         if why is not None:
             raise UsageError(f"--virtual-cluster: this machine cannot run one: {why}")
-    return cfg, overrides, replicas, plan, out
+    return Launch(args, cfg, overrides, replicas, plan, out)
 
 
 def make_cluster(replicas: int, hosts: int, plan: FaultPlan) -> VirtualCluster:
@@ -368,7 +380,7 @@ def main(argv: list[str]) -> int:
     console = Console()
     try:
         args = build_parser().parse_intermixed_args(argv)
-        cfg, overrides, replicas, plan, out = prepare(args)
+        launch = prepare(args)
     except (UsageError, ConfigError) as e:
         print(f"ftjax launch: error: {e}", file=sys.stderr)
         return 2
@@ -381,7 +393,7 @@ def main(argv: list[str]) -> int:
                 kind,
                 where,
                 args.config,
-                [*overrides, f"ft.replicas={replicas}"],
+                [*launch.overrides, f"ft.replicas={launch.replicas}"],
                 options=cluster.options_from_args(args),
             )
         except EmitError as e:
@@ -392,36 +404,29 @@ def main(argv: list[str]) -> int:
         return 0
     previous = {s: signal.signal(s, _raise_on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return run(args, cfg, overrides, replicas, plan, out, console)
+        return run(launch, console)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def run(
-    args: argparse.Namespace,
-    cfg: Config,
-    overrides: list[str],
-    replicas: int,
-    plan: FaultPlan,
-    out: Path,
-    console: Console,
-) -> int:
+def run(launch: Launch, console: Console) -> int:
     from ftjax.base.procs import ProcessGroup
     from ftjax.launch.job import LocalJob
     from ftjax.launch.supervisor import RunLog
     from ftjax.launch.view import make_view
 
+    args, out, replicas = launch.args, launch.out, launch.replicas
     if args.overwrite and out.exists():
         shutil.rmtree(out)
     view = make_view(console)
     code, log = 1, None
     with ProcessGroup() as procs:  # leaving the block (any way) SIGKILLs every child
         try:
-            cluster = _start_virtual_cluster(args, replicas, cfg.mesh.hosts, plan, procs, view)
+            cluster = _start_virtual_cluster(args, replicas, launch.cfg.mesh.hosts, launch.plan, procs, view)
             job = LocalJob(
                 args.config,
-                overrides,
+                launch.overrides,
                 out,
                 replicas=replicas,
                 procs=procs,
@@ -430,8 +435,8 @@ def run(
                 entry=entry_command(args.entry),
             )
             log = RunLog(out / "launcher.jsonl", listener=view.event)
-            _log_launch(log, args, cfg, overrides, replicas, plan, out, cluster)
-            supervisor = _supervisor(args, job, plan, log, view)
+            _log_launch(log, launch, cluster)
+            supervisor = _supervisor(args, job, launch.plan, log, view)
             view.start()
             code = 0 if supervisor.run() else 1
         except LaunchError as e:
@@ -479,29 +484,21 @@ def _start_virtual_cluster(
     return cluster
 
 
-def _log_launch(
-    log: RunLog,
-    args: argparse.Namespace,
-    cfg: Config,
-    overrides: list[str],
-    replicas: int,
-    plan: FaultPlan,
-    out: Path,
-    cluster: VirtualCluster | None,
-) -> None:
+def _log_launch(log: RunLog, launch: Launch, cluster: VirtualCluster | None) -> None:
     """The run log's `launch` event: what the job is."""
+    args, cfg = launch.args, launch.cfg
     log.event(
         "launch",
         config=args.config,
-        overrides=overrides,
-        out=str(out),
-        replicas=replicas,
+        overrides=launch.overrides,
+        out=str(launch.out),
+        replicas=launch.replicas,
         hosts=cfg.mesh.hosts,
         devices=cfg.mesh.devices_per_host,
         steps=cfg.steps,
         restart_delay_s=args.restart_delay_s,
         host_repair_s=args.host_repair_s,
-        faults=asdict(plan),
+        faults=asdict(launch.plan),
         virtual_cluster=None
         if cluster is None
         else {name: {"address": h.ipv4, "netns": h.netns} for name, h in cluster.hosts.items()},

@@ -79,24 +79,22 @@ def _process_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default=None, help="HOST:PORT of the job's coordinator (joins a job)")
 
 
-def _fault_arguments(p: argparse.ArgumentParser) -> None:
-    """Fault injection (ftjax/runtime/faults.py)."""
-    option(
-        p,
-        "--die-at",
-        "STEP:PHASE",
-        help="fault injection: SIGKILL this process at that step and phase (forward|ftar|commit|catchup|eval)",
-    )
-    option(
-        p, "--hang-at", "STEP:PHASE", help="fault injection: block the training thread forever at that step and phase"
-    )
-    option(
-        p,
+# flag, value, what it injects (ftjax/runtime/faults.py); each one's help starts "fault injection: "
+FAULT_FLAGS = (
+    ("--die-at", "STEP:PHASE", "SIGKILL this process at that step and phase (forward|ftar|commit|catchup|eval)"),
+    ("--hang-at", "STEP:PHASE", "block the training thread forever at that step and phase"),
+    (
         "--flip-bit-at",
         "STEP",
-        help="fault injection: flip one bit of one parameter after applying that step (a silent "
-        "divergence, which the coordinator detects from the digests and heals)",
-    )
+        "flip one bit of one parameter after applying that step (a silent divergence, which the "
+        "coordinator detects from the digests and heals)",
+    ),
+)
+
+
+def _fault_arguments(p: argparse.ArgumentParser) -> None:
+    for flag, metavar, what in FAULT_FLAGS:
+        option(p, flag, metavar, help=f"fault injection: {what}")
 
 
 def parse_config(args: argparse.Namespace) -> Config:

@@ -30,9 +30,9 @@ class FTARReducer:
     """`endpoints`: one per lane this host serves (`flat.served`, in that order). `divisor`: None
     averages over the contributors (elastic global batch); the job's batch count R divides the
     contributors' sums in constant-batch mode, whoever computed the R batches. `pipelined`
-    (ft.pipeline): device -> host, the ring and host -> device overlap (`ftjax.runtime.pipeline`);
+    (ft.grad_path pipelined or pinned): device -> host, the ring and host -> device overlap (`ftjax.runtime.pipeline`);
     otherwise they run one after another (the path before it, kept to compare and to fall back on).
-    `pinned` (ft.pinned_host): the pipeline's device -> host copies go through page-locked memory.
+    `pinned` (ft.grad_path pinned): the pipeline's device -> host copies go through page-locked memory.
     `phases`: the last step's seconds in each (metrics.jsonl)."""
 
     def __init__(

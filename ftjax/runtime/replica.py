@@ -64,9 +64,9 @@ def _divisor(cfg: Config) -> int | None:
 
 
 def _pinned(cfg: Config, shardings: Any) -> bool:
-    """ft.pinned_host: auto is on where this host's devices are accelerators with page-locked host memory."""
-    if cfg.ft.pinned_host != "auto":
-        return cfg.ft.pinned_host == "on"
+    """ft.grad_path: pinned, or auto where this host's devices are accelerators with page-locked host memory."""
+    if cfg.ft.grad_path != "auto":
+        return cfg.ft.grad_path == "pinned"
     devices = {d for s in jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
                for d in s.addressable_devices}  # fmt: skip
     return all(d.platform != "cpu" and "pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices)
@@ -140,7 +140,11 @@ def member_protocol(
         incarnation=incarnation,
         group=group,
         reducer=FTARReducer(
-            endpoints, flat, divisor=_divisor(cfg), pipelined=cfg.ft.pipeline, pinned=_pinned(cfg, update_shardings)
+            endpoints,
+            flat,
+            divisor=_divisor(cfg),
+            pipelined=cfg.ft.grad_path != "serial",
+            pinned=_pinned(cfg, update_shardings),
         ),
         transport=transport,
         quorums=client,

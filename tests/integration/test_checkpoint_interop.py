@@ -211,9 +211,9 @@ def test_launch_passes_init_from_to_its_replicas(tmp_path, capsys):
     args = launch_cli.build_parser().parse_intermixed_args(
         [TINY, "--init-from", str(tmp_path), "--out", str(tmp_path / "job")]
     )
-    cfg, overrides, *_ = launch_cli.prepare(args)
-    assert cfg.checkpoint.init_from == str(tmp_path)
-    assert overrides[-1] == f'checkpoint.init_from="{tmp_path}"'  # LocalJob gives every replica its overrides
+    launch = launch_cli.prepare(args)
+    assert launch.cfg.checkpoint.init_from == str(tmp_path)
+    assert launch.overrides[-1] == f'checkpoint.init_from="{tmp_path}"'  # LocalJob gives every replica its overrides
     missing = tmp_path / "nowhere"
     assert launch_cli.main([TINY, "--init-from", str(missing), "--out", str(tmp_path / "job")]) == 2
     assert f"--init-from {missing}: not a directory" in capsys.readouterr().err

@@ -105,7 +105,7 @@ def test_the_pipelined_path_gives_the_serial_paths_bits_and_the_mean(dtype, lane
 
 
 def test_through_page_locked_host_memory_the_bits_are_the_same():
-    """ft.pinned_host: the update leaves the devices through JAX's pinned_host memory kind (on CPU
+    """ft.grad_path pinned: the update leaves the devices through JAX's pinned_host memory kind (on CPU
     too, where it exists but is not the default), and the ring gets the same bytes."""
     reducers = _reducers([True, False], pinned=True)
     assert reducers[0].pipeline.pinned is not None
