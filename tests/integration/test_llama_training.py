@@ -147,9 +147,13 @@ def test_train_llama_tiny_learns(tmp_path):
 
 @pytest.mark.slow
 def test_launch_llama_tiny_with_kills_in_ftar_and_in_catchup_ends_equal_exactly_once(procs, tmp_path):
-    """`ftjax launch llama_tiny --replicas 3 --kill 1@20:ftar --kill 2@40:catchup steps=60`."""
+    """`ftjax launch llama_tiny --replicas 3 --kill 1@20:ftar --kill 2@40:catchup steps=60`, with the
+    update in bfloat16 on the device and on FTAR's wire (ft.grad_dtype, ft.wire_dtype: healing
+    replicas relay bfloat16 zeros and replay bfloat16 updates): equal digests, every batch once, and
+    the loss falls."""
     args = ["llama_tiny", "--replicas", "3", "--kill", "1@20:ftar", "--kill", "2@40:catchup", "steps=60"]
-    run = Launch(procs, [*args, "--restart-delay-s", "0.5", "ft.drain_timeout_s=120"], tmp_path / "run")
+    bf16 = ["ft.grad_dtype=bfloat16", "ft.wire_dtype=bfloat16"]
+    run = Launch(procs, [*args, *bf16, "--restart-delay-s", "0.5", "ft.drain_timeout_s=120"], tmp_path / "run")
     try:
         code = run.wait(900)
         s = run.summary()
@@ -159,26 +163,10 @@ def test_launch_llama_tiny_with_kills_in_ftar_and_in_catchup_ends_equal_exactly_
         assert kills == [2], run.output()
         assert s["committed_steps"] == 60
         assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
-        assert run.leftovers() == []
-    finally:
-        run.close()
-
-
-@pytest.mark.slow
-def test_launch_with_a_bfloat16_all_reduce_ends_equal_exactly_once(procs, tmp_path):
-    """ft.grad_dtype=bfloat16 (FTAR's buffers in bfloat16; a healing replica relays bfloat16 zeros
-    and replays bfloat16 updates), replica 1 killed in FTAR and back mid-run: equal digests, every
-    batch once, and the loss falls."""
-    args = ["llama_tiny", "--replicas", "2", "--kill", "1@10:ftar", "steps=1000", "ft.grad_dtype=bfloat16"]
-    run = Launch(procs, [*args, "--restart-delay-s", "0.5", "ft.drain_timeout_s=120"], tmp_path / "run")
-    try:
-        code = run.wait(900)
-        s = run.summary()
-        assert [(e["replica"], e.get("at")) for e in s["failure_events"]] == [(1, "10:ftar")]
-        assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
-        assert s["replicas"]["1"]["catchups"] >= 1 and s["replicas"]["1"]["steps_contributed"] > 9, s["replicas"]
+        assert s["replicas"]["1"]["catchups"] >= 1 and s["replicas"]["2"]["catchups"] >= 1, s["replicas"]
         losses = [m["loss"] for m in run.metrics(0) if m.get("committed") and "event" not in m]
         assert losses[-1] < 0.8 * losses[0], losses
+        assert run.leftovers() == []
     finally:
         run.close()
 
