@@ -228,9 +228,9 @@ class Pipeline:
             if self.pinned is not None:
                 grads = jax.device_put(grads, self.pinned)  # asynchronous: every leaf's DMA in flight
             shards = self.flat.host_shards(grads)
-            for leaf in shards:
+            for leaf in shards if self.pinned is None else ():
                 for _, shard in leaf:
-                    shard.data.copy_to_host_async()  # every transfer in flight at once (pinned: a no-op)
+                    shard.data.copy_to_host_async()  # every transfer in flight at once
             parts: dict[tuple[int, int], np.ndarray] = {}
             for lane, k in order:
                 p, a, b = self.blocks.blocks[lane][k]
