@@ -216,6 +216,24 @@ class LogConfig(_Strict):
         description="TensorBoard event files of every step record and event: RUN/tensorboard/replica-R/ "
         "(a standalone run: RUN/tensorboard/)",
     )
+    wandb: bool = Field(
+        False,
+        description="also log the same scalars to Weights & Biases: a run per replica, RUN-replica-R, grouped "
+        "by the run directory's name (needs `pip install wandb`; WANDB_MODE holds)",
+    )
+    wandb_project: str = Field("ftjax", min_length=1, description="the W&B project of log.wandb's runs")
+
+    @field_validator("wandb")
+    @classmethod
+    def _wandb_installed(cls, on: bool) -> bool:
+        # At startup, before anything trains: a job that asked for W&B and would silently log
+        # nothing there is worse than one that does not start.
+        if on:
+            try:
+                import wandb  # noqa: F401
+            except ImportError as e:
+                raise ValueError(f"true needs the wandb package, not importable ({e}): pip install wandb") from None
+        return on
 
 
 class CoordinatorConfig(_Strict):

@@ -1,8 +1,9 @@
 """`ftjax data prepare INPUT... --tokenizer tokenizer.json --out DIR`: tokenize a corpus once.
 
 Inputs are plain text files (one document per file; a directory or a glob stands for the files
-under it, in sorted order) and JSON Lines files (`.jsonl`, `.ndjson`: one document per line, its
-text in `--field`). The tokenizer is a local file, nothing is downloaded: a Hugging Face
+under it, in sorted order), JSON Lines files (`.jsonl`, `.ndjson`: one document per line, its
+text in `--field`) and Parquet files (`.parquet`: one document per row, its text in the string
+column `--field`). The tokenizer is a local file, nothing is downloaded: a Hugging Face
 `tokenizer.json` (a `.json` file), else a SentencePiece model (`tokenizer.model`, `spm.model`).
 Each document is followed by the EOS token. `--format array_record` stores each split as an
 ArrayRecord file of one record per document instead of a flat tokens.bin (the same tokens, the same
@@ -12,8 +13,8 @@ Output: the token files of ftjax/program/tokens.py, written under a temporary na
 into place when complete, so a crashed run never leaves something that looks done.
 
 The work is spread over processes (`--workers`, default: every core) in chunks of documents
-(`--chunk-mib` of input each); results are written in input order, so the files are the same
-bytes whatever the number of workers or the chunk size.
+(`--chunk-mib` of input each; a Parquet file is cut between row groups); results are written in
+input order, so the files are the same bytes whatever the number of workers or the chunk size.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import numpy as np
 from ftjax.program.tokens import SPLITS, STORAGES, SplitWriter, TokenFileError, token_dtype, write_index
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
 DEFAULT_EOS = ("</s>", "<|endoftext|>")
 
 
@@ -49,11 +51,13 @@ class PrepareError(ValueError):
 
 @dataclass(frozen=True)
 class Chunk:
-    """Documents for one worker: whole text files (one document each), or the lines of a JSONL
-    file's byte range [start, end) (both on line boundaries)."""
+    """Documents for one worker: whole text files (one document each), the lines of a JSONL
+    file's byte range [start, end) (both on line boundaries), or the rows of a Parquet file's row
+    groups [start, end)."""
 
     paths: tuple[str, ...]
     jsonl: bool = False
+    parquet: bool = False
     start: int = 0
     end: int = 0
     nbytes: int = 0
@@ -83,25 +87,19 @@ def list_inputs(inputs: list[str]) -> list[Path]:
     return files
 
 
-def plan_chunks(files: list[Path], chunk_bytes: int):
+def plan_chunks(files: list[Path], chunk_bytes: int, field: str = "text"):
     """Chunks of about `chunk_bytes` of input each, in input order. A JSONL file is cut at line
-    ends found by seeking (the file is not read here); text files are grouped whole."""
+    ends found by seeking (the file is not read here), a Parquet file between row groups (its
+    footer is read, and its `field` column checked); text files are grouped whole."""
     group: list[Path] = []
     size = 0
     for path in files:
-        if path.suffix in JSONL_SUFFIXES:
+        if path.suffix in JSONL_SUFFIXES + PARQUET_SUFFIXES:
             if group:
                 yield Chunk(tuple(map(str, group)), nbytes=size)
                 group, size = [], 0
-            total = path.stat().st_size
-            with open(path, "rb") as f:
-                start = 0
-                while start < total:
-                    f.seek(start + chunk_bytes - 1)
-                    f.readline()  # to the end of the line the cut falls in
-                    end = min(f.tell(), total)
-                    yield Chunk((str(path),), jsonl=True, start=start, end=end, nbytes=end - start)
-                    start = end
+            cuts = _jsonl_cuts if path.suffix in JSONL_SUFFIXES else _parquet_cuts
+            yield from cuts(path, chunk_bytes, field)
         else:
             group.append(path)
             size += path.stat().st_size
@@ -110,6 +108,68 @@ def plan_chunks(files: list[Path], chunk_bytes: int):
                 group, size = [], 0
     if group:
         yield Chunk(tuple(map(str, group)), nbytes=size)
+
+
+def _jsonl_cuts(path: Path, chunk_bytes: int, field: str):
+    total = path.stat().st_size
+    with open(path, "rb") as f:
+        start = 0
+        while start < total:
+            f.seek(start + chunk_bytes - 1)
+            f.readline()  # to the end of the line the cut falls in
+            end = min(f.tell(), total)
+            yield Chunk((str(path),), jsonl=True, start=start, end=end, nbytes=end - start)
+            start = end
+
+
+def _parquet_cuts(path: Path, chunk_bytes: int, field: str):
+    """Runs of whole row groups of about `chunk_bytes` (compressed) each. A row group is the
+    smallest unit Parquet reads on its own, so it is the cut: which rows a chunk holds follows from
+    the file alone, and the output is the same bytes whatever the workers or the chunk size."""
+    meta = _open_parquet(path, field).metadata
+    start, size = 0, 0
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        size += sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
+        if size >= chunk_bytes or g == meta.num_row_groups - 1:
+            yield Chunk((str(path),), parquet=True, start=start, end=g + 1, nbytes=size)
+            start, size = g + 1, 0
+
+
+def _open_parquet(path: str | Path, field: str):
+    """The Parquet file at `path`, its `field` column checked: present, and of strings."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        f = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as e:
+        raise PrepareError(f"{path}: not a Parquet file: {e}") from None
+    schema = f.schema_arrow
+    if field not in schema.names:
+        raise PrepareError(
+            f"{path}: no column {field!r} (--field; this file has {', '.join(map(repr, schema.names)) or 'no columns'})"
+        )
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise PrepareError(f"{path}: column {field!r} (--field) is of type {kind}, not a string")
+    return f
+
+
+def _parquet_documents(chunk: Chunk, field: str) -> list[str]:
+    """The texts of a Parquet chunk's row groups, in row order (a null is an error: no document)."""
+    path = chunk.paths[0]
+    import pyarrow as pa
+
+    f = _open_parquet(path, field)
+    try:
+        texts = f.read_row_groups(range(chunk.start, chunk.end), columns=[field])[field].to_pylist()
+    except (OSError, pa.ArrowException) as e:
+        raise PrepareError(f"{path}: {e}") from None
+    if None in texts:
+        row = sum(f.metadata.row_group(g).num_rows for g in range(chunk.start)) + texts.index(None)
+        raise PrepareError(f"{path}: row {row}: column {field!r} (--field) is null, not a string")
+    return texts
 
 
 # --- a worker ----------------------------------------------------------------------------------------
@@ -131,6 +191,8 @@ def _line_number(path: str, offset: int) -> int:
 
 def read_documents(chunk: Chunk, field: str) -> list[str]:
     """The texts of a chunk's documents, in order (an empty document stays, as "")."""
+    if chunk.parquet:
+        return _parquet_documents(chunk, field)
     if not chunk.jsonl:
         texts = []
         for path in chunk.paths:
@@ -325,7 +387,7 @@ def prepare(
                 "heldout_fraction": heldout_fraction,
                 "documents": docs,
                 "empty_documents": empty,
-                "field": field if any(f.suffix in JSONL_SUFFIXES for f in files) else None,
+                "field": field if any(f.suffix in JSONL_SUFFIXES + PARQUET_SUFFIXES for f in files) else None,
                 "inputs": list(inputs),
                 "splits": splits,
             },
@@ -353,7 +415,7 @@ def _tokenize(files, chunk_bytes, workers, tokenizer, eos_id, field, vocab_size,
         disable=not (show and console.is_terminal),
     )
     task = bar.add_task("tokenize", total=sum(f.stat().st_size for f in files), tokens=0)
-    chunks = plan_chunks(files, chunk_bytes)
+    chunks = plan_chunks(files, chunk_bytes, field)
     docs = empty = tokens = 0
     # spawn: a worker starts clean (no copy of a parent's threads: rich's refresh, JAX in a benchmark)
     pool = ProcessPoolExecutor(
@@ -413,12 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ftjax data prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, directories, globs, .jsonl files")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text files, directories, globs, .jsonl, .parquet files")
     p.add_argument(
         "--tokenizer", required=True, help="a Hugging Face tokenizer.json, or a SentencePiece model file (.model)"
     )
     p.add_argument("--out", required=True, help="the token files' directory (written whole, or not at all)")
-    p.add_argument("--field", default="text", help="JSONL: the field holding a document's text (text)")
+    p.add_argument("--field", default="text", help="JSONL field or Parquet column holding a document's text (text)")
     p.add_argument(
         "--eos-token",
         default=None,

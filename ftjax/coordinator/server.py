@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,6 +39,7 @@ from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator.codec import QuorumEncoding
 from ftjax.coordinator.http import Metrics, StatusHTTPServer
+from ftjax.coordinator.jobview import JobView
 from ftjax.coordinator.layout import MAX_LAYOUT_BYTES
 from ftjax.coordinator.lifetime import JobEnd, watch
 from ftjax.coordinator.progress import StepFigures
@@ -458,11 +460,15 @@ class CoordinatorServer:
         http_port: int | None = 0,
         startup_grace: float | None = None,
         advertise: str | None = None,
+        tensorboard_dir: str | Path | None = None,
     ) -> None:
+        """`tensorboard_dir`: where the job view's TensorBoard event files go (None: none)."""
         if not token:
             raise ValueError("the job token must not be empty")
         self.settings = settings
         self.state = CoordinatorState(settings, time.monotonic(), startup_grace=startup_grace)
+        if tensorboard_dir is not None:
+            self.state.job_view = JobView(tensorboard_dir)
         self.metrics = Metrics(self.state)
         self._token = token
         self._host = net.bind_value(host)  # "" binds every interface
@@ -560,6 +566,9 @@ class CoordinatorServer:
         if self._loop is not None and self._stop is not None and self._thread is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(10)
+        if self.state.job_view is not None:  # (after the handlers: nothing is queued after the close)
+            self.state.job_view.close()
+            self.state.job_view = None
 
     def __enter__(self) -> CoordinatorServer:
         return self.start()
@@ -661,6 +670,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", default=None, help=f"file holding the job token (default: ${TOKEN_ENV})")
     p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving")
     p.add_argument(
+        "--tensorboard-dir",
+        default=None,
+        help="write the job view (quorums, failures, catch-ups) as TensorBoard event files here, "
+        "RUN/tensorboard/job/ in a job (default: none)",
+    )
+    p.add_argument(
         "--final-step",
         type=int,
         default=None,
@@ -697,6 +712,7 @@ def main(argv: list[str]) -> int:
         advertise=advertise,
         http_port=None if args.http_port < 0 else args.http_port,
         startup_grace=args.startup_grace_s,
+        tensorboard_dir=args.tensorboard_dir,
     )
     if args.final_step is not None and (args.final_step < 1 or args.expected_replicas < 1):
         print("ftjax coordinator: --final-step needs a step >= 1 and --expected-replicas", file=sys.stderr)

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ftjax.base.net import is_loopback
+from ftjax.coordinator.jobview import JobView
 from ftjax.coordinator.layout import layout_difference
 from ftjax.coordinator.progress import JobProgress, StepFigures
 from ftjax.coordinator.quorum import (
@@ -168,6 +169,7 @@ class CoordinatorState:
         self._pending_prev = 0  # ... of which members of the previous quorum
         self._first_request: float | None = None  # lower bound of the earliest pending request
         self._next_sweep = float("inf")  # no member of `members` can be dead before this
+        self.job_view: JobView | None = None  # TensorBoard's view of the job (ftjax/coordinator/jobview.py)
 
     # -- the status page's bookkeeping --------------------------------------------------------
 
@@ -506,6 +508,8 @@ class CoordinatorState:
             self._record_failure(
                 now, "report", replica_id, incarnation, reporter, reason, result.verdict, quorum_id=quorum_id
             )
+            if self.job_view is not None:
+                self.job_view.failure_report(result.verdict)
             return result
 
     def confirm(self, replica_id: str, incarnation: str, accused_at: float, now: float) -> Accusation:
@@ -643,6 +647,8 @@ class CoordinatorState:
         # (the page's bookkeeping waits until the answers are out: see `settle_progress`)
         self._progress_backlog.append((q, has_state, now))
         self.counters["quorums"] += 1
+        if self.job_view is not None:
+            self.job_view.quorum(q)
         self.history.append(
             {
                 "quorum_id": q.quorum_id,

@@ -124,6 +124,7 @@ class LocalJob:
                     str(self.replicas),
                     "--ready-file",
                     str(ready),
+                    *self._job_view_flags(),
                 ],
             ),
             env=self.env,
@@ -140,6 +141,10 @@ class LocalJob:
         info = json.loads(ready.read_text())
         self.coordinator_address, self.coordinator_http = info["grpc"], info.get("http")
         return self.coordinator_address
+
+    def _job_view_flags(self) -> list[str]:
+        """The coordinator's TensorBoard view of the job: RUN/tensorboard/job/, beside the replicas'."""
+        return ["--tensorboard-dir", str(self.out / "tensorboard" / "job")] if self.cfg.log.tensorboard else []
 
     def restart_coordinator(self, timeout: float = 30.0) -> str:
         """Kill the coordinator and start a new one on the same ports (its state is soft)."""

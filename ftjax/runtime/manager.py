@@ -466,7 +466,7 @@ def join(
         total_steps=cfg.steps,
         label=f"replica {options.replica_id}",
         log_every=options.log_every,
-        tensorboard=rp.tensorboard_dir(cfg, options, out),
+        **rp.record_sinks(cfg, options, out),
     )
     topology = _script_topology(cfg, template, abstract)
     protocol = _script_protocol(run, group, log, template, topology)

@@ -122,8 +122,10 @@ class MetricsLog:
         label: str = "train",
         log_every: int | None = None,
         tensorboard: str | Path | None = None,
+        wandb: dict[str, Any] | None = None,
     ):
-        """`tensorboard`: a directory for TensorBoard event files of the same records (None: none)."""
+        """`tensorboard`: a directory for TensorBoard event files of the same records (None: none);
+        `wandb`: wandb.init's arguments for a W&B run of the same scalars (None: none)."""
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.records: list[dict[str, Any]] = []
@@ -134,10 +136,10 @@ class MetricsLog:
         self._tensorboard = None
         if enabled:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            if tensorboard is not None:
+            if tensorboard is not None or wandb is not None:
                 from ftjax.runtime.tensorboard import TensorBoardWriter
 
-                self._tensorboard = TensorBoardWriter(tensorboard)
+                self._tensorboard = TensorBoardWriter(tensorboard, wandb=wandb)
             self._file = open(self.run_dir / filename, "a", buffering=1)
             if not _isatty(sys.stdout):
                 self._plain = PlainLines(sys.stdout, label, total_steps, log_every)

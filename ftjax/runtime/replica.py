@@ -39,6 +39,7 @@ from ftjax.runtime.metrics import MetricsLog, ModelFlops
 from ftjax.runtime.protocol import LocalQuorum, StepProtocol
 from ftjax.runtime.reduce import FTARReducer, LocalReducer
 from ftjax.runtime.replay import ReplayBuffer
+from ftjax.runtime.tensorboard import wandb_init
 from ftjax.runtime.trainer import Trainer
 from ftjax.runtime.watchdog import NoWatchdog, ProgressWatchdog
 
@@ -283,8 +284,22 @@ def _metrics_log(cfg: Config, args: RunOptions, out: Path, group: JaxHostGroup) 
         total_steps=cfg.steps,
         label=f"replica {args.replica_id}",
         log_every=args.log_every,
-        tensorboard=tensorboard_dir(cfg, args, out),
+        **record_sinks(cfg, args, out),
     )
+
+
+def record_sinks(cfg: Config, args: RunOptions, out: Path) -> dict:
+    """MetricsLog's `tensorboard` and `wandb` arguments for a replica writing its records to `out`."""
+    return {"tensorboard": tensorboard_dir(cfg, args, out), "wandb": wandb_init_of(cfg, args, out)}
+
+
+def wandb_init_of(cfg: Config, args: RunOptions, out: Path) -> dict | None:
+    """wandb.init's arguments (`log.wandb`; None: off): the run directory is RUN for a job's member
+    (its records are in RUN/replica-R/), `out` for a standalone run, as for the event files."""
+    if not cfg.log.wandb:
+        return None
+    run_dir = Path(out).parent if args.coordinator else Path(out)
+    return wandb_init(cfg.log.wandb_project, run_dir.resolve(), args.replica_id)
 
 
 def tensorboard_dir(cfg: Config, args: RunOptions, out: Path) -> Path | None:

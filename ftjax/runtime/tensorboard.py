@@ -1,19 +1,22 @@
-"""TensorBoard event files of a replica's records: every step record and event that goes to
-`metrics.jsonl` goes here too (ftjax/runtime/metrics.py `MetricsLog`), as scalars and text markers.
+"""TensorBoard event files (and, with `log.wandb`, a W&B run) of a replica's records: every step
+record and event that goes to `metrics.jsonl` goes here too (ftjax/runtime/metrics.py `MetricsLog`),
+as scalars and text markers.
 
-The step never waits for it: records go into an unbounded queue that one daemon thread writes with
-tensorboardX, flushing every `flush_s` seconds and at the end. Without tensorboardX the run goes on
-without event files (one line on stderr says so).
+The step never waits for it: ftjax/runs/scalars.py's ScalarWriter queues the records for one daemon
+thread that writes every sink. W&B shares that thread rather than getting its own: both sinks get
+the same scalars at the same steps, and a slow W&B upload can only delay the event files, never a
+step (the queue is unbounded). Without tensorboardX the run goes on without event files (one line on
+stderr says so).
 """
 
 from __future__ import annotations
 
 import json
-import queue
-import sys
-import threading
+import os
 from pathlib import Path
 from typing import Any
+
+from ftjax.runs.scalars import ScalarWriter, tensorboard_sink
 
 # step record field -> scalar tag
 SCALARS = {
@@ -40,57 +43,60 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-class TensorBoardWriter:
-    """One replica leader's event files under `directory`, written off the training thread."""
+class WandbSink:
+    """A W&B run (`wandb.init(**init)`): the same scalars as the event files, at the same steps."""
 
-    def __init__(self, directory: str | Path, flush_s: float = 5.0) -> None:
-        self.directory = Path(directory)
-        self.flush_s = flush_s
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, init: dict[str, Any]) -> None:
+        import wandb  # checked at startup (ftjax/config.py LogConfig): here it only fails if it broke since
+
+        self.run = wandb.init(**init)
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        pass  # the event's scalar (events/KIND = 1) marks it in W&B; its fields stay in metrics.jsonl
+
+    def flush(self) -> None:
+        pass  # W&B uploads on its own schedule
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def wandb_init(project: str, run_dir: Path, replica_id: int) -> dict[str, Any]:
+    """wandb.init's arguments for a replica of the run in `run_dir`: one W&B run per replica, grouped
+    by the run directory's name, its files in that directory; WANDB_MODE (offline, disabled) holds."""
+    return {
+        "project": project,
+        "name": f"{run_dir.name}-replica-{replica_id}",
+        "group": run_dir.name,
+        "dir": str(run_dir),
+        "mode": os.environ.get("WANDB_MODE") or None,
+    }
+
+
+class TensorBoardWriter:
+    """One replica leader's event files under `directory` (None: none) and its W&B run (`wandb`:
+    wandb.init's arguments; None: none), written off the training thread."""
+
+    def __init__(self, directory: str | Path | None, flush_s: float = 5.0, wandb: dict[str, Any] | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else None
+        sinks = [tensorboard_sink(directory, flush_s)] if directory is not None else []
+        if wandb is not None:
+            sinks.append(lambda: WandbSink(wandb))
+        self._writer = ScalarWriter(sinks, flush_s, name="ftjax-tensorboard")
         self._step = 0  # the latest step record's: where an event is marked
-        self._thread = threading.Thread(target=self._run, name="ftjax-tensorboard", daemon=True)
-        self._thread.start()
 
     def step(self, record: dict[str, Any]) -> None:
         self._step = int(record.get("step") or self._step)
-        self._queue.put(("step", self._step, scalars(record)))
+        self._writer.scalars(scalars(record), self._step)
 
     def event(self, kind: str, fields: dict[str, Any]) -> None:
         """An event: a text marker `events/KIND` (its fields) and the scalar `events/KIND` = 1."""
-        self._queue.put(("event", self._step, (str(kind), json.dumps(fields, default=str, sort_keys=True))))
+        self._writer.scalars({f"events/{kind}": 1.0}, self._step)
+        self._writer.text(f"events/{kind}", json.dumps(fields, default=str, sort_keys=True), self._step)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Write what is queued, flush and close the files (waits at most `timeout_s`)."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError as e:
-            print(f"ftjax: no TensorBoard event files ({e}; log.tensorboard=false to not ask)", file=sys.stderr)
-            return
-        writer = SummaryWriter(str(self.directory), flush_secs=self.flush_s)
-        try:
-            while True:
-                try:
-                    item = self._queue.get(timeout=self.flush_s)
-                except queue.Empty:
-                    writer.flush()
-                    continue
-                if item is None:
-                    break
-                self._write(writer, *item)
-        finally:
-            writer.flush()
-            writer.close()
-
-    @staticmethod
-    def _write(writer: Any, what: str, step: int, payload: Any) -> None:
-        if what == "step":
-            for tag, value in payload.items():
-                writer.add_scalar(tag, value, step)
-        else:
-            kind, text = payload
-            writer.add_scalar(f"events/{kind}", 1.0, step)
-            writer.add_text(f"events/{kind}", text, step)
+        """Write what is queued, flush and close the files and the W&B run (waits at most `timeout_s`)."""
+        self._writer.close(timeout_s)
