@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ftjax.base.procs import ProcessGroup, free_port
 from ftjax.launch.job import LocalJob
+from ftjax.runtime.args import process_flags
 from ftjax.runtime.metrics import read_metrics
 from ftjax_bench import common
 
@@ -105,12 +106,7 @@ def run_sync(config: str, overrides: list[str], batch: int, devices: int, out: P
                 config,
                 *overrides,
                 f"data.batch_size={2 * batch}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-                "--dist-address",
-                f"127.0.0.1:{port}",
+                *process_flags(2, i, f"127.0.0.1:{port}"),
                 "--out",
                 str(out / "sync"),
             ]

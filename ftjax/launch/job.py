@@ -51,6 +51,9 @@ def job_hosts(replicas: int, hosts: int) -> list[str]:
     return [COORDINATOR_HOST, *(host_name(r, h) for r in range(replicas) for h in range(hosts))]
 
 
+FTJAX = (sys.executable, "-m", "ftjax")  # the ftjax command line of this interpreter
+
+
 class LocalJob:
     def __init__(
         self,
@@ -66,7 +69,7 @@ class LocalJob:
         entry: list[str] | None = None,
     ):
         self.config_path = str(config_path)
-        self.entry = entry or [sys.executable, "-m", "ftjax", "train"]  # what runs each replica host
+        self.entry = entry or [*FTJAX, "train"]  # what runs each replica host
         self.overrides = [*overrides, f"ft.replicas={replicas}"]
         self.cfg: Config = load_config(self.config_path, self.overrides)  # validated before anything starts
         self.out = Path(out)
@@ -110,9 +113,7 @@ class LocalJob:
             self._on(
                 COORDINATOR_HOST,
                 [
-                    sys.executable,
-                    "-m",
-                    "ftjax",
+                    *FTJAX,
                     "coordinator",
                     *where,
                     "--port",

@@ -79,6 +79,12 @@ def _process_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--coordinator", default=None, help="HOST:PORT of the job's coordinator (joins a job)")
 
 
+def process_flags(processes: int, process_id: int, dist_address: str) -> list[str]:
+    """The flags that make a process host `process_id` of a replica of `processes` hosts, meeting
+    at `dist_address` (what `_process_arguments` reads)."""
+    return ["--num-processes", str(processes), "--process-id", str(process_id), "--dist-address", dist_address]
+
+
 # flag, value, what it injects (ftjax/runtime/faults.py); each one's help starts "fault injection: "
 FAULT_FLAGS = (
     ("--die-at", "STEP:PHASE", "SIGKILL this process at that step and phase (forward|ftar|commit|catchup|eval)"),

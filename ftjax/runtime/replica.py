@@ -126,32 +126,25 @@ def member_protocol(
             topology=topology,
         )
         client = _coordinator_client(cfg, args, token, info, log)
-    buffer = ReplayBuffer(out / f"replay-host{group.rank}", int(cfg.ft.catchup_buffer_mib * 2**20))
-    flat = LaneFlattener(
-        update_template,
-        update_shardings,
-        lanes=cfg.mesh.hosts,
-        devices_per_host=cfg.mesh.devices_per_host,
-        served=served,
-        tensor=cfg.mesh.tensor,
-        dtype=_grad_dtype(cfg),
-    )
     return StepProtocol(
         replica_id=str(args.replica_id),
         incarnation=incarnation,
         group=group,
-        reducer=FTARReducer(
-            endpoints,
-            flat,
-            divisor=_divisor(cfg),
-            pipelined=cfg.ft.grad_path != "serial",
-            pinned=_pinned(cfg, update_shardings),
-        ),
+        reducer=_ftar_reducer(cfg, endpoints, served, update_template, update_shardings),
         transport=transport,
         quorums=client,
-        buffer=buffer,
+        buffer=ReplayBuffer(out / f"replay-host{group.rank}", int(cfg.ft.catchup_buffer_mib * 2**20)),
         log=log,
     )
+
+
+def _ftar_reducer(cfg: Config, endpoints, served, update_template: Any, update_shardings: Any) -> FTARReducer:
+    """How this host averages the update: its lanes through FTAR, on the gradient path of ft.grad_path."""
+    m = cfg.mesh  # the lanes are cut by the job's full replica, whatever this one's degree
+    layout = dict(lanes=m.hosts, devices_per_host=m.devices_per_host, served=served, tensor=m.tensor)
+    flat = LaneFlattener(update_template, update_shardings, dtype=_grad_dtype(cfg), **layout)
+    pipelined, pinned = cfg.ft.grad_path != "serial", _pinned(cfg, update_shardings)
+    return FTARReducer(endpoints, flat, divisor=_divisor(cfg), pipelined=pipelined, pinned=pinned)
 
 
 def _ftar_endpoints(cfg: Config, token: str, addrs: net.Addresses, served) -> list[FTAREndpoint]:

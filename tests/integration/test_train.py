@@ -10,6 +10,7 @@ from conftest import FTJAX, REPO
 
 from ftjax.base.procs import free_port
 from ftjax.cli.train import build_parser, parse_config, run_standalone
+from ftjax.runtime.args import process_flags
 from ftjax.runtime.metrics import read_metrics
 
 TINY = f"{REPO}/configs/tiny.yaml"
@@ -81,12 +82,7 @@ def test_two_processes_match_one(tmp_path, procs, four_devices):
                 str(tmp_path / "run"),
                 "steps=12",
                 "mesh.devices_per_host=2",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-                "--dist-address",
-                f"127.0.0.1:{port}",
+                *process_flags(2, i, f"127.0.0.1:{port}"),
             ],
             device_count=2,
             stdout=logs[i],
