@@ -3,13 +3,15 @@
 A source process builds the config's model, trains two steps (so the optimizer moments are not
 all zeros), and offers a snapshot exactly as a replica's host does for a healing peer. This process
 then, `--rounds` times over, measures (a) the raw link: one-way TCP from the source process to this
-one, the snapshot's byte count in 4 MiB sendall / recv_into calls, over one connection and over
+one, the snapshot's byte count in 4 MiB sendall / recv_into calls, over one connection into one reused
+buffer (cache-hot), over one into a fresh buffer of the snapshot's size (as a catch-up lands), and over
 `ft.catchup_streams` connections at once (each a share), and (b) the snapshot transfer
 (`SnapshotFetch`: a manifest, then byte ranges streamed from the source's memory into place in this
 one's) with `ft.catchup_streams` connections and with one, and places the last one on this process's
 devices (`HostShards.to_state`). Prints one JSON line: medians of `catchup_mb_s` (the configured
 streams), `link_mb_s` (one connection), `ratio` (their quotient), `ratio_tcp` (against raw TCP over as
-many connections), `single_stream` (the same with one connection: the previous transport's shape),
+many connections), `ratio_in_place` (against the link into a fresh buffer),
+`single_stream` (the same with one connection: the previous transport's shape),
 and the other costs of a catch-up (the source's copy to host memory, the placement) for context.
 """
 
@@ -85,22 +87,27 @@ def _serve(argv: list[str]) -> int:
     return 0
 
 
-def _receive(address: str, nbytes: int) -> None:
-    buf = memoryview(bytearray(_CHUNK))
+def _receive(address: str, nbytes: int, into_place: bool) -> None:
+    """One-way TCP into one reused 4 MiB buffer (cache-hot: the link's best case), or, `into_place`,
+    into a fresh buffer of `nbytes` as a catch-up does (each page touched for the first time)."""
+    import numpy as np
+
+    buf = memoryview(np.empty(nbytes if into_place else _CHUNK, np.uint8))
     with socket.create_connection(split_address(address)) as s:
         s.sendall(nbytes.to_bytes(8, "little"))
-        left = nbytes
-        while left > 0:
-            got = s.recv_into(buf, min(left, _CHUNK))
+        done = 0
+        while done < nbytes:
+            at = done if into_place else 0
+            got = s.recv_into(buf[at : at + min(nbytes - done, _CHUNK)])
             if not got:
                 raise ConnectionError("link sender closed early")
-            left -= got
+            done += got
 
 
-def _link_seconds(address: str, nbytes: int, streams: int = 1) -> float:
+def _link_seconds(address: str, nbytes: int, streams: int = 1, into_place: bool = False) -> float:
     """`nbytes` of raw TCP from the source, over `streams` connections at once (each a share)."""
     shares = [nbytes // streams + (k < nbytes % streams) for k in range(streams)]
-    threads = [threading.Thread(target=_receive, args=(address, n)) for n in shares]
+    threads = [threading.Thread(target=_receive, args=(address, n, into_place)) for n in shares]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -122,10 +129,11 @@ def _transfer_seconds(address: str, streams: int) -> tuple[float, object]:
 def _measure(info: dict, streams: int, rounds: int) -> tuple[dict[str, list[float]], object]:
     """Seconds of each of the four transfers, `rounds` times, interleaved (a load that comes and
     goes on the machine weighs on all of them alike); and the last fetch's result."""
-    times: dict[str, list[float]] = {"link": [], "link_tcp": [], "catchup": [], "single": []}
+    times: dict[str, list[float]] = {"link": [], "link_tcp": [], "link_in_place": [], "catchup": [], "single": []}
     result = None
     for _ in range(rounds):
         times["link"].append(_link_seconds(info["link"], info["nbytes"]))
+        times["link_in_place"].append(_link_seconds(info["link"], info["nbytes"], into_place=True))
         times["link_tcp"].append(_link_seconds(info["link"], info["nbytes"], streams))
         times["single"].append(_transfer_seconds(info["address"], 1)[0])
         seconds, result = _transfer_seconds(info["address"], streams)
@@ -190,6 +198,8 @@ def _report(args, streams: int, info: dict, times: dict[str, list[float]], resto
         "ratio": round(rate["catchup"] / rate["link"], 3),
         "link_tcp_mb_s": round(rate["link_tcp"], 1),
         "ratio_tcp": round(rate["catchup"] / rate["link_tcp"], 3),
+        "link_in_place_mb_s": round(rate["link_in_place"], 1),
+        "ratio_in_place": round(rate["catchup"] / rate["link_in_place"], 3),
         "single_stream": {"catchup_mb_s": round(rate["single"], 1), "ratio": round(rate["single"] / rate["link"], 3)},
         "snapshot_copy_s": round(info["offer_s"], 3),
         "restore_s": round(restore_s, 3),

@@ -53,7 +53,7 @@ def test_bench_catchup_compares_the_transfer_with_the_raw_link():
     # issue 32: the configured streams against one raw connection and against as many, and one stream
     out = _bench("catchup", TINY, "ft.catchup_streams=2", "--rounds", "1")
     assert out["bench"] == "catchup" and out["snapshot_mb"] > 0 and out["streams"] == 2
-    _ratio(out["ratio"]), _ratio(out["ratio_tcp"]), _ratio(out["single_stream"]["ratio"])
+    _ratio(out["ratio"]), _ratio(out["ratio_tcp"]), _ratio(out["ratio_in_place"]), _ratio(out["single_stream"]["ratio"])
     assert out["link_tcp_mb_s"] > 0 and out["single_stream"]["catchup_mb_s"] > 0
 
 
