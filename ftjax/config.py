@@ -328,10 +328,10 @@ class FTConfig(_Strict):
     )
     catchup_rate_limit_mbps: float | None = Field(None, gt=0, description="test knob: slow snapshot transfers")
     catchup_streams: int = Field(
-        4,
+        2,
         ge=1,
         description="TCP connections one catch-up fetch downloads over at once (several pieces, and ranges of a "
-        "large one, straight into place); catchup_rate_limit_mbps holds for their sum",
+        "large one, straight into place; 2 measured best on 2 cores); catchup_rate_limit_mbps holds for their sum",
     )
     drain_timeout_s: float = Field(
         60.0,
