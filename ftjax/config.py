@@ -345,6 +345,12 @@ class FTConfig(_Strict):
         "keeps for its replay; older ones spill to local disk (never dropped)",
     )
     catchup_rate_limit_mbps: float | None = Field(None, gt=0, description="test knob: slow snapshot transfers")
+    catchup_streams: int = Field(
+        2,
+        ge=1,
+        description="TCP connections one catch-up fetch downloads over at once (several pieces, and ranges of a "
+        "large one, straight into place; 2 measured best on 2 cores); catchup_rate_limit_mbps holds for their sum",
+    )
     drain_timeout_s: float = Field(
         60.0,
         ge=0,

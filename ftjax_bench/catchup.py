@@ -2,12 +2,17 @@
 
 A source process builds the config's model, trains two steps (so the optimizer moments are not
 all zeros), and offers a snapshot exactly as a replica's host does for a healing peer. This process
-then, three times over, measures (a) the raw link: one-way TCP from the source process to this one,
-the snapshot's byte count in 4 MiB sendall / recv_into calls, and (b) the snapshot transfer
-(`SnapshotFetch`: HTTP request, the source's shards streamed from its memory into this one's), and
-places the last one on this process's devices (`HostShards.to_state`). Prints one JSON line: medians
-of `catchup_mb_s` and `link_mb_s`, `ratio`, and the other costs of a catch-up (the source's copy to
-host memory, the placement) for context.
+then, `--rounds` times over, measures (a) the raw link: one-way TCP from the source process to this
+one, the snapshot's byte count in 4 MiB sendall / recv_into calls, over one connection into one reused
+buffer (cache-hot), over one into a fresh buffer of the snapshot's size (as a catch-up lands), and over
+`ft.catchup_streams` connections at once (each a share), and (b) the snapshot transfer
+(`SnapshotFetch`: a manifest, then byte ranges streamed from the source's memory into place in this
+one's) with `ft.catchup_streams` connections and with one, and places the last one on this process's
+devices (`HostShards.to_state`). Prints one JSON line: medians of `catchup_mb_s` (the configured
+streams), `link_mb_s` (one connection), `ratio` (their quotient), `ratio_tcp` (against raw TCP over as
+many connections), `ratio_in_place` (against the link into a fresh buffer),
+`single_stream` (the same with one connection: the previous transport's shape),
+and the other costs of a catch-up (the source's copy to host memory, the placement) for context.
 """
 
 from __future__ import annotations
@@ -52,15 +57,18 @@ def _serve(argv: list[str]) -> int:
     payload = bytearray(_CHUNK)
     link = socket.create_server(("127.0.0.1", 0))
 
-    def link_loop():
+    def send(conn) -> None:
+        with conn:
+            n = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
+            view = memoryview(payload)
+            while n > 0:
+                conn.sendall(view[: min(n, _CHUNK)])
+                n -= _CHUNK
+
+    def link_loop():  # a thread per connection: the raw link over several connections at once
         while True:
             conn, _ = link.accept()
-            with conn:
-                n = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
-                view = memoryview(payload)
-                while n > 0:
-                    conn.sendall(view[: min(n, _CHUNK)])
-                    n -= _CHUNK
+            threading.Thread(target=send, args=(conn,), daemon=True).start()
 
     threading.Thread(target=link_loop, daemon=True).start()
     print(
@@ -79,18 +87,58 @@ def _serve(argv: list[str]) -> int:
     return 0
 
 
-def _link_seconds(address: str, nbytes: int) -> float:
-    buf = memoryview(bytearray(_CHUNK))
+def _receive(address: str, nbytes: int, into_place: bool) -> None:
+    """One-way TCP into one reused 4 MiB buffer (cache-hot: the link's best case), or, `into_place`,
+    into a fresh buffer of `nbytes` as a catch-up does (each page touched for the first time)."""
+    import numpy as np
+
+    buf = memoryview(np.empty(nbytes if into_place else _CHUNK, np.uint8))
     with socket.create_connection(split_address(address)) as s:
-        t0 = time.perf_counter()
         s.sendall(nbytes.to_bytes(8, "little"))
-        left = nbytes
-        while left > 0:
-            got = s.recv_into(buf, min(left, _CHUNK))
+        done = 0
+        while done < nbytes:
+            at = done if into_place else 0
+            got = s.recv_into(buf[at : at + min(nbytes - done, _CHUNK)])
             if not got:
                 raise ConnectionError("link sender closed early")
-            left -= got
-        return time.perf_counter() - t0
+            done += got
+
+
+def _link_seconds(address: str, nbytes: int, streams: int = 1, into_place: bool = False) -> float:
+    """`nbytes` of raw TCP from the source, over `streams` connections at once (each a share)."""
+    shares = [nbytes // streams + (k < nbytes % streams) for k in range(streams)]
+    threads = [threading.Thread(target=_receive, args=(address, n, into_place)) for n in shares]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def _transfer_seconds(address: str, streams: int) -> tuple[float, object]:
+    from ftjax.runtime.catchup import SnapshotFetch
+
+    fetch = SnapshotFetch(address, "bench/0", "bench-token", source="bench", streams=streams)
+    fetch.done.wait(300)
+    if fetch.result is None:
+        raise RuntimeError(f"fetch failed: {fetch.error}")
+    return fetch.result.seconds, fetch.result
+
+
+def _measure(info: dict, streams: int, rounds: int) -> tuple[dict[str, list[float]], object]:
+    """Seconds of each of the four transfers, `rounds` times, interleaved (a load that comes and
+    goes on the machine weighs on all of them alike); and the last fetch's result."""
+    times: dict[str, list[float]] = {"link": [], "link_tcp": [], "link_in_place": [], "catchup": [], "single": []}
+    result = None
+    for _ in range(rounds):
+        times["link"].append(_link_seconds(info["link"], info["nbytes"]))
+        times["link_in_place"].append(_link_seconds(info["link"], info["nbytes"], into_place=True))
+        times["link_tcp"].append(_link_seconds(info["link"], info["nbytes"], streams))
+        times["single"].append(_transfer_seconds(info["address"], 1)[0])
+        seconds, result = _transfer_seconds(info["address"], streams)
+        times["catchup"].append(seconds)
+    return times, result
 
 
 def main(argv: list[str]) -> int:
@@ -118,42 +166,42 @@ def main(argv: list[str]) -> int:
             text=True,
         )
         info = json.loads(source.stdout.readline())
-        from ftjax.runtime.catchup import SnapshotFetch
-
-        links, transfers, fetch = [], [], None
-        for _i in range(args.rounds):
-            links.append(_link_seconds(info["link"], info["nbytes"]))
-            fetch = SnapshotFetch(info["address"], "bench/0", "bench-token", source="bench")
-            fetch.done.wait(300)
-            if fetch.result is None:
-                print(f"ftjax bench catchup: fetch failed: {fetch.error}", file=sys.stderr)
-                return 1
-            transfers.append(fetch.result.seconds)
+        try:
+            times, result = _measure(info, cfg.ft.catchup_streams, args.rounds)
+        except (RuntimeError, ConnectionError) as e:
+            print(f"ftjax bench catchup: {e}", file=sys.stderr)
+            return 1
         import jax
 
         from ftjax.program.step import build_program
 
         abstract = build_program(cfg).abstract_state()
         t0 = time.perf_counter()
-        jax.block_until_ready(fetch.result.shards.to_state(abstract))
+        jax.block_until_ready(result.shards.to_state(abstract))
         restore_s = time.perf_counter() - t0
         source.stdin.close()
         source.wait(30)
-    mb = info["nbytes"] / 1e6
-    link_mb_s, catchup_mb_s = mb / statistics.median(links), mb / statistics.median(transfers)
-    print(
-        json.dumps(
-            {
-                "bench": "catchup",
-                "config": args.config,
-                "snapshot_mb": round(mb, 2),
-                "catchup_mb_s": round(catchup_mb_s, 1),
-                "link_mb_s": round(link_mb_s, 1),
-                "ratio": round(catchup_mb_s / link_mb_s, 3),
-                "snapshot_copy_s": round(info["offer_s"], 3),
-                "restore_s": round(restore_s, 3),
-                "rounds": args.rounds,
-            }
-        )
-    )
+    print(json.dumps(_report(args, cfg.ft.catchup_streams, info, times, restore_s)))
     return 0
+
+
+def _report(args, streams: int, info: dict, times: dict[str, list[float]], restore_s: float) -> dict:
+    mb = info["nbytes"] / 1e6
+    rate = {k: mb / statistics.median(v) for k, v in times.items()}
+    return {
+        "bench": "catchup",
+        "config": args.config,
+        "snapshot_mb": round(mb, 2),
+        "streams": streams,
+        "catchup_mb_s": round(rate["catchup"], 1),
+        "link_mb_s": round(rate["link"], 1),
+        "ratio": round(rate["catchup"] / rate["link"], 3),
+        "link_tcp_mb_s": round(rate["link_tcp"], 1),
+        "ratio_tcp": round(rate["catchup"] / rate["link_tcp"], 3),
+        "link_in_place_mb_s": round(rate["link_in_place"], 1),
+        "ratio_in_place": round(rate["catchup"] / rate["link_in_place"], 3),
+        "single_stream": {"catchup_mb_s": round(rate["single"], 1), "ratio": round(rate["single"] / rate["link"], 3)},
+        "snapshot_copy_s": round(info["offer_s"], 3),
+        "restore_s": round(restore_s, 3),
+        "rounds": args.rounds,
+    }

@@ -87,6 +87,9 @@ class FakeFetch:
         self.source, self.result, self.error, self.done = source, result, None, threading.Event()
         self.done.set()  # (the transfer is instant here)
 
+    def progress(self):
+        return {"bytes_done": 1000, "bytes_total": 1000, "eta_s": 0.0}
+
 
 class FakeTransport:
     """A source's snapshot of step 5 (all ones), available as soon as it is asked for."""

@@ -35,6 +35,7 @@ class ReplicaEvent(StrEnum):
     STATE_UNAVAILABLE = "state_unavailable"  # the job has trained, yet no peer holds its state nor a checkpoint
     STALE_STATE = "stale_state"  # this replica's state is behind the job (step < job_step): it heals
     CATCHUP_STARTED = "catchup_started"  # the fetch of a snapshot from `source` began (at_step, min_step)
+    CATCHUP_PROGRESS = "catchup_progress"  # a fetch under way: bytes_done of bytes_total, eta_s (every few s)
     CATCHUP_DONE = "catchup_done"  # snapshot installed, buffered updates replayed: it holds step `at_step`
     CATCHUP_FAILED = "catchup_failed"  # the fetch failed (error); the next quorum starts another
     CATCHUP_ABANDONED = "catchup_abandoned"  # the fetch was dropped: no longer behind, or the source left

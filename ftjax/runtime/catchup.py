@@ -26,6 +26,7 @@ authenticate.)
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import http.client
 import json
@@ -45,8 +46,10 @@ from ftjax.coordinator.http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPS
 from ftjax.runtime.regions import LayoutMismatch, Piece, Region, assemble, region_of
 
 TOKEN_HEADER = "X-Ftjax-Token"
-_CHUNK = 4 << 20
-_MAX_HEADER = 64 << 10
+_CHUNK = 4 << 20  # one sendall / readinto
+_SLOW_CHUNK = 256 << 10  # one sendall under a rate limit (a test's slow link)
+_MAX_MANIFEST = 256 << 20  # a manifest lists every piece of a host's shards: far less
+_MIN_RANGE, _MAX_RANGE = 4 << 20, 64 << 20  # bytes of one request
 
 
 @dataclass
@@ -59,6 +62,17 @@ class HostShards:
     @property
     def nbytes(self) -> int:
         return sum(p.data.nbytes for p in self.pieces)
+
+    def views(self, offset: int, length: int):
+        """The bytes [offset, offset + length) of the pieces laid one after the other (a snapshot's
+        body), as memoryviews of the pieces themselves: sent from and received into in place."""
+        start = 0
+        for p in self.pieces:
+            data = memoryview(p.data.reshape(-1).view(np.uint8))
+            lo, hi = max(offset, start), min(offset + length, start + len(data))
+            if lo < hi:
+                yield data[lo - start : hi - start]
+            start += len(data)
 
     @classmethod
     def take(cls, state: Any) -> HostShards:
@@ -118,9 +132,54 @@ class _Snapshot:
     meta: dict
     shards: HostShards
 
+    def manifest(self) -> dict:
+        """What a fetcher allocates from: the step, the meta, and every piece's leaf, shape, dtype and
+        region, in the order of the body (the pieces' bytes one after the other)."""
+        pieces = []
+        for p in self.shards.pieces:
+            shape, dtype = self.shards.leaves[p.leaf]
+            pieces.append({"leaf": p.leaf, "shape": list(shape), "dtype": dtype, "region": [list(r) for r in p.region]})
+        return {"step": self.step, "meta": self.meta, "pieces": pieces}
+
+
+class _Bucket:
+    """One token bucket for every stream of a server: the rate limit holds for their sum, so
+    parallel streams cannot take more of the link than one did (catch-up never starves FTAR)."""
+
+    def __init__(self, mbps: float):
+        self.rate, self.burst = mbps * 1e6, float(_SLOW_CHUNK)
+        self._tokens, self._t = 0.0, time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate) - n
+            self._t = now
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:  # outside the lock: every stream's debt is counted before any sleeps
+            time.sleep(wait)
+
+
+@dataclass
+class _Lease:
+    """A snapshot that a fetch is downloading: it outlives `keep_only` and a fresher offer until
+    every byte was sent, or nothing asked for it for `wait_offer_s` (the fetcher is gone)."""
+
+    snap: _Snapshot
+    total: int
+    sent: int = 0
+    active: int = 0
+    touched: float = field(default_factory=time.monotonic)
+
 
 class SnapshotServer:
-    """Serves this host's shards of a snapshot to the same host of a healing peer (one per host)."""
+    """Serves this host's shards of a snapshot to the same host of a healing peer (one per host).
+
+    Two requests, each with the job token: `/snapshot/manifest?key=&min_step=` (waits for the offer;
+    the step, the meta and the pieces' layout, as JSON) and `/snapshot/range?key=&step=&offset=&length=`
+    (that byte range of the body: the pieces' bytes one after the other). A fetch asks for several
+    ranges at once, over as many connections (`SnapshotFetch`, `streams`)."""
 
     def __init__(
         self,
@@ -137,6 +196,8 @@ class SnapshotServer:
         self.wait_offer_s = wait_offer_s
         self._snapshots: dict[str, _Snapshot] = {}
         self._refresh: dict[str, int] = {}  # key -> min step a fetcher asked for
+        self._leases: dict[tuple[str, int], _Lease] = {}
+        self._bucket: _Bucket | None = None
         self._cv = threading.Condition()
         listen = listen or net.Listen()  # default: loopback, a port the OS picks
         self._advertise = listen.advertised_host()
@@ -170,7 +231,7 @@ class SnapshotServer:
 
     def keep_only(self, keys: set[str]) -> None:
         """Drop every snapshot not for one of `keys`: its quorum no longer stands (a transfer in
-        progress keeps its own reference until it ends)."""
+        progress keeps its lease until it ends)."""
         with self._cv:
             for k in [k for k in self._snapshots if k not in keys]:
                 del self._snapshots[k]
@@ -181,14 +242,20 @@ class SnapshotServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self.keep_only(set())
+        with self._cv:
+            self._leases.clear()
 
     # --- HTTP ------------------------------------------------------------------------------------
     def _lookup(self, key: str, min_step: int) -> _Snapshot | None:
+        """The offered snapshot for `key` of at least `min_step`, waited for; leased to the fetch."""
         deadline = time.monotonic() + self.wait_offer_s
         with self._cv:
             while True:
                 snap = self._snapshots.get(key)
                 if snap is not None and snap.step >= min_step:
+                    self._leases.setdefault(
+                        (key, snap.step), _Lease(snap, snap.shards.nbytes)
+                    ).touched = time.monotonic()
                     return snap
                 if snap is not None:
                     self._refresh[key] = min_step  # the training loop takes a fresher snapshot
@@ -196,6 +263,46 @@ class SnapshotServer:
                 if left <= 0:
                     return None
                 self._cv.wait(min(left, 0.5))
+
+    def _lease(self, key: str, step: int) -> _Lease | None:
+        """The lease of a manifest served before, for one more range; expired ones are dropped."""
+        now = time.monotonic()
+        with self._cv:
+            for k in [k for k, v in self._leases.items() if not v.active and now - v.touched > self.wait_offer_s]:
+                del self._leases[k]
+            lease = self._leases.get((key, step))
+            if lease is not None:
+                lease.active += 1
+            return lease
+
+    def _release(self, key: str, lease: _Lease, sent: int) -> None:
+        with self._cv:
+            lease.active, lease.sent, lease.touched = lease.active - 1, lease.sent + sent, time.monotonic()
+            if lease.sent >= lease.total and not lease.active:
+                self._leases.pop((key, lease.snap.step), None)
+
+    def _throttle(self) -> _Bucket | None:
+        """The shared bucket for the current rate limit (a test may change it on a live server)."""
+        mbps = self.rate_limit_mbps
+        if mbps is None:
+            return None
+        if self._bucket is None or self._bucket.rate != mbps * 1e6:
+            self._bucket = _Bucket(mbps)
+        return self._bucket
+
+    def _send_range(self, sock, key: str, lease: _Lease, offset: int, length: int) -> None:
+        sent, bucket = 0, self._throttle()
+        step = _CHUNK if bucket is None else _SLOW_CHUNK  # one sendall must end within the idle timeout
+        try:
+            for view in lease.snap.shards.views(offset, length):
+                for i in range(0, len(view), step):
+                    chunk = view[i : i + step]
+                    if bucket is not None:
+                        bucket.take(len(chunk))
+                    sock.sendall(chunk)
+                    sent += len(chunk)
+        finally:
+            self._release(key, lease, sent)
 
     def _handler(self):
         server = self
@@ -206,89 +313,70 @@ class SnapshotServer:
 
             def do_GET(self):
                 url = urlparse(self.path)
-                if url.path != "/snapshot":
+                if url.path not in ("/snapshot/manifest", "/snapshot/range"):
                     return self.send_error(404, "unknown path")
                 token = self.headers.get(TOKEN_HEADER, "")
                 if not hmac.compare_digest(token.encode(), server.token.encode()):
                     return self.send_error(401, "bad or missing job token")
-                q = parse_qs(url.query)
-                key = q.get("key", [""])[0]
+                q = {k: v[0] for k, v in parse_qs(url.query).items()}
                 try:
-                    min_step = int(q.get("min_step", ["0"])[0])
-                except ValueError:
-                    return self.send_error(400, "min_step: not an integer")
+                    if url.path == "/snapshot/manifest":
+                        return self._manifest(q.get("key", ""), int(q.get("min_step", "0")))
+                    return self._range(q.get("key", ""), int(q["step"]), int(q["offset"]), int(q["length"]))
+                except (KeyError, ValueError) as e:
+                    return self.send_error(400, f"bad query: {type(e).__name__}: {e}")
+
+            def _manifest(self, key: str, min_step: int) -> None:
                 snap = server._lookup(key, min_step)
                 if snap is None:
                     return self.send_error(404, f"no snapshot offered for {key!r} (quorum gone?)")
+                self._reply(json.dumps(snap.manifest()).encode())
+
+            def _range(self, key: str, step: int, offset: int, length: int) -> None:
+                lease = server._lease(key, step)
+                if lease is None:
+                    return self.send_error(410, f"the snapshot of {key!r} at step {step} is no longer served")
+                if not 0 <= offset <= offset + length <= lease.total:
+                    server._release(key, lease, 0)
+                    return self.send_error(416, f"range {offset}+{length} outside {lease.total} bytes")
+                self._reply(None, length)
+                server._send_range(self.connection, key, lease, offset, length)
+
+            def _reply(self, body: bytes | None, length: int = 0) -> None:
                 self.send_response(200)
-                self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("X-Ftjax-Step", str(snap.step))
-                self.send_header("X-Ftjax-Meta", json.dumps(snap.meta))
+                self.send_header("Content-Type", "application/octet-stream" if body is None else "application/json")
+                self.send_header("Content-Length", str(length if body is None else len(body)))
                 self.end_headers()
-                _send_shards(self.connection, snap.shards, server.rate_limit_mbps)
+                if body is not None:
+                    self.wfile.write(body)
 
         return Handler
 
 
-def _send_shards(sock, shards: HostShards, mbps: float | None) -> int:
-    """Stream every piece: an 8-byte header length, a JSON header {leaf, shape, dtype, region},
-    then the piece's bytes. An empty header ends the stream. Returns the bytes sent."""
-    sent, t0 = 0, time.monotonic()
-    for p in shards.pieces:
-        shape, dtype = shards.leaves[p.leaf]
-        header = json.dumps({"leaf": p.leaf, "shape": shape, "dtype": dtype, "region": p.region}).encode()
-        sock.sendall(len(header).to_bytes(8, "little") + header)
-        data = memoryview(p.data.reshape(-1).view(np.uint8))
-        if mbps is None:
-            sock.sendall(data)
-            sent += len(data)
-            continue
-        for i in range(0, len(data), 256 << 10):  # a test's slow link
-            chunk = data[i : i + (256 << 10)]
-            sock.sendall(chunk)
-            sent += len(chunk)
-            ahead = sent / (mbps * 1e6) - (time.monotonic() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
-    sock.sendall((0).to_bytes(8, "little"))
-    return sent
-
-
-def _recv_shards(resp) -> HostShards:
-    """The receiving end of `_send_shards`. Every header is checked before its bytes are read."""
+def _allocate(manifest: dict) -> HostShards:
+    """Empty host buffers for the pieces of a manifest, each checked before anything is allocated;
+    the ranges are then read straight into them."""
     import jax.numpy as jnp
 
     leaves: dict[str, tuple[tuple[int, ...], str]] = {}
-    pieces = []
-
-    def read_exact(n: int) -> bytes:
-        data = resp.read(n)
-        if len(data) != n:
-            raise ConnectionError(f"snapshot stream ended early ({len(data)} of {n} bytes)")
-        return data
-
-    while True:
-        n = int.from_bytes(read_exact(8), "little")
-        if n == 0:
-            return HostShards(leaves, pieces)
-        if n > _MAX_HEADER:
-            raise ValueError(f"snapshot stream: piece header of {n} bytes")
-        h = json.loads(read_exact(n))
+    checked = []
+    for h in manifest["pieces"]:
         leaf, shape, dtype = str(h["leaf"]), tuple(int(d) for d in h["shape"]), jnp.dtype(h["dtype"])
         region = tuple((int(a), int(b)) for a, b in h["region"])
         if len(region) != len(shape) or any(not 0 <= a <= b <= d for (a, b), d in zip(region, shape)):
-            raise ValueError(f"snapshot stream: {leaf}: region {list(region)} outside shape {list(shape)}")
+            raise ValueError(f"snapshot manifest: {leaf}: region {list(region)} outside shape {list(shape)}")
         if leaves.setdefault(leaf, (shape, dtype.name)) != (shape, dtype.name):
-            raise ValueError(f"snapshot stream: {leaf}: pieces of different shapes or dtypes")
-        data = np.empty([b - a for a, b in region], dtype)
-        view = memoryview(data.reshape(-1).view(np.uint8))
-        got = 0
-        while got < len(view):
-            k = resp.readinto(view[got : got + _CHUNK])
-            if not k:
-                raise ConnectionError(f"snapshot stream ended inside {leaf}")
-            got += k
-        pieces.append(Piece(leaf, region, data))
+            raise ValueError(f"snapshot manifest: {leaf}: pieces of different shapes or dtypes")
+        checked.append((leaf, region, dtype))
+    return HostShards(leaves, [Piece(leaf, r, np.empty([b - a for a, b in r], d)) for leaf, r, d in checked])
+
+
+def _ranges(sizes: list[int], streams: int) -> list[tuple[int, int, int]]:
+    """(source index, offset, length) of every request: each source's body cut into ranges small
+    enough that `streams` connections share it evenly, large enough that a request costs nothing."""
+    total = sum(sizes)
+    chunk = min(_MAX_RANGE, max(_MIN_RANGE, -(-total // (4 * streams))))
+    return [(i, o, min(chunk, n - o)) for i, n in enumerate(sizes) for o in range(0, n, chunk)]
 
 
 @dataclass(frozen=True)
@@ -296,7 +384,7 @@ class FetchResult:
     step: int
     meta: dict
     nbytes: int
-    seconds: float  # the transfer itself (first byte of the body to the last)
+    seconds: float  # the transfer itself (first range asked for to the last byte)
     source: str
     shards: HostShards = field(repr=False, compare=False)
 
@@ -314,8 +402,10 @@ def source_hosts(host: int, hosts: int, source_hosts: int) -> list[int]:
 
 
 class SnapshotFetch:
-    """Downloads this host's part of a peer's snapshot in a background thread (newcomer side): from
-    each of `addresses` in turn (the source's hosts that hold this host's shards), into one result."""
+    """Downloads this host's part of a peer's snapshot in a background thread (newcomer side): the
+    manifest of each of `addresses` (the source's hosts that hold this host's shards), then every
+    byte range of their bodies over `streams` connections at once, straight into buffers allocated
+    from the manifests. `progress()` says how far it is."""
 
     def __init__(
         self,
@@ -326,52 +416,107 @@ class SnapshotFetch:
         source: str,
         min_step: int = 0,
         timeout_s: float = 120.0,
+        streams: int = 1,
     ):
+        if streams < 1:
+            raise ValueError(f"streams must be at least 1, not {streams}")
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
-        self.key, self.source = key, source
+        self.key, self.source, self.streams = key, source, streams
         self.result: FetchResult | None = None
         self.error: str | None = None
         self.done = threading.Event()
+        self.bytes_done, self.bytes_total = 0, 0
+        self._t0: float | None = None
+        self._lock = threading.Lock()
         self._args = (token, min_step, timeout_s)
         threading.Thread(target=self._run, name="snapshot-fetch", daemon=True).start()
+
+    def progress(self) -> dict:
+        """Bytes received of the total, and the time left at the rate so far (None before the first byte)."""
+        done, total, t0 = self.bytes_done, self.bytes_total, self._t0
+        rate = done / (time.monotonic() - t0) if t0 is not None and done else 0.0
+        eta = (total - done) / rate if rate > 0 else None
+        return {"bytes_done": done, "bytes_total": total, "eta_s": None if eta is None else round(eta, 1)}
 
     def _run(self) -> None:
         try:
             if not any(self.addresses):
                 raise ValueError(f"source {self.source} gave no catch-up address for this host")
-            parts = [self._one(address) for address in self.addresses]
-            steps = {step for step, *_ in parts}
+            manifests = [self._manifest(address) for address in self.addresses]
+            steps = {m["step"] for m in manifests}
             if len(steps) > 1:
                 raise RuntimeError(f"source {self.source}'s hosts served snapshots of different steps {sorted(steps)}")
+            parts = [_allocate(m) for m in manifests]
+            self.bytes_total, self._t0 = sum(p.nbytes for p in parts), time.monotonic()
+            self._download(parts, _ranges([p.nbytes for p in parts], self.streams), manifests[0]["step"])
             shards = HostShards(
-                {k: v for *_, sh, _ in parts for k, v in sh.leaves.items()},
-                [p for *_, sh, _ in parts for p in sh.pieces],
+                {k: v for p in parts for k, v in p.leaves.items()}, [x for p in parts for x in p.pieces]
             )
+            seconds = time.monotonic() - self._t0
             self.result = FetchResult(
-                parts[0][0], parts[0][1], shards.nbytes, sum(t for *_, t in parts), self.source, shards
+                manifests[0]["step"], manifests[0]["meta"], shards.nbytes, seconds, self.source, shards
             )
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
         finally:
             self.done.set()
 
-    def _one(self, address: str) -> tuple[int, dict, HostShards, float]:
-        token, min_step, timeout_s = self._args
-        host, port = split_address(address)
-        conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-        conn.request("GET", f"/snapshot?key={quote(self.key)}&min_step={min_step}", headers={TOKEN_HEADER: token})
+    def _get(self, address: str, path: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        token, _, timeout_s = self._args
+        conn = http.client.HTTPConnection(*split_address(address), timeout=timeout_s)
+        conn.request("GET", path, headers={TOKEN_HEADER: token})
         resp = conn.getresponse()
         if resp.status != 200:
+            conn.close()
             raise RuntimeError(f"source {self.source} ({address}) answered {resp.status}: {resp.reason}")
-        t0 = time.monotonic()
-        shards = _recv_shards(resp)
-        conn.close()
-        return (
-            int(resp.getheader("X-Ftjax-Step")),
-            json.loads(resp.getheader("X-Ftjax-Meta") or "{}"),
-            shards,
-            time.monotonic() - t0,
-        )
+        return conn, resp
+
+    def _manifest(self, address: str) -> dict:
+        _, min_step, _ = self._args
+        conn, resp = self._get(address, f"/snapshot/manifest?key={quote(self.key)}&min_step={min_step}")
+        with contextlib.closing(conn):
+            n = int(resp.getheader("Content-Length") or 0)
+            if n > _MAX_MANIFEST:
+                raise ValueError(f"source {self.source} ({address}): a manifest of {n} bytes")
+            return json.loads(resp.read(n))
+
+    def _download(self, parts: list[HostShards], ranges: list[tuple[int, int, int]], step: int) -> None:
+        """Every range, over `streams` threads that each take the next one; the first error stops
+        them all (the others finish the range they are in) and is raised."""
+        todo, errors = list(reversed(ranges)), []
+
+        def work() -> None:
+            while not errors:
+                with self._lock:
+                    if not todo:
+                        return
+                    i, offset, length = todo.pop()
+                try:
+                    self._fetch_range(self.addresses[i], parts[i], step, offset, length)
+                except Exception as e:
+                    errors.append(e)
+
+        threads = [threading.Thread(target=work, name="snapshot-stream", daemon=True) for _ in range(self.streams)]
+        for t in threads[: len(ranges)]:
+            t.start()
+        for t in threads[: len(ranges)]:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def _fetch_range(self, address: str, part: HostShards, step: int, offset: int, length: int) -> None:
+        path = f"/snapshot/range?key={quote(self.key)}&step={step}&offset={offset}&length={length}"
+        conn, resp = self._get(address, path)
+        with contextlib.closing(conn):
+            for view in part.views(offset, length):
+                got = 0
+                while got < len(view):
+                    k = resp.readinto(view[got : got + _CHUNK])
+                    if not k:
+                        raise ConnectionError(f"source {self.source} ({address}): range {offset}+{length} ended early")
+                    got += k
+                    with self._lock:
+                        self.bytes_done += k
 
 
 class CatchupTransport(Protocol):
@@ -400,8 +545,9 @@ class ShardTransport:
         timeout_s: float,
         host: str = "127.0.0.1",
         advertise: str | None = None,
+        streams: int = 1,
     ):
-        self.token, self.timeout_s = token, timeout_s
+        self.token, self.timeout_s, self.streams = token, timeout_s, streams
         self.server = SnapshotServer(
             token, listen=net.Listen(host, advertise=advertise), rate_limit_mbps=rate_limit_mbps
         )
@@ -417,7 +563,9 @@ class ShardTransport:
         self.server.keep_only(keys)
 
     def fetch(self, addresses: list[str], key: str, *, source: str, min_step: int) -> SnapshotFetch:
-        return SnapshotFetch(addresses, key, self.token, source=source, min_step=min_step, timeout_s=self.timeout_s)
+        return SnapshotFetch(
+            addresses, key, self.token, source=source, min_step=min_step, timeout_s=self.timeout_s, streams=self.streams
+        )
 
     def load(self, fetched: FetchResult, abstract_state: Any) -> Any:
         return fetched.shards.to_state(abstract_state)

@@ -131,6 +131,7 @@ class LocalQuorum:
 
 
 UNREACHABLE_AFTER_S = 10.0  # consecutive failed attempts on one peer for this long: say so
+PROGRESS_EVERY_S = 2.0  # a long catch-up says how far it is this often (a short one never does)
 
 
 class UnreachablePeers:
@@ -219,6 +220,7 @@ class StepProtocol:
         self.unreachable = UnreachablePeers(unreachable_after_s)
         self.fetch: SnapshotFetch | None = None
         self.heal_started: float | None = None
+        self._progress_at = time.monotonic()  # the last catchup_progress event (none in the first seconds)
         self.leaving: str | None = None  # leader: leave at the next step boundary (why)
 
     # --- the quorum ---------------------------------------------------------------------------
@@ -420,8 +422,25 @@ class StepProtocol:
             "done": f.done.is_set(),
             "error": f.error,
             "step": f.result.step if f.done.is_set() and f.result is not None else None,
+            **f.progress(),
         }
         return self.group.allgather(mine) if self.group.hosts > 1 else [mine]
+
+    def _progress(self, fetches: list[dict]) -> None:
+        """Leader: a catchup_progress event every PROGRESS_EVERY_S while the replica's hosts fetch
+        (bytes of all of them, and the ETA of the slowest)."""
+        now = time.monotonic()
+        if not fetches or all(f["done"] for f in fetches) or now - self._progress_at < PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        etas = [f["eta_s"] for f in fetches if not f["done"]]
+        self.log.event(
+            ReplicaEvent.CATCHUP_PROGRESS,
+            source=self.fetch.source,
+            bytes_done=sum(f["bytes_done"] for f in fetches),
+            bytes_total=sum(f["bytes_total"] for f in fetches),
+            eta_s=None if None in etas else max(etas),
+        )
 
     def _heal_bookkeeping(self, q: QuorumResult, fetches: list[dict]) -> HealOrder:
         """Newcomer role (leader): install a fetch that every host finished, or start (again)."""
@@ -430,6 +449,7 @@ class StepProtocol:
                 self.log.event(ReplicaEvent.CATCHUP_ABANDONED, source=self.fetch.source, reason="no longer behind")
             return HealOrder(drop=self.fetch is not None)
         drop = False
+        self._progress(fetches)
         errors = [f"host {h}: {f['error']}" for h, f in enumerate(fetches) if f["error"]]
         steps = {f["step"] for f in fetches}
         if self.fetch is not None and not errors and all(f["done"] for f in fetches):

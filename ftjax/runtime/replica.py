@@ -169,6 +169,7 @@ def _catchup_transport(cfg: Config, token: str, addrs: net.Addresses) -> ShardTr
         token,
         rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps,
         timeout_s=cfg.ft.quorum_timeout_s,
+        streams=cfg.ft.catchup_streams,
         host=addrs.bind,
         advertise=addrs.advertise,
     )

@@ -50,9 +50,11 @@ def test_bench_step_compares_ft_with_sync_hsdp_and_standalone():
 
 @pytest.mark.slow
 def test_bench_catchup_compares_the_transfer_with_the_raw_link():
-    out = _bench("catchup", TINY, "--rounds", "1")
-    assert out["bench"] == "catchup" and out["snapshot_mb"] > 0
-    _ratio(out["ratio"])
+    # issue 32: the configured streams against one raw connection and against as many, and one stream
+    out = _bench("catchup", TINY, "ft.catchup_streams=2", "--rounds", "1")
+    assert out["bench"] == "catchup" and out["snapshot_mb"] > 0 and out["streams"] == 2
+    _ratio(out["ratio"]), _ratio(out["ratio_tcp"]), _ratio(out["ratio_in_place"]), _ratio(out["single_stream"]["ratio"])
+    assert out["link_tcp_mb_s"] > 0 and out["single_stream"]["catchup_mb_s"] > 0
 
 
 def test_bench_ftar_on_loopback_compares_busbw_with_raw_tcp():

@@ -4,6 +4,7 @@ own shardings, and the leader installs only what every host of its replica fetch
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ftjax.runs.events import ReplicaEvent as E
-from ftjax.runtime.catchup import HostShards, LayoutMismatch, ShardTransport, source_hosts
+from ftjax.runtime import catchup
+from ftjax.runtime.catchup import (
+    HostShards,
+    LayoutMismatch,
+    Piece,
+    ShardTransport,
+    SnapshotFetch,
+    SnapshotServer,
+    _Snapshot,
+    source_hosts,
+)
 from ftjax.runtime.protocol import HealOrder, StepProtocol
 from ftjax.runtime.replay import ReplayBuffer
 
@@ -230,3 +241,51 @@ def test_every_host_fetches_from_the_same_host_of_the_source(tmp_path):
     assert asked == [(["a-host1:2"], "me/me-inc", "a", 7)]
     fetched = p.fetch.result = object()
     assert p._carry_out(q, HealOrder(install=True)).install is fetched and p.fetch is None
+
+
+def _published(server: SnapshotServer, leaves: dict[str, np.ndarray], step: int = 3) -> None:
+    shards = HostShards(
+        {k: (v.shape, v.dtype.name) for k, v in leaves.items()},
+        [Piece(k, tuple((0, n) for n in v.shape), v) for k, v in leaves.items()],
+    )
+    server.publish(_Snapshot("peer", step, {}, shards))
+
+
+def test_parallel_streams_share_one_rate_limit_and_outlive_the_quorum_that_offered(monkeypatch):
+    # issue 32: ranges of one large piece and several small ones over 4 connections at once land in
+    # place, bitwise; the rate limit holds for their sum (1.5 MB at 1 MB/s: >= ~1.25 s with the burst),
+    # progress counts up to the total, and a `keep_only` mid-transfer (the quorum moved on) does not
+    # cut it: the fetch holds a lease until its last byte
+    rng = np.random.default_rng(1)
+    leaves = {
+        "big": rng.integers(0, 255, 1_200_000, np.uint8),
+        **{f"s{i}": np.full(75_000, i, np.uint8) for i in range(4)},
+    }
+    monkeypatch.setattr(catchup, "_MIN_RANGE", 100_000)  # 15 ranges, not one
+    server = SnapshotServer(TOKEN, rate_limit_mbps=1.0)
+    try:
+        _published(server, leaves)
+        fetch = SnapshotFetch(server.address, "peer", TOKEN, source="a", streams=4)
+        time.sleep(0.7)
+        server.keep_only(set())
+        seen = fetch.progress()
+        assert fetch.done.wait(30) and fetch.error is None, fetch.error
+        assert 0 < seen["bytes_done"] < seen["bytes_total"] == 1_500_000 and seen["eta_s"] > 0, seen
+        assert fetch.progress()["bytes_done"] == 1_500_000 and fetch.result.seconds >= 1.2, fetch.result
+        for p in fetch.result.shards.pieces:
+            assert np.array_equal(p.data, leaves[p.leaf]), p.leaf
+        assert not server._leases, "a finished transfer's lease is dropped"
+    finally:
+        server.close()
+
+
+def test_a_refused_fetch_names_the_source_and_streams_must_be_positive():
+    server = SnapshotServer(TOKEN)
+    try:
+        _published(server, {"a": np.zeros(10, np.uint8)})
+        fetch = SnapshotFetch(server.address, "peer", "wrong-token", source="a")
+        assert fetch.done.wait(10) and "source a" in fetch.error and "401" in fetch.error, fetch.error
+        with pytest.raises(ValueError, match="streams"):
+            SnapshotFetch(server.address, "peer", TOKEN, source="a", streams=0)
+    finally:
+        server.close()
