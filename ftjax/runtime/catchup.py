@@ -413,7 +413,7 @@ class SnapshotFetch:
         key: str,
         token: str,
         *,
-        source: str,
+        source: str | None = None,
         min_step: int = 0,
         timeout_s: float = 120.0,
         streams: int = 1,
@@ -421,7 +421,8 @@ class SnapshotFetch:
         if streams < 1:
             raise ValueError(f"streams must be at least 1, not {streams}")
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
-        self.key, self.source, self.streams = key, source, streams
+        # the name errors give the source by: its replica id, else its addresses
+        self.key, self.source, self.streams = key, source or ",".join(self.addresses), streams
         self.result: FetchResult | None = None
         self.error: str | None = None
         self.done = threading.Event()
