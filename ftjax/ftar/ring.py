@@ -232,10 +232,8 @@ class Ring:
         """One direction of the ring: open connection 0, learn from it how many the link has (one
         where payloads go through shared memory: both ends know whether it does), and run it here
         and every other connection in a thread of its own."""
-        try:
-            sock = connect(0)
-        except BaseException as exc:
-            self._fail(exc, peer)
+        sock = self._open(connect, 0, peer)
+        if sock is None:
             return
         streams = 1 if shm.segment_of(sock) is not None else self.streams
         threads = [
@@ -249,12 +247,17 @@ class Ring:
             t.join()
 
     def _stream(self, loop: Callable, connect: Callable[[int], object], index: int, streams: int, peer: str) -> None:
+        sock = self._open(connect, index, peer)
+        if sock is not None:
+            loop(sock, index, streams)
+
+    def _open(self, connect: Callable[[int], object], index: int, peer: str) -> object | None:
+        """Connection ``index`` of a link, or None once a failure to open it failed the call."""
         try:
-            sock = connect(index)
+            return connect(index)
         except BaseException as exc:
             self._fail(exc, peer)
-            return
-        loop(sock, index, streams)
+            return None
 
     def _sender(self, sock, first: int, streams: int) -> None:
         """Send frames ``first``, ``first + streams``, ... on ``sock``, each once its data is there."""

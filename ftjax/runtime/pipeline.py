@@ -160,9 +160,9 @@ class _Leaves:
 
 
 class Pipeline:
-    """The pipelined path of one host's lanes. `run(grads, call)` fills the lane buffers from
-    `grads` (None: a healing member relays zeros) while `call(i, buf, out, ready, on_result)` runs
-    lane i's FTAR, and puts the averaged leaves back as they become final."""
+    """The pipelined path of one host's lanes. `run(grads, rank, world, call)` fills the lane buffers
+    from `grads` (None: a healing member relays zeros) while `call(bufs, outs, hooks)` runs every
+    lane's FTAR, and puts the averaged leaves back as they become final."""
 
     def __init__(self, flat: LaneFlattener, block_elems: int = BLOCK_ELEMS, pinned: bool = False):
         self.flat = flat
@@ -178,6 +178,7 @@ class Pipeline:
         self.zeros = [np.zeros(flat.size, flat.dtype) for _ in flat.served]
         self.flat_out = np.empty(flat.size * len(flat.served), flat.dtype)  # the lanes' results, end to end
         self.outs = np.split(self.flat_out, len(flat.served))
+        self.out_pieces = flat.pieces_by_leaf(self.outs)  # per leaf, views of its pieces in `outs`
         self.blocks, self.leaves = _Blocks(flat, block_elems), _Leaves(flat)
         self.phases = Phases()
 
@@ -246,12 +247,11 @@ class Pipeline:
             phases.d2h_s = time.perf_counter() - began
 
     def _h2d(self, tree: list[Any], phases: Phases) -> None:
-        self._h2d_error, busy = None, 0.0
-        by_leaf = self.flat.pieces_by_leaf(self.outs)
+        busy = 0.0
         while (leaf := self.leaves.ready.get()) is not None:
             began = time.perf_counter()
             try:
-                tree[leaf] = self.flat.leaf_array(leaf, by_leaf[leaf], copy=True)
+                tree[leaf] = self.flat.leaf_array(leaf, self.out_pieces[leaf], copy=True)
             except BaseException as exc:
                 self._h2d_error = exc
             busy += time.perf_counter() - began

@@ -278,16 +278,16 @@ class Trainer:
             aux=own.aux if own is not None else None,
         )
 
-    def _prefetch(self, position: int) -> None:
+    def _prefetch(self, position: int) -> Future:
+        """The own batch at `position`, read and placed on the devices in the prefetch thread (once)."""
         if self._prefetched is None or self._prefetched[0] != position:
             batch = lambda: device_batch(self.program, self.stream.batch(position))
             self._prefetched = (position, self._prefetch_pool.submit(batch))
+        return self._prefetched[1]
 
     def _own_batch(self, position: int) -> Any:
         """The own batch at `position` on the devices: the prefetched one if it is that position's."""
-        if self._prefetched is not None and self._prefetched[0] == position:
-            return self._prefetched[1].result()
-        return device_batch(self.program, self.stream.batch(position))
+        return self._prefetch(position).result()
 
     def _stream(self, s: int):
         if s not in self._streams:
