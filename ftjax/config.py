@@ -318,6 +318,25 @@ class FTConfig(_Strict):
         "pinned (pipelined, the device -> host copies through JAX's page-locked host memory); auto: pinned on "
         "accelerators that have it, pipelined on CPU (where page-locked memory is one more copy). Same bits in all",
     )
+    sync: Literal["every_step", "diloco", "streaming_diloco"] = Field(
+        "every_step",
+        description="every_step: the replicas average gradients every step; diloco: each replica takes "
+        "inner_steps optimizer steps alone, then they average the parameter deltas and outer_optimizer applies "
+        "the average (an outer round: one step of the protocol); streaming_diloco: the parameters in `fragments` "
+        'parts, one averaged per round, every inner_steps / fragments steps (docs/design.md, "Training across '
+        'slow links"); `steps` then counts outer rounds',
+    )
+    inner_steps: int = Field(20, gt=0, description="diloco: inner optimizer steps between two averages of a parameter")
+    fragments: int = Field(
+        4, gt=0, description="streaming_diloco: parts of the parameters (contiguous arrays of about equal bytes)"
+    )
+    outer_optimizer: Literal["nesterov", "sgd", "adam"] = Field(
+        "nesterov",
+        description="diloco: the optimizer of the averaged parameter deltas (a task's `outer_optimizer`, any optax "
+        "transformation, wins); nesterov: SGD with Nesterov momentum (the DiLoCo paper's)",
+    )
+    outer_lr: float = Field(0.7, gt=0, description="diloco: the outer optimizer's learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: the outer SGD's momentum")
     ftar_timeout_s: float = Field(5.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
     ftar_shared_memory: bool = Field(
         True,
@@ -492,7 +511,9 @@ class Config(_Strict):
                 f"ft.micro_batch_rows ({m}) must divide data.batch_size ({self.data.batch_size}) "
                 f"and be a multiple of the replica's {n} devices"
             )
-        if self.ft.global_batch != "constant":
+        if self.ft.sync != "every_step":
+            self._check_diloco()
+        elif self.ft.global_batch != "constant":
             # Rows a reduced replica does not compute go to the others, exactly once; elastic mode
             # has nobody to give them to (its batch n of stream r is trained by replica r or never).
             for key, on in (
@@ -511,6 +532,36 @@ class Config(_Strict):
                 f"({self.micro_rows} rows, ft.micro_batch_rows)"
             )
         return self
+
+    def _check_diloco(self) -> None:
+        """ft.sync diloco or streaming_diloco: each replica trains its own batches alone between two
+        averages, so nobody computes another's rows (elastic) and a reduced replica trains its
+        whole batch on fewer devices."""
+        ft = self.ft
+        if ft.global_batch != "elastic":
+            raise ValueError(f"ft.sync={ft.sync}: ft.global_batch must be elastic (each replica trains its batches)")
+        if ft.sync == "streaming_diloco" and ft.inner_steps % ft.fragments:
+            raise ValueError(
+                f"ft.fragments ({ft.fragments}) must divide ft.inner_steps ({ft.inner_steps}): "
+                "a fragment is averaged every inner_steps / fragments steps"
+            )
+        if self.data.batch_size % self.mesh.live_devices:
+            raise ValueError(
+                f"data.batch_size ({self.data.batch_size}) must be divisible by the replica's "
+                f"{self.mesh.live_devices} live devices (ft.sync={ft.sync}: a reduced replica trains its whole batch)"
+            )
+
+    @property
+    def inner_per_step(self) -> int:
+        """Optimizer steps a replica takes in one step of the protocol: 1, or an outer round's inner steps."""
+        if self.ft.sync == "every_step":
+            return 1
+        return self.ft.inner_steps // (self.ft.fragments if self.ft.sync == "streaming_diloco" else 1)
+
+    @property
+    def train_steps(self) -> int:
+        """Optimizer steps of the job (the learning-rate schedule's length): `steps` x `inner_per_step`."""
+        return self.steps * self.inner_per_step
 
     @model_validator(mode="after")
     def _micro_batches_fit(self) -> Config:
@@ -542,6 +593,8 @@ class Config(_Strict):
     def own_rows(self) -> int:
         """Rows of its own batch a replica computes: all, or a reduced replica's share, in proportion
         to its devices."""
+        if self.ft.sync != "every_step":  # (a DiLoCo replica trains its own batches, whatever its degree)
+            return self.data.batch_size
         return share_rows(self.data.batch_size, self.mesh.live, self.mesh.hosts)
 
     @property

@@ -16,6 +16,7 @@ BENCHES: dict[str, str] = {
     "outage": "step time in an outage against healthy, elastic and constant batch",
     "reduced": "a reduced-degree replica's step rate against the full replica's",
     "data": "token files: prepare's and the loader's tokens/s against the training step's",
+    "diloco": "DiLoCo's tokens/s and bytes per token against every-step sync over a capped link",
 }
 
 

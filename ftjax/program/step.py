@@ -225,7 +225,7 @@ def _layout(cfg: Config, mesh: jax.sharding.Mesh, task: Task) -> _Layout:
     has_ms = bool(jax.tree.leaves(ms_shape))
     # the clip's norm in blocks of a full replica's shards: the same bits on every degree
     blocks = {shd.FSDP: cfg.mesh.fsdp, shd.TENSOR: cfg.mesh.tensor}
-    tx = task.optimizer or make_optimizer(cfg.optim, cfg.steps, norm=block_norm(p_shard, blocks, mesh))
+    tx = task.optimizer or make_optimizer(cfg.optim, cfg.train_steps, norm=block_norm(p_shard, blocks, mesh))
     opt_shard = shd.follow_params(jax.eval_shape(tx.init, params_shape), p_shard, mesh)
     rep = shd.replicated(mesh)
     state_shardings = {

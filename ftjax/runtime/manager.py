@@ -81,12 +81,15 @@ class FaultTolerance:
         after_apply: Callable[[int, Any], Any] | None = None,
         batch_id: Callable[[int], int] = lambda p: p,
         steps: int = 1 << 62,
+        digest_view: Callable[[Any], Any] | None = None,
     ):
         self.protocol, self.apply, self.abstract, self.log = protocol, apply, abstract_state, log
         self.meta = meta or (lambda: {"step": self.step, "data_position": self.data_position})
         self.constant, self.digest_every = constant, digest_every
         self.after_apply = after_apply or (lambda step, state: state)
         self.batch_id, self.steps = batch_id, steps
+        # what of the state the replicas hold in common, which the digests cover (DiLoCo: not the inner state)
+        self.digest_view = digest_view or (lambda state: state)
         self.state: Any = None
         self.step = 0  # steps committed (the state's step when it has one)
         self.data_position = 0  # next batch of this replica's own stream
@@ -194,7 +197,7 @@ class FaultTolerance:
         to the host), timed apart from the update it follows (`last_digest_s`)."""
         jax.block_until_ready(self.state)
         began = time.perf_counter()
-        digest = state_checksum(self.state)
+        digest = state_checksum(self.digest_view(self.state))
         self.last_digest_s = time.perf_counter() - began
         return digest
 
@@ -458,6 +461,8 @@ def join(
     from ftjax.runtime.metrics import MetricsLog
 
     cfg, options, out = run.cfg, run.options, run.out
+    if cfg.ft.sync != "every_step":  # (its rounds, outer state and fragments are the built-in loop's)
+        raise ValueError(f"ft.sync={cfg.ft.sync}: DiLoCo runs in the built-in loop (ftjax.fit, ftjax train), not join")
     abstract, template = _placed(cfg, state, update_template)
     group = JaxHostGroup()
     log = MetricsLog(

@@ -32,6 +32,7 @@ from ftjax.program.task import Task
 from ftjax.runtime.args import RunOptions
 from ftjax.runtime.catchup import ShardTransport
 from ftjax.runtime.checkpoint import DurableCheckpoints
+from ftjax.runtime.diloco import FragmentReducer, fragment_bounds
 from ftjax.runtime.faults import InjectedFaults, parse_die_at, parse_flip_at
 from ftjax.runtime.host_group import JaxHostGroup
 from ftjax.runtime.lanes import LaneFlattener, served_lanes
@@ -138,13 +139,37 @@ def member_protocol(
     )
 
 
-def _ftar_reducer(cfg: Config, endpoints, served, update_template: Any, update_shardings: Any) -> FTARReducer:
-    """How this host averages the update: its lanes through FTAR, on the gradient path of ft.grad_path."""
+def _ftar_reducer(cfg: Config, endpoints, served, update_template: Any, update_shardings: Any):
+    """How this host averages the update: its lanes through FTAR, on the gradient path of ft.grad_path;
+    with DiLoCo, a fragment of the parameters' deltas per round, each through a reducer of its own."""
+    if cfg.ft.sync != "every_step":
+        return _fragments(cfg, update_template, update_shardings, partial(_ftar_reducer_of, cfg, endpoints, served))
+    return _ftar_reducer_of(cfg, endpoints, served, update_template, update_shardings)
+
+
+def _fragments(cfg: Config, template: Any, shardings: Any, reducer_of) -> FragmentReducer:
+    """DiLoCo's reducer: the parameters' leaves cut as ftjax/runtime/diloco.py cuts them, one reducer each."""
+    n = cfg.ft.fragments if cfg.ft.sync == "streaming_diloco" else 1
+    leaves, sh = jax.tree.leaves(template["params"]), jax.tree.leaves(shardings["params"])
+    b = fragment_bounds([a.size * 4 for a in leaves], n)
+    return FragmentReducer([reducer_of(leaves[b[f] : b[f + 1]], sh[b[f] : b[f + 1]]) for f in range(n)], n)
+
+
+def _ftar_reducer_of(cfg: Config, endpoints, served, update_template: Any, update_shardings: Any) -> FTARReducer:
     m = cfg.mesh  # the lanes are cut by the job's full replica, whatever this one's degree
     layout = dict(lanes=m.hosts, devices_per_host=m.devices_per_host, served=served, tensor=m.tensor)
     flat = LaneFlattener(update_template, update_shardings, dtype=_grad_dtype(cfg), **layout)
     pipelined, pinned = cfg.ft.grad_path != "serial", _pinned(cfg, update_shardings)
     return FTARReducer(endpoints, flat, divisor=_divisor(cfg), pipelined=pipelined, pinned=pinned)
+
+
+def _topology(cfg: Config, program: ReplicaProgram) -> str:
+    """What replicas must agree on to average together: the program's layout, and with DiLoCo how
+    the rounds go (another inner step count or fragment cut would average other things)."""
+    if cfg.ft.sync == "every_step":
+        return program.topology()
+    f = cfg.ft.fragments if cfg.ft.sync == "streaming_diloco" else 1
+    return f"{program.topology()}\nsync: {cfg.ft.sync} inner_steps={cfg.ft.inner_steps} fragments={f}"
 
 
 def _ftar_endpoints(cfg: Config, token: str, addrs: net.Addresses, served) -> list[FTAREndpoint]:
@@ -198,14 +223,28 @@ def _coordinator_client(
     return client
 
 
-def standalone_protocol(cfg: Config, args: RunOptions, out: Path, group: JaxHostGroup, log: MetricsLog) -> StepProtocol:
+def _local_reducer(cfg: Config, program: ReplicaProgram | None):
+    local = lambda *_: LocalReducer(_divisor(cfg), _grad_dtype(cfg))
+    if cfg.ft.sync != "every_step" and program is not None:
+        return _fragments(cfg, program.abstract_update(), program.grad_shardings, local)
+    return local()
+
+
+def standalone_protocol(
+    cfg: Config,
+    args: RunOptions,
+    out: Path,
+    group: JaxHostGroup,
+    log: MetricsLog,
+    program: ReplicaProgram | None = None,
+) -> StepProtocol:
     """The step protocol of a replica alone: a quorum of one, the identity average."""
     rid = str(args.replica_id)
     return StepProtocol(
         replica_id=rid,
         incarnation=new_incarnation(),
         group=group,
-        reducer=LocalReducer(_divisor(cfg), _grad_dtype(cfg)),
+        reducer=_local_reducer(cfg, program),
         transport=None,
         quorums=LocalQuorum(rid) if group.rank == 0 else None,
         buffer=ReplayBuffer(out / "replay-unused", 0),
@@ -248,7 +287,7 @@ def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Add
         log,
         update_template=program.abstract_update(),
         update_shardings=program.grad_shardings,
-        topology=program.topology(),
+        topology=_topology(cfg, program),
     )
     trainer = Trainer(
         cfg,
@@ -316,7 +355,7 @@ def _standalone(cfg: Config, args: RunOptions, out: Path, task: Task | None) -> 
         cfg,
         program,
         stream,
-        standalone_protocol(cfg, args, out, group, log),
+        standalone_protocol(cfg, args, out, group, log, program),
         log=log,
         ckpt=_checkpoints(cfg, args, out, stream, program),
         faults=faults_of(args),

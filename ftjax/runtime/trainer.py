@@ -31,6 +31,7 @@ from ftjax.program.step import device_batch, model_state, param_count, topology_
 from ftjax.program.task import concat_rows, slice_rows
 from ftjax.runs.events import EXIT_LEFT, EXIT_NO_PROGRESS, ReplicaEvent
 from ftjax.runtime.checkpoint import load_init
+from ftjax.runtime.diloco import InnerResult, OuterSync, RoundStream
 from ftjax.runtime.manager import FaultTolerance, Finished, Left, final_digests
 from ftjax.runtime.metrics import ModelFlops
 from ftjax.runtime.protocol import StepProtocol
@@ -38,8 +39,9 @@ from ftjax.runtime.protocol import StepProtocol
 
 def learning_rates(cfg: Config, task: Any) -> np.ndarray | None:
     """The config's AdamW learning rate of the update of each step (index: the step before it), for
-    the step records; None for a task's own optimizer (its schedule is not known here)."""
-    if task.optimizer is not None:
+    the step records; None for a task's own optimizer (its schedule is not known here) and with
+    DiLoCo (a step is an outer round: many inner learning rates)."""
+    if task.optimizer is not None or cfg.ft.sync != "every_step":
         return None
     return np.asarray(jax.vmap(schedule(cfg.optim, cfg.steps))(np.arange(cfg.steps)), np.float64)
 
@@ -61,6 +63,9 @@ class Computed:
     loss_sums: list | None = None  # constant batch: [stream, first row, end row, sum of row losses] per row span
     own: Computed | None = None  # constant batch: the own batch's `grads`, which this share adds to
     aux: dict | None = None  # the task's auxiliary metrics, means over the own batch
+    inner: InnerResult | None = None  # DiLoCo: the round's inner steps (`grads`: the fragment's pseudo-gradient)
+    step: int = -1  # DiLoCo: the committed step the round started from (its state, its fragment)
+    reused: bool = False  # DiLoCo: the inner steps of a discarded attempt of the round, not computed again
 
 
 @dataclass
@@ -90,6 +95,13 @@ class Trainer:
         stop_after: int | None = None,
         flops: ModelFlops | None = None,
     ) -> None:
+        # DiLoCo (ft.sync): a step of the protocol is an outer round of inner steps (ftjax/runtime/diloco.py)
+        self.sync = OuterSync(cfg, program) if cfg.ft.sync != "every_step" else None
+        if self.sync is not None:
+            stream = RoundStream(stream, self.sync.inner)
+            self.sync.warm_up()
+        self._mine: InnerResult | None = None  # DiLoCo: this replica's inner steps of the round being committed
+        self._kept: Computed | None = None  # DiLoCo: a discarded round's inner steps, for its retry
         self.cfg, self.program, self.stream = cfg, program, stream
         self.flops = flops  # each step record's model FLOPs and MFU (None: not known)
         self.log, self.ckpt, self.faults, self.watchdog = log, ckpt, faults, watchdog
@@ -97,6 +109,8 @@ class Trainer:
         self.restore_durable = restore_durable  # a fault-tolerant run, or a standalone --resume
         self.stop = min(cfg.steps, stop_after) if stop_after else cfg.steps
         self.abstract = program.abstract_state()
+        if self.sync is not None:
+            self.abstract = self.sync.abstract_state(self.abstract)
         self.constant = cfg.ft.global_batch == "constant"
         # the step protocol's one owner: it holds the state, the step and the data position
         self.ft = FaultTolerance(
@@ -110,6 +124,7 @@ class Trainer:
             steps=cfg.steps,
             after_apply=faults.corrupt,
             batch_id=stream.batch_id,
+            digest_view=self.sync.shared if self.sync is not None else None,
         )
         # A constant global batch trains stream r's batch n at step n, whoever computes it: replica
         # ids are the stream numbers 0..R-1 (ftjax/base/batches.py).
@@ -183,7 +198,12 @@ class Trainer:
         # program in both modes), or the whole share of a replica that has no whole own batch.
         # Rows of absent peers wait for the quorum: it may bring them back.
         ahead = self.own_work if self.own_work[0] in self.work else self.work
-        computed = self._compute(ahead) if self.has_state and not self.ft.healing else None
+        kept, self._kept = self._kept, None
+        if kept is not None and (kept.step, kept.position) == (self.step, self.position):
+            computed = kept  # (a retried round: its inner steps are a function of the same state and batches)
+            computed.reused = True
+        else:
+            computed = self._compute(ahead) if self.has_state and not self.ft.healing else None
         timing.compute = time.perf_counter()
         info = self.ft.begin()
         q = info.quorum
@@ -200,7 +220,10 @@ class Trainer:
         contributes = info.contributes
         if contributes:
             self.work = self._share(q)
-        if contributes and (computed is None or (computed.position, computed.work) != (self.position, self.work)):
+        stale = self.sync is not None and computed is not None and computed.step != self.step  # (another state)
+        if contributes and (
+            computed is None or stale or (computed.position, computed.work) != (self.position, self.work)
+        ):
             began = time.perf_counter()  # the rest of the share, or all of it if we were behind
             computed = self._compute(self.work, computed)
             timing.shared = time.perf_counter() - began
@@ -210,7 +233,10 @@ class Trainer:
         update, error = self.ft.average(q, computed.grads if contributes else None)
         timing.ftar = time.perf_counter()
         if not self.ft.vote(q, error):
-            return  # discarded (the next quorum is asked): the same batch again, unless the job committed the step
+            # discarded (the next quorum is asked): the same batch again, unless the job committed the
+            # step. A DiLoCo round keeps its inner steps: only a replica that died loses its own.
+            self._kept = computed if self.sync is not None and contributes else None
+            return
         self.faults.point(q.step + 1, "commit")
         self._commit(q, update, computed if contributes else None, contributes, timing)
 
@@ -241,6 +267,8 @@ class Trainer:
         peer fails, or returns), only the other rows are computed again, and the result is the one
         a computation from scratch gives."""
         self.faults.point(self.step + 1, "forward")
+        if self.sync is not None:
+            return self._inner_steps(work)
         if work == self.own_work:
             batch = self._own_batch(self.position)
             loss, aux, grads = self.program.grads_of(self.state, batch, where(self.position, self.own, 0))
@@ -278,10 +306,22 @@ class Trainer:
             aux=own.aux if own is not None else None,
         )
 
+    def _inner_steps(self, work: tuple[RowSpan, ...]) -> Computed:
+        """DiLoCo: the round's inner steps on this replica's own batches, from the committed state."""
+        batches, f, inner = self._own_batch(self.position), self.sync.fragment(self.step), self.sync.inner
+        wheres = [where(self.position * inner + h, self.own, 0) for h in range(inner)]
+        res = self.sync.run_inner(self.state, batches, wheres, f, beat=lambda: self.watchdog.beat("inner step"))
+        jax.block_until_ready(res.delta)
+        return Computed(res.loss, res.delta, self.position, work, aux=res.aux, inner=res, step=self.step)
+
     def _prefetch(self, position: int) -> Future:
-        """The own batch at `position`, read and placed on the devices in the prefetch thread (once)."""
+        """The own batch at `position`, read and placed on the devices in the prefetch thread (once);
+        with DiLoCo, the round's batches."""
         if self._prefetched is None or self._prefetched[0] != position:
-            batch = lambda: device_batch(self.program, self.stream.batch(position))
+            if self.sync is not None:
+                batch = lambda: [device_batch(self.program, b) for b in self.stream.batch(position)]
+            else:
+                batch = lambda: device_batch(self.program, self.stream.batch(position))
             self._prefetched = (position, self._prefetch_pool.submit(batch))
         return self._prefetched[1]
 
@@ -295,6 +335,8 @@ class Trainer:
         return self._streams[s]
 
     def _apply(self, state: Any, grads: Any, scale: float) -> Any:
+        if self.sync is not None:  # the outer step (`grads`: the fragment and its average)
+            return self.sync.apply(state, grads, scale, self._mine)
         return self.program.apply(state, grads, np.float32(scale))
 
     def _commit(
@@ -302,7 +344,11 @@ class Trainer:
     ) -> None:
         scale = 1.0 if self.constant else lr_scale(self.cfg.ft.lr_scaling, q.num_contributors, self.cfg.ft.replicas)
         position = self.position  # (the batch trained: commit moves past it)
-        applied = self.ft.commit(q, update, scale=scale, contributed=contributes)
+        self._mine = computed.inner if contributes and computed is not None else None
+        try:
+            applied = self.ft.commit(q, update, scale=scale, contributed=contributes)
+        finally:
+            self._mine = None
         batch_id = self.stream.batch_id(position) if applied and contributes else None
         digest = (self.ft.last_digest, self.ft.last_digest_s)
         if self.ckpt is not None and applied:
@@ -330,7 +376,7 @@ class Trainer:
         evaluated: dict | None = None,
     ) -> None:
         t5 = timing.end or time.perf_counter()
-        rows = row_count(computed.work) if computed is not None else 0
+        rows = row_count(computed.work) * self.cfg.inner_per_step if computed is not None else 0
         record = {
             "step": q.step + 1,
             "committed": applied,
@@ -357,6 +403,10 @@ class Trainer:
                 if computed is not None
                 else None
             )
+        if self.sync is not None:  # the round: its inner steps, the fragment averaged and its float32 bytes
+            f = self.sync.fragment(q.step)
+            record.update(inner_steps=self.sync.inner, fragment=f, sync_bytes=self.sync.fragment_bytes(f))
+            record["reused_inner"] = bool(computed is not None and computed.reused)
         if self.lrs is not None and 0 <= q.step < len(self.lrs):  # the learning rate this update applied
             record["lr"] = float(self.lrs[q.step]) * scale
         if self.flops is not None:
@@ -412,6 +462,8 @@ class Trainer:
                 self._init_from()
             else:
                 self.log.event(ReplicaEvent.INIT, seed=self.cfg.seed)
+            if self.sync is not None:  # the outer state of the initial parameters
+                self.state = self.sync.init(self.state)
         else:
             self.ft.wait_for_a_source(self.cfg.ft.quorum_timeout_s, self.replica_id)
 
@@ -442,7 +494,7 @@ class Trainer:
             self.ckpt.maybe_save(self.step, self.state, self._meta(), force=True)
             self.ckpt.close()
         self.log.summary(
-            **final_digests(self.state),
+            **final_digests(self.sync.shared(self.state) if self.sync is not None else self.state),
             params_digest=params_digest(self.state),
             replica=self.replica_id,
             incarnation=self.ft.incarnation,

@@ -1,0 +1,112 @@
+"""DiLoCo against every-step sync at equal tokens: two jobs, one JSON line, a plot.
+
+    python scripts/diloco_curve.py [CONFIG] [--steps 300] [--inner 20] [--plot docs/diloco_vs_every_step.png]
+
+Runs `ftjax launch CONFIG --replicas R` twice with the same tokens: `ft.sync=every_step` for
+`--steps` steps, then `ft.sync=diloco` (`--sync streaming_diloco`) for steps / inner rounds of
+`--inner` inner steps. Prints the loss of each job's final parameters (DiLoCo's: the global ones)
+on the same held-out batches (far beyond any batch trained) and their relative difference; plots
+the training losses against inner steps (equal tokens).
+`--set key=value` adds overrides to the DiLoCo job only (e.g. ft.outer_lr=0.5). docs/design.md,
+"Training across slow links", cites the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+
+def job(config: str, overrides: list[str], replicas: int, out: Path) -> dict[int, float]:
+    """Run one job; step -> the mean training loss over the replicas that committed it."""
+    cmd = [sys.executable, "-m", "ftjax", "launch", config, "--replicas", str(replicas), *overrides]
+    done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for r in range(replicas):
+        for line in (out / f"replica-{r}" / "metrics.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("committed") and rec.get("loss") is not None:
+                by_step[rec["step"]].append(rec["loss"])
+    return {s: sum(v) / len(v) for s, v in by_step.items()}
+
+
+def held_out(config: str, overrides: list[str], run: Path, batches: int) -> float:
+    """The mean loss of replica 0's final parameters (the job's: replicas end bitwise equal) on
+    `batches` batches far beyond any the job trained (the same for both jobs)."""
+    import numpy as np
+
+    from ftjax.config import load_config
+    from ftjax.program.data import make_stream
+    from ftjax.program.step import build_program, device_batch, where
+    from ftjax.runtime.checkpoint import load_init
+
+    cfg = load_config(config, overrides)
+    program = build_program(cfg)
+    last = max((run / "replica-0" / "checkpoints").iterdir(), key=lambda d: int(d.name) if d.name.isdigit() else -1)
+    params = load_init(last / "state", program.abstract_state(), opt=False)["params"]
+    stream = make_stream(cfg, replica=0)
+    losses = [
+        program.grads(params, {}, device_batch(program, stream.batch(100_000 + i)), where(0, 0, 0))[0]
+        for i in range(batches)
+    ]
+    return float(np.mean([float(x) for x in losses]))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", default="llama_tiny")
+    p.add_argument("--steps", type=int, default=300, help="inner steps of each job")
+    p.add_argument("--inner", type=int, default=20)
+    p.add_argument("--sync", choices=["diloco", "streaming_diloco"], default="diloco")
+    p.add_argument("--fragments", type=int, default=4)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--held-out", type=int, default=16, help="held-out batches the final parameters are scored on")
+    p.add_argument("--set", action="append", default=[], help="an override of the DiLoCo job (repeatable)")
+    p.add_argument("--plot", default=None, help="write both curves here (PNG)")
+    a = p.parse_args()
+    per_round = a.inner // (a.fragments if a.sync == "streaming_diloco" else 1)
+    n = a.steps // per_round
+    every = ["ft.digest_every=0", f"steps={a.steps}", f"checkpoint.every={a.steps}"]
+    rounds = ["ft.digest_every=0", f"steps={n}", f"checkpoint.every={n}", f"ft.sync={a.sync}"]
+    rounds += [f"ft.inner_steps={a.inner}", f"ft.fragments={a.fragments}", *a.set]
+    with tempfile.TemporaryDirectory() as tmp:
+        base = job(a.config, every, a.replicas, Path(tmp) / "every_step")
+        dl = job(a.config, rounds, a.replicas, Path(tmp) / a.sync)
+        final = {
+            "every_step": held_out(a.config, every, Path(tmp) / "every_step", a.held_out),
+            a.sync: held_out(a.config, rounds, Path(tmp) / a.sync, a.held_out),
+        }
+    # the x axis: inner steps of one replica (equal tokens: every replica trains one batch per inner
+    # step); a DiLoCo round's loss is its inner steps' mean, at the round's middle
+    curves = {"every_step": dict(base), a.sync: {(s - 0.5) * per_round: v for s, v in dl.items()}}
+    rel = (final[a.sync] - final["every_step"]) / final["every_step"]
+    record = {"config": a.config, "replicas": a.replicas, "steps": a.steps, "inner_steps": a.inner, "set": a.set}
+    print(json.dumps({**record, "sync": a.sync, "held_out_loss": final, "relative_difference": round(rel, 4)}))
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for name, c in curves.items():
+            xs = sorted(c)
+            ax.plot(xs, [c[x] for x in xs], lw=1, label=f"{name} (held-out loss at the end {final[name]:.3f})")
+        ax.set_xlabel("inner steps per replica (equal tokens)")
+        ax.set_ylabel("training loss (mean over replicas)")
+        ax.set_title(f"{a.config}: {a.replicas} replicas, {a.sync} H={a.inner} vs every step", fontsize=10)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""DiLoCo in real processes (ftjax/runtime/diloco.py): the outer step against references computed
+by hand, and 2-replica jobs with kills in the inner phase, at the outer all-reduce and during a
+catch-up: the shared state bitwise equal at every round both replicas committed, exactly once."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import REPO
+from launchrun import Launch
+
+from ftjax.config import load_config
+from ftjax.program.data import make_stream
+from ftjax.program.digest import state_checksum
+from ftjax.program.step import build_program, device_batch, where
+from ftjax.runtime.diloco import OuterSync
+
+
+def _program(overrides):
+    cfg = load_config("llama_tiny", overrides)
+    return cfg, build_program(cfg)
+
+
+def _inner_by_hand(program, state, batches, wheres):
+    """The reference: the program's own step, H times, on a copy."""
+    s = jax.tree.map(lambda x: x.copy(), {k: state[k] for k in ("params", "opt", "step")})
+    for b, w in zip(batches, wheres):
+        _, _, g = program.grads_of(s, b, w)
+        s = program.apply(s, g, np.float32(1.0))
+    return s
+
+
+def test_with_outer_sgd_at_rate_one_a_lone_replica_ends_where_its_inner_steps_went():
+    """DiLoCo's outer step with plain SGD at learning rate 1 moves the global parameters by the
+    whole average delta: a replica alone then holds its inner steps' parameters, which the
+    program's own step computes H times by hand."""
+    cfg, program = _program(
+        ["ft.sync=diloco", "ft.inner_steps=3", "ft.outer_optimizer=sgd", "ft.outer_lr=1", "ft.outer_momentum=0"]
+    )
+    sync = OuterSync(cfg, program)
+    state = sync.init(program.init(np.int32(0)))
+    stream = make_stream(cfg)
+    batches = [device_batch(program, stream.batch(k)) for k in range(3)]
+    wheres = [where(k, 0, 0) for k in range(3)]
+    ref = _inner_by_hand(program, state, batches, wheres)
+    res = sync.run_inner(state, batches, wheres, 0)
+    before = state_checksum(sync.shared(state))
+    out = sync.apply(state, (0, res.delta), 1.0, res)
+    for a, b in zip(jax.tree.leaves(out["params"]), jax.tree.leaves(ref["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    # this replica's inner optimizer state is the round's; the state it started from was not touched
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(out["opt"]), jax.tree.leaves(ref["opt"])))
+    assert state_checksum(sync.shared(state)) == before and int(out["step"]) == 3
+
+
+def test_nesterov_outer_step_matches_optax_and_a_replay_needs_no_inner_state():
+    cfg, program = _program(["ft.sync=diloco", "ft.inner_steps=2"])
+    sync = OuterSync(cfg, program)
+    state = sync.init(program.init(np.int32(0)))
+    stream = make_stream(cfg)
+    batches = [device_batch(program, stream.batch(k)) for k in range(2)]
+    res = sync.run_inner(state, batches, [where(k, 0, 0) for k in range(2)], 0)
+    g = jax.tree.leaves(state["params"])
+    tx = optax.sgd(0.7, momentum=0.9, nesterov=True)
+    upd, _ = tx.update(list(res.delta), tx.init(g), g)
+    want = optax.apply_updates(g, upd)
+    live = sync.apply(state, (0, res.delta), 1.0, res)
+    replayed = sync.apply(state, (0, res.delta), 1.0, None)  # a healing replica's replay: no inner steps of its own
+    for a, b, c in zip(jax.tree.leaves(live["params"]), want, jax.tree.leaves(replayed["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+        assert np.array_equal(a, c)  # the shared state does not depend on whose inner state it is
+    assert state_checksum(sync.shared(live)) == state_checksum(sync.shared(replayed))
+    assert state_checksum(live) != state_checksum(replayed)  # (the inner optimizer states differ)
+
+
+def test_streaming_averages_one_fragment_and_resets_only_its_local_parameters():
+    cfg, program = _program(["ft.sync=streaming_diloco", "ft.inner_steps=4", "ft.fragments=2"])
+    sync = OuterSync(cfg, program)
+    assert sync.inner == 2 and [sync.fragment(s) for s in range(4)] == [0, 1, 0, 1]
+    state = sync.init(program.init(np.int32(0)))
+    stream = make_stream(cfg)
+    batches = [device_batch(program, stream.batch(k)) for k in range(2)]
+    res = sync.run_inner(state, batches, [where(k, 0, 0) for k in range(2)], 1)
+    out = sync.apply(state, (1, res.delta), 1.0, res)
+    b = sync.bounds
+    g0, g1 = jax.tree.leaves(state["params"]), jax.tree.leaves(out["params"])
+    trained, local = jax.tree.leaves(res.local), jax.tree.leaves(out["local"])
+    assert all(np.array_equal(g0[i], g1[i]) for i in range(b[0], b[1]))  # fragment 0: global untouched
+    assert not all(np.array_equal(g0[i], g1[i]) for i in range(b[1], b[2]))  # fragment 1: averaged
+    assert all(np.array_equal(local[i], trained[i]) for i in range(b[0], b[1]))  # fragment 0 trains on locally
+    assert all(np.array_equal(local[i], g1[i]) for i in range(b[1], b[2]))  # fragment 1 restarts from the global
+    assert sum(sync.fragment_bytes(f) for f in range(2)) == 4 * sum(x.size for x in g0)
+
+
+def _rounds(run: Launch, r: int) -> dict[int, str]:
+    """Replica r's committed rounds: step -> the shared state's digest after it."""
+    return {m["step"]: m["param_digest"] for m in run.metrics(r) if m.get("committed") and m.get("param_digest")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["diloco", "streaming_diloco"])
+def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_equal(procs, tmp_path, sync):
+    """3 replicas of the tiny Llama, 24 rounds: replica 1 dies during its inner steps of round 4 and
+    its next incarnation while it catches up; replica 2 dies in the outer all-reduce of round 8.
+    Replica 0 lives throughout (it holds the job's state; each kill hits a first incarnation, as a
+    restart may take longer than the job). The rounds go ahead without the dead (nobody waits for
+    a dead replica's inner work), the restarted ones heal from a live peer, every round that two
+    replicas committed has the same shared state (global parameters and outer optimizer state) on
+    both, the final states are equal, and every round's batches were trained exactly once."""
+    args = [f"{REPO}/ftjax/configs/llama_tiny.yaml", "--replicas", "3", "--restart-delay-s", "0.5"]
+    args += ["steps=24", f"ft.sync={sync}", "ft.inner_steps=4", "ft.fragments=2", "ft.drain_timeout_s=300"]
+    args += ["--kill", "1@4:catchup", "--kill", "2@8:ftar"]
+    run = Launch(procs, args, tmp_path / sync)
+    try:
+        assert run.wait(timeout=600) == 0, run.output()
+        s = run.summary()
+        downs = [(e["replica"], e.get("at")) for e in s["failure_events"]]
+        assert (1, "4:forward") in downs and (2, "8:ftar") in downs, (downs, run.output())
+        kinds = [e["replica"] for e in run.events() if e["event"] == "fault" and e.get("kind") == "kill_catchup"]
+        assert kinds == [1], run.output()
+        assert s["digests_equal"] and s["exactly_once"], {
+            r: v.get("exactly_once_error") for r, v in s["replicas"].items()
+        }
+        rounds = [_rounds(run, r) for r in range(3)]
+        assert sorted(rounds[0]) == list(range(1, 25))  # the live replica committed every round
+        pairs = [(a, b, n) for a in range(3) for b in range(a + 1, 3) for n in set(rounds[a]) & set(rounds[b])]
+        assert len(pairs) >= 8, pairs  # (at least the rounds before the first kill, by all three)
+        assert all(rounds[a][n] == rounds[b][n] for a, b, n in pairs), [
+            (a, b, n) for a, b, n in pairs if rounds[a][n] != rounds[b][n]
+        ]
+        # a round discarded because a peer died is retried with the survivor's inner steps as they were
+        retried = {e["step"] for r in (0, 2) for e in run.metrics(r) if e.get("event") == "commit_failure"}
+        assert retried, run.output()
+        for r in (0, 2):
+            again = [m for m in run.metrics(r) if m.get("committed") and m["step"] in retried]
+            assert all(m["reused_inner"] for m in again if m.get("loss") is not None), again
+        assert sum(m["reused_inner"] for m in run.metrics(0) if m.get("committed") and "reused_inner" in m) >= 1
+        mine = [m for m in run.metrics(0) if m.get("committed") and "inner_steps" in m]
+        inner = 4 // (2 if sync == "streaming_diloco" else 1)
+        assert len(mine) == 24 and all(m["inner_steps"] == inner for m in mine)
+        assert all(m["tokens"] == inner * 8 * 64 for m in mine)  # every inner step's batch: 8 rows of 64 tokens
+        if sync == "streaming_diloco":  # one fragment per round, in turn
+            assert [m["fragment"] for m in mine] == [n % 2 for n in range(24)]
+            assert sum(m["sync_bytes"] for m in mine[:2]) == mine[0]["sync_bytes"] + mine[1]["sync_bytes"]
+    finally:
+        run.close()
