@@ -217,7 +217,8 @@ class CoordinatorClient:
     def report_step(self, record: dict, *, target_steps: int = 0, replicas: int = 0) -> None:
         """Keep a step record of the training loop (ftjax/runtime/trainer.py) to send with the next quorum
         request: the coordinator's status page and /metrics show the replicas' loss, step time,
-        tokens and MFU from them. Records that are not steps are ignored."""
+        tokens and MFU from them, and a DiLoCo round's inner steps, fragment and bytes averaged. Records
+        that are not steps are ignored."""
         if "step" not in record or "event" in record:
             return
         loss = record.get("loss")
@@ -232,6 +233,9 @@ class CoordinatorClient:
             replicas=replicas,
             mfu=record.get("mfu"),
             eval_loss=record.get("eval_loss"),
+            inner_steps=record.get("inner_steps"),
+            fragment=record.get("fragment"),
+            sync_bytes=record.get("sync_bytes"),
         )
 
     def quorum(

@@ -129,7 +129,9 @@ class _StateCollector:
 
     Per replica (label `replica`, its replica id): whether it is up, its lifecycle state, step,
     loss, step time, tokens/s, MFU, restarts. For the job: target and committed steps, steps/s, ETA,
-    tokens/s, tokens, goodput, ETTR, loss. A figure not known yet (no report, no warm-up) has no sample."""
+    tokens/s, tokens, goodput, ETTR, loss. A figure not known yet (no report, no warm-up) has no sample.
+    A DiLoCo job (steps are outer rounds) also has its inner steps per round and the bytes averaged,
+    in all and per replica; an every-step job has none of these families."""
 
     def __init__(self, state: CoordinatorState) -> None:
         self._state = state
@@ -208,6 +210,24 @@ def _job_families(job: dict):
     yield CounterMetricFamily(
         "ftjax_job_tokens", "Tokens of committed steps since this coordinator started.", value=job["tokens_total"]
     )
+    sync = job.get("sync")
+    if sync:
+        yield GaugeMetricFamily(
+            "ftjax_job_inner_steps",
+            "DiLoCo: inner optimizer steps per outer round (a step of the job is an outer round).",
+            value=sync["inner_steps"],
+        )
+        yield CounterMetricFamily(
+            "ftjax_job_sync_bytes",
+            "DiLoCo: float32 bytes of parameter deltas the replicas averaged since this coordinator started.",
+            value=sync["bytes_total"],
+        )
+        if sync["bytes_per_token"] is not None:
+            yield GaugeMetricFamily(
+                "ftjax_job_sync_bytes_per_token",
+                "DiLoCo: bytes averaged per token trained in those rounds.",
+                value=sync["bytes_per_token"],
+            )
 
 
 def _replica_families(rows: list[dict]):
@@ -263,6 +283,13 @@ def _replica_families(rows: list[dict]):
         "New incarnations of the replica seen by this coordinator after its first.",
         "restarts",
     )
+    if any("sync_bytes_total" in r for r in rows):  # a DiLoCo job
+        yield family(
+            CounterMetricFamily,
+            "ftjax_replica_sync_bytes",
+            "DiLoCo: float32 bytes of parameter deltas the replica averaged since this coordinator started.",
+            "sync_bytes_total",
+        )
 
 
 class Metrics:

@@ -7,6 +7,10 @@ needs explaining (no progress, start-up, a reduced job), each replica's state in
 lifecycle colours of `timeline.png`, the latest failures with what happened next, a live timeline
 and the loss curve (inline SVG), and the coordinator's own details folded away at the bottom.
 
+A DiLoCo job (the snapshot's job has `sync`: its step reports carry inner steps) counts outer
+rounds where an every-step job counts steps, and shows its inner steps per round and the bytes its
+replicas averaged; an every-step job's page is what it was before DiLoCo.
+
 The page is one self-contained document (no external asset: it must work on a cluster without
 internet). The server renders all of it, so it reads the same without JavaScript (it then reloads
 itself every 5 s); a small script refreshes it in place every 2 s instead, keeps folded sections
@@ -80,6 +84,12 @@ def badge(phase: str, text: str | None = None) -> str:
     return f'<span class="badge" style="background:{color};color:{fg}">{esc(text or phase)}</span>'
 
 
+def unit(s: dict, plural: bool = False) -> str:
+    """What the job's steps are: steps, or DiLoCo's outer rounds."""
+    word = "outer round" if s["job"].get("sync") else "step"
+    return word + "s" if plural else word
+
+
 # --- sections ---------------------------------------------------------------------------------------
 def _overall(s: dict) -> tuple[str, str]:
     """(phase colour key, words) for the whole job."""
@@ -107,21 +117,39 @@ def _figures(s: dict) -> str:
     pct = f"{100 * done / target:.0f}%" if target else ""
     bar = f'<div class="bar"><div style="width:{min(100.0, 100 * done / target):.1f}%"></div></div>' if target else ""
     steps = f"{done:,}" + (f" / {target:,}" if target else "")
-    rate = f"{job['steps_per_s']:.2f} steps/s" if job["steps_per_s"] else "no step yet"
+    rate = f"{job['steps_per_s']:.2f} {unit(s, plural=True)}/s" if job["steps_per_s"] else f"no {unit(s)} yet"
     eta = ("done" if job["finished"] else duration(job["eta_s"])) if job["eta_s"] is not None else "-"
     size = job["replicas"] or len(s["replicas"])
     training = job["training"]
     ettr = f"{job['ettr']:.3f}" if job["ettr"] is not None else "-"
     goodput = count(job["goodput_tokens_per_s"], "tokens/s") if job["goodput_tokens_per_s"] is not None else ""
-    median = f"median step {duration(job['median_step_s'])}" if job["median_step_s"] else ""
+    median = f"median {unit(s)} {duration(job['median_step_s'])}" if job["median_step_s"] else ""
     cards = [
-        ("committed steps", steps, f"{pct} {bar}"),
+        (f"committed {unit(s, plural=True)}", steps, f"{pct} {bar}"),
         ("ETA", eta, rate),
         ("throughput", count(job["tokens_per_s"], "tokens/s"), f"{count(job['tokens_total'])} tokens so far"),
         ("loss", _loss(job["loss"]), "mean of the replicas' latest batches"),
         ("ETTR so far", ettr, f"goodput {goodput}" if goodput else "from warm-up (every replica trained) on"),
         ("replicas training", f"{training} of {size}" if size else "0", median),
     ]
+    sync = job.get("sync")
+    if sync:
+        inner = sync["inner_steps"]
+        streaming = (
+            f"; streaming: fragment {sync['fragment']} averaged last ({sync['fragments_seen']} seen)"
+            if sync["fragments_seen"] > 1
+            else ""
+        )
+        per_token = sync["bytes_per_token"]
+        cards += [
+            ("DiLoCo", f"{inner} inner steps", f"per outer round ({done * inner:,} optimizer steps in all){streaming}"),
+            (
+                "bytes averaged",
+                count(sync["bytes_total"], "B"),
+                f"{count(sync['bytes_per_round'], 'B')} per replica per round"
+                + (f", {_per_token(per_token)} B/token" if per_token is not None else ""),
+            ),
+        ]
     return (
         '<div class="cards">'
         + "".join(
@@ -168,7 +196,12 @@ def _banners(s: dict) -> str:
                 )
             )
     if job["finished"]:
-        out.append(("good", f"Finished: {job['committed_steps']:,} steps committed at {clock(job['finished_at'])}."))
+        out.append(
+            (
+                "good",
+                f"Finished: {job['committed_steps']:,} {unit(s, plural=True)} committed at {clock(job['finished_at'])}.",
+            )
+        )
     if job.get("first_step"):
         out.append(
             (
@@ -187,6 +220,7 @@ def _replicas(s: dict) -> str:
         return '<p class="muted">No replica has connected yet.</p>'
     order = {Phase.DOWN.value: 0, Phase.STALLED.value: 1, Phase.CATCHING_UP.value: 2, Phase.STARTING.value: 3}
     shown = sorted(rows, key=lambda r: order.get(r["state"], 9))[:TABLE_ROWS] if len(rows) > TABLE_ROWS else rows
+    sync = bool(s["job"].get("sync"))
     body = []
     for r in shown:
         loss = _loss(r.get("loss"))
@@ -200,13 +234,20 @@ def _replicas(s: dict) -> str:
             f'<td class="n">{r["step"]:,}</td><td class="n">{loss}</td><td class="n">{step_time}</td>'
             f'<td class="n">{count(r.get("tokens_per_s"))}</td><td class="n">{percent(r.get("mfu"))}</td>'
             f'<td class="n">{_loss(r.get("eval_loss"))}</td>'
-            f'<td class="n">{r["data_position"]:,}</td>'
+            + (_sync_cells(r) if sync else "")
+            + f'<td class="n">{r["data_position"]:,}</td>'
             f'<td class="n">{restarts}</td><td class="n">{esc(heard)}</td></tr>'
         )
     more = f'<p class="muted">{len(rows) - len(shown)} more in /status.</p>' if len(shown) < len(rows) else ""
-    return (
+    head = (
         '<table class="replicas"><tr><th>replica</th><th>state</th><th>step</th><th>loss</th><th>step time</th>'
         "<th>tokens/s</th><th>MFU</th><th>eval loss</th><th>data position<sup>*</sup></th><th>restarts</th><th>last heard</th></tr>"
+    )
+    if sync:
+        head = head.replace("<th>step</th>", "<th>round</th>").replace("<th>step time</th>", "<th>round time</th>")
+        head = head.replace("<th>data position", "<th>averaged</th><th>B/token</th><th>data position")
+    return (
+        head
         + "".join(body)
         + "</table>"
         + more
@@ -215,13 +256,34 @@ def _replicas(s: dict) -> str:
         "start; a replica that was down or caught up trails it by the steps the job took without its batches "
         "(they were not skipped: its stream resumes where it stopped). Step, loss, tokens/s and MFU (model FLOPs "
         "over step time x devices x peak FLOP/s; - where the peak is not known) are from the "
-        "replica's latest report; restarts count the incarnations this coordinator has seen.</p>"
+        "replica's latest report; restarts count the incarnations this coordinator has seen."
+        + (
+            " DiLoCo: a round is an outer round (its inner steps, then an average of the parameter deltas); "
+            "averaged: the float32 bytes of the deltas the replica averaged since this coordinator started, "
+            "B/token: per token it trained in those rounds."
+            if sync
+            else ""
+        )
+        + "</p>"
     )
+
+
+def _sync_cells(r: dict) -> str:
+    """A DiLoCo replica's bytes averaged in all, and per token."""
+    per_token = r.get("sync_bytes_per_token")
+    return (
+        f'<td class="n">{count(r.get("sync_bytes_total"), "B") if r.get("sync_bytes_total") else "-"}</td>'
+        f'<td class="n">{_per_token(per_token) if per_token is not None else "-"}</td>'
+    )
+
+
+def _per_token(b: float) -> str:
+    return f"{b:,.0f}" if b >= 100 else f"{b:.3g}"
 
 
 def _incident(inc: dict, s: dict) -> str:
     median = s["job"]["median_step_s"]
-    at = f"step {inc['step']:,}" if inc["step"] is not None else "before the first quorum"
+    at = f"{unit(s)} {inc['step']:,}" if inc["step"] is not None else "before the first quorum"
     head = (
         f'<div class="when">{clock(inc["time"])} <span class="muted">({duration(inc["age_s"])} ago)</span></div>'
         f'<div class="what">{badge(Phase.DOWN.value, "failure")} <b>replica {esc(inc["replica"])}</b> '
@@ -252,7 +314,9 @@ def _incident(inc: dict, s: dict) -> str:
                 f"healing from replica {esc(inc['healing_from'])} ({duration(inc.get('healing_for_s'))} so far)"
             )
     if inc["back_after_s"] is not None:
-        then.append(f"training again at step {inc['back_step']:,}, {duration(inc['back_after_s'])} after the failure")
+        then.append(
+            f"training again at {unit(s)} {inc['back_step']:,}, {duration(inc['back_after_s'])} after the failure"
+        )
     if inc.get("outcome"):
         then.append(esc(inc["outcome"]))
     items = "".join(f"<li>{t}</li>" for t in then)
@@ -357,8 +421,8 @@ def _loss_curve(s: dict) -> str:
     labels = (
         f'<text x="{left - 6}" y="16" text-anchor="end" class="tick">{hi:.3f}</text>'
         f'<text x="{left - 6}" y="{height - bottom}" text-anchor="end" class="tick">{lo:.3f}</text>'
-        f'<text x="{left}" y="{height - 6}" class="tick">step {s0:,}</text>'
-        f'<text x="{width - 10}" y="{height - 6}" text-anchor="end" class="tick">step {s1:,}</text>'
+        f'<text x="{left}" y="{height - 6}" class="tick">{unit(s)} {s0:,}</text>'
+        f'<text x="{width - 10}" y="{height - 6}" text-anchor="end" class="tick">{unit(s)} {s1:,}</text>'
     )
     return (
         f'<svg class="loss" viewBox="0 0 {width} {height}" width="100%" role="img" aria-label="training loss">'
@@ -480,7 +544,7 @@ def status_page(snapshot: dict) -> str:
     s = snapshot
     phase, words = _overall(s)
     job = s["job"]
-    steps = f"step {job['committed_steps']:,}" + (f"/{job['target_steps']:,}" if job["target_steps"] else "")
+    steps = f"{unit(s)} {job['committed_steps']:,}" + (f"/{job['target_steps']:,}" if job["target_steps"] else "")
     title = f"ftjax: {words}, {steps}"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">

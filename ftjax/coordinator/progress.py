@@ -11,6 +11,10 @@ latest step with a quorum request, takes part in a quorum, is accused, departs) 
   *done* (departed after it); its latest figures (loss, step time, tokens/s) from its step reports;
   its incarnations (restarts) as seen by this coordinator; and its timeline (bounded);
 - **the job**: target and committed steps, steps/s and ETA, tokens/s, loss, ETTR and goodput;
+- **DiLoCo** (step reports with `inner_steps`, ft.sync diloco | streaming_diloco): a step is an
+  outer round; the job's and each replica's inner steps per round, the fragment of the latest round,
+  and the bytes averaged (per round, in all since this coordinator started, and per token). Reports
+  without them (every-step sync) add nothing to the figures, the JSON or the page;
 - **incidents**: one per replica outage, with what happened next: how long the job waited (the
   stall), when the replica was restarted, whom it healed from and for how long, when it trained
   again.
@@ -65,6 +69,11 @@ class StepFigures(NamedTuple):
     replicas: int = 0
     mfu: float | None = None  # model FLOPs utilization of the step (None: the devices' peak is not known)
     eval_loss: float | None = None  # its held-out loss after the step (None: it did not evaluate)
+    # DiLoCo: the step is an outer round of `inner_steps` inner steps that averaged `fragment`, of
+    # `sync_bytes` float32 bytes (None: every-step sync)
+    inner_steps: int | None = None
+    fragment: int | None = None
+    sync_bytes: int | None = None
 
     def validate(self, prefix: str = "report") -> None:
         """InvalidField naming the first field out of bounds (the loss may be any float)."""
@@ -79,6 +88,10 @@ class StepFigures(NamedTuple):
             )
         if self.mfu is not None and not (math.isfinite(self.mfu) and 0 <= self.mfu <= MAX_MFU):
             raise InvalidField(f"{prefix}.mfu", f"{self.mfu} is not a finite fraction in [0, {MAX_MFU:g}]")
+        for name, lo in (("inner_steps", 1), ("fragment", 0), ("sync_bytes", 0)):
+            value = getattr(self, name)
+            if value is not None:
+                check_int(f"{prefix}.{name}", value, lo, MAX_STEP)
 
 
 @dataclass
@@ -103,6 +116,12 @@ class ReplicaView:
     finished: bool = False  # it contributed to a quorum at the job's target step
     report: StepFigures | None = None
     eval_loss: float | None = None  # its latest report's that had one (eval.every)
+    # DiLoCo: bytes it averaged and the tokens of those rounds (each round counted once: a report
+    # can come again with a retried quorum request), up to round `sync_step`, since this coordinator
+    # started (across incarnations: what the replica id sent)
+    sync_bytes: int = 0
+    sync_tokens: int = 0
+    sync_step: int = 0
     down_why: str = ""
     phase_before_down: Phase = Phase.STARTING
     accusation: _Accusation | None = None
@@ -155,6 +174,14 @@ class JobProgress:
         self._loss_pending: dict[int, list[float]] = {}
         self.incidents: deque[dict] = deque(maxlen=MAX_INCIDENTS)
         self._open: dict[str, dict] = {}  # replica id -> its incident until it trains again
+        # DiLoCo: the latest report's inner steps (None: no DiLoCo report, every-step sync), and the
+        # replicas' bytes averaged and tokens in those rounds (see ReplicaView.sync_bytes)
+        self.inner_steps: int | None = None
+        self.fragment: int | None = None
+        self.fragments_seen = 0  # the highest fragment reported + 1 (more than 1: streaming DiLoCo)
+        self.round_bytes: int | None = None
+        self.sync_bytes = 0
+        self.sync_tokens = 0
 
     # -- derived figures ---------------------------------------------------------------------------
 
@@ -211,8 +238,17 @@ class JobProgress:
             v.eval_loss = fig.eval_loss
         self.target_steps = max(self.target_steps, fig.target_steps)
         self.job_replicas = max(self.job_replicas, fig.replicas)
+        if fig.inner_steps is not None:
+            self.inner_steps, self.fragment, self.round_bytes = fig.inner_steps, fig.fragment, fig.sync_bytes
+            self.fragments_seen = max(self.fragments_seen, (fig.fragment or 0) + 1)
         if not (fig.committed and fig.contributed):
             return
+        if fig.sync_bytes is not None and fig.step > v.sync_step:
+            v.sync_step = fig.step
+            v.sync_bytes += fig.sync_bytes
+            v.sync_tokens += fig.tokens
+            self.sync_bytes += fig.sync_bytes
+            self.sync_tokens += fig.tokens
         self.tokens_total += fig.tokens
         if self.warm_at is not None:
             self._tokens_warm += fig.tokens
@@ -422,6 +458,17 @@ class JobProgress:
             if v.phase.alive and v.report is not None and v.report.contributed and math.isfinite(v.report.loss)
         ]
         training = self._contributing()
+        sync = {}
+        if self.inner_steps is not None:
+            sync["sync"] = {
+                "outer_rounds": step,
+                "inner_steps": self.inner_steps,
+                "fragment": self.fragment,
+                "fragments_seen": self.fragments_seen,
+                "bytes_per_round": self.round_bytes,
+                "bytes_total": self.sync_bytes,
+                "bytes_per_token": self.sync_bytes / self.sync_tokens if self.sync_tokens else None,
+            }
         return {
             "target_steps": self.target_steps or None,
             "committed_steps": step,
@@ -440,6 +487,7 @@ class JobProgress:
             "finished": self.finished_at is not None,
             "first_step": self.first_step,
             "finished_at": self.wall(self.finished_at),
+            **sync,
         }
 
     def wall(self, t: float | None) -> float | None:
@@ -466,6 +514,21 @@ class JobProgress:
             "mfu": r.mfu if r is not None and r.contributed else None,
             "eval_loss": v.eval_loss,
             "report_step": r.step if r is not None else None,
+            **self._replica_sync(v, r),
+        }
+
+    @staticmethod
+    def _replica_sync(v: ReplicaView, r: StepFigures | None) -> dict[str, Any]:
+        """A DiLoCo replica's columns (none for a replica that never reported a round)."""
+        if not v.sync_step and (r is None or r.inner_steps is None):
+            return {}
+        latest = r is not None and r.inner_steps is not None
+        return {
+            "inner_steps": r.inner_steps if latest else None,
+            "fragment": r.fragment if latest else None,
+            "sync_bytes": r.sync_bytes if latest else None,
+            "sync_bytes_total": v.sync_bytes,
+            "sync_bytes_per_token": v.sync_bytes / v.sync_tokens if v.sync_tokens else None,
         }
 
     def describe(self, v: ReplicaView, phase: Phase, now: float) -> str:

@@ -381,6 +381,9 @@ def _step_figures(request: pb.QuorumRequest) -> StepFigures | None:
         r.replicas,
         r.mfu if r.HasField("mfu") else None,
         r.eval_loss if r.HasField("eval_loss") else None,
+        r.inner_steps if r.HasField("inner_steps") else None,
+        r.fragment if r.HasField("fragment") else None,
+        r.sync_bytes if r.HasField("sync_bytes") else None,
     )
     figures.validate()
     return figures

@@ -76,6 +76,8 @@ def _type_of(name: str) -> tuple[Any, str]:
         "step_scaling": (_curve, "F:X,..."),
         "packing": (_bool, "true|false"),
         "failure_trace": (str, "CSV"),
+        "link_gbps": (float, "GBIT/S"),
+        "params": (float, "N"),
     }
     if name in special:
         return special[name]
@@ -186,11 +188,17 @@ def sweep_from_args(args: argparse.Namespace, cfg: SimConfig) -> tuple[str, list
 
 
 def _title(cfg: SimConfig, preset: str) -> str:
+    link = (
+        f", {cfg.params:.3g} params x {cfg.bytes_per_param:g} B over {cfg.link_gbps:g} Gbit/s "
+        f"(all-reduce {cfg.allreduce_s():.3g} s, step {cfg.step_s:g} s)"
+        if cfg.link_gbps is not None and cfg.params is not None
+        else ""
+    )
     return (
         f"{preset}: {cfg.gpus:,} GPUs = {cfg.replicas} replicas x {cfg.gpus // cfg.replicas:,}, "
         f"MTBF {cfg.mtbf_min:.3g} min ({cfg.failure_level} {cfg.failure_dist}, {cfg.blast_radius}), "
         f"restart {cfg.job_restart_min():.3g} min ({cfg.restart_policy}), "
-        f"FT stall {cfg.ft_stall_min:.3g} + {cfg.replica_restart_min:.3g} min out, {cfg.seeds} seeds"
+        f"FT stall {cfg.ft_stall_min:.3g} + {cfg.replica_restart_min:.3g} min out, {cfg.seeds} seeds{link}"
     )
 
 
@@ -246,6 +254,22 @@ def _tables(cfg: SimConfig, preset: str, results: dict) -> list[Table]:
     for k in keys:
         counts.add_row(k, *(f"{r.counts[k]:.4g}" if k in r.counts else "-" for r in results.values()))
     tables = [summary, breakdown, counts]
+    if any(r.comm for r in results.values()):
+        comm = Table(title="inter-replica averages (failure-free)", title_justify="left")
+        for col in ("strategy", "bytes per average", "every (steps)", "all-reduce s", "per step s", "share of a step"):
+            comm.add_column(col, justify="left" if col == "strategy" else "right")
+        for name, r in results.items():
+            if r.comm:
+                c = r.comm
+                comm.add_row(
+                    name,
+                    f"{c['bytes_per_sync']:.4g}",
+                    f"{c['steps_per_sync']:g}",
+                    f"{c['sync_s']:.4g}",
+                    f"{c['comm_s_per_step']:.4g}",
+                    f"{100 * c['comm_share']:.1f}%",
+                )
+        tables.append(comm)
     notes = [f"{n}: {r.note}" for n, r in results.items() if r.note]
     intervals = [
         f"{n}: {r.checkpoint_interval_min:.3g} min" for n, r in results.items() if r.checkpoint_interval_min is not None

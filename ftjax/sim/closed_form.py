@@ -3,6 +3,10 @@
 Used as cross-checks of the simulation (tests, and the `analytic` column of `ftjax simulate`).
 Notation: job failure rate ``lam = 1/mtbf``; a global stall ``S``; a unit restart ``D`` after it;
 ``U`` units, each failing at ``mu = lam/U``; a unit is out for ``L = S + D`` after its last failure.
+
+Inter-replica communication (--link-gbps) scales every rate while training by the same
+compute / (compute + communication) (:func:`comm_factor`) and leaves the stalls, which are wall
+time, as they are: a closed form without it times that factor, where rollbacks lose no work.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from ftjax.sim.config import SimConfig
 __all__ = [
     "analytic_ettr",
     "checkpoint_factor",
+    "comm_factor",
     "left_out_straggler_ettr",
     "lockstep_straggler_ettr",
     "masked_failures_exact",
@@ -138,14 +143,32 @@ def masked_failures_exact(groups: int, r: int) -> float:
     return total
 
 
+def comm_factor(compute_s: float, comm_s: float) -> float:
+    """Share of a step's time spent computing when it also waits ``comm_s`` for the other replicas:
+    every step ``comm_s`` is a ring all-reduce, 2 (R - 1) / R x bytes / bandwidth
+    (SimConfig.allreduce_s); with DiLoCo, 1/H of one."""
+    return compute_s / (compute_s + comm_s)
+
+
 def analytic_ettr(cfg: SimConfig, strategy: str) -> float | None:
     """The exact mean ETTR of ``strategy`` under ``cfg`` where this module has one, else None.
 
     Exact only with Poisson failures (exponential, drawn), software failures only (or infinite
     spares), no slow replicas or pauses, no rejoin stall, and for the FT strategies
     overlap="restart" without checkpoints; time-to-train effects at the start and end of a job are
-    ignored.
+    ignored. With --link-gbps, the same times :func:`comm_factor` (sync without checkpoints only:
+    the work a rollback loses would take longer to train).
     """
+    ettr = _analytic_ettr(cfg, strategy)
+    comm = cfg.allreduce_s()
+    if ettr is None or not comm:
+        return ettr
+    if strategy == "sync" and cfg.checkpoint_interval_min:
+        return None
+    return ettr * comm_factor(cfg.step_s, comm)
+
+
+def _analytic_ettr(cfg: SimConfig, strategy: str) -> float | None:
     if (
         cfg.failure_dist != "exponential"
         or cfg.failure_trace is not None

@@ -2,6 +2,12 @@
 
 Units: time in minutes, sizes in GPUs and hosts. Each field is a `ftjax simulate --field-name`
 option; the presets (ftjax.sim.presets) give every field a value.
+
+Inter-replica communication is modelled only when --link-gbps and --params are given (neither: the
+step time is all there is, as before): one ring all-reduce of the gradients over the R replicas
+takes 2 (R - 1) / R x params x bytes-per-param / link seconds (:meth:`SimConfig.allreduce_s`), added to
+--step-s (then the compute time of a step) every step, or every --inner-steps steps for DiLoCo
+(ftjax.sim.strategies.Diloco).
 """
 
 from __future__ import annotations
@@ -39,7 +45,11 @@ class SimConfig(BaseModel):
         gt=0, description="data-parallel replicas (ft-hsdp, reduced-degree) = groups (redundancy, spare)"
     )
     steps: int = Field(gt=0, description="training steps to time-to-train")
-    step_s: float = Field(gt=0, description="failure-free step time, seconds")
+    step_s: float = Field(
+        gt=0,
+        description="failure-free step time, seconds; with --link-gbps, its compute only (the inter-replica "
+        "all-reduce is added to it)",
+    )
     train_for: Literal["tokens", "steps"] = Field(
         description="tokens: the job ends when it has trained steps x the global batch (a step with k of R "
         "replicas trains k/R of one; the FT-HSDP paper's GPU-time accounting); steps: it ends "
@@ -131,6 +141,21 @@ class SimConfig(BaseModel):
         ge=0, le=1, description="smallest fraction of its GPUs a reduced replica runs with (below: it is out)"
     )
 
+    # -- inter-replica communication (off unless --link-gbps and --params are both given) --
+    link_gbps: float | None = Field(
+        gt=0, description="bandwidth of each replica's inter-replica link, Gbit/s (the ring all-reduce's)"
+    )
+    params: float | None = Field(gt=0, description="model parameters: the elements of one gradient all-reduce")
+    bytes_per_param: float = Field(
+        gt=0, description="bytes per all-reduced element (4: float32, the gradients' and DiLoCo's deltas')"
+    )
+    inner_steps: int = Field(
+        gt=0, description="diloco, streaming-diloco (ftjax's ft.inner_steps H): steps between two averages"
+    )
+    fragments: int = Field(
+        gt=0, description="streaming-diloco (ft.fragments F): parts of the parameters, one averaged every H/F steps"
+    )
+
     # -- stragglers --
     straggler_mtbs_min: float = Field(
         gt=0, description="job-level mean time between slow-replica episodes, minutes (inf: none)"
@@ -205,6 +230,13 @@ class SimConfig(BaseModel):
             )
         if not isinstance(self.checkpoint_interval_min, str) and self.checkpoint_interval_min < 0:
             raise ValueError("--checkpoint-interval-min must be >= 0, or young | daly | optimal")
+        if (self.link_gbps is None) != (self.params is None):
+            raise ValueError("--link-gbps and --params go together (the all-reduce time needs both)")
+        if self.inner_steps % self.fragments:
+            raise ValueError(
+                f"--fragments ({self.fragments}) must divide --inner-steps ({self.inner_steps}): "
+                "a fragment is averaged every inner-steps / fragments steps"
+            )
         if self.blast_radius == "rack" and self.hosts % self.hosts_per_rack:
             raise ValueError(
                 f"--hosts-per-rack ({self.hosts_per_rack}) must divide the hosts ({self.hosts}) "
@@ -245,6 +277,14 @@ class SimConfig(BaseModel):
     def unit_restart_min(self, unit_gpus: int) -> float:
         """A unit's time out after the stall: --replica-restart-min plus init at the unit's size."""
         return self.replica_restart_min + self.init_min * (unit_gpus / self.gpus) ** self.init_exponent
+
+    def allreduce_s(self) -> float:
+        """One ring all-reduce of the gradients over the replicas, seconds: each replica sends and
+        receives 2 (R - 1) / R of the bytes over its link (0 when communication is not modelled)."""
+        if self.link_gbps is None or self.params is None:
+            return 0.0
+        r = self.replicas
+        return 2 * (r - 1) / r * self.params * self.bytes_per_param * 8 / (self.link_gbps * 1e9)
 
     # -- the same job at another point --
     def at_gpus(self, gpus: int) -> SimConfig:

@@ -32,6 +32,7 @@ CATEGORIES = (
     "redundant compute",  # extra copies of data shards (redundancy, spare)
     "straggler",  # waiting for, or leaving out, a slow replica
     "pauses",  # failure-free pauses (--pause-fraction)
+    "communication",  # waiting for the inter-replica all-reduce (--link-gbps; every step, or per DiLoCo round)
 )
 
 _EPS = 1e-9
@@ -50,6 +51,10 @@ class Strategy(Protocol):
     """What the event loop needs from a strategy (see ftjax.sim.strategies)."""
 
     counts: dict[str, int]
+    # Productive GPU-time thrown away without rolling the work back: trained data the model lost but
+    # that is not trained again (DiLoCo's inner steps of a failed replica when steps count whole).
+    # run() moves it to "lost work" after each failure and resets it.
+    dropped: float
 
     def rates(self) -> Rates: ...
 
@@ -169,6 +174,12 @@ def run(strategy: Strategy, trace: Iterator[Failure | Straggle], work_min: float
                     kept = ledger.rollback(work)
                     acc["lost work"] += acc["productive"] - kept
                     acc["productive"] = kept
+                if strategy.dropped > 0:
+                    dropped = min(strategy.dropped, acc["productive"])
+                    acc["lost work"] += dropped
+                    acc["productive"] -= dropped
+                    strategy.dropped = 0.0
+                    ledger.add(work, acc["productive"])
                 n_fail += 1
             else:
                 strategy.on_straggle(t, event)

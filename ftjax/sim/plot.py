@@ -11,7 +11,15 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import FormatStrFormatter
 
-_STYLE = {"sync": "o-", "ft-hsdp": "s-", "reduced-degree": "^-", "replication": "d-", "spare": "v-"}
+_STYLE = {
+    "sync": "o-",
+    "ft-hsdp": "s-",
+    "reduced-degree": "^-",
+    "replication": "d-",
+    "spare": "v-",
+    "diloco": "P-",
+    "streaming-diloco": "X-",
+}
 
 
 def _numeric(values: list[Any]) -> bool:

@@ -58,6 +58,12 @@ NEUTRAL: dict[str, Any] = {
     "straggler_slowdown": 2.0,
     "straggler_detect_min": 1.0,
     "max_slowdown": 20.0,
+    # no inter-replica communication cost; DiLoCo's H and F are ftjax's defaults (ft.inner_steps, ft.fragments)
+    "link_gbps": None,
+    "params": None,
+    "bytes_per_param": 4.0,
+    "inner_steps": 20,
+    "fragments": 4,
 }
 
 PAPER_100K: dict[str, Any] = {

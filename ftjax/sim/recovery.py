@@ -27,6 +27,13 @@ hardware repair and spares, and slow replicas. Each choice is an input (ftjax.si
   ftjax.sim.checkpoints from its mean time between rollbacks), blocking ``--checkpoint-cost-min``. A
   failure that stalls everyone aborts a save in progress; it is retried when training resumes.
 - **Slow replicas** (``--straggler-*``): a strategy says what a slow replica costs it.
+- **Communication** (``--link-gbps``, ``--params``): while training, a step takes its compute
+  (``--step-s``) plus the strategy's share of a ring all-reduce over the R replicas
+  (:meth:`Recovery.comm_s`: all of it every step, 1/H of it for DiLoCo, whose rounds move
+  1/F of the bytes every H/F steps when streaming), so useful and progress rates
+  are scaled by compute / (compute + communication) and the rest is charged to ``communication``.
+  The ring is always over all R replicas (with k < R in, 2 (k - 1) / k is a little less: an upper
+  bound), and the all-reduce is not overlapped with compute.
 """
 
 from __future__ import annotations
@@ -68,6 +75,19 @@ class Recovery:
         self._returns: list[float] = []
         # slow replicas: unit -> (start of its slow stretch, its end, slow for --straggler-detect-min)
         self._slow: dict[int, tuple[float, float, bool]] = {}
+        self.dropped = 0.0  # see ftjax.sim.model.Strategy
+        comm = self.comm_s()
+        self._comm_share = comm / (cfg.step_s + comm)  # of a running step's time
+
+    def sync_plan(self) -> tuple[float, float]:
+        """(share of a gradient's bytes averaged at a time, steps between two averages): all of them
+        every step."""
+        return 1.0, 1.0
+
+    def comm_s(self) -> float:
+        """Seconds of inter-replica communication per step, on average."""
+        share, every = self.sync_plan()
+        return self.cfg.allreduce_s() * share / every
 
     # -- the event-loop interface (ftjax.sim.model.Strategy) --
 
@@ -77,7 +97,12 @@ class Recovery:
         useful, losses, progress = self._running()
         pause = self.cfg.pause_fraction
         if pause and useful > 0 and not self._back:  # (with units out, see --pause-fraction)
-            return Rates(useful * (1 - pause), (*losses, ("pauses", useful * pause)), progress * (1 - pause), True)
+            losses = (*losses, ("pauses", useful * pause))
+            useful, progress = useful * (1 - pause), progress * (1 - pause)
+        if self._comm_share and useful > 0:
+            # After the pauses: --pause-fraction stays a fraction of wall time.
+            c = self._comm_share
+            useful, losses, progress = useful * (1 - c), (*losses, ("communication", useful * c)), progress * (1 - c)
         return Rates(useful, losses, progress, True)
 
     def next_change(self, t: float, work: float, progress: float) -> float:

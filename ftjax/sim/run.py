@@ -14,6 +14,7 @@ from ftjax.sim import closed_form
 from ftjax.sim.config import SimConfig
 from ftjax.sim.failures import events
 from ftjax.sim.model import CATEGORIES, Outcome, run
+from ftjax.sim.recovery import Recovery
 from ftjax.sim.strategies import STRATEGIES
 
 
@@ -41,6 +42,7 @@ class StrategyResult:
     counts: dict[str, float] = field(default_factory=dict)  # mean per seed, by cause
     checkpoint_interval_min: float | None = None  # the interval used (None: no checkpoints)
     note: str | None = None  # why a seed did not finish, when it is known
+    comm: dict[str, float] | None = None  # the inter-replica averages (see comm_plan); None: not modelled
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -59,7 +61,26 @@ class StrategyResult:
             "breakdown": {k: round(v, 5) for k, v in self.breakdown.items()},
             "counts": {k: round(v, 4) for k, v in self.counts.items()},
             **({"note": self.note} if self.note else {}),
+            **({"comm": {k: _r(v, 6) for k, v in self.comm.items()}} if self.comm else {}),
         }
+
+
+def comm_plan(cfg: SimConfig, strategy: Recovery) -> dict[str, float] | None:
+    """What ``strategy`` sends between replicas, failure-free (None without --link-gbps): the bytes of
+    one average (a gradient's, or a streaming fragment's: the peak a link carries in one round), the
+    steps between two averages, one average's ring all-reduce time, its mean per step, and that mean's
+    share of a step's time."""
+    if cfg.link_gbps is None or cfg.params is None:
+        return None
+    share, every = strategy.sync_plan()
+    per_step = strategy.comm_s()
+    return {
+        "bytes_per_sync": cfg.params * cfg.bytes_per_param * share,
+        "steps_per_sync": every,
+        "sync_s": cfg.allreduce_s() * share,
+        "comm_s_per_step": per_step,
+        "comm_share": per_step / (cfg.step_s + per_step),
+    }
 
 
 def _note(cfg: SimConfig, name: str, outcomes: list[Outcome]) -> str | None:
@@ -76,7 +97,9 @@ def _note(cfg: SimConfig, name: str, outcomes: list[Outcome]) -> str | None:
     return f"not done after --max-slowdown {cfg.max_slowdown:g} x its failure-free time"
 
 
-def _aggregate(cfg: SimConfig, name: str, outcomes: list[Outcome], interval: float) -> StrategyResult:
+def _aggregate(
+    cfg: SimConfig, name: str, outcomes: list[Outcome], interval: float, comm: dict[str, float] | None = None
+) -> StrategyResult:
     ettrs = np.array([o.ettr for o in outcomes])
     breakdown = {c: float(np.mean([o.minutes[c] / o.wall_min for o in outcomes])) for c in CATEGORIES}
     counts: dict[str, float] = {}
@@ -106,6 +129,7 @@ def _aggregate(cfg: SimConfig, name: str, outcomes: list[Outcome], interval: flo
         counts=counts,
         checkpoint_interval_min=None if math.isinf(interval) else interval,
         note=_note(cfg, name, outcomes),
+        comm=comm,
     )
 
 
@@ -113,12 +137,12 @@ def simulate(cfg: SimConfig, strategies: Iterable[str] = tuple(STRATEGIES)) -> d
     """Every strategy in ``strategies`` on the same ``cfg.seeds`` failure traces."""
     results = {}
     for name in strategies:
-        outcomes, interval = [], math.inf
+        outcomes, interval, comm = [], math.inf, None
         for i in range(cfg.seeds):
             strategy = STRATEGIES[name](cfg)
-            interval = strategy.interval
+            interval, comm = strategy.interval, comm_plan(cfg, strategy)
             outcomes.append(run(strategy, events(cfg, i), cfg.work_min, cfg.max_slowdown))
-        results[name] = _aggregate(cfg, name, outcomes, interval)
+        results[name] = _aggregate(cfg, name, outcomes, interval, comm)
     return results
 
 

@@ -3,6 +3,10 @@
 The shared mechanics (stalls, whole-job restarts and their policy, checkpoints, units out, spares,
 slow replicas) are in ftjax.sim.recovery; each strategy here says what one failure does to it and
 what it trains at meanwhile.
+
+Every strategy but DiLoCo all-reduces the gradients across its replicas every step; with
+--link-gbps and --params a step then takes --step-s of compute plus that all-reduce
+(ftjax.sim.recovery, "Communication"). DiLoCo (:class:`Diloco`) averages once per --inner-steps.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ class FtHsdp(_Groups):
         out = len(self._back) / self.units
         # A constant global batch trains every step whole, at R/k the step time: a step's progress is
         # its tokens' (the shared-machine --step-scaling does not apply: the survivors do all the work)
-        steps = self.cfg.train_for == "steps" and self.cfg.global_batch == "elastic"
+        steps = self._steps_whole()
         if not self._slow:
             live = 1.0 - out
             return (
@@ -112,6 +116,100 @@ class FtHsdp(_Groups):
         useful = live / s
         losses = (("units out", out), ("straggler", left_out + live - useful))
         return useful, losses, ((1.0 / (s * self.cfg.step_ratio(live)) if live > 0 else 0.0) if steps else useful)
+
+    def _steps_whole(self) -> bool:
+        """Whether a step counts whole however many replicas took part (see --global-batch)."""
+        return self.cfg.train_for == "steps" and self.cfg.global_batch == "elastic"
+
+
+class Diloco(FtHsdp):
+    """DiLoCo (ftjax's ft.sync diloco): each replica takes --inner-steps (H) steps alone, then the
+    replicas average their parameter deltas (one all-reduce of a gradient's bytes), so a step costs
+    1/H of an all-reduce on average. Failures as for ft-hsdp (a stall of everyone, the replica out
+    until back), and a failed replica also loses its inner steps since its last average, or since it
+    rejoined if later: its 1/R share of the work of those steps (up to H steps of one replica),
+    trained again (--train-for tokens) or lost to the model (--train-for steps, see data_trained; the
+    survivors' steps count). The job's steps are counted as they are taken (a stall takes none, a
+    step with replicas out is a whole step), so the rounds keep their H steps whatever is out.
+    --global-batch is elastic whatever it says: nobody computes another replica's batches between two
+    averages."""
+
+    name = "diloco"
+    fragments = 1
+
+    def __init__(self, cfg: SimConfig) -> None:
+        super().__init__(cfg)
+        self._steps = 0.0  # steps the job has taken, up to self._t
+        self._t = 0.0
+        self._step_rate = 0.0  # steps per minute until the next event (set by next_change)
+        self._joined: dict[object, float] = {}  # replica -> the job's steps when it last rejoined
+
+    def sync_plan(self) -> tuple[float, float]:
+        return 1.0, float(self.cfg.inner_steps)
+
+    def _steps_whole(self) -> bool:
+        return self.cfg.train_for == "steps"
+
+    def _advance(self, t: float) -> None:
+        self._steps += self._step_rate * (t - self._t)
+        self._t = t
+
+    def next_change(self, t: float, work: float, progress: float) -> float:
+        # Called before every stretch of constant rates, with its progress: work per minute, which
+        # is steps x a step's work when steps count whole, else only the live replicas' share of it.
+        self._advance(t)
+        step = self.cfg.step_s / 60.0
+        live = 1.0 - (len(self._back) + len(self._slow_units(detected=True))) / self.units
+        self._step_rate = progress / step / (1.0 if self._steps_whole() else live) if progress > 0 else 0.0
+        return super().next_change(t, work, progress)
+
+    def on_change(self, t: float, work: float) -> None:
+        self._advance(t)
+        super().on_change(t, work)
+
+    def _unit_back(self, unit: object) -> None:
+        self._joined[unit] = self._steps
+
+    def _apply(self, t: float, failure: Failure, work: float, during_restart: bool) -> float:
+        self._advance(t)
+        g = self.unit_gpus
+        units = range(failure.first_gpu // g, (failure.first_gpu + failure.gpus - 1) // g + 1)
+        # A replica already out has no inner work to lose.
+        ages = [self.inner_age(self._steps, self._joined.get(u, 0.0)) for u in units if u not in self._back]
+        super()._apply(t, failure, work, during_restart)
+        lost = min(work, sum(ages) / self.units * self.cfg.step_s / 60.0)
+        if self._steps_whole():
+            self.dropped += lost
+            return 0.0
+        return lost
+
+    def inner_age(self, steps: float, since: float = 0.0) -> float:
+        """Steps of a replica's own not yet averaged, ``steps`` steps into the job, the replica in
+        since step ``since``: for F fragments averaged in turn every H/F steps, the mean over the
+        fragments of the steps since each was averaged (the newest p steps ago, the others p + H/F,
+        p + 2H/F, ...), none of them before ``since``."""
+        every = self.cfg.inner_steps / self.fragments
+        p = steps % every
+        if every - p < 1e-9 * max(1.0, steps):  # float noise just short of a round's end
+            p = 0.0
+        return sum(min(steps - since, p + j * every) for j in range(self.fragments)) / self.fragments
+
+
+class StreamingDiloco(Diloco):
+    """Streaming DiLoCo (ft.sync streaming_diloco): the parameters in --fragments (F) parts, one
+    averaged every H/F steps. The same bytes per H steps as DiLoCo (so the same mean communication per
+    step, the all-reduce not being overlapped with compute here), but a round moves 1/F of them (the
+    peak a link must carry, ftjax.sim.run.StrategyResult.comm), and a failed replica loses the mean
+    age of its fragments: the steps since each fragment's last average, H/2 on average as for DiLoCo."""
+
+    name = "streaming-diloco"
+
+    def __init__(self, cfg: SimConfig) -> None:
+        super().__init__(cfg)
+        self.fragments = cfg.fragments
+
+    def sync_plan(self) -> tuple[float, float]:
+        return 1.0 / self.cfg.fragments, self.cfg.inner_steps / self.cfg.fragments
 
 
 def _rollback_mtbf_shards(cfg: SimConfig) -> float:
@@ -256,4 +354,6 @@ class ReducedDegree(Recovery):
         return self._lockstep(useful, (("units out", out), ("degraded", degraded)), progress)
 
 
-STRATEGIES: dict[str, type[Recovery]] = {s.name: s for s in (Sync, FtHsdp, ReducedDegree, Replication, Spare)}
+STRATEGIES: dict[str, type[Recovery]] = {
+    s.name: s for s in (Sync, FtHsdp, ReducedDegree, Replication, Spare, Diloco, StreamingDiloco)
+}

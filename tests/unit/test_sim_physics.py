@@ -502,3 +502,182 @@ def test_a_constant_global_batch_trades_time_for_the_lost_data(tmp_path, global_
     out = exact(tmp_path, [(50, 0)], "ft-hsdp", **FT, train_for=train_for, global_batch=global_batch)
     assert out.wall_min == pytest.approx(wall)
     assert out.data_trained == pytest.approx(data)
+
+
+# --- inter-replica communication (--link-gbps, --params) and DiLoCo ---------------------------------------
+# 4 replicas, 1.25e9 float32 parameters over 4 Gbit/s: a ring all-reduce moves 2 x 3/4 x 5 GB per
+# replica, 15 s, against 60 s of compute per step.
+LINK = dict(link_gbps=4.0, params=1.25e9, bytes_per_param=4.0)
+ALLREDUCE_S = 2 * 3 / 4 * 1.25e9 * 4 * 8 / 4e9
+
+
+def test_the_ring_allreduce_time():
+    cfg = config(**FT, **LINK)
+    assert ALLREDUCE_S == 15.0
+    assert cfg.allreduce_s() == pytest.approx(ALLREDUCE_S)
+    assert cfg.with_values(replicas=1, gpus=8, redundancy=1).allreduce_s() == 0.0  # nobody to average with
+    assert config(**FT).allreduce_s() == 0.0  # not modelled
+    with pytest.raises(ValueError, match="go together"):
+        config(**FT, link_gbps=4.0)
+    with pytest.raises(ValueError, match="must divide"):
+        config(**FT, inner_steps=20, fragments=3)
+
+
+@pytest.mark.parametrize(
+    "strategy,free,comm_s",
+    [
+        ("sync", 1.0, ALLREDUCE_S),
+        ("ft-hsdp", 1.0, ALLREDUCE_S),
+        ("reduced-degree", 1.0, ALLREDUCE_S),
+        ("spare", 1.0, ALLREDUCE_S),
+        ("replication", 0.5, ALLREDUCE_S),  # every shard twice, whatever the link
+        ("diloco", 1.0, ALLREDUCE_S / 20),  # one average per H = 20 steps
+        ("streaming-diloco", 1.0, ALLREDUCE_S / 20),  # a quarter of it every 5 steps: the same mean
+    ],
+)
+def test_failure_free_throughput_is_compute_over_compute_plus_communication(tmp_path, strategy, free, comm_s):
+    without = exact(tmp_path, [], strategy, **FT, redundancy=2)
+    out = exact(tmp_path, [], strategy, **FT, redundancy=2, **LINK)
+    factor = 60.0 / (60.0 + comm_s)
+    assert without.ettr == pytest.approx(free)
+    assert out.ettr == pytest.approx(free * factor)
+    assert out.wall_min == pytest.approx(without.wall_min / factor)
+    assert out.minutes["communication"] / out.wall_min == pytest.approx(free * (1 - factor))
+    assert cf.comm_factor(60.0, comm_s) == pytest.approx(factor)
+
+
+def test_diloco_communicates_one_hth_of_every_step_and_streaming_a_fth_per_round():
+    cfg = config(**FT, **LINK, mtbf_min=1e9, steps=100, seeds=1, inner_steps=20, fragments=4)
+    res = simulate(cfg, ["ft-hsdp", "diloco", "streaming-diloco"])
+    every, diloco, streaming = (res[n].comm for n in ("ft-hsdp", "diloco", "streaming-diloco"))
+    gradient = 1.25e9 * 4
+    assert every == pytest.approx(
+        dict(bytes_per_sync=gradient, steps_per_sync=1, sync_s=15.0, comm_s_per_step=15.0, comm_share=0.2)
+    )
+    assert diloco["comm_s_per_step"] == pytest.approx(every["comm_s_per_step"] / 20)
+    assert (diloco["bytes_per_sync"], diloco["steps_per_sync"], diloco["sync_s"]) == (gradient, 20, 15.0)
+    # streaming: the same mean, a quarter of the bytes (and of the all-reduce) every 5 steps
+    assert streaming["comm_s_per_step"] == pytest.approx(diloco["comm_s_per_step"])
+    assert streaming["bytes_per_sync"] == gradient / 4 and streaming["steps_per_sync"] == 5
+    assert streaming["sync_s"] == pytest.approx(15.0 / 4)
+    # ... and the simulated communication time per step is that mean: step_s x (1 / ETTR - 1)
+    for name, plan in (("ft-hsdp", every), ("diloco", diloco)):
+        assert 60 * (1 / res[name].ettr - 1) == pytest.approx(plan["comm_s_per_step"])
+    assert res["ft-hsdp"].to_json()["comm"]["comm_share"] == 0.2
+    assert "comm" not in simulate(config(**FT, mtbf_min=1e9, steps=10, seeds=1), ["ft-hsdp"])["ft-hsdp"].to_json()
+
+
+def test_communication_scales_the_closed_form_under_failures():
+    cfg = config(gpus=32, replicas=4, ft_stall_min=0.2, replica_restart_min=1.5, overlap="restart", steps=6_000)
+    expected = cf.units_out_ettr_restart(1.0, 0.2, 1.5, 4) * 0.8
+    assert cf.analytic_ettr(cfg.with_values(**LINK), "ft-hsdp") == pytest.approx(expected)
+    assert ettr_of(cfg.with_values(**LINK), "ft-hsdp") == pytest.approx(expected, rel=REL)
+    # A rollback's lost work takes longer to train again: no closed form for sync with checkpoints.
+    assert cf.analytic_ettr(cfg.with_values(**LINK, checkpoint_interval_min=0.5), "sync") is None
+
+
+def ettr_of(cfg: SimConfig, strategy: str) -> float:
+    return simulate(cfg, [strategy])[strategy].ettr
+
+
+@pytest.mark.parametrize(
+    "rows,strategy,knobs,wall,lost",
+    [
+        ([(50, 0)], "ft-hsdp", {}, 104, 0),
+        # 50 steps: 10 into the round, replica 0's quarter of them lost and trained again
+        ([(50, 0)], "diloco", {}, 106.5, 2.5),
+        # fragments averaged 0, 5, 10 and 15 steps ago: 7.5 steps on average
+        ([(50, 0)], "streaming-diloco", {}, 105.875, 1.875),
+        # back at 60 (step 58), dead again at 61: 1 step of its own since it rejoined, not 19
+        ([(50, 0), (61, 0)], "ft-hsdp", {}, 108, 0),
+        ([(50, 0), (61, 0)], "diloco", {}, 110.75, 2.75),
+        # replica 1 at 55, replica 0 out: step 53 (none during the stall, whole steps with 3 of 4 in)
+        ([(50, 0), (55, 8)], "ft-hsdp", {}, 107.5, 0),
+        ([(50, 0), (55, 8)], "diloco", {}, 113.25, 5.75),
+        # a replica already out loses nothing more (its time out ends 2 min later: 2 x 1/4 min)
+        ([(50, 0), (52, 0)], "diloco", {}, 107, 2.5),
+        # the all-reduce at a twentieth: 50 min at 60/60.75, the rest stretched likewise
+        ([(50, 0)], "ft-hsdp", LINK, 129, 0),
+    ],
+)
+def test_diloco_loses_a_failed_replicas_inner_steps(tmp_path, rows, strategy, knobs, wall, lost):
+    out = exact(tmp_path, rows, strategy, **FT, inner_steps=20, fragments=4, **knobs)
+    assert out.wall_min == pytest.approx(wall)
+    assert out.minutes["lost work"] == pytest.approx(lost)
+    assert out.minutes["productive"] == pytest.approx(100)
+
+
+def test_diloco_counting_steps_whole_loses_the_data_not_the_time(tmp_path):
+    ft = exact(tmp_path, [(50, 0)], "ft-hsdp", **FT, train_for="steps")
+    out = exact(tmp_path, [(50, 0)], "diloco", **FT, train_for="steps", inner_steps=20)
+    assert out.wall_min == ft.wall_min == pytest.approx(102)
+    assert out.minutes["lost work"] == pytest.approx(2.5)
+    assert out.data_trained == pytest.approx(ft.data_trained - 0.025) == pytest.approx(0.955)
+    # a constant global batch does not apply: nobody trains another replica's batches between averages
+    assert exact(tmp_path, [(50, 0)], "diloco", **FT, train_for="steps", global_batch="constant").wall_min == 102
+
+
+# Figures of the code before communication and DiLoCo were modelled (commit c10a55b), which a
+# config without --link-gbps must give bit for bit: failures, checkpoints, pauses and slow replicas.
+BEFORE = dict(
+    gpus=64,
+    replicas=4,
+    sync_stall_min=0.5,
+    ft_stall_min=0.2,
+    replica_restart_min=1.0,
+    rejoin_stall_min=0.1,
+    checkpoint_interval_min=0.5,
+    checkpoint_cost_min=0.05,
+    pause_fraction=0.05,
+    straggler_mtbs_min=5.0,
+    straggler_min=1.0,
+    steps=300,
+)
+
+
+@pytest.mark.parametrize(
+    "knobs,figures",
+    [
+        (
+            BEFORE,
+            {
+                "sync": (0.28253008738528335, 3.539637159103034, 0.4661651755475942),
+                "ft-hsdp": (0.510356276897721, 1.9594414227554884, 0.7296861360418142),
+                "reduced-degree": (0.28253008738528335, 3.539637159103034, 0.4661651755475942),
+                "replication": (0.25664383437695304, 3.897036088287618, 0.6488757500316185),
+                "spare": (0.36847136916759476, 2.7139424796418137, 0.641504119349044),
+            },
+        ),
+        (
+            dict(BEFORE, train_for="steps", pause_fraction=0.0, step_scaling=((0.5, 0.5), (1.0, 1.0))),
+            {
+                "sync": (0.299946097094195, 3.334111204099634, 0.46393439666730263),
+                "ft-hsdp": (0.49580788724238234, 1.147067722884474, 0.6896445662233395),
+                "reduced-degree": (0.299946097094195, 3.334111204099634, 0.46393439666730263),
+                "replication": (0.2643481594050767, 3.783117884214184, 0.6476146201935971),
+                "spare": (0.37866161459043524, 2.641326591304298, 0.6411641596575126),
+            },
+        ),
+    ],
+)
+def test_without_a_link_the_results_are_the_previous_ones(knobs, figures):
+    res = simulate(config(**knobs), list(figures))
+    assert {n: (r.ettr, r.ttt_ratio, r.availability) for n, r in res.items()} == figures
+    assert all(r.breakdown["communication"] == 0.0 and r.comm is None for r in res.values())
+
+
+def test_a_sweep_over_the_link_bandwidth():
+    from ftjax.sim.cli import build_parser, config_from_args, sweep_from_args
+    from ftjax.sim.run import sweep
+
+    inputs = dict(gpus=32, replicas=4, mtbf_min=1e9, steps=100, step_s=60, seeds=1, params=1.25e9, link_gbps=4)
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in inputs.items()]
+    args = build_parser().parse_args([*options, "--sweep=x.png", "--sweep-over=link-gbps", "--sweep-values=1,4,16"])
+    cfg = config_from_args(args)
+    knob, values = sweep_from_args(args, cfg)
+    assert (knob, values) == ("link_gbps", [1.0, 4.0, 16.0])
+    series = sweep(cfg, knob, values, ["ft-hsdp", "diloco"])
+    for gbps, every, diloco in zip(values, series["ettr"]["ft-hsdp"], series["ettr"]["diloco"]):
+        comm = ALLREDUCE_S * 4 / gbps
+        assert every == pytest.approx(60 / (60 + comm))
+        assert diloco == pytest.approx(60 / (60 + comm / 20))
