@@ -328,7 +328,7 @@ class FTConfig(_Strict):
     )
     inner_steps: int = Field(20, gt=0, description="diloco: inner optimizer steps between two averages of a parameter")
     fragments: int = Field(
-        4, gt=0, description="streaming_diloco: parts of the parameters (contiguous arrays of about equal bytes)"
+        4, gt=0, description="streaming_diloco: parts of the parameters (whole arrays, about equal bytes each)"
     )
     outer_optimizer: Literal["nesterov", "sgd", "adam"] = Field(
         "nesterov",

@@ -12,7 +12,9 @@ Prints one JSON line: each job's tokens/s (all replicas' tokens of the steps aft
 `--warmup` ones, over the time they took), `speedup` = (b) / (a), and each job's bytes per token:
 `averaged_bytes_per_token`, float32 bytes of the averaged update per token trained (each replica
 averages the update of its own tokens), and `wire_bytes_per_token` = that x 2 (R - 1) / R, what
-each replica sends around the FTAR ring (x 0.5 with ft.wire_dtype=bfloat16); and the final losses.
+each replica sends around the FTAR ring (x 0.5 with ft.wire_dtype=bfloat16); `peak_round_share`,
+the most bytes one round of (b) averaged against a whole update (1 for DiLoCo, about 1/fragments
+when streaming); and the final losses.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def _figures(records: list[list[dict]], warmup: int, replicas: int, param_bytes:
         "tokens_per_s": round(tokens / (t1 - t0), 1),
         "steps_timed": len(rest[0]),
         "averaged_bytes_per_token": round(per_token, 2),
+        "peak_bytes_per_round": max(m.get("sync_bytes", param_bytes) for m in rest[0]),
         "wire_bytes_per_token": round(per_token * 2 * (replicas - 1) / replicas, 2),
         "final_loss": round(records[0][-1]["loss"], 4),
     }
@@ -112,6 +115,8 @@ def main(argv: list[str]) -> int:
                 a.sync: dl,
                 "speedup": round(dl["tokens_per_s"] / every["tokens_per_s"], 3),
                 "bytes_ratio": round(every["averaged_bytes_per_token"] / dl["averaged_bytes_per_token"], 2),
+                # the most one round averages against a whole update (streaming: ~1/fragments, whole leaves)
+                "peak_round_share": round(dl["peak_bytes_per_round"] / param_bytes, 4),
             }
         )
     )

@@ -71,6 +71,9 @@ class Task:
     optimizer: optax.GradientTransformation | None = None
     tokens_per_example: int = 0  # for the tokens/s figures (0: not a token model)
     heldout: Any = None  # a random-access source of held-out examples, like `source` (eval.every); None: none
+    # ft.sync diloco | streaming_diloco: the outer optimizer of the averaged parameter deltas, any optax
+    # transformation (None: the config's, ft.outer_optimizer); set it with dataclasses.replace(task, ...)
+    outer_optimizer: optax.GradientTransformation | None = None
 
     def data_fingerprint(self) -> str:
         """The source's own `fingerprint` attribute, else a hash of its type, length and first example."""

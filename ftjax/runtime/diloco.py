@@ -44,22 +44,21 @@ def outer_optimizer(ft: Any) -> optax.GradientTransformation:
     return optax.adam(ft.outer_lr)
 
 
-def fragment_bounds(sizes: list[int], fragments: int) -> tuple[int, ...]:
-    """Cut leaves of `sizes` bytes, in tree order, into `fragments` contiguous runs of about equal
-    bytes, none empty: the leaf index where each run starts, and the end. A leaf is never split
-    (its average goes back whole), so the largest leaf bounds how even the runs can be."""
+def fragment_leaves(sizes: list[int], fragments: int) -> tuple[tuple[int, ...], ...]:
+    """Deal leaves of `sizes` bytes to `fragments` fragments of about equal bytes, none empty: each
+    fragment's leaf indices, ascending. Largest leaf first, each to the fragment with the fewest
+    bytes so far (ties: the lower fragment), so the peak (what one round averages) is at most the
+    fair share plus one leaf. Like the paper's strided layers, a fragment need not be contiguous. A
+    leaf is never split (its average goes back whole): the peak is exactly total / fragments only
+    when the leaves allow it."""
     if not 1 <= fragments <= len(sizes):
         raise ValueError(f"ft.fragments={fragments}: the model has {len(sizes)} parameter arrays to cut")
-    total, bounds = sum(sizes), [0]
-    run = np.cumsum(sizes)
-    for f in range(1, fragments):
-        # the first leaf that ends past f/fragments of the bytes, leaving one leaf at least per run
-        cut = int(np.searchsorted(run, total * f / fragments, side="left")) + 1
-        cut = max(cut, bounds[-1] + 1)
-        cut = min(cut, len(sizes) - (fragments - f))
-        bounds.append(cut)
-    bounds.append(len(sizes))
-    return tuple(bounds)
+    loads, members = [0] * fragments, [[] for _ in range(fragments)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        f = min(range(fragments), key=lambda f: (loads[f], f))
+        loads[f] += sizes[i]
+        members[f].append(i)
+    return tuple(tuple(sorted(m)) for m in members)
 
 
 @dataclass
@@ -92,11 +91,11 @@ class OuterSync:
         self.mode = ft.sync
         self.fragments = ft.fragments if ft.sync == "streaming_diloco" else 1
         self.inner = ft.inner_steps // self.fragments
-        self.tx = outer_tx or getattr(program.task, "outer_optimizer", None) or outer_optimizer(ft)
+        self.tx = outer_tx or program.task.outer_optimizer or outer_optimizer(ft)
         self.program = program
         abstract = program.abstract_state()
         leaves, self.treedef = jax.tree.flatten(abstract["params"])
-        self.bounds = fragment_bounds([a.size * 4 for a in leaves], self.fragments)
+        self.groups = fragment_leaves([a.size * 4 for a in leaves], self.fragments)
         self.shardings = [a.sharding for a in leaves]
         mesh = program.mesh
         self.outer_abstract = []
@@ -129,7 +128,14 @@ class OuterSync:
 
     # --- the fragments ----------------------------------------------------------------------------
     def part(self, leaves: list, f: int) -> list:
-        return list(leaves[self.bounds[f] : self.bounds[f + 1]])
+        return [leaves[i] for i in self.groups[f]]
+
+    def _replace(self, leaves: list, f: int, new: list) -> list:
+        """`leaves` with fragment f's replaced by `new`."""
+        out = list(leaves)
+        for i, x in zip(self.groups[f], new, strict=True):
+            out[i] = x
+        return out
 
     def fragment(self, step: int) -> int:
         return step % self.fragments
@@ -192,7 +198,7 @@ class OuterSync:
         f, avg = tagged
         leaves = jax.tree.leaves(state["params"])
         g, s = self._outer[f](self.part(leaves, f), state["outer"][f], list(avg), np.float32(scale))
-        new = leaves[: self.bounds[f]] + list(g) + leaves[self.bounds[f + 1] :]
+        new = self._replace(leaves, f, list(g))
         outer = list(state["outer"])
         outer[f] = s
         out = {**state, "params": jax.tree.unflatten(self.treedef, new), "outer": outer}
@@ -200,7 +206,7 @@ class OuterSync:
             out["opt"], out["step"] = mine.opt, mine.step
         if self.fragments > 1:  # the fragment's local parameters start again from the new global ones
             local = jax.tree.leaves(mine.local if mine is not None else state["local"])
-            local = local[: self.bounds[f]] + [jnp.copy(x) for x in g] + local[self.bounds[f + 1] :]
+            local = self._replace(local, f, [jnp.copy(x) for x in g])
             out["local"] = jax.tree.unflatten(self.treedef, local)
         return out
 

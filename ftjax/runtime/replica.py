@@ -32,7 +32,7 @@ from ftjax.program.task import Task
 from ftjax.runtime.args import RunOptions
 from ftjax.runtime.catchup import ShardTransport
 from ftjax.runtime.checkpoint import DurableCheckpoints
-from ftjax.runtime.diloco import FragmentReducer, fragment_bounds
+from ftjax.runtime.diloco import FragmentReducer, fragment_leaves
 from ftjax.runtime.faults import InjectedFaults, parse_die_at, parse_flip_at
 from ftjax.runtime.host_group import JaxHostGroup
 from ftjax.runtime.lanes import LaneFlattener, served_lanes
@@ -148,11 +148,12 @@ def _ftar_reducer(cfg: Config, endpoints, served, update_template: Any, update_s
 
 
 def _fragments(cfg: Config, template: Any, shardings: Any, reducer_of) -> FragmentReducer:
-    """DiLoCo's reducer: the parameters' leaves cut as ftjax/runtime/diloco.py cuts them, one reducer each."""
+    """DiLoCo's reducer: the parameters' leaves dealt to fragments as ftjax/runtime/diloco.py deals them,
+    one reducer each."""
     n = cfg.ft.fragments if cfg.ft.sync == "streaming_diloco" else 1
     leaves, sh = jax.tree.leaves(template["params"]), jax.tree.leaves(shardings["params"])
-    b = fragment_bounds([a.size * 4 for a in leaves], n)
-    return FragmentReducer([reducer_of(leaves[b[f] : b[f + 1]], sh[b[f] : b[f + 1]]) for f in range(n)], n)
+    groups = fragment_leaves([a.size * 4 for a in leaves], n)
+    return FragmentReducer([reducer_of([leaves[i] for i in g], [sh[i] for i in g]) for g in groups], n)
 
 
 def _ftar_reducer_of(cfg: Config, endpoints, served, update_template: Any, update_shardings: Any) -> FTARReducer:

@@ -109,3 +109,13 @@ def test_bench_data_compares_prepare_and_the_loader_with_the_training_step():
     )
     assert out["bench"] == "data" and out["tokens"] > 0 and out["vocab_size"] <= 512
     _ratio(out["loader_vs_step"]), _ratio(out["prepare_vs_step"])
+
+
+@pytest.mark.slow
+def test_bench_diloco_compares_tokens_per_s_and_bytes_with_every_step_sync():
+    out = _bench("diloco", "llama_tiny", "--steps", "8", "--inner", "4", "--warmup", "1")
+    assert out["bench"] == "diloco" and out["replicas"] == 2 and out["inner_steps"] == 4
+    # each replica averages one update's bytes per round of 4 batches instead of per batch
+    assert out["bytes_ratio"] == 4.0, out
+    assert out["every_step"]["steps_timed"] == 7 and out["diloco"]["steps_timed"] == 1
+    _ratio(out["speedup"])

@@ -2,6 +2,8 @@
 by hand, and 2-replica jobs with kills in the inner phase, at the outer all-reduce and during a
 catch-up: the shared state bitwise equal at every round both replicas committed, exactly once."""
 
+import sys
+
 import jax
 import numpy as np
 import optax
@@ -82,13 +84,13 @@ def test_streaming_averages_one_fragment_and_resets_only_its_local_parameters():
     batches = [device_batch(program, stream.batch(k)) for k in range(2)]
     res = sync.run_inner(state, batches, [where(k, 0, 0) for k in range(2)], 1)
     out = sync.apply(state, (1, res.delta), 1.0, res)
-    b = sync.bounds
+    zero, one = sync.groups
     g0, g1 = jax.tree.leaves(state["params"]), jax.tree.leaves(out["params"])
     trained, local = jax.tree.leaves(res.local), jax.tree.leaves(out["local"])
-    assert all(np.array_equal(g0[i], g1[i]) for i in range(b[0], b[1]))  # fragment 0: global untouched
-    assert not all(np.array_equal(g0[i], g1[i]) for i in range(b[1], b[2]))  # fragment 1: averaged
-    assert all(np.array_equal(local[i], trained[i]) for i in range(b[0], b[1]))  # fragment 0 trains on locally
-    assert all(np.array_equal(local[i], g1[i]) for i in range(b[1], b[2]))  # fragment 1 restarts from the global
+    assert all(np.array_equal(g0[i], g1[i]) for i in zero)  # fragment 0: global untouched
+    assert all(not np.array_equal(g0[i], g1[i]) for i in one)  # fragment 1: averaged, every leaf of it
+    assert all(np.array_equal(local[i], trained[i]) for i in zero)  # fragment 0 trains on locally
+    assert all(np.array_equal(local[i], g1[i]) for i in one)  # fragment 1 restarts from the global
     assert sum(sync.fragment_bytes(f) for f in range(2)) == 4 * sum(x.size for x in g0)
 
 
@@ -144,3 +146,58 @@ def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_
             assert sum(m["sync_bytes"] for m in mine[:2]) == mine[0]["sync_bytes"] + mine[1]["sync_bytes"]
     finally:
         run.close()
+
+
+def test_fit_trains_a_users_task_with_its_own_outer_optimizer_like_a_plain_loop(tmp_path):
+    """`ftjax.fit` of a user's pytree task with ft.sync=diloco and the task's own outer optimizer
+    (dataclasses.replace(task, outer_optimizer=...)): round for round the losses, and at the end
+    the parameters, of DiLoCo written here as a plain jax/optax loop (one replica: the average is
+    its own delta)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    import ftjax
+    from ftjax.program.data import BatchStream
+
+    sys.path.insert(0, f"{REPO}/tests/integration")
+    from test_api import Pairs, mlp_init, mlp_loss
+
+    rounds, inner, batch_size, seed = 4, 3, 16, 5
+    tx, outer = optax.adam(1e-2), optax.sgd(0.5, momentum=0.8)
+    task = ftjax.pytree_task(mlp_init, mlp_loss, Pairs(), optimizer=tx, name="pairs_mlp")
+    task = dataclasses.replace(task, outer_optimizer=outer)
+    config = {
+        "seed": seed,
+        "steps": rounds,
+        "data": {"batch_size": batch_size},
+        "ft": {"digest_every": 0, "sync": "diloco", "inner_steps": inner},
+        "checkpoint": {"every": rounds},
+    }
+    result = ftjax.fit(task, config, out=tmp_path / "fit")
+    assert result.exit_code == 0 and len(result.losses) == rounds
+
+    stream = BatchStream(Pairs(), seed=seed, batch_size=batch_size)
+    params = mlp_init(jax.random.key(seed))
+    opt, outer_state, want = tx.init(params), outer.init(params), []
+    for r in range(rounds):
+        local, losses = params, []
+        for h in range(inner):
+            batch = jax.tree.map(jnp.asarray, stream.batch(r * inner + h))
+            loss, g = jax.value_and_grad(lambda p: mlp_loss(p, batch).mean())(local)
+            updates, opt = tx.update(g, opt, local)
+            local = optax.apply_updates(local, updates)
+            losses.append(float(loss))
+        delta = jax.tree.map(lambda a, b: a - b, params, local)
+        updates, outer_state = outer.update(delta, outer_state, params)
+        params = optax.apply_updates(params, updates)
+        want.append(float(np.mean(losses)))
+    np.testing.assert_allclose(result.losses, want, rtol=2e-6)
+    from ftjax.api import as_config
+    from ftjax.runtime.checkpoint import load_init
+
+    program = build_program(as_config(config), task=task)
+    got = load_init(tmp_path / "fit" / "checkpoints" / str(rounds) / "state", program.abstract_state(), opt=False)
+    got = got["params"]
+    for k in params:
+        np.testing.assert_allclose(got[k], np.asarray(params[k]), rtol=1e-5, atol=1e-6)
