@@ -7,7 +7,7 @@ Runs `ftjax launch CONFIG --replicas R` twice with the same tokens: `ft.sync=eve
 `--inner` inner steps. Prints the loss of each job's final parameters (DiLoCo's: the global ones)
 on the same held-out batches (far beyond any batch trained) and their relative difference; plots
 the training losses against inner steps (equal tokens).
-`--set key=value` adds overrides to the DiLoCo job only (e.g. ft.outer_lr=0.5). docs/design.md,
+`--set key=value` adds overrides to the DiLoCo job only (e.g. ft.outer_lr=0.5), `--both` to both. docs/design.md,
 "Training across slow links", cites the figures.
 """
 
@@ -69,12 +69,13 @@ def main() -> int:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--held-out", type=int, default=16, help="held-out batches the final parameters are scored on")
     p.add_argument("--set", action="append", default=[], help="an override of the DiLoCo job (repeatable)")
+    p.add_argument("--both", action="append", default=[], help="an override of both jobs (repeatable)")
     p.add_argument("--plot", default=None, help="write both curves here (PNG)")
     a = p.parse_args()
     per_round = a.inner // (a.fragments if a.sync == "streaming_diloco" else 1)
     n = a.steps // per_round
-    every = ["ft.digest_every=0", f"steps={a.steps}", f"checkpoint.every={a.steps}"]
-    rounds = ["ft.digest_every=0", f"steps={n}", f"checkpoint.every={n}", f"ft.sync={a.sync}"]
+    every = ["ft.digest_every=0", *a.both, f"steps={a.steps}", f"checkpoint.every={a.steps}"]
+    rounds = ["ft.digest_every=0", *a.both, f"steps={n}", f"checkpoint.every={n}", f"ft.sync={a.sync}"]
     rounds += [f"ft.inner_steps={a.inner}", f"ft.fragments={a.fragments}", *a.set]
     with tempfile.TemporaryDirectory() as tmp:
         base = job(a.config, every, a.replicas, Path(tmp) / "every_step")
@@ -87,7 +88,8 @@ def main() -> int:
     # step); a DiLoCo round's loss is its inner steps' mean, at the round's middle
     curves = {"every_step": dict(base), a.sync: {(s - 0.5) * per_round: v for s, v in dl.items()}}
     rel = (final[a.sync] - final["every_step"]) / final["every_step"]
-    record = {"config": a.config, "replicas": a.replicas, "steps": a.steps, "inner_steps": a.inner, "set": a.set}
+    record = {"config": a.config, "replicas": a.replicas, "steps": a.steps, "inner_steps": a.inner}
+    record.update({"both": a.both, "set": a.set})
     print(json.dumps({**record, "sync": a.sync, "held_out_loss": final, "relative_difference": round(rel, 4)}))
     if a.plot:
         import matplotlib
@@ -101,7 +103,8 @@ def main() -> int:
             ax.plot(xs, [c[x] for x in xs], lw=1, label=f"{name} (held-out loss at the end {final[name]:.3f})")
         ax.set_xlabel("inner steps per replica (equal tokens)")
         ax.set_ylabel("training loss (mean over replicas)")
-        ax.set_title(f"{a.config}: {a.replicas} replicas, {a.sync} H={a.inner} vs every step", fontsize=10)
+        outer = " ".join(x.removeprefix("ft.") for x in a.set)
+        ax.set_title(f"{a.config}: {a.replicas} replicas, {a.sync} H={a.inner} {outer} vs every step", fontsize=9)
         ax.legend()
         fig.tight_layout()
         fig.savefig(a.plot, dpi=120)

@@ -458,17 +458,7 @@ class JobProgress:
             if v.phase.alive and v.report is not None and v.report.contributed and math.isfinite(v.report.loss)
         ]
         training = self._contributing()
-        sync = {}
-        if self.inner_steps is not None:
-            sync["sync"] = {
-                "outer_rounds": step,
-                "inner_steps": self.inner_steps,
-                "fragment": self.fragment,
-                "fragments_seen": self.fragments_seen,
-                "bytes_per_round": self.round_bytes,
-                "bytes_total": self.sync_bytes,
-                "bytes_per_token": self.sync_bytes / self.sync_tokens if self.sync_tokens else None,
-            }
+        sync = {"sync": self._sync(step)} if self.inner_steps is not None else {}
         return {
             "target_steps": self.target_steps or None,
             "committed_steps": step,
@@ -488,6 +478,18 @@ class JobProgress:
             "first_step": self.first_step,
             "finished_at": self.wall(self.finished_at),
             **sync,
+        }
+
+    def _sync(self, step: int) -> dict[str, Any]:
+        """A DiLoCo job's rounds and bytes averaged (docs/design.md, "Training across slow links")."""
+        return {
+            "outer_rounds": step,
+            "inner_steps": self.inner_steps,
+            "fragment": self.fragment,
+            "fragments_seen": self.fragments_seen,
+            "bytes_per_round": self.round_bytes,
+            "bytes_total": self.sync_bytes,
+            "bytes_per_token": self.sync_bytes / self.sync_tokens if self.sync_tokens else None,
         }
 
     def wall(self, t: float | None) -> float | None:

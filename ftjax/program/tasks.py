@@ -142,4 +142,9 @@ def check_task(cfg) -> Task:
             f"task {task.name}: its init or loss failed on a batch of the source's first examples: "
             f"{type(e).__name__}: {e}"
         ) from e
+    if cfg.ft.sync != "every_step" and jax.tree.leaves(state):
+        raise TaskError(
+            f"ft.sync={cfg.ft.sync}: task {task.name} has model state (batch statistics ...), which DiLoCo "
+            "does not average: use ft.sync=every_step"
+        )
     return task

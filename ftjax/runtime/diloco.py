@@ -31,6 +31,7 @@ import numpy as np
 import optax
 
 from ftjax.program import sharding as shd
+from ftjax.program.task import TaskError
 
 SHARED = ("params", "outer")  # the state the replicas hold in common (the rest is each one's own)
 
@@ -83,8 +84,8 @@ class OuterSync:
 
     def __init__(self, cfg: Any, program: Any, outer_tx: optax.GradientTransformation | None = None) -> None:
         ft = cfg.ft
-        if program.has_model_state:
-            raise ValueError(
+        if program.has_model_state:  # (ftjax.program.tasks.check_task says so before a process starts)
+            raise TaskError(
                 f"ft.sync={ft.sync}: task {program.task.name} has model state (batch statistics ...), "
                 "which DiLoCo does not average; use ft.sync=every_step"
             )
@@ -96,6 +97,7 @@ class OuterSync:
         abstract = program.abstract_state()
         leaves, self.treedef = jax.tree.flatten(abstract["params"])
         self.groups = fragment_leaves([a.size * 4 for a in leaves], self.fragments)
+        self._bytes = [sum(leaves[i].size * 4 for i in g) for g in self.groups]
         self.shardings = [a.sharding for a in leaves]
         mesh = program.mesh
         self.outer_abstract = []
@@ -148,11 +150,12 @@ class OuterSync:
 
     def fragment_bytes(self, f: int) -> int:
         """Bytes of fragment f's pseudo-gradient in float32 (what one replica averages in a round)."""
-        leaves = jax.tree.leaves(self.program.abstract_state()["params"])
-        return sum(a.size * 4 for a in self.part(leaves, f))
+        return self._bytes[f]
 
     # --- the state --------------------------------------------------------------------------------
-    def abstract_state(self, abstract: dict) -> dict:
+    def abstract_state(self) -> dict:
+        """The program's state's shapes, dtypes and shardings, with the outer state (and local parameters)."""
+        abstract = self.program.abstract_state()
         out = {**abstract, "outer": list(self.outer_abstract)}
         if self.fragments > 1:
             out["local"] = abstract["params"]

@@ -95,11 +95,7 @@ class Trainer:
         stop_after: int | None = None,
         flops: ModelFlops | None = None,
     ) -> None:
-        # DiLoCo (ft.sync): a step of the protocol is an outer round of inner steps (ftjax/runtime/diloco.py)
-        self.sync = OuterSync(cfg, program) if cfg.ft.sync != "every_step" else None
-        if self.sync is not None:
-            stream = RoundStream(stream, self.sync.inner)
-            self.sync.warm_up()
+        self.sync, stream = self._outer_sync(cfg, program, stream)
         self._mine: InnerResult | None = None  # DiLoCo: this replica's inner steps of the round being committed
         self._kept: Computed | None = None  # DiLoCo: a discarded round's inner steps, for its retry
         self.cfg, self.program, self.stream = cfg, program, stream
@@ -108,9 +104,7 @@ class Trainer:
         self.replica_id = replica_id
         self.restore_durable = restore_durable  # a fault-tolerant run, or a standalone --resume
         self.stop = min(cfg.steps, stop_after) if stop_after else cfg.steps
-        self.abstract = program.abstract_state()
-        if self.sync is not None:
-            self.abstract = self.sync.abstract_state(self.abstract)
+        self.abstract = program.abstract_state() if self.sync is None else self.sync.abstract_state()
         self.constant = cfg.ft.global_batch == "constant"
         # the step protocol's one owner: it holds the state, the step and the data position
         self.ft = FaultTolerance(
@@ -144,6 +138,16 @@ class Trainer:
         # (a batch is a pure function of its position: a prefetch never changes what is trained)
         self._prefetch_pool = ThreadPoolExecutor(1, "ftjax-prefetch")
         self._prefetched: tuple[int, Future] | None = None
+
+    @staticmethod
+    def _outer_sync(cfg: Config, program: Any, stream: Any) -> tuple[OuterSync | None, Any]:
+        """DiLoCo (ft.sync): a step of the protocol is an outer round of inner steps, and the data
+        stream goes by rounds (ftjax/runtime/diloco.py). (None, the stream) with every-step sync."""
+        if cfg.ft.sync == "every_step":
+            return None, stream
+        sync = OuterSync(cfg, program)
+        sync.warm_up()
+        return sync, RoundStream(stream, sync.inner)
 
     # the state, the step and the data position are the fault-tolerance object's
     state = property(lambda self: self.ft.state, lambda self, v: setattr(self.ft, "state", v))

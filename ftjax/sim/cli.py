@@ -253,23 +253,7 @@ def _tables(cfg: SimConfig, preset: str, results: dict) -> list[Table]:
     keys = sorted({k for r in results.values() for k in r.counts})
     for k in keys:
         counts.add_row(k, *(f"{r.counts[k]:.4g}" if k in r.counts else "-" for r in results.values()))
-    tables = [summary, breakdown, counts]
-    if any(r.comm for r in results.values()):
-        comm = Table(title="inter-replica averages (failure-free)", title_justify="left")
-        for col in ("strategy", "bytes per average", "every (steps)", "all-reduce s", "per step s", "share of a step"):
-            comm.add_column(col, justify="left" if col == "strategy" else "right")
-        for name, r in results.items():
-            if r.comm:
-                c = r.comm
-                comm.add_row(
-                    name,
-                    f"{c['bytes_per_sync']:.4g}",
-                    f"{c['steps_per_sync']:g}",
-                    f"{c['sync_s']:.4g}",
-                    f"{c['comm_s_per_step']:.4g}",
-                    f"{100 * c['comm_share']:.1f}%",
-                )
-        tables.append(comm)
+    tables = [summary, breakdown, counts, *([_comm_table(results)] if any(r.comm for r in results.values()) else [])]
     notes = [f"{n}: {r.note}" for n, r in results.items() if r.note]
     intervals = [
         f"{n}: {r.checkpoint_interval_min:.3g} min" for n, r in results.items() if r.checkpoint_interval_min is not None
@@ -283,6 +267,25 @@ def _tables(cfg: SimConfig, preset: str, results: dict) -> list[Table]:
             extra.add_row("not finished: " + note)
         tables.append(extra)
     return tables
+
+
+def _comm_table(results: dict) -> Table:
+    """What the inter-replica averages cost each strategy (--link-gbps, --params)."""
+    comm = Table(title="inter-replica averages (failure-free)", title_justify="left")
+    for col in ("strategy", "bytes per average", "every (steps)", "all-reduce s", "per step s", "share of a step"):
+        comm.add_column(col, justify="left" if col == "strategy" else "right")
+    for name, r in results.items():
+        if r.comm:
+            c = r.comm
+            comm.add_row(
+                name,
+                f"{c['bytes_per_sync']:.4g}",
+                f"{c['steps_per_sync']:g}",
+                f"{c['sync_s']:.4g}",
+                f"{c['comm_s_per_step']:.4g}",
+                f"{100 * c['comm_share']:.1f}%",
+            )
+    return comm
 
 
 def _console() -> Console:

@@ -87,7 +87,7 @@ def test_a_stopped_host_takes_its_replica_out_within_the_progress_deadline(tmp_p
     # so the healthy replica's accusation came back ALIVE and everyone stalled until JAX's own
     # distributed service gave up (53 s). Now the leader, stuck waiting for its stopped host, makes
     # no progress: its watchdog takes the replica out of the job within the deadline.
-    deadline_s, steps = 4.0, 80
+    deadline_s, steps = 4.0, 50
     over = [*BASE, f"steps={steps}", "mesh.hosts=2", "ft.ftar_timeout_s=2", f"ft.progress_timeout_s={deadline_s}"]
     job = LocalJob(TINY, over, tmp_path, replicas=2, procs=procs)
     job.start_coordinator()
