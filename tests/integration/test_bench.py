@@ -30,7 +30,7 @@ def _ratio(value) -> None:
 def test_every_benchmark_has_a_test_here_or_is_named_where_it_runs():
     from ftjax.cli.bench import BENCHES
 
-    tested = {"step", "catchup", "outage", "reduced", "ftar", "coordinator", "data"}
+    tested = {"step", "catchup", "outage", "reduced", "ftar", "coordinator", "data", "diloco"}
     assert set(BENCHES) == tested, f"add a tiny run of {set(BENCHES) - tested} to tests/integration/test_bench.py"
 
 
