@@ -352,8 +352,8 @@ class FTAREndpoint:
             for k in [k for k in self._parked if k[1] < q]:
                 wire.close_hard(self._parked.pop(k))
             for links, keep in ((self._links_in, left), (self._links_out, right)):
-                for key in [k for k in links if k[0] != keep]:
-                    wire.close_hard(links.pop(key))
+                for stale in [k for k in links if k[0] != keep]:  # (not `key`: the call's own, used below)
+                    wire.close_hard(links.pop(stale))
             for k in [k for k in self._notices if k < key]:
                 del self._notices[k]
             self._call = state

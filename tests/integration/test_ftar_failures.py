@@ -153,3 +153,26 @@ def test_wrong_token_and_stale_quorum_are_refused_during_a_live_allreduce(procs,
     assert all(r["ok"] and r["exact"] for r in results), results
     assert len({r["digest"] for r in results}) == 1
     assert all(r["t_end"] > knocked_at for r in results), "the all-reduce was over before the knocks"
+
+
+def test_a_call_that_drops_a_stale_neighbours_link_still_sees_an_abort_notice_for_itself():
+    """A regression: entering a call closed the links to neighbours that changed in a loop that
+    rebound the call's own (quorum, step) key, so a kept abort notice was then compared with a link's
+    key (TypeError: a newcomer's FTAR thread died mid catch-up) and the call's notice was missed."""
+    from ftjax.ftar import FTAREndpoint
+    from ftjax.ftar.ring import CallState
+
+    ep = FTAREndpoint("token", host="127.0.0.1", advertise="127.0.0.1", timeout_s=1.0)
+    a, b = socket.socketpair()
+    try:
+        ep._links_out[("127.0.0.1:1", 0)] = a  # a cached link to a neighbour this call no longer has
+        notice = wire.Hello(kind=wire.KIND_NOTICE, quorum_id=3, address="127.0.0.1:4", step=6, suspect="127.0.0.1:5")
+        ep._notices[(3, 6)] = notice
+        ep._notices[(2, 9)] = notice  # an older quorum's notice: dropped on entry
+        err = ep._begin(CallState(3, 6), "127.0.0.1:2", "127.0.0.1:3")
+        assert (2, 9) not in ep._notices and ("127.0.0.1:1", 0) not in ep._links_out
+        assert err is not None  # the notice kept for this very call fails it at once
+    finally:
+        b.close()
+        ep._call = None
+        ep.close()
