@@ -552,11 +552,17 @@ class Config(_Strict):
             )
 
     @property
+    def sync_fragments(self) -> int:
+        """Parts of the parameters averaged in turn, one per step of the protocol: ft.fragments when
+        streaming DiLoCo, else 1 (the whole update every step or round)."""
+        return self.ft.fragments if self.ft.sync == "streaming_diloco" else 1
+
+    @property
     def inner_per_step(self) -> int:
         """Optimizer steps a replica takes in one step of the protocol: 1, or an outer round's inner steps."""
         if self.ft.sync == "every_step":
             return 1
-        return self.ft.inner_steps // (self.ft.fragments if self.ft.sync == "streaming_diloco" else 1)
+        return self.ft.inner_steps // self.sync_fragments
 
     @property
     def train_steps(self) -> int:

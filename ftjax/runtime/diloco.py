@@ -33,8 +33,6 @@ import optax
 from ftjax.program import sharding as shd
 from ftjax.program.task import TaskError
 
-SHARED = ("params", "outer")  # the state the replicas hold in common (the rest is each one's own)
-
 
 def outer_optimizer(ft: Any) -> optax.GradientTransformation:
     """The config's outer optimizer (`ft.outer_optimizer`, `ft.outer_lr`, `ft.outer_momentum`)."""
@@ -89,9 +87,7 @@ class OuterSync:
                 f"ft.sync={ft.sync}: task {program.task.name} has model state (batch statistics ...), "
                 "which DiLoCo does not average; use ft.sync=every_step"
             )
-        self.mode = ft.sync
-        self.fragments = ft.fragments if ft.sync == "streaming_diloco" else 1
-        self.inner = ft.inner_steps // self.fragments
+        self.fragments, self.inner = cfg.sync_fragments, cfg.inner_per_step
         self.tx = outer_tx or program.task.outer_optimizer or outer_optimizer(ft)
         self.program = program
         abstract = program.abstract_state()
@@ -141,12 +137,6 @@ class OuterSync:
 
     def fragment(self, step: int) -> int:
         return step % self.fragments
-
-    def update_template(self, abstract_update: Any, shardings: Any) -> list[tuple[list, list]]:
-        """Per fragment: (the averaged leaves' ShapeDtypeStructs, their shardings), for its reducer."""
-        leaves = jax.tree.leaves(abstract_update["params"])
-        sh = jax.tree.leaves(shardings["params"])
-        return [(self.part(leaves, f), self.part(sh, f)) for f in range(self.fragments)]
 
     def fragment_bytes(self, f: int) -> int:
         """Bytes of fragment f's pseudo-gradient in float32 (what one replica averages in a round)."""
@@ -216,9 +206,9 @@ class OuterSync:
     def warm_up(self) -> None:
         """Compile the outer step of every fragment before the first round (a compile at the first
         commit would make the peers wait at the next FTAR)."""
+        leaves = jax.tree.leaves(self.program.abstract_state()["params"])  # (once: an eval_shape of the init)
         for f in range(self.fragments):
-            shapes = self.part(jax.tree.leaves(self.program.abstract_state()["params"]), f)
-            zeros = [jax.device_put(np.zeros(a.shape, a.dtype), a.sharding) for a in shapes]
+            zeros = [jax.device_put(np.zeros(a.shape, a.dtype), a.sharding) for a in self.part(leaves, f)]
             state = self._outer_init[f](zeros)
             self._outer[f](zeros, state, zeros, np.float32(1.0))
             self._delta(zeros, zeros)

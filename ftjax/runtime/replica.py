@@ -150,7 +150,7 @@ def _ftar_reducer(cfg: Config, endpoints, served, update_template: Any, update_s
 def _fragments(cfg: Config, template: Any, shardings: Any, reducer_of) -> FragmentReducer:
     """DiLoCo's reducer: the parameters' leaves dealt to fragments as ftjax/runtime/diloco.py deals them,
     one reducer each."""
-    n = cfg.ft.fragments if cfg.ft.sync == "streaming_diloco" else 1
+    n = cfg.sync_fragments
     leaves, sh = jax.tree.leaves(template["params"]), jax.tree.leaves(shardings["params"])
     groups = fragment_leaves([a.size * 4 for a in leaves], n)
     return FragmentReducer([reducer_of([leaves[i] for i in g], [sh[i] for i in g]) for g in groups], n)
@@ -169,8 +169,7 @@ def _topology(cfg: Config, program: ReplicaProgram) -> str:
     the rounds go (another inner step count or fragment cut would average other things)."""
     if cfg.ft.sync == "every_step":
         return program.topology()
-    f = cfg.ft.fragments if cfg.ft.sync == "streaming_diloco" else 1
-    return f"{program.topology()}\nsync: {cfg.ft.sync} inner_steps={cfg.ft.inner_steps} fragments={f}"
+    return f"{program.topology()}\nsync: {cfg.ft.sync} inner_steps={cfg.ft.inner_steps} fragments={cfg.sync_fragments}"
 
 
 def _ftar_endpoints(cfg: Config, token: str, addrs: net.Addresses, served) -> list[FTAREndpoint]:
