@@ -328,7 +328,7 @@ class FTConfig(_Strict):
     )
     inner_steps: int = Field(20, gt=0, description="diloco: inner optimizer steps between two averages of a parameter")
     fragments: int = Field(
-        4, gt=0, description="streaming_diloco: parts of the parameters (whole arrays, about equal bytes each)"
+        4, gt=0, description="streaming_diloco: parts of the parameters (equal sizes; fragments - 1 arrays cut at most)"
     )
     outer_optimizer: Literal["nesterov", "sgd", "adam"] = Field(
         "nesterov",

@@ -13,8 +13,8 @@ Prints one JSON line: each job's tokens/s (all replicas' tokens of the steps aft
 `averaged_bytes_per_token`, float32 bytes of the averaged update per token trained (each replica
 averages the update of its own tokens), and `wire_bytes_per_token` = that x 2 (R - 1) / R, what
 each replica sends around the FTAR ring (x 0.5 with ft.wire_dtype=bfloat16); `peak_round_share`,
-the most bytes one round of (b) averaged against a whole update (1 for DiLoCo, about 1/fragments
-when streaming); and the final losses.
+the most bytes one round of (b) averaged against a whole update (1 for DiLoCo, 1/fragments to one
+element when streaming); and the final losses.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
                 a.sync: dl,
                 "speedup": round(dl["tokens_per_s"] / every["tokens_per_s"], 3),
                 "bytes_ratio": round(every["averaged_bytes_per_token"] / dl["averaged_bytes_per_token"], 2),
-                # the most one round averages against a whole update (streaming: ~1/fragments, whole leaves)
+                # the most one round averages against a whole update (streaming: 1/fragments to one element)
                 "peak_round_share": round(dl["peak_bytes_per_round"] / param_bytes, 4),
             }
         )

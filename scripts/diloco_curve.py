@@ -1,12 +1,15 @@
 """DiLoCo against every-step sync at equal tokens: two jobs, one JSON line, a plot.
 
-    python scripts/diloco_curve.py [CONFIG] [--steps 300] [--inner 20] [--plot docs/diloco_vs_every_step.png]
+    python scripts/diloco_curve.py [CONFIG] [--steps 300] [--inner 20] [--seeds 0,1,2,3] \\
+        [--plot docs/diloco_vs_every_step.png]
 
-Runs `ftjax launch CONFIG --replicas R` twice with the same tokens: `ft.sync=every_step` for
-`--steps` steps, then `ft.sync=diloco` (`--sync streaming_diloco`) for steps / inner rounds of
-`--inner` inner steps. Prints the loss of each job's final parameters (DiLoCo's: the global ones)
-on the same held-out batches (far beyond any batch trained) and their relative difference; plots
-the training losses against inner steps (equal tokens).
+For each seed (`seed=S`: the initial parameters and the data order), runs `ftjax launch CONFIG
+--replicas R` twice with the same tokens: `ft.sync=every_step` for `--steps` steps, then
+`ft.sync=diloco` (`--sync streaming_diloco`) for steps / inner rounds of `--inner` inner steps.
+Prints the loss of each job's final parameters (DiLoCo's: the global ones) on the same held-out
+batches (far beyond any batch trained), their relative difference per seed and its mean over the
+seeds (one seed's difference moves by a percent with the seed alone); plots the training losses,
+averaged over the seeds, against inner steps (equal tokens).
 `--set key=value` adds overrides to the DiLoCo job only (e.g. ft.outer_lr=0.5), `--both` to both. docs/design.md,
 "Training across slow links", cites the figures.
 """
@@ -70,6 +73,7 @@ def main() -> int:
     p.add_argument("--held-out", type=int, default=16, help="held-out batches the final parameters are scored on")
     p.add_argument("--set", action="append", default=[], help="an override of the DiLoCo job (repeatable)")
     p.add_argument("--both", action="append", default=[], help="an override of both jobs (repeatable)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds; the figures are their mean")
     p.add_argument("--plot", default=None, help="write both curves here (PNG)")
     a = p.parse_args()
     per_round = a.inner // (a.fragments if a.sync == "streaming_diloco" else 1)
@@ -77,20 +81,31 @@ def main() -> int:
     every = ["ft.digest_every=0", *a.both, f"steps={a.steps}", f"checkpoint.every={a.steps}"]
     rounds = ["ft.digest_every=0", *a.both, f"steps={n}", f"checkpoint.every={n}", f"ft.sync={a.sync}"]
     rounds += [f"ft.inner_steps={a.inner}", f"ft.fragments={a.fragments}", *a.set]
-    with tempfile.TemporaryDirectory() as tmp:
-        base = job(a.config, every, a.replicas, Path(tmp) / "every_step")
-        dl = job(a.config, rounds, a.replicas, Path(tmp) / a.sync)
-        final = {
-            "every_step": held_out(a.config, every, Path(tmp) / "every_step", a.held_out),
-            a.sync: held_out(a.config, rounds, Path(tmp) / a.sync, a.held_out),
-        }
+    finals, base, dl = {}, defaultdict(list), defaultdict(list)
+    for seed in [int(x) for x in a.seeds.split(",")]:
+        e, d = [*every, f"seed={seed}"], [*rounds, f"seed={seed}"]
+        with tempfile.TemporaryDirectory() as tmp:
+            for step, loss in job(a.config, e, a.replicas, Path(tmp) / "every_step").items():
+                base[step].append(loss)
+            for step, loss in job(a.config, d, a.replicas, Path(tmp) / a.sync).items():
+                dl[step].append(loss)
+            finals[seed] = {
+                "every_step": held_out(a.config, e, Path(tmp) / "every_step", a.held_out),
+                a.sync: held_out(a.config, d, Path(tmp) / a.sync, a.held_out),
+            }
     # the x axis: inner steps of one replica (equal tokens: every replica trains one batch per inner
     # step); a DiLoCo round's loss is its inner steps' mean, at the round's middle
-    curves = {"every_step": dict(base), a.sync: {(s - 0.5) * per_round: v for s, v in dl.items()}}
-    rel = (final[a.sync] - final["every_step"]) / final["every_step"]
+    mean = lambda v: sum(v) / len(v)
+    curves = {
+        "every_step": {s: mean(v) for s, v in base.items()},
+        a.sync: {(s - 0.5) * per_round: mean(v) for s, v in dl.items()},
+    }
+    rel = {seed: (f[a.sync] - f["every_step"]) / f["every_step"] for seed, f in finals.items()}
+    final = {name: mean([f[name] for f in finals.values()]) for name in ("every_step", a.sync)}
     record = {"config": a.config, "replicas": a.replicas, "steps": a.steps, "inner_steps": a.inner}
-    record.update({"both": a.both, "set": a.set})
-    print(json.dumps({**record, "sync": a.sync, "held_out_loss": final, "relative_difference": round(rel, 4)}))
+    record.update({"both": a.both, "set": a.set, "sync": a.sync, "held_out_loss": finals})
+    record["relative_difference"] = {seed: round(r, 4) for seed, r in rel.items()}
+    print(json.dumps({**record, "mean_relative_difference": round(mean(list(rel.values())), 4)}))
     if a.plot:
         import matplotlib
 
@@ -100,11 +115,14 @@ def main() -> int:
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for name, c in curves.items():
             xs = sorted(c)
-            ax.plot(xs, [c[x] for x in xs], lw=1, label=f"{name} (held-out loss at the end {final[name]:.3f})")
+            label = f"{name} (held-out loss at the end {final[name]:.3f})"  # (the seeds' mean)
+            ax.plot(xs, [c[x] for x in xs], lw=1, label=label)
         ax.set_xlabel("inner steps per replica (equal tokens)")
         ax.set_ylabel("training loss (mean over replicas)")
         outer = " ".join(x.removeprefix("ft.") for x in a.set)
-        ax.set_title(f"{a.config}: {a.replicas} replicas, {a.sync} H={a.inner} {outer} vs every step", fontsize=9)
+        seeds = f"{len(finals)} seeds" if len(finals) > 1 else f"seed {a.seeds}"
+        title = f"{a.config}: {a.replicas} replicas, {a.sync} H={a.inner} {outer}\nagainst every step ({seeds})"
+        ax.set_title(title, fontsize=9)
         ax.legend()
         fig.tight_layout()
         fig.savefig(a.plot, dpi=120)

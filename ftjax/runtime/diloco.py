@@ -23,7 +23,8 @@ step, unchanged. What is per replica and what the job shares:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,21 +44,97 @@ def outer_optimizer(ft: Any) -> optax.GradientTransformation:
     return optax.adam(ft.outer_lr)
 
 
-def fragment_leaves(sizes: list[int], fragments: int) -> tuple[tuple[int, ...], ...]:
-    """Deal leaves of `sizes` bytes to `fragments` fragments of about equal bytes, none empty: each
-    fragment's leaf indices, ascending. Largest leaf first, each to the fragment with the fewest
-    bytes so far (ties: the lower fragment), so the peak (what one round averages) is at most the
-    fair share plus one leaf. Like the paper's strided layers, a fragment need not be contiguous. A
-    leaf is never split (its average goes back whole): the peak is exactly total / fragments only
-    when the leaves allow it."""
-    if not 1 <= fragments <= len(sizes):
-        raise ValueError(f"ft.fragments={fragments}: the model has {len(sizes)} parameter arrays to cut")
-    loads, members = [0] * fragments, [[] for _ in range(fragments)]
+class Piece(NamedTuple):
+    """Elements start..stop of parameter leaf `leaf`, flattened (row-major): a part of a fragment."""
+
+    leaf: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+def fragment_pieces(sizes: list[int], fragments: int, unit: int = 1) -> tuple[tuple[Piece, ...], ...]:
+    """Cut leaves of `sizes` elements into `fragments` fragments of total // fragments or one more
+    elements each, so that the peak (what one round averages) is the fair share to one element:
+    each fragment's pieces, in (leaf, start) order. With `unit` (dividing every size; `cut_unit`),
+    everything is counted in units of that many elements: every piece is whole units (it shards
+    like its leaf), the shares fair to one unit.
+
+    Whole leaves are dealt first, largest first, each to the fragment with the fewest elements so
+    far (ties: the lower fragment): like the paper's strided layers, a fragment need not be
+    contiguous, and most leaves stay whole (an average goes back as it came, no reshape). Then a
+    fragment over its share gives the tail of the last leaf it was dealt to fragments under
+    theirs. That tail always suffices: when the leaf was dealt, the fragment was the lightest, so
+    without it the fragment is within the fair share. At most fragments - 1 leaves are cut."""
+    if unit > 1:
+        if any(n % unit for n in sizes):
+            raise ValueError(f"a cut unit of {unit} elements does not divide every leaf")
+        cut = fragment_pieces([n // unit for n in sizes], fragments)
+        return tuple(tuple(Piece(p.leaf, p.start * unit, p.stop * unit) for p in f) for f in cut)
+    total = sum(sizes)
+    if not 1 <= fragments <= total:
+        raise ValueError(f"ft.fragments={fragments}: the model has {total} parameters to cut")
+    loads, dealt = [0] * fragments, [[] for _ in range(fragments)]
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         f = min(range(fragments), key=lambda f: (loads[f], f))
         loads[f] += sizes[i]
-        members[f].append(i)
-    return tuple(tuple(sorted(m)) for m in members)
+        dealt[f].append(i)
+    # the heaviest fragments take the one extra element where the total does not divide
+    ranked = sorted(range(fragments), key=lambda f: (-loads[f], f))
+    share = {f: total // fragments + (k < total % fragments) for k, f in enumerate(ranked)}
+    pieces = [[Piece(i, 0, sizes[i]) for i in d] for d in dealt]
+    tails = []  # (leaf, start, stop) cut off the fragments over their share
+    for f in range(fragments):
+        over = loads[f] - share[f]
+        if over > 0:
+            last = pieces[f].pop()
+            if last.size > over:
+                pieces[f].append(Piece(last.leaf, 0, last.size - over))
+            tails.append(Piece(last.leaf, last.size - over, last.size))
+    for f in range(fragments):
+        need = share[f] - loads[f]
+        while need > 0:
+            tail = tails.pop()
+            take = min(need, tail.size)
+            pieces[f].append(Piece(tail.leaf, tail.start, tail.start + take))
+            if take < tail.size:
+                tails.append(Piece(tail.leaf, tail.start + take, tail.stop))
+            need -= take
+    return tuple(tuple(sorted(p)) for p in pieces)
+
+
+def cut_unit(cfg: Any, sizes: list[int]) -> int:
+    """The elements a fragment's cut counts in: the devices a full replica of the job shards a leaf
+    over (the FSDP axes; the same on every replica, whatever its degree, so that every replica cuts
+    alike), where that divides every leaf, else 1. A cut piece of whole units shards over those
+    devices like an FSDP leaf; one that is not rides replicated (every lane carries it)."""
+    m = cfg.mesh
+    unit = m.hosts * m.devices_per_host // m.tensor
+    return unit if all(n % unit == 0 for n in sizes) else 1
+
+
+def piece_templates(leaves: list, shardings: list, pieces: tuple[Piece, ...]) -> tuple[list, list]:
+    """A fragment's pieces as arrays: a whole leaf as it is (its shape, its sharding); a cut one as
+    a flat vector over the leaf's mesh, sharded over its batch axes where its length divides (see
+    `cut_unit`), else replicated (the outer step takes it out of its leaf: a gather of that leaf,
+    one fragment per round)."""
+    templates, out = [], []
+    for p in pieces:
+        a, sh = leaves[p.leaf], shardings[p.leaf]
+        if p.size == a.size:
+            templates.append(jax.ShapeDtypeStruct(a.shape, a.dtype))
+            out.append(sh)
+            continue
+        templates.append(jax.ShapeDtypeStruct((p.size,), a.dtype))
+        if not hasattr(sh, "mesh"):  # (one device)
+            out.append(sh)
+            continue
+        flat = shd.batch_sharding(sh.mesh)
+        out.append(flat if p.size % flat.num_devices == 0 else shd.replicated(sh.mesh))
+    return templates, out
 
 
 @dataclass
@@ -92,46 +169,83 @@ class OuterSync:
         self.program = program
         abstract = program.abstract_state()
         leaves, self.treedef = jax.tree.flatten(abstract["params"])
-        self.groups = fragment_leaves([a.size * 4 for a in leaves], self.fragments)
-        self._bytes = [sum(leaves[i].size * 4 for i in g) for g in self.groups]
+        sizes = [a.size for a in leaves]
+        self.pieces = fragment_pieces(sizes, self.fragments, cut_unit(cfg, sizes))
+        # the leaves each fragment's pieces lie in (a fragment's jitted steps take and return only those)
+        self.touched = [sorted({p.leaf for p in ps}) for ps in self.pieces]
+        self._bytes = [4 * sum(p.size for p in ps) for ps in self.pieces]
         self.shardings = [a.sharding for a in leaves]
+        self._shapes = [a.shape for a in leaves]
         mesh = program.mesh
         self.outer_abstract = []
-        for f in range(self.fragments):
-            shapes = jax.eval_shape(self.tx.init, self.part(leaves, f))
-            sh = shd.follow_params(shapes, self.part(self.shardings, f), mesh)
+        piece_shardings = []
+        for ps in self.pieces:
+            templates, sh = piece_templates(leaves, self.shardings, ps)
+            piece_shardings.append(sh)
+            shapes = jax.eval_shape(self.tx.init, templates)
+            osh = shd.follow_params(shapes, sh, mesh)
             self.outer_abstract.append(
-                jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, sh)
+                jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, osh)
             )
-        self._outer_init = [
-            jax.jit(self.tx.init, out_shardings=jax.tree.map(lambda a: a.sharding, o)) for o in self.outer_abstract
-        ]
         copy = lambda t: jax.tree.map(jnp.copy, t)  # (new buffers: the program's apply donates its state)
         st = program.state_shardings
         self._copy_inner = jax.jit(copy, out_shardings={k: st[k] for k in ("params", "opt", "step")})
         self._copy_params = jax.jit(copy, out_shardings=st["params"])
-        self._delta = jax.jit(lambda g, loc: [(a - b).astype(jnp.float32) for a, b in zip(g, loc)])
         tx = self.tx
+        self._outer_init, self._delta, self._outer, self._reset = [], [], [], []
+        for f, o in enumerate(self.outer_abstract):
+            take, put = partial(self._take, f), partial(self._put, f)
+            osh = jax.tree.map(lambda a: a.sharding, o)
+            touched = [self.shardings[i] for i in self.touched[f]]
 
-        def outer(g, s, avg, scale):
-            updates, s = tx.update(avg, s, g)
-            updates = jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
-            return optax.apply_updates(g, updates), s
+            def outer(g, s, avg, scale, take=take, put=put):
+                pieces = take(g)
+                updates, s = tx.update(avg, s, pieces)
+                updates = jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
+                return put(g, optax.apply_updates(pieces, updates)), s
 
-        # per fragment, its shardings fixed: the results are state that peers fetch and checkpoints save
-        self._outer = [
-            jax.jit(outer, out_shardings=(self.part(self.shardings, f), jax.tree.map(lambda a: a.sharding, o)))
-            for f, o in enumerate(self.outer_abstract)
-        ]
+            self._outer_init.append(jax.jit(lambda g, take=take: tx.init(take(g)), out_shardings=osh))
+            self._delta.append(
+                jax.jit(
+                    lambda g, loc, take=take: [(a - b).astype(jnp.float32) for a, b in zip(take(g), take(loc))],
+                    out_shardings=piece_shardings[f],
+                )
+            )
+            # per fragment, its shardings fixed: the results are state that peers fetch and checkpoints save
+            self._outer.append(jax.jit(outer, out_shardings=(touched, osh)))
+            # a fragment's local parameters start again from the new global ones (copies: new buffers)
+            self._reset.append(
+                jax.jit(lambda loc, g, take=take, put=put: put(loc, copy(take(g))), out_shardings=touched)
+            )
 
     # --- the fragments ----------------------------------------------------------------------------
+    def _take(self, f: int, touched: list) -> list:
+        """Fragment f's pieces out of its touched leaves (traced inside the fragment's jitted steps)."""
+        by = dict(zip(self.touched[f], touched, strict=True))
+        return [
+            by[p.leaf] if p.size == by[p.leaf].size else by[p.leaf].reshape(-1)[p.start : p.stop]
+            for p in self.pieces[f]
+        ]
+
+    def _put(self, f: int, touched: list, new: list) -> list:
+        """Fragment f's touched leaves with its pieces replaced by `new` (the rest of a cut leaf kept)."""
+        by = dict(zip(self.touched[f], touched, strict=True))
+        for p, x in zip(self.pieces[f], new, strict=True):
+            a = by[p.leaf]
+            if p.size == a.size:
+                by[p.leaf] = x.astype(a.dtype)
+            else:
+                by[p.leaf] = a.reshape(-1).at[p.start : p.stop].set(x.astype(a.dtype)).reshape(a.shape)
+        return [by[i] for i in self.touched[f]]
+
     def part(self, leaves: list, f: int) -> list:
-        return [leaves[i] for i in self.groups[f]]
+        """The leaves fragment f's pieces lie in."""
+        return [leaves[i] for i in self.touched[f]]
 
     def _replace(self, leaves: list, f: int, new: list) -> list:
-        """`leaves` with fragment f's replaced by `new`."""
+        """`leaves` with fragment f's touched ones replaced by `new`."""
         out = list(leaves)
-        for i, x in zip(self.groups[f], new, strict=True):
+        for i, x in zip(self.touched[f], new, strict=True):
             out[i] = x
         return out
 
@@ -181,7 +295,7 @@ class OuterSync:
             inner = program.apply(inner, grads, one)  # (donates the copy)
             losses.append(loss)
         g = self.part(jax.tree.leaves(state["params"]), f)
-        delta = self._delta(g, self.part(jax.tree.leaves(inner["params"]), f))
+        delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f))
         loss = float(np.mean([float(x) for x in losses]))
         return InnerResult(loss, aux, delta, inner["params"], inner["opt"], inner["step"])
 
@@ -191,27 +305,27 @@ class OuterSync:
         f, avg = tagged
         leaves = jax.tree.leaves(state["params"])
         g, s = self._outer[f](self.part(leaves, f), state["outer"][f], list(avg), np.float32(scale))
-        new = self._replace(leaves, f, list(g))
-        outer = list(state["outer"])
-        outer[f] = s
-        out = {**state, "params": jax.tree.unflatten(self.treedef, new), "outer": outer}
+        out = {**state, "params": jax.tree.unflatten(self.treedef, self._replace(leaves, f, g))}
+        out["outer"] = [s if k == f else o for k, o in enumerate(state["outer"])]
         if mine is not None:
             out["opt"], out["step"] = mine.opt, mine.step
-        if self.fragments > 1:  # the fragment's local parameters start again from the new global ones
+        if self.fragments > 1:
             local = jax.tree.leaves(mine.local if mine is not None else state["local"])
-            local = self._replace(local, f, [jnp.copy(x) for x in g])
+            local = self._replace(local, f, self._reset[f](self.part(local, f), g))
             out["local"] = jax.tree.unflatten(self.treedef, local)
         return out
 
     def warm_up(self) -> None:
-        """Compile the outer step of every fragment before the first round (a compile at the first
-        commit would make the peers wait at the next FTAR)."""
+        """Compile every fragment's steps before the first round (a compile at the first commit
+        would make the peers wait at the next FTAR)."""
         leaves = jax.tree.leaves(self.program.abstract_state()["params"])  # (once: an eval_shape of the init)
         for f in range(self.fragments):
             zeros = [jax.device_put(np.zeros(a.shape, a.dtype), a.sharding) for a in self.part(leaves, f)]
             state = self._outer_init[f](zeros)
-            self._outer[f](zeros, state, zeros, np.float32(1.0))
-            self._delta(zeros, zeros)
+            delta = self._delta[f](zeros, zeros)
+            g, _ = self._outer[f](zeros, state, delta, np.float32(1.0))
+            if self.fragments > 1:
+                self._reset[f](zeros, g)
 
 
 class RoundStream:

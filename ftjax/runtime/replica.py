@@ -32,7 +32,7 @@ from ftjax.program.task import Task
 from ftjax.runtime.args import RunOptions
 from ftjax.runtime.catchup import ShardTransport
 from ftjax.runtime.checkpoint import DurableCheckpoints
-from ftjax.runtime.diloco import FragmentReducer, fragment_leaves
+from ftjax.runtime.diloco import FragmentReducer, cut_unit, fragment_pieces, piece_templates
 from ftjax.runtime.faults import InjectedFaults, parse_die_at, parse_flip_at
 from ftjax.runtime.host_group import JaxHostGroup
 from ftjax.runtime.lanes import LaneFlattener, served_lanes
@@ -148,12 +148,13 @@ def _ftar_reducer(cfg: Config, endpoints, served, update_template: Any, update_s
 
 
 def _fragments(cfg: Config, template: Any, shardings: Any, reducer_of) -> FragmentReducer:
-    """DiLoCo's reducer: the parameters' leaves dealt to fragments as ftjax/runtime/diloco.py deals them,
-    one reducer each."""
+    """DiLoCo's reducer: the parameters cut into fragments as ftjax/runtime/diloco.py cuts them, one
+    reducer each, over the fragment's pieces."""
     n = cfg.sync_fragments
     leaves, sh = jax.tree.leaves(template["params"]), jax.tree.leaves(shardings["params"])
-    groups = fragment_leaves([a.size * 4 for a in leaves], n)
-    return FragmentReducer([reducer_of([leaves[i] for i in g], [sh[i] for i in g]) for g in groups], n)
+    sizes = [a.size for a in leaves]
+    cut = fragment_pieces(sizes, n, cut_unit(cfg, sizes))
+    return FragmentReducer([reducer_of(*piece_templates(leaves, sh, ps)) for ps in cut], n)
 
 
 def _ftar_reducer_of(cfg: Config, endpoints, served, update_template: Any, update_shardings: Any) -> FTARReducer:

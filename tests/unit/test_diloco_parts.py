@@ -9,31 +9,59 @@ from hypothesis import strategies as st
 from ftjax.config import ConfigError, load_config
 from ftjax.coordinator.types import QuorumResult
 from ftjax.program.data import BatchStream
-from ftjax.runtime.diloco import FragmentReducer, RoundStream, Tagged, fragment_leaves
+from ftjax.runtime.diloco import FragmentReducer, Piece, RoundStream, Tagged, fragment_pieces
 
 
-@settings(max_examples=200, deadline=None)
+def _check(sizes: list[int], n: int, cut) -> None:
+    """Every element of every leaf in exactly one piece, no fragment empty, each at its fair share."""
+    assert len(cut) == n and all(cut)
+    covered = {i: [] for i in range(len(sizes))}
+    for pieces in cut:
+        assert list(pieces) == sorted(pieces) and len({p.leaf for p in pieces}) == len(pieces)
+        for p in pieces:
+            assert 0 <= p.start < p.stop <= sizes[p.leaf]
+            covered[p.leaf].append((p.start, p.stop))
+    for i, ranges in covered.items():  # the pieces of a leaf tile it
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == sizes[i]
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    loads = sorted(sum(p.size for p in pieces) for pieces in cut)
+    total = sum(sizes)
+    assert loads[0] == total // n and loads[-1] == -(-total // n)  # the peak: the fair share, to one element
+    assert sum(len(pieces) for pieces in cut) <= len(sizes) + n - 1  # at most n - 1 leaves cut
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 10_000), min_size=1, max_size=40), st.integers(1, 40))
-def test_fragments_deal_every_leaf_once_none_empty_the_peak_within_one_leaf_of_fair(sizes, n):
-    if n > len(sizes):
-        with pytest.raises(ValueError, match="ft.fragments"):
-            fragment_leaves(sizes, n)
+def test_fragments_cover_every_element_once_none_empty_each_at_its_fair_share(sizes, n):
+    if n > sum(sizes):
+        with pytest.raises(ValueError, match=f"ft.fragments={n}"):
+            fragment_pieces(sizes, n)
         return
-    groups = fragment_leaves(sizes, n)
-    assert len(groups) == n and all(groups) and all(list(g) == sorted(g) for g in groups)
-    assert sorted(i for g in groups for i in g) == list(range(len(sizes)))  # every leaf in exactly one
-    peak = max(sum(sizes[i] for i in g) for g in groups)
-    assert sum(sizes) / n <= peak <= sum(sizes) / n + max(sizes)
+    _check(sizes, n, fragment_pieces(sizes, n))
+    cut = fragment_pieces([4 * x for x in sizes], n, unit=4)
+    assert cut == tuple(tuple(Piece(p.leaf, 4 * p.start, 4 * p.stop) for p in f) for f in fragment_pieces(sizes, n))
 
 
-def test_equal_leaves_deal_evenly_and_a_large_leaf_stands_alone():
-    assert [len(g) for g in fragment_leaves([4] * 8, 4)] == [2, 2, 2, 2]
-    assert fragment_leaves([4] * 8, 1) == (tuple(range(8)),)
-    assert fragment_leaves([5, 1, 1, 1, 1, 1], 2) == ((0,), (1, 2, 3, 4, 5))
-    # the tiny Llama's shapes (floats): 2 fragments within 0.03% of half (its total is odd in units of 64)
+def test_fragments_keep_leaves_whole_where_they_can_and_refuse_more_fragments_than_elements():
+    assert [len(g) for g in fragment_pieces([4] * 8, 4)] == [2, 2, 2, 2]
+    assert all(p.size == 4 for g in fragment_pieces([4] * 8, 4) for p in g)  # nothing to cut
+    assert fragment_pieces([4] * 8, 1) == (tuple(Piece(i, 0, 4) for i in range(8)),)
+    assert fragment_pieces([5, 1, 1, 1, 1, 1], 2) == ((Piece(0, 0, 5),), tuple(Piece(i, 0, 1) for i in range(1, 6)))
+    assert fragment_pieces([3], 3) == ((Piece(0, 0, 1),), (Piece(0, 1, 2),), (Piece(0, 2, 3),))
+    with pytest.raises(ValueError, match="ft.fragments=4"):
+        fragment_pieces([2, 1], 4)
+    # in units of a replica's FSDP devices (every piece shards like its leaf), fair to one unit
+    assert fragment_pieces([8, 4], 3, unit=4) == ((Piece(0, 0, 4),), (Piece(1, 0, 4),), (Piece(0, 4, 8),))
+    with pytest.raises(ValueError, match="does not divide"):
+        fragment_pieces([8, 6], 2, unit=4)
+    # the tiny Llama's shapes (floats, 1,797 x 64 in all): whole arrays cannot make a quarter each
+    # (the best peak is 450 x 64, 0.2504), one cut array makes it exact
     sizes = [16384] + [12288] * 6 + [4096] * 4 + [2048] * 4 + [64] * 5
-    peak = max(sum(sizes[i] for i in g) for g in fragment_leaves(sizes, 2))
-    assert peak / sum(sizes) < 0.5003
+    cut = fragment_pieces(sizes, 4)
+    _check(sizes, 4, cut)
+    assert max(sum(p.size for p in g) for g in cut) * 4 == sum(sizes)
+    assert sum(p.size != sizes[p.leaf] for g in cut for p in g) <= 2 * 3
 
 
 def test_the_rounds_of_a_stream_cover_its_batches_once_each():
