@@ -23,7 +23,9 @@ The digests (ft.digest_every at its default, 1: (a) and (c) compute the per-step
 step, inside their step time), from (a)'s replica 0: digest_s, the median time of the per-step
 checksum (`state_checksum`, its step records' `digest_s`), sha256_s, the time of the sha256 of the
 same state at the end of the run (`state_digest`, what the per-step digest was before issue 28),
-digest_share = digest_s / ft_step_s and sha256_share = sha256_s / ft_step_s.
+digest_share = digest_s / ft_step_s and sha256_share = sha256_s / ft_step_s. ft_mfu: the median
+MFU of (a)'s replica 0 after warm-up (null where the devices' peak is not known: CPU, unless
+`hardware.peak_flops_per_device=...` says it).
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ def _median_step(metrics: Path, warmup: int) -> float:
     if not times:
         raise RuntimeError(f"{metrics}: no steps after the {warmup} warm-up steps")
     return statistics.median(times)
+
+
+def _median_mfu(metrics: Path, warmup: int) -> float | None:
+    """The median MFU of a replica's steps after warm-up (None where the devices' peak is not known:
+    CPU, unless hardware.peak_flops_per_device says it)."""
+    mfus = [r["mfu"] for r in read_metrics(metrics) if r["step"] > warmup and r.get("mfu") is not None]
+    return round(statistics.median(mfus), 4) if mfus else None
 
 
 PHASES = ("d2h_s", "ring_s", "h2d_s", "reduce_wall_s", "overlap_share")
@@ -195,6 +204,7 @@ def main(argv: list[str]) -> int:
             "sha256_s": round(sha256, 5),
             "digest_share": round(checksum / ft, 5),
             "sha256_share": round(sha256 / ft, 5),
+            "ft_mfu": _median_mfu(ft_run / "metrics.jsonl", args.warmup),
         }
     print(json.dumps(record))
     return 0
