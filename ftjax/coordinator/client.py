@@ -75,6 +75,10 @@ class _Backoff:
         return delay * random.uniform(0.75, 1.25)
 
 
+# the events after which no fetch is under way (ftjax/runs/events.py)
+_CATCHUP_ENDS = frozenset({"catchup_done", "catchup_failed", "catchup_abandoned", "catchup_cancelled"})
+
+
 class _QuorumStream:
     """One Quorum stream: send a request, wait for its answer (at most `timeout`)."""
 
@@ -140,6 +144,7 @@ class CoordinatorClient:
         # sent on each new heartbeat stream, so that a restarted coordinator can rebuild its record.
         self.known_positions: dict[str, int] = {}
         self._report: pb.StepReport | None = None  # the latest step, sent with the next quorum request
+        self._catchup: dict | None = None  # a fetch under way (its latest catchup_progress event)
 
     def _channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
@@ -217,9 +222,15 @@ class CoordinatorClient:
     def report_step(self, record: dict, *, target_steps: int = 0, replicas: int = 0) -> None:
         """Keep a step record of the training loop (ftjax/runtime/trainer.py) to send with the next quorum
         request: the coordinator's status page and /metrics show the replicas' loss, step time,
-        tokens and MFU from them, and a DiLoCo round's inner steps, fragment and bytes averaged. Records
-        that are not steps are ignored."""
-        if "step" not in record or "event" in record:
+        tokens and MFU from them, and a DiLoCo round's inner steps, fragment and bytes averaged; the
+        catch-up events give the bytes and ETA of a fetch under way until it ends. Other records are
+        ignored."""
+        event = record.get("event")
+        if event in _CATCHUP_ENDS:
+            self._catchup = None
+        elif event == "catchup_progress":
+            self._catchup = {k: record.get(k) for k in ("bytes_done", "bytes_total", "eta_s")}
+        if "step" not in record or event is not None:
             return
         loss = record.get("loss")
         self._report = pb.StepReport(
@@ -276,9 +287,14 @@ class CoordinatorClient:
             request = pb.QuorumRequest(
                 member=member, timeout_ms=max(1, int(remaining * 1000)), known_quorum_id=known_id
             )
-            report = self._report
+            report, catchup = self._report, self._catchup
             if report is not None:
                 request.report.CopyFrom(report)
+                if catchup is not None:
+                    request.report.catchup_bytes_done = int(catchup["bytes_done"])
+                    request.report.catchup_bytes_total = int(catchup["bytes_total"])
+                    if catchup["eta_s"] is not None:
+                        request.report.catchup_eta_s = float(catchup["eta_s"])
             try:
                 response = self._open_stream(remaining).exchange(request, remaining + 1.0)
             except (grpc.RpcError, CoordinatorError) as e:

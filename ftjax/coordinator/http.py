@@ -283,6 +283,24 @@ def _replica_families(rows: list[dict]):
         "New incarnations of the replica seen by this coordinator after its first.",
         "restarts",
     )
+    yield family(
+        GaugeMetricFamily,
+        "ftjax_replica_catchup_bytes",
+        "Bytes of a catch-up's snapshot the replica's hosts fetched so far (while one is under way).",
+        "catchup_bytes_done",
+    )
+    yield family(
+        GaugeMetricFamily,
+        "ftjax_replica_catchup_total_bytes",
+        "Bytes of the snapshot a catch-up under way fetches.",
+        "catchup_bytes_total",
+    )
+    yield family(
+        GaugeMetricFamily,
+        "ftjax_replica_catchup_eta_seconds",
+        "Seconds a catch-up under way has left at its slowest host's rate.",
+        "catchup_eta_s",
+    )
     if any("sync_bytes_total" in r for r in rows):  # a DiLoCo job
         yield family(
             CounterMetricFamily,

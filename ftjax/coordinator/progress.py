@@ -74,6 +74,10 @@ class StepFigures(NamedTuple):
     inner_steps: int | None = None
     fragment: int | None = None
     sync_bytes: int | None = None
+    # a catch-up under way while the replica's steps go on: bytes fetched of the snapshot's, ETA
+    catchup_bytes_done: int | None = None
+    catchup_bytes_total: int | None = None
+    catchup_eta_s: float | None = None
 
     def validate(self, prefix: str = "report") -> None:
         """InvalidField naming the first field out of bounds (the loss may be any float)."""
@@ -81,17 +85,21 @@ class StepFigures(NamedTuple):
         check_int(f"{prefix}.tokens", self.tokens, 0, MAX_STEP)
         check_int(f"{prefix}.target_steps", self.target_steps, 0, MAX_STEP)
         check_int(f"{prefix}.replicas", self.replicas, 0, MAX_REPLICAS)
-        if not (math.isfinite(self.step_time_s) and 0 <= self.step_time_s <= MAX_STEP_TIME_S):
-            raise InvalidField(
-                f"{prefix}.step_time_s",
-                f"{self.step_time_s} is not a finite number of seconds in [0, {MAX_STEP_TIME_S:g}]",
-            )
+        _check_seconds(f"{prefix}.step_time_s", self.step_time_s)
         if self.mfu is not None and not (math.isfinite(self.mfu) and 0 <= self.mfu <= MAX_MFU):
             raise InvalidField(f"{prefix}.mfu", f"{self.mfu} is not a finite fraction in [0, {MAX_MFU:g}]")
         for name, lo in (("inner_steps", 1), ("fragment", 0), ("sync_bytes", 0)):
             value = getattr(self, name)
             if value is not None:
                 check_int(f"{prefix}.{name}", value, lo, MAX_STEP)
+        done, total, eta = self.catchup_bytes_done, self.catchup_bytes_total, self.catchup_eta_s
+        if (done is None) != (total is None) or (eta is not None and total is None):
+            raise InvalidField(f"{prefix}.catchup_bytes_total", "catch-up fields come together (bytes done and total)")
+        if total is not None:
+            check_int(f"{prefix}.catchup_bytes_total", total, 0, MAX_STEP)
+            check_int(f"{prefix}.catchup_bytes_done", done, 0, total)
+        if eta is not None:
+            _check_seconds(f"{prefix}.catchup_eta_s", eta)
 
 
 @dataclass
@@ -517,6 +525,18 @@ class JobProgress:
             "eval_loss": v.eval_loss,
             "report_step": r.step if r is not None else None,
             **self._replica_sync(v, r),
+            **self._replica_catchup(phase, r),
+        }
+
+    @staticmethod
+    def _replica_catchup(phase: Phase, r: StepFigures | None) -> dict[str, Any]:
+        """A fetch under way: its bytes and ETA (none while the replica is not catching up)."""
+        if phase is not Phase.CATCHING_UP or r is None or r.catchup_bytes_total is None:
+            return {}
+        return {
+            "catchup_bytes_done": r.catchup_bytes_done,
+            "catchup_bytes_total": r.catchup_bytes_total,
+            "catchup_eta_s": r.catchup_eta_s,
         }
 
     @staticmethod
@@ -554,7 +574,13 @@ class JobProgress:
             return f"stalled for {now - v.last_signal:.1f} s (waiting for a quorum or a peer)"
         if phase is Phase.CATCHING_UP:
             source = f"replica {v.heal_source}" if v.heal_source else "a peer"
-            return f"healing from {source} ({now - v.since:.1f} s so far)"
+            text = f"healing from {source} ({now - v.since:.1f} s so far)"
+            r = v.report
+            if r is not None and r.catchup_bytes_total is not None:
+                text += f": {_megabytes(r.catchup_bytes_done)} of {_megabytes(r.catchup_bytes_total)} MB fetched"
+                if r.catchup_eta_s is not None:
+                    text += f", about {r.catchup_eta_s:.0f} s to go"
+            return text
         if phase is Phase.DOWN:
             return f"down since {_clock(v.since + self.wall_offset)} ({now - v.since:.0f} s): {v.down_why}"
         if phase is Phase.DONE:
@@ -602,3 +628,12 @@ def _clock(wall: float) -> str:
     import time
 
     return time.strftime("%H:%M:%S", time.localtime(wall))
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if not (math.isfinite(value) and 0 <= value <= MAX_STEP_TIME_S):
+        raise InvalidField(name, f"{value} is not a finite number of seconds in [0, {MAX_STEP_TIME_S:g}]")
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:,.1f}"

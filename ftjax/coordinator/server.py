@@ -384,6 +384,9 @@ def _step_figures(request: pb.QuorumRequest) -> StepFigures | None:
         r.inner_steps if r.HasField("inner_steps") else None,
         r.fragment if r.HasField("fragment") else None,
         r.sync_bytes if r.HasField("sync_bytes") else None,
+        r.catchup_bytes_done if r.HasField("catchup_bytes_done") else None,
+        r.catchup_bytes_total if r.HasField("catchup_bytes_total") else None,
+        r.catchup_eta_s if r.HasField("catchup_eta_s") else None,
     )
     figures.validate()
     return figures

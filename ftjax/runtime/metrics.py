@@ -129,7 +129,7 @@ class MetricsLog:
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.records: list[dict[str, Any]] = []
-        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # each step record, as logged
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # each record (steps and events), as logged
         self._file = None
         self._progress = None
         self._plain: PlainLines | None = None
@@ -178,7 +178,10 @@ class MetricsLog:
     def event(self, kind: str, **fields: Any) -> None:
         """A non-step record (restore, failure, ...): same file, `event` instead of `step`."""
         if self.enabled:
-            self._file.write(json.dumps({"time": round(time.time(), 6), "event": kind, **fields}) + "\n")
+            record = {"time": round(time.time(), 6), "event": kind, **fields}
+            self._file.write(json.dumps(record) + "\n")
+            for listener in self.listeners:
+                listener(record)
             if self._tensorboard is not None:
                 self._tensorboard.event(kind, fields)
             if self._plain is not None:

@@ -1,6 +1,9 @@
 """Non-blocking peer catch-up: a restarted replica rejoins from a live peer, bitwise in step."""
 
+import json
+import threading
 import time
+import urllib.request
 
 import pytest
 from conftest import REPO
@@ -100,9 +103,40 @@ def test_slow_transfer_replays_buffered_updates(tmp_path, procs):
     job.start_replica(1, die_at="5:forward")
     t0 = time.time()
     _restart_when_dead(job, 1)
-    done = _run_until_in_step(job, 0, 1, after=t0)
+    with _StatusWatch(job) as watch:  # the coordinator's /status while the fetch goes on
+        done = _run_until_in_step(job, 0, 1, after=t0)
     assert done["replayed"] >= 3 and done["transfer_s"] >= 2.0, done
     _assert_in_step(job, 0, 1, start_after=5)
+    # the fetch's progress events reached the status page with the newcomer's quorum requests
+    seen = [row for row in watch.rows if row.get("catchup_bytes_total")]
+    assert seen and all(row["state"] == "catching up" for row in seen), watch.rows[-3:]
+    assert all(0 <= row["catchup_bytes_done"] <= row["catchup_bytes_total"] for row in seen), seen
+    assert "MB fetched" in seen[-1]["state_text"], seen[-1]
+
+
+class _StatusWatch:
+    """Reads the coordinator's /status every 0.1 s in a thread; `rows`: replica 1's rows seen."""
+
+    def __init__(self, job) -> None:
+        self.url, self.rows, self._stop = f"http://{job.coordinator_http}/status", [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as r:
+                    status = json.load(r)
+            except OSError:
+                continue
+            self.rows += [row for row in status["replicas"] if row["replica_id"] in ("1", "replica-1")]
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 @pytest.mark.slow
