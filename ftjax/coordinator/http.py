@@ -230,9 +230,61 @@ def _job_families(job: dict):
             )
 
 
+# A replica's series that are one value of its /status row each: (kind, name, help, row key).
+_REPLICA_SERIES = [
+    (GaugeMetricFamily, "ftjax_replica_step", "Steps the replica reported committed.", "step"),
+    (GaugeMetricFamily, "ftjax_replica_loss", "Training loss of the replica's latest batch.", "loss"),
+    (GaugeMetricFamily, "ftjax_replica_step_seconds", "Wall time of the replica's latest step.", "step_time_s"),
+    (
+        GaugeMetricFamily,
+        "ftjax_replica_tokens_per_second",
+        "Tokens per second of the replica's latest step.",
+        "tokens_per_s",
+    ),
+    (
+        GaugeMetricFamily,
+        "ftjax_replica_mfu",
+        "Model FLOPs utilization of the replica's latest step: model FLOPs / (step time x devices x peak "
+        "FLOP/s); no sample where the devices' peak is not known.",
+        "mfu",
+    ),
+    (GaugeMetricFamily, "ftjax_replica_healing", "1 while the latest quorum has the replica heal.", "healing"),
+    (
+        GaugeMetricFamily,
+        "ftjax_replica_heartbeat_age_seconds",
+        "Seconds since the coordinator last heard from the replica.",
+        "heartbeat_age_s",
+    ),
+    (
+        CounterMetricFamily,
+        "ftjax_replica_restarts",
+        "New incarnations of the replica seen by this coordinator after its first.",
+        "restarts",
+    ),
+    (
+        GaugeMetricFamily,
+        "ftjax_replica_catchup_bytes",
+        "Bytes of a catch-up's snapshot the replica's hosts fetched so far (while one is under way).",
+        "catchup_bytes_done",
+    ),
+    (
+        GaugeMetricFamily,
+        "ftjax_replica_catchup_total_bytes",
+        "Bytes of the snapshot a catch-up under way fetches.",
+        "catchup_bytes_total",
+    ),
+    (
+        GaugeMetricFamily,
+        "ftjax_replica_catchup_eta_seconds",
+        "Seconds a catch-up under way has left at its slowest host's rate.",
+        "catchup_eta_s",
+    ),
+]
+
+
 def _replica_families(rows: list[dict]):
-    def family(kind, name: str, help_text: str, key: str, labels=("replica",)):
-        f = kind(name, help_text, labels=list(labels))
+    def family(kind, name: str, help_text: str, key: str):
+        f = kind(name, help_text, labels=["replica"])
         for r in rows:
             v = r.get(key)
             if v is not None and not (isinstance(v, float) and math.isinf(v)):
@@ -250,57 +302,8 @@ def _replica_families(rows: list[dict]):
             if phase is not Phase.GONE:
                 state.add_metric([r["replica_id"], phase.value], 1.0 if r["state"] == phase.value else 0.0)
     yield state
-    yield family(GaugeMetricFamily, "ftjax_replica_step", "Steps the replica reported committed.", "step")
-    yield family(GaugeMetricFamily, "ftjax_replica_loss", "Training loss of the replica's latest batch.", "loss")
-    yield family(
-        GaugeMetricFamily, "ftjax_replica_step_seconds", "Wall time of the replica's latest step.", "step_time_s"
-    )
-    yield family(
-        GaugeMetricFamily,
-        "ftjax_replica_tokens_per_second",
-        "Tokens per second of the replica's latest step.",
-        "tokens_per_s",
-    )
-    yield family(
-        GaugeMetricFamily,
-        "ftjax_replica_mfu",
-        "Model FLOPs utilization of the replica's latest step: model FLOPs / (step time x devices x peak "
-        "FLOP/s); no sample where the devices' peak is not known.",
-        "mfu",
-    )
-    yield family(
-        GaugeMetricFamily, "ftjax_replica_healing", "1 while the latest quorum has the replica heal.", "healing"
-    )
-    yield family(
-        GaugeMetricFamily,
-        "ftjax_replica_heartbeat_age_seconds",
-        "Seconds since the coordinator last heard from the replica.",
-        "heartbeat_age_s",
-    )
-    yield family(
-        CounterMetricFamily,
-        "ftjax_replica_restarts",
-        "New incarnations of the replica seen by this coordinator after its first.",
-        "restarts",
-    )
-    yield family(
-        GaugeMetricFamily,
-        "ftjax_replica_catchup_bytes",
-        "Bytes of a catch-up's snapshot the replica's hosts fetched so far (while one is under way).",
-        "catchup_bytes_done",
-    )
-    yield family(
-        GaugeMetricFamily,
-        "ftjax_replica_catchup_total_bytes",
-        "Bytes of the snapshot a catch-up under way fetches.",
-        "catchup_bytes_total",
-    )
-    yield family(
-        GaugeMetricFamily,
-        "ftjax_replica_catchup_eta_seconds",
-        "Seconds a catch-up under way has left at its slowest host's rate.",
-        "catchup_eta_s",
-    )
+    for series in _REPLICA_SERIES:
+        yield family(*series)
     if any("sync_bytes_total" in r for r in rows):  # a DiLoCo job
         yield family(
             CounterMetricFamily,
