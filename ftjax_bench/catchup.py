@@ -13,6 +13,9 @@ streams), `link_mb_s` (one connection), `ratio` (their quotient), `ratio_tcp` (a
 many connections), `ratio_in_place` (against the link into a fresh buffer),
 `single_stream` (the same with one connection: the previous transport's shape),
 and the other costs of a catch-up (the source's copy to host memory, the placement) for context.
+`orbax`: the same snapshot written and read back through orbax's `StandardCheckpointer` on this
+machine's local disk, against the copy and placement above (`vs_copy_and_place`; docs/design.md,
+"Catch-up": why the transport's serialization is not orbax's).
 """
 
 from __future__ import annotations
@@ -177,12 +180,45 @@ def main(argv: list[str]) -> int:
 
         abstract = build_program(cfg).abstract_state()
         t0 = time.perf_counter()
-        jax.block_until_ready(result.shards.to_state(abstract))
+        state = jax.block_until_ready(result.shards.to_state(abstract))
         restore_s = time.perf_counter() - t0
         source.stdin.close()
         source.wait(30)
-    print(json.dumps(_report(args, cfg.ft.catchup_streams, info, times, restore_s)))
+    record = _report(args, cfg.ft.catchup_streams, info, times, restore_s)
+    record["orbax"] = _orbax_round_trip(state, abstract, our_s=info["offer_s"] + restore_s)
+    print(json.dumps(record))
     return 0
+
+
+def _orbax_round_trip(state, abstract, our_s: float) -> dict:
+    """What serializing the same snapshot through orbax would cost on a catch-up's critical path
+    (issue 32): `StandardCheckpointer` writes it to this machine's temp directory and restores it
+    into the target shardings (`restore(dir, abstract)`), the moving of its files between hosts not
+    counted. `vs_copy_and_place`: that against this transport's own serialization and layout, the
+    source's copy to host memory plus the newcomer's placement (`snapshot_copy_s + restore_s`)."""
+    import tempfile
+    from pathlib import Path
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    with tempfile.TemporaryDirectory(prefix="ftjax-bench-orbax-") as tmp:
+        ckptr = ocp.StandardCheckpointer()
+        t0 = time.perf_counter()
+        ckptr.save(Path(tmp) / "snapshot", state)
+        ckptr.wait_until_finished()
+        save_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        restored = jax.block_until_ready(ckptr.restore(Path(tmp) / "snapshot", abstract))
+        load_s = time.perf_counter() - t0
+        ckptr.close()
+    same = all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)))
+    return {
+        "save_s": round(save_s, 3),
+        "restore_s": round(load_s, 3),
+        "vs_copy_and_place": round((save_s + load_s) / our_s, 2),
+        "bitwise_equal": same,
+    }
 
 
 def _report(args, streams: int, info: dict, times: dict[str, list[float]], restore_s: float) -> dict:
