@@ -4,13 +4,16 @@ A source process builds the config's model, trains two steps (so the optimizer m
 all zeros), and offers a snapshot exactly as a replica's host does for a healing peer. This process
 then, `--rounds` times over, measures (a) the raw link: one-way TCP from the source process to this
 one, the snapshot's byte count in 4 MiB sendall / recv_into calls, over one connection into one reused
-buffer (cache-hot), over one into a fresh buffer of the snapshot's size (as a catch-up lands), and over
+buffer (cache-hot), over one into a fresh buffer of the snapshot's size, over one from a resident
+buffer of that size into another (memory to memory, as a catch-up moves a snapshot), and over
 `ft.catchup_streams` connections at once (each a share), and (b) the snapshot transfer
 (`SnapshotFetch`: a manifest, then byte ranges streamed from the source's memory into place in this
 one's) with `ft.catchup_streams` connections and with one, and places the last one on this process's
 devices (`HostShards.to_state`). Prints one JSON line: medians of `catchup_mb_s` (the configured
 streams), `link_mb_s` (one connection), `ratio` (their quotient), `ratio_tcp` (against raw TCP over as
-many connections), `ratio_in_place` (against the link into a fresh buffer),
+many connections), `ratio_in_place` (against the link into a fresh buffer), `ratio_resident`
+(against one connection from a resident buffer of the snapshot's size into another: the link
+moving the same bytes memory to memory, as the transfer does),
 `single_stream` (the same with one connection: the previous transport's shape),
 and the other costs of a catch-up (the source's copy to host memory, the placement) for context.
 `orbax`: the same snapshot written and read back through orbax's `StandardCheckpointer` on this
@@ -58,15 +61,18 @@ def _serve(argv: list[str]) -> int:
     offer_s = time.perf_counter() - t0
     nbytes = server._snapshots["bench/0"].shards.nbytes
     payload = bytearray(_CHUNK)
+    resident = np.ones(nbytes, np.uint8)  # (every page touched: memory as resident as a snapshot's)
     link = socket.create_server(("127.0.0.1", 0))
 
     def send(conn) -> None:
         with conn:
-            n = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
-            view = memoryview(payload)
-            while n > 0:
-                conn.sendall(view[: min(n, _CHUNK)])
-                n -= _CHUNK
+            header = conn.recv(9, socket.MSG_WAITALL)
+            n, from_resident = int.from_bytes(header[:8], "little"), header[8] == 1
+            view, at = memoryview(resident if from_resident else payload), 0
+            while at < n:
+                k = min(n - at, _CHUNK)
+                conn.sendall(view[at : at + k] if from_resident else view[:k])
+                at += k
 
     def link_loop():  # a thread per connection: the raw link over several connections at once
         while True:
@@ -90,27 +96,30 @@ def _serve(argv: list[str]) -> int:
     return 0
 
 
-def _receive(address: str, nbytes: int, into_place: bool) -> None:
-    """One-way TCP into one reused 4 MiB buffer (cache-hot: the link's best case), or, `into_place`,
-    into a fresh buffer of `nbytes` as a catch-up does (each page touched for the first time)."""
+def _receive(address: str, nbytes: int, into: str, resident=None) -> None:
+    """One-way TCP of `nbytes` from the source: `into` "hot", from and into one reused 4 MiB buffer
+    (cache-hot: the loopback's best case, which no transfer of a large state has); "place", into a
+    fresh buffer of `nbytes` (each page touched for the first time); "resident", from a resident
+    buffer of the source's into the resident buffer `resident` (memory to memory, as a catch-up
+    moves a snapshot whose buffers are already mapped)."""
     import numpy as np
 
-    buf = memoryview(np.empty(nbytes if into_place else _CHUNK, np.uint8))
+    buf = memoryview(resident if into == "resident" else np.empty(nbytes if into == "place" else _CHUNK, np.uint8))
     with socket.create_connection(split_address(address)) as s:
-        s.sendall(nbytes.to_bytes(8, "little"))
+        s.sendall(nbytes.to_bytes(8, "little") + bytes([into == "resident"]))
         done = 0
         while done < nbytes:
-            at = done if into_place else 0
+            at = 0 if into == "hot" else done
             got = s.recv_into(buf[at : at + min(nbytes - done, _CHUNK)])
             if not got:
                 raise ConnectionError("link sender closed early")
             done += got
 
 
-def _link_seconds(address: str, nbytes: int, streams: int = 1, into_place: bool = False) -> float:
+def _link_seconds(address: str, nbytes: int, streams: int = 1, into: str = "hot", resident=None) -> float:
     """`nbytes` of raw TCP from the source, over `streams` connections at once (each a share)."""
     shares = [nbytes // streams + (k < nbytes % streams) for k in range(streams)]
-    threads = [threading.Thread(target=_receive, args=(address, n, into_place)) for n in shares]
+    threads = [threading.Thread(target=_receive, args=(address, n, into, resident)) for n in shares]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -132,11 +141,16 @@ def _transfer_seconds(address: str, streams: int) -> tuple[float, object]:
 def _measure(info: dict, streams: int, rounds: int) -> tuple[dict[str, list[float]], object]:
     """Seconds of each of the four transfers, `rounds` times, interleaved (a load that comes and
     goes on the machine weighs on all of them alike); and the last fetch's result."""
-    times: dict[str, list[float]] = {"link": [], "link_tcp": [], "link_in_place": [], "catchup": [], "single": []}
+    import numpy as np
+
+    times: dict[str, list[float]] = {k: [] for k in ("link", "link_tcp", "link_in_place", "link_resident")}
+    times.update(catchup=[], single=[])
+    resident = np.ones(info["nbytes"], np.uint8)
     result = None
     for _ in range(rounds):
         times["link"].append(_link_seconds(info["link"], info["nbytes"]))
-        times["link_in_place"].append(_link_seconds(info["link"], info["nbytes"], into_place=True))
+        times["link_in_place"].append(_link_seconds(info["link"], info["nbytes"], into="place"))
+        times["link_resident"].append(_link_seconds(info["link"], info["nbytes"], into="resident", resident=resident))
         times["link_tcp"].append(_link_seconds(info["link"], info["nbytes"], streams))
         times["single"].append(_transfer_seconds(info["address"], 1)[0])
         seconds, result = _transfer_seconds(info["address"], streams)
@@ -236,6 +250,8 @@ def _report(args, streams: int, info: dict, times: dict[str, list[float]], resto
         "ratio_tcp": round(rate["catchup"] / rate["link_tcp"], 3),
         "link_in_place_mb_s": round(rate["link_in_place"], 1),
         "ratio_in_place": round(rate["catchup"] / rate["link_in_place"], 3),
+        "link_resident_mb_s": round(rate["link_resident"], 1),
+        "ratio_resident": round(rate["catchup"] / rate["link_resident"], 3),
         "single_stream": {"catchup_mb_s": round(rate["single"], 1), "ratio": round(rate["single"] / rate["link"], 3)},
         "snapshot_copy_s": round(info["offer_s"], 3),
         "restore_s": round(restore_s, 3),

@@ -55,6 +55,7 @@ def test_bench_catchup_compares_the_transfer_with_the_raw_link():
     out = _bench("catchup", TINY, "ft.catchup_streams=2", "--rounds", "1")
     assert out["bench"] == "catchup" and out["snapshot_mb"] > 0 and out["streams"] == 2
     _ratio(out["ratio"]), _ratio(out["ratio_tcp"]), _ratio(out["ratio_in_place"]), _ratio(out["single_stream"]["ratio"])
+    _ratio(out["ratio_resident"])  # (the link memory to memory: a resident source buffer into a resident one)
     assert out["link_tcp_mb_s"] > 0 and out["single_stream"]["catchup_mb_s"] > 0
     # the orbax yardstick: the same snapshot through orbax, back bitwise
     assert out["orbax"]["bitwise_equal"] and out["orbax"]["save_s"] > 0 and out["orbax"]["vs_copy_and_place"] > 0
