@@ -106,6 +106,13 @@ def fragment_pieces(sizes: list[int], fragments: int, unit: int = 1) -> tuple[tu
     return tuple(tuple(sorted(p)) for p in pieces)
 
 
+def fragment_cut(cfg: Any, leaves: list) -> tuple[tuple[Piece, ...], ...]:
+    """The job's fragments of these parameter leaves (anything with `.size`): what OuterSync steps
+    and the fragments' reducers are built on, so both cut alike."""
+    sizes = [a.size for a in leaves]
+    return fragment_pieces(sizes, cfg.sync_fragments, cut_unit(cfg, sizes))
+
+
 def cut_unit(cfg: Any, sizes: list[int]) -> int:
     """The elements a fragment's cut counts in: the devices a full replica of the job shards a leaf
     over (the FSDP axes; the same on every replica, whatever its degree, so that every replica cuts
@@ -169,13 +176,11 @@ class OuterSync:
         self.program = program
         abstract = program.abstract_state()
         leaves, self.treedef = jax.tree.flatten(abstract["params"])
-        sizes = [a.size for a in leaves]
-        self.pieces = fragment_pieces(sizes, self.fragments, cut_unit(cfg, sizes))
+        self.pieces = fragment_cut(cfg, leaves)
         # the leaves each fragment's pieces lie in (a fragment's jitted steps take and return only those)
         self.touched = [sorted({p.leaf for p in ps}) for ps in self.pieces]
         self._bytes = [4 * sum(p.size for p in ps) for ps in self.pieces]
         self.shardings = [a.sharding for a in leaves]
-        self._shapes = [a.shape for a in leaves]
         mesh = program.mesh
         self.outer_abstract = []
         piece_shardings = []

@@ -32,7 +32,7 @@ from ftjax.program.task import Task
 from ftjax.runtime.args import RunOptions
 from ftjax.runtime.catchup import ShardTransport
 from ftjax.runtime.checkpoint import DurableCheckpoints
-from ftjax.runtime.diloco import FragmentReducer, cut_unit, fragment_pieces, piece_templates
+from ftjax.runtime.diloco import FragmentReducer, fragment_cut, piece_templates
 from ftjax.runtime.faults import InjectedFaults, parse_die_at, parse_flip_at
 from ftjax.runtime.host_group import JaxHostGroup
 from ftjax.runtime.lanes import LaneFlattener, served_lanes
@@ -150,11 +150,9 @@ def _ftar_reducer(cfg: Config, endpoints, served, update_template: Any, update_s
 def _fragments(cfg: Config, template: Any, shardings: Any, reducer_of) -> FragmentReducer:
     """DiLoCo's reducer: the parameters cut into fragments as ftjax/runtime/diloco.py cuts them, one
     reducer each, over the fragment's pieces."""
-    n = cfg.sync_fragments
     leaves, sh = jax.tree.leaves(template["params"]), jax.tree.leaves(shardings["params"])
-    sizes = [a.size for a in leaves]
-    cut = fragment_pieces(sizes, n, cut_unit(cfg, sizes))
-    return FragmentReducer([reducer_of(*piece_templates(leaves, sh, ps)) for ps in cut], n)
+    cut = fragment_cut(cfg, leaves)
+    return FragmentReducer([reducer_of(*piece_templates(leaves, sh, ps)) for ps in cut], len(cut))
 
 
 def _ftar_reducer_of(cfg: Config, endpoints, served, update_template: Any, update_shardings: Any) -> FTARReducer:
