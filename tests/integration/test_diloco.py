@@ -131,11 +131,13 @@ def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_
         assert all(rounds[a][n] == rounds[b][n] for a, b, n in pairs), [
             (a, b, n) for a, b, n in pairs if rounds[a][n] != rounds[b][n]
         ]
-        # a round discarded because a peer died is retried with the survivor's inner steps as they were
-        retried = {e["step"] for r in (0, 2) for e in run.metrics(r) if e.get("event") == "commit_failure"}
-        assert retried, run.output()
+        # a round a survivor discarded because a peer died is retried with its inner steps as they
+        # were (each survivor's own discarded rounds: whether a peer's death reached a survivor's
+        # round before or after its FTAR depends on timing, so they need not discard the same ones)
+        retried = {r: {e["step"] for e in run.metrics(r) if e.get("event") == "commit_failure"} for r in (0, 2)}
+        assert retried[0] | retried[2], run.output()
         for r in (0, 2):
-            again = [m for m in run.metrics(r) if m.get("committed") and m["step"] in retried]
+            again = [m for m in run.metrics(r) if m.get("committed") and m["step"] in retried[r]]
             assert all(m["reused_inner"] for m in again if m.get("loss") is not None), again
         assert sum(m["reused_inner"] for m in run.metrics(0) if m.get("committed") and "reused_inner" in m) >= 1
         mine = [m for m in run.metrics(0) if m.get("committed") and "inner_steps" in m]
