@@ -130,6 +130,9 @@ class ReplicaView:
     sync_bytes: int = 0
     sync_tokens: int = 0
     sync_step: int = 0
+    # the latest committed step this incarnation's reports were counted for (tokens, loss): a retried
+    # quorum request carries the same report again, which must not count twice
+    counted_step: int = -1
     down_why: str = ""
     phase_before_down: Phase = Phase.STARTING
     accusation: _Accusation | None = None
@@ -228,6 +231,7 @@ class JobProgress:
         v.incarnation, v.incarnations = incarnation, v.incarnations + 1
         v.last_signal, v.finished, v.heal_source, v.down_why = None, False, "", ""
         v.report = v.accusation = v.stream_lost_at = None
+        v.counted_step = -1  # a new incarnation may train steps again (the job restarted from a checkpoint)
         v.set_phase(Phase.STARTING, now)
 
     def revived(self, rid: str, now: float) -> None:
@@ -249,8 +253,9 @@ class JobProgress:
         if fig.inner_steps is not None:
             self.inner_steps, self.fragment, self.round_bytes = fig.inner_steps, fig.fragment, fig.sync_bytes
             self.fragments_seen = max(self.fragments_seen, (fig.fragment or 0) + 1)
-        if not (fig.committed and fig.contributed):
+        if not (fig.committed and fig.contributed) or fig.step <= v.counted_step:
             return
+        v.counted_step = fig.step
         if fig.sync_bytes is not None and fig.step > v.sync_step:
             v.sync_step = fig.step
             v.sync_bytes += fig.sync_bytes

@@ -171,3 +171,20 @@ def test_an_every_step_job_renders_as_before():
     # and with the same reports, only the round fields set the two apart
     diloco = status_page(_state(diloco=True).snapshot(0.5))
     assert "DiLoCo" in diloco and EVERY_STEP_HEADER not in diloco
+
+
+@pytest.mark.parametrize("diloco", [False, True])
+def test_a_retried_report_counts_its_tokens_once(diloco):
+    # b's round-3 report came twice (a retried quorum request): the job's tokens are 2 replicas x 3
+    # steps, and /metrics says the same (before, b's step 3 was counted twice)
+    state = _state(diloco)
+    snap = state.snapshot(0.5)
+    assert snap["job"]["tokens_total"] == 2 * 3 * ROUND_TOKENS
+    assert f"ftjax_job_tokens_total {float(2 * 3 * ROUND_TOKENS)}" in Metrics(state).text().decode()
+    # a new incarnation of b (the job restarted from a checkpoint at step 2) trains step 3 again:
+    # those tokens were trained again, so they count
+    state.register(MemberReport("b", "b-inc2", step=2, data_position=2, ftar_addresses=("h:b2",)), 0.6)
+    again = MemberReport("b", "b-inc2", step=3, data_position=3, ftar_addresses=("h:b2",))
+    state.request(again, 0.7, _step_figures(_wire(_record(3, diloco))))
+    state.request(again, 0.8, _step_figures(_wire(_record(3, diloco))))  # and retried: once
+    assert state.snapshot(0.9)["job"]["tokens_total"] == 7 * ROUND_TOKENS
