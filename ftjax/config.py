@@ -53,6 +53,12 @@ class ModelConfig(_Strict):
         description="llama: the dtype of the matmuls (parameters and optimizer state stay float32); "
         "auto: bfloat16 on gpu and tpu, float32 on cpu. gpt and mlp compute in float32",
     )
+    attention: Literal["auto", "xla", "cudnn"] = Field(
+        "auto",
+        description="llama: the implementation of jax.nn.dot_product_attention: xla (any platform; it "
+        "materializes every T x T score matrix); cudnn (the fused flash-attention kernel: gpu, compute_dtype "
+        "bfloat16, head size a multiple of 8 up to 128); auto: cudnn where it can run, else xla",
+    )
     remat: Literal["none", "full", "save_dots"] = Field(
         "none",
         description="rematerialize each transformer block in the backward pass (llama, gpt): none; full "
@@ -72,7 +78,7 @@ class ModelConfig(_Strict):
             if self.n_heads % self.kv_heads:
                 raise ValueError(f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})")
             return self
-        for name in ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps"):
+        for name in ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps", "attention"):
             # (set to its default is no setting: a dumped config round-trips)
             if getattr(self, name) != type(self).model_fields[name].default:
                 raise ValueError(f"{name}: only for kind llama (kind is {self.kind})")

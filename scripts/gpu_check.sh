@@ -16,19 +16,27 @@ SYN=(task=ftjax.program.tasks:language_model 'task_args={}' data.source=syntheti
      mesh.devices_per_host=1 data.micro_batches=1)
 # raw device <-> host copies of a 1 GiB buffer (pageable and pinned host memory)
 timeout 60 $PY scripts/copy_probe.py > "$OUT/probe.json" 2> "$OUT/probe.err"; cat "$OUT/probe.json"
-# issue 28: the 1B Llama in bf16 alone on the GPU: MFU per step (metrics.jsonl)
-timeout ${T_TRAIN:-150} $PY -m ftjax train "$CONFIG" --out "$OUT/alone" "${SYN[@]}" steps=10 data.batch_size=8 \
-  model.seq_len=2048 > "$OUT/alone.log" 2>&1; tail -2 "$OUT/alone.log"
-$PY - "$OUT/alone/metrics.jsonl" <<'PY' | tee "$OUT/mfu.json"
+# issue 28: the 1B Llama in bf16 alone on the GPU: MFU per step (metrics.jsonl), with cuDNN's fused
+# attention (model.attention auto): ALONE lists runs as BATCH:REMAT:MICRO_BATCHES
+for run in ${ALONE:-8:save_dots:1 16:save_dots:2}; do
+  IFS=: read -r B R MB <<< "$run"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${ALONE_MEM:-0.9} timeout ${T_TRAIN:-100} $PY -m ftjax train "$CONFIG" \
+    --out "$OUT/alone_$B" "${SYN[@]}" steps=${STEPS:-8} data.batch_size=$B data.micro_batches=$MB \
+    model.seq_len=${SEQ:-2048} model.remat=$R > "$OUT/alone_$B.log" 2>&1; tail -1 "$OUT/alone_$B.log"
+  $PY - "$OUT/alone_$B/metrics.jsonl" "$B" "$R" <<'PY' | tee -a "$OUT/mfu.json"
 import json, statistics, sys
-recs = [json.loads(l) for l in open(sys.argv[1])][3:]
-print(json.dumps({k: statistics.median(r[k] for r in recs) for k in ("step_time_s", "mfu", "tokens_per_s") if k in recs[0]}))
+recs = [json.loads(l) for l in open(sys.argv[1]) if '"step_time_s"' in l][3:]
+out = {k: statistics.median(r[k] for r in recs) for k in ("step_time_s", "mfu", "tokens_per_s") if recs and k in recs[0]}
+print(json.dumps({"batch": int(sys.argv[2]), "remat": sys.argv[3], "steps": len(recs), **out}))
 PY
+done
 # issue 30: two replicas sharing the GPU: FT (pipelined, then serial) against both training alone
 export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
-timeout ${T_BENCH:-300} $PY -m ftjax bench step "$CONFIG" --devices 1 --no-sync --steps 7 --warmup 2 --timeout 280 \
-  --out "$OUT/bench" "${SYN[@]}" data.batch_size=4 model.seq_len=2048 model.remat=full ${BENCH_ARGS:-} \
-  > "$OUT/bench_step.json" 2> "$OUT/bench_step.err"; cat "$OUT/bench_step.json"; tail -3 "$OUT/bench_step.err"
+timeout ${T_BENCH:-300} $PY -m ftjax bench step "$CONFIG" --devices 1 --no-sync --steps ${BENCH_STEPS:-6} --warmup 2 \
+  --timeout $(( ${T_BENCH:-300} - 20 )) --out "$OUT/bench" "${SYN[@]}" data.batch_size=4 model.seq_len=2048 \
+  model.remat=full ${BENCH_ARGS:-} > "$OUT/bench_step.json" 2> "$OUT/bench_step.err"
+cat "$OUT/bench_step.json"; tail -3 "$OUT/bench_step.err"
+[ "${KILL:-1}" = 1 ] || exit 0
 # the fault tolerance on the accelerator: 2 replicas of the tiny Llama share the GPU, one killed in FTAR
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
 timeout ${T_KILL:-100} $PY -m ftjax launch llama_tiny --replicas 2 --kill 1@10:ftar steps=40 --timeout-s 90 \

@@ -77,6 +77,8 @@ def test_llama_3_shapes():
         (["model.kind=mlp", "model.remat=full"], "model: remat: only for kind llama or gpt (kind is mlp)"),
         (["model.remat=some"], "model.remat: Input should be 'none', 'full' or 'save_dots'"),
         (["model.compute_dtype=fp16"], "model.compute_dtype: Input should be 'auto', 'float32' or 'bfloat16'"),
+        (["model.attention=cudnn"], "model: attention: only for kind llama (kind is gpt)"),
+        (["model.kind=llama", "model.attention=flash"], "model.attention: Input should be 'auto', 'xla' or 'cudnn'"),
         (["data.micro_batches=3"], "data: micro_batches (3) must divide batch_size (8)"),
         (["data.micro_batches=8", "mesh.devices_per_host=2"], "data.micro_batches (8): a micro-batch of 1 rows"),
     ],
@@ -154,6 +156,19 @@ def test_auto_compute_dtype_is_float32_on_cpu():
     assert jax.default_backend() == "cpu"
     assert tiny_model(compute_dtype="auto").compute_dtype == jnp.float32
     assert tiny_model(compute_dtype="bfloat16").compute_dtype == jnp.bfloat16
+
+
+def test_auto_attention_is_cudnn_only_where_it_can_run_and_a_cudnn_setting_that_cannot_is_refused():
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    assert models.attention_impl("auto", bf16, 64, backend="gpu") == "cudnn"
+    for dtype, head, backend in ((bf16, 64, "cpu"), (f32, 64, "gpu"), (bf16, 12, "gpu"), (bf16, 256, "gpu")):
+        assert models.attention_impl("auto", dtype, head, backend=backend) == "xla"
+    assert models.attention_impl("xla", bf16, 64, backend="gpu") == "xla"
+    with pytest.raises(ValueError, match=r"model.attention: cudnn needs a GPU \(JAX's backend is cpu\) and 16-bit"):
+        models.attention_impl("cudnn", f32, 64, backend="cpu")
+    with pytest.raises(ValueError, match="model.attention: cudnn needs a GPU"):
+        tiny_model(attention="cudnn")  # this machine's backend is the CPU
+    assert tiny_model(attention="auto").attention == "xla"
 
 
 def test_rope_scores_depend_on_the_distance_only_and_theta_sets_the_frequencies():

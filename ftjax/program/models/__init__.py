@@ -18,6 +18,32 @@ def compute_dtype(setting: str):
     return jnp.dtype(setting)
 
 
+def attention_impl(setting: str, dtype, head_dim: int, backend: str | None = None) -> str:
+    """The implementation of `jax.nn.dot_product_attention` for `model.attention`. JAX's own default
+    is XLA's, which materializes every T x T score matrix (4 GiB a layer for 8 x 32 heads x 2048^2
+    in float32); cuDNN's fused kernel never does, but runs only on a GPU, in 16-bit, for head sizes
+    that are a multiple of 8 up to 128. auto picks it where it can run. A cudnn setting that cannot
+    run is refused here, at build, rather than by cuDNN inside the first compile."""
+    import jax
+    import jax.numpy as jnp
+
+    backend = backend or jax.default_backend()
+    problems = [
+        why
+        for bad, why in (
+            (backend != "gpu", f"a GPU (JAX's backend is {backend})"),
+            (jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16), f"16-bit compute (compute dtype is {jnp.dtype(dtype)})"),
+            (head_dim % 8 or head_dim > 128, f"a head size a multiple of 8 up to 128 (it is {head_dim})"),
+        )
+        if bad
+    ]
+    if setting == "auto":
+        return "xla" if problems else "cudnn"
+    if setting == "cudnn" and problems:
+        raise ValueError(f"model.attention: cudnn needs {' and '.join(problems)}; use xla or auto")
+    return setting
+
+
 def build(cfg, rngs):
     """Build the model named by a ModelConfig (`kind`: gpt | mlp | llama)."""
     if cfg.kind == "mlp":
@@ -32,6 +58,7 @@ def build(cfg, rngs):
         tie_embeddings=cfg.tie_embeddings,
         norm_eps=cfg.norm_eps,
         compute_dtype=compute_dtype(cfg.compute_dtype),
+        attention=attention_impl(cfg.attention, compute_dtype(cfg.compute_dtype), cfg.d_model // cfg.n_heads),
         remat=cfg.remat,
         rngs=rngs,
     )

@@ -12,8 +12,9 @@ Precision (docs/design.md, "Precision"): parameters are float32 master weights; 
 in `compute_dtype` (their inputs cast); the residual stream, RMSNorm's statistics, RoPE, the
 attention softmax and the logits are float32.
 
-Attention goes through `jax.nn.dot_product_attention` (the implementation is JAX's to choose),
-causal, and with `segment_ids` [B, T] (packed documents) also within a token's own segment.
+Attention goes through `jax.nn.dot_product_attention` (`attention`: xla, or cudnn's fused kernel on a
+GPU: `ftjax.program.models.attention_impl` picks), causal, and with `segment_ids` [B, T] (packed
+documents) also within a token's own segment.
 """
 
 from __future__ import annotations
@@ -99,11 +100,11 @@ class Attention(nnx.Module):
         # GPT-2's scaled init of the residual projections keeps the residual stream's variance flat
         self.wo = _param(rngs, (n_heads, hd, d), ("heads", "head_dim", "embed"), std=0.02 / (2 * n_layers) ** 0.5)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None, dtype) -> jax.Array:
+    def __call__(self, x, cos, sin, mask, dtype, impl: str = "xla") -> jax.Array:
         q = apply_rope(_mm("btd,dhk->bthk", x, self.wq, dtype), cos, sin)
         k = apply_rope(_mm("btd,dhk->bthk", x, self.wk, dtype), cos, sin)
         v = _mm("btd,dhk->bthk", x, self.wv, dtype)
-        y = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)  # softmax in float32
+        y = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)  # softmax in float32
         return _mm("bthk,hkd->btd", y, self.wo, dtype)
 
 
@@ -125,17 +126,17 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(d, eps, rngs)
         self.mlp = SwiGLU(d, d_ff, n_layers, rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array | None, dtype) -> jax.Array:
+    def __call__(self, x, cos, sin, mask, dtype, impl: str = "xla") -> jax.Array:
         """x: the float32 residual stream; each branch computes in `dtype` and is added in float32."""
-        x = x + self.attn(self.attn_norm(x, dtype), cos, sin, mask, dtype).astype(F32)
+        x = x + self.attn(self.attn_norm(x, dtype), cos, sin, mask, dtype, impl).astype(F32)
         return x + self.mlp(self.mlp_norm(x, dtype), dtype).astype(F32)
 
 
-def block_runner(remat: str, dtype):
+def block_runner(remat: str, dtype, impl: str = "xla"):
     """`run(block, x, cos, sin, mask)`: a block's forward, rematerialized by `remat`'s policy."""
 
     def run(block: Block, x, cos, sin, mask):
-        return block(x, cos, sin, mask, dtype)
+        return block(x, cos, sin, mask, dtype, impl)
 
     return run if remat == "none" else nnx.remat(run, policy=REMAT_POLICIES[remat])
 
@@ -150,12 +151,13 @@ class Llama(nnx.Module):
         tie_embeddings: bool = False,
         norm_eps: float = 1e-5,
         compute_dtype=F32,
+        attention: str = "xla",
         remat: str = "none",
         rngs: nnx.Rngs,
     ):
         d, kv_heads = shape.d_model, n_kv_heads or shape.n_heads
         self.head_dim, self.rope_theta = d // shape.n_heads, rope_theta
-        self.compute_dtype, self.remat = jnp.dtype(compute_dtype), remat
+        self.compute_dtype, self.remat, self.attention = jnp.dtype(compute_dtype), remat, attention
         self.embed = _param(rngs, (shape.vocab_size, d), ("vocab", "embed"))
         self.blocks = nnx.List(
             [
@@ -173,7 +175,7 @@ class Llama(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0)  # float32 rows of the master embedding
         cos, sin = rope_tables(tokens.shape[1], self.head_dim, self.rope_theta)
         mask = None if segment_ids is None else segment_mask(segment_ids)
-        run = block_runner(self.remat, dtype)
+        run = block_runner(self.remat, dtype, self.attention)
         for block in self.blocks:
             x = run(block, x, cos, sin, mask)
         h = self.norm(x, dtype)
