@@ -32,7 +32,7 @@ def attention_impl(setting: str, dtype, head_dim: int, backend: str | None = Non
         why
         for bad, why in (
             (backend != "gpu", f"a GPU (JAX's backend is {backend})"),
-            (jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16), f"16-bit compute (compute dtype is {jnp.dtype(dtype)})"),
+            (jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16), f"16-bit compute (it is {jnp.dtype(dtype)})"),
             (head_dim % 8 or head_dim > 128, f"a head size a multiple of 8 up to 128 (it is {head_dim})"),
         )
         if bad
