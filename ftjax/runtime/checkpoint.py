@@ -143,9 +143,9 @@ def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, An
 
     Out, because the same job may change them between restarts: `model.compute_dtype`,
     `model.remat` and `model.attention` (how the model is computed, not what), `data.micro_batches`,
-    `steps` (a run may be extended; with no `optim.decay_steps` the cosine decay then stretches from the resume on, which
-    is what extending means), the mesh (a checkpoint is resharded onto another device count), the checkpoint cadence
-    and directory, logging, the coordinator and every fault-tolerance timeout or transport knob.
+    `steps` (a run may be extended; with no `optim.decay_steps` the cosine decay then stretches from the resume on,
+    which is what extending means), the mesh (a checkpoint is resharded onto another device count), the
+    checkpoint cadence and directory, logging, the coordinator and every fault-tolerance timeout or transport knob.
     """
     identity: dict[str, Any] = {
         "seed": cfg.seed,
