@@ -7,7 +7,8 @@ OUT=${1:?out dir}; CONFIG=${2:-llama_1b}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # ftjax from this checkout, run as `python -m ftjax`
 if [ "${SKIP_INSTALL:-0}" != 1 ]; then
-  $PY -m pip install -q --no-deps --no-index $(ls .whl/*.whl | grep -v grpcio-) 2>&1 | tail -3
+  # (grpcio too: the generated stubs need grpcio >= 1.85.1, the image had 1.84.0 on 2026-11-27)
+  $PY -m pip install -q --no-deps --no-index .whl/*.whl 2>&1 | tail -3
   $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 fi
 $PY -c "import jax; print(jax.devices(), jax.__version__)" 2>&1 | tail -1
@@ -18,9 +19,9 @@ SYN=(task=ftjax.program.tasks:language_model 'task_args={}' data.source=syntheti
 timeout 60 $PY scripts/copy_probe.py > "$OUT/probe.json" 2> "$OUT/probe.err"; cat "$OUT/probe.json"
 # issue 28: the 1B Llama in bf16 alone on the GPU: MFU per step (metrics.jsonl), with cuDNN's fused
 # attention (model.attention auto): ALONE lists runs as BATCH:REMAT:MICRO_BATCHES
-for run in ${ALONE:-8:save_dots:1 16:save_dots:2}; do
+for run in ${ALONE:-16:save_dots:2 8:save_dots:1}; do
   IFS=: read -r B R MB <<< "$run"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=${ALONE_MEM:-0.9} timeout ${T_TRAIN:-100} $PY -m ftjax train "$CONFIG" \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${ALONE_MEM:-0.9} timeout ${T_TRAIN:-150} $PY -m ftjax train "$CONFIG" \
     --out "$OUT/alone_$B" "${SYN[@]}" steps=${STEPS:-8} data.batch_size=$B data.micro_batches=$MB \
     model.seq_len=${SEQ:-2048} model.remat=$R > "$OUT/alone_$B.log" 2>&1; tail -1 "$OUT/alone_$B.log"
   $PY - "$OUT/alone_$B/metrics.jsonl" "$B" "$R" <<'PY' | tee -a "$OUT/mfu.json"
@@ -36,6 +37,8 @@ timeout ${T_BENCH:-300} $PY -m ftjax bench step "$CONFIG" --devices 1 --no-sync 
   --timeout $(( ${T_BENCH:-300} - 20 )) --out "$OUT/bench" "${SYN[@]}" data.batch_size=4 model.seq_len=2048 \
   model.remat=full ${BENCH_ARGS:-} > "$OUT/bench_step.json" 2> "$OUT/bench_step.err"
 cat "$OUT/bench_step.json"; tail -3 "$OUT/bench_step.err"
+# (the run directories are too deep to come back from the device: their logs' tails, one file)
+find "$OUT/bench" -name "*.log" -size -4M | sort | while read -r f; do echo "== $f"; tail -n 25 "$f"; done > "$OUT/bench_logs.txt"
 [ "${KILL:-1}" = 1 ] || exit 0
 # the fault tolerance on the accelerator: 2 replicas of the tiny Llama share the GPU, one killed in FTAR
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2

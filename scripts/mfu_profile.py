@@ -1,0 +1,123 @@
+"""Where a Llama step's time goes on one device (issue 28: the profile behind the MFU figure).
+
+Times, each compiled apart and best of `--reps`: the forward and backward pass of one micro-batch
+under each VARIANT (attention implementation : remat policy), the optimizer's update of the whole
+state (optax AdamW over float32 master weights), and one bf16 matmul of the feed-forward's shape
+(what this device's matmul units reach: the practical ceiling). Prints one JSON line per
+measurement as it goes (a run cut short keeps what it measured), then a summary line whose
+`step_model_s` = micro_batches x forward-backward + update is set beside a step time measured by
+`ftjax train` (`--step-s`): what is left is the loop's own overhead.
+
+    python scripts/mfu_profile.py llama_1b --batch 8 --micro-batches 2 --variants cudnn:save_dots,xla:save_dots
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from ftjax.base.accelerators import lookup
+from ftjax.config import load_config
+from ftjax.program import models
+from ftjax.program.optim import make_optimizer
+from ftjax.program.tasks import token_losses
+
+
+def best(f, reps: int) -> float:
+    jax.block_until_ready(f())  # compile and warm
+    times = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        jax.block_until_ready(f())
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def say(**kv) -> None:
+    print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in kv.items()}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config")
+    ap.add_argument("--batch", type=int, default=8, help="rows of one micro-batch")
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--variants", default="cudnn:save_dots,xla:save_dots")
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--step-s", type=float, default=None, help="the step time `ftjax train` measured")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this long")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    cfg = load_config(a.config, [f"model.seq_len={a.seq}"])
+    device = jax.devices()[0]
+    known = lookup(device.device_kind) if device.platform != "cpu" else None
+    peak = known.peak_bf16_flops if known else None
+    m = cfg.model
+    tokens = jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, m.vocab_size)
+    with nnx.use_eager_sharding(False):  # one device: no mesh
+        model = models.build(m.model_copy(update={"attention": "xla"}), nnx.Rngs(0))
+    params = nnx.state(model)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    dense = n - m.vocab_size * m.d_model  # the embedding is a lookup (ftjax/program/plan.py's closed form)
+    flops = (6.0 * dense + 12.0 * m.n_layers * m.d_model * a.seq) * a.batch * a.seq
+    say(what="setup", device=device.device_kind, params=n, flops_per_micro_batch=flops, peak=peak)
+    fb_s: dict[str, float] = {}
+    for variant in a.variants.split(","):
+        if time.perf_counter() - t0 > a.budget_s:
+            break
+        impl, remat = variant.split(":")
+        model.attention, model.remat = impl, remat
+        gd = nnx.graphdef(model)
+
+        def loss(p, t, gd=gd):
+            return token_losses(nnx.merge(gd, p), t)[0].mean()
+
+        fb = jax.jit(jax.value_and_grad(loss))
+        try:
+            fb_s[variant] = s = best(lambda fb=fb: fb(params, tokens), a.reps)
+        except Exception as exc:  # (e.g. out of memory at this batch: say so, go on)
+            say(what="forward_backward", variant=variant, error=repr(exc)[:300])
+            continue
+        say(what="forward_backward", variant=variant, s=s, mfu=flops / s / peak if peak else None)
+    tx = make_optimizer(cfg.optim, cfg.steps)
+    opt = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    @jax.jit
+    def update(p, o, g):
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    update_s = best(lambda: update(params, opt, grads), a.reps)
+    say(what="update", s=update_s)
+    x = jnp.ones((a.batch * a.seq, m.d_model), jnp.bfloat16)
+    w = jnp.ones((m.d_model, m.d_ff), jnp.bfloat16)
+    mm = jax.jit(lambda x, w: x @ w)
+    mm_s = best(lambda: mm(x, w), a.reps * 5)
+    mm_tflops = 2.0 * x.shape[0] * m.d_model * m.d_ff / mm_s / 1e12
+    of_peak = mm_tflops * 1e12 / peak if peak else None
+    say(what="matmul", shape=[x.shape[0], m.d_model, m.d_ff], tflops=mm_tflops, of_peak=of_peak)
+    first = next(iter(fb_s.values()), None)
+    if first is not None:
+        step_model_s = a.micro_batches * first + update_s
+        say(
+            what="summary",
+            variant=next(iter(fb_s)),
+            step_model_s=step_model_s,
+            forward_backward_share=a.micro_batches * first / step_model_s,
+            update_share=update_s / step_model_s,
+            step_s=a.step_s,
+            loop_overhead_s=(a.step_s - step_model_s) if a.step_s else None,
+            time_vs_first={v: s / first for v, s in fb_s.items()},
+        )
+
+
+if __name__ == "__main__":
+    main()
