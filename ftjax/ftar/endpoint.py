@@ -39,7 +39,7 @@ import numpy as np
 
 from ftjax.base import net
 from ftjax.ftar import shm, wire
-from ftjax.ftar.errors import FTARError, HandshakeRefused, PeerFailed, PeerTimeout
+from ftjax.ftar.errors import FTARError, HandshakeRefused, PeerFailed, PeerTimeout, ProtocolError
 from ftjax.ftar.ring import Aborted, CallState, Ring
 
 log = logging.getLogger("ftjax.ftar")
@@ -83,6 +83,7 @@ class FTAREndpoint:
         shared_memory: bool = True,
         wire_dtype: str = "float32",
         streams: int = 1,
+        confirm: bool = True,
     ) -> None:
         if not isinstance(token, str) or not token:
             raise ValueError("token: must be a non-empty string (the job's shared secret)")
@@ -97,6 +98,7 @@ class FTAREndpoint:
         if not isinstance(streams, int) or isinstance(streams, bool) or not 1 <= streams <= wire.MAX_STREAMS:
             raise ValueError(f"streams: must be an int in 1..{wire.MAX_STREAMS}, got {streams!r}")
         self.wire_dtype, self.streams = wire_dtype, streams
+        self.confirm = bool(confirm)  # see `allreduce`: every call ends with a confirmation ring
         self.timeout_s = float(timeout_s)
         self.chunk_elems = chunk_bytes // 4  # in float32 elements: the unit of both phases
         self.checksum = checksum
@@ -163,6 +165,14 @@ class FTAREndpoint:
         once that range is filled. ``on_result(a, b)`` is called once ``out[a:b]`` holds its final
         bits; every element is covered exactly once by the time the call returns.
 
+        Confirmed (``confirm``, the default): the call returns only after a second ring, of one
+        float32 per member, has gone round: a member joins it only once its own data ring has
+        completed, so a call that returns means every member's data ring completed too. Without
+        it a ring's last frames make a member finish while its neighbour, whose last frame was
+        lost, fails: the first would commit a step the second retries in another quorum (two
+        histories of one step; docs/design.md, "Split brain"). What remains is the same window on
+        the confirmation's own last frame, one small frame instead of a chunk of the average.
+
         Raises ValueError for bad arguments (nothing changes), FTARError subclasses naming the peer
         at fault if the ring fails; ``out`` then holds garbage, and the endpoint serves the next
         quorum. A (quorum_id, step) that failed is abandoned for good: retry under a new quorum id
@@ -186,9 +196,28 @@ class FTAREndpoint:
                     on_result(0, buf.size)
                 return out
             hooks = dict(ready=ready, on_result=on_result)
-            return self._ring_call(buf, out, quorum_id, step, members, rank, contributors, count, hooks)
+            self._ring_call(buf, out, quorum_id, step, members, rank, contributors, count, hooks)
+            if self.confirm:
+                self._confirm(quorum_id, step, members, rank)
+            return out
         finally:
             self._call_lock.release()
+
+    def _confirm(self, quorum_id: int, step: int, members: list[str], rank: int) -> None:
+        """The confirmation ring (see `allreduce`): every member's 1.0, summed over the same links
+        (the same quorum and step: an abort notice a failing member sent for the data ring fails
+        it at once; otherwise that member's silence times it out)."""
+        world = len(members)
+        ones, total = np.ones(world, np.float32), np.empty(world, np.float32)
+        hooks = dict(ready=None, on_result=None)
+        self._ring_call(ones, total, quorum_id, step, members, rank, [True] * world, 1, hooks)
+        if not (total == world).all():  # (a frame that passed its checks but not its sum)
+            raise ProtocolError(
+                f"confirmation summed to {total.tolist()}, not {world} per member",
+                peer=members[(rank - 1) % world],
+                quorum_id=quorum_id,
+                step=step,
+            )
 
     @staticmethod
     def _alone(buf: np.ndarray, out: np.ndarray, count: int, wire_dtype: np.dtype | None) -> None:

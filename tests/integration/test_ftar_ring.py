@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ftjax.ftar import FTAREndpoint, FTARError, HandshakeRefused, PeerFailed, PeerTimeout, ProtocolError, shm, wire
-from ftjax.ftar.ring import AG, RS, schedule
+from ftjax.ftar.ring import AG, RS, Ring, schedule
 
 TOKEN = "test-token"
 CHUNK_BYTES = 64  # 16 float32 elements: most buffers below span many chunks per segment
@@ -761,3 +761,33 @@ def test_bf16_wire_gives_every_member_the_owners_bits(shared_memory):
     finally:
         for ep in eps:
             ep.close()
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "tcp"])
+@pytest.mark.parametrize("confirm", [True, False], ids=["confirmed", "unconfirmed"])
+def test_a_member_whose_neighbour_lost_its_last_frame_does_not_return_a_result(monkeypatch, confirm, shared_memory):
+    """The two generals at a ring's end (docs/design.md, "Split brain"): member 1's last frame to
+    member 0 is lost (a partition), so member 0 times out while member 1 holds every frame it
+    needs. Unconfirmed, member 1 returns the average: its replica would commit the step that
+    member 0's retries in another quorum. Confirmed (the default), member 1 fails as well."""
+    n = 64
+    init = Ring.__init__
+
+    def losing_last_frame(self, **kw):
+        init(self, **kw)
+        if kw["rank"] == 1 and kw["buf"].size == n:  # member 1's data ring (not its confirmation)
+            self.sends = self.sends[:-1]
+
+    monkeypatch.setattr(Ring, "__init__", losing_last_frame)
+    eps = [FTAREndpoint(TOKEN, timeout_s=1.0, shared_memory=shared_memory, confirm=confirm) for _ in range(2)]
+    try:
+        results, errors = run_ring(eps, [np.full(n, 1.0 + r, np.float32) for r in range(2)])
+    finally:
+        for ep in eps:
+            ep.close()
+    assert isinstance(errors[0], FTARError) and results[0] is None, (results, errors)
+    if confirm:  # (whichever times out first: member 0 on the lost frame, member 1 on its confirmation)
+        assert isinstance(errors[1], FTARError) and results[1] is None, (results, errors)
+    else:
+        assert isinstance(errors[0], PeerTimeout) and errors[0].peer == eps[1].address, errors
+        assert errors[1] is None and (results[1] == 1.5).all(), (results, errors)
