@@ -165,13 +165,8 @@ class FTAREndpoint:
         once that range is filled. ``on_result(a, b)`` is called once ``out[a:b]`` holds its final
         bits; every element is covered exactly once by the time the call returns.
 
-        Confirmed (``confirm``, the default): the call returns only after a second ring, of one
-        float32 per member, has gone round: a member joins it only once its own data ring has
-        completed, so a call that returns means every member's data ring completed too. Without
-        it a ring's last frames make a member finish while its neighbour, whose last frame was
-        lost, fails: the first would commit a step the second retries in another quorum (two
-        histories of one step; docs/design.md, "Split brain"). What remains is the same window on
-        the confirmation's own last frame, one small frame instead of a chunk of the average.
+        Confirmed (``confirm``, the default): a returned call means every member's ring completed
+        too, not only this one's (`_confirm`).
 
         Raises ValueError for bad arguments (nothing changes), FTARError subclasses naming the peer
         at fault if the ring fails; ``out`` then holds garbage, and the endpoint serves the next
@@ -197,16 +192,19 @@ class FTAREndpoint:
                 return out
             hooks = dict(ready=ready, on_result=on_result)
             self._ring_call(buf, out, quorum_id, step, members, rank, contributors, count, hooks)
-            if self.confirm:
-                self._confirm(quorum_id, step, members, rank)
-            return out
+            return self._confirm(quorum_id, step, members, rank, out) if self.confirm else out
         finally:
             self._call_lock.release()
 
-    def _confirm(self, quorum_id: int, step: int, members: list[str], rank: int) -> None:
-        """The confirmation ring (see `allreduce`): every member's 1.0, summed over the same links
-        (the same quorum and step: an abort notice a failing member sent for the data ring fails
-        it at once; otherwise that member's silence times it out)."""
+    def _confirm(self, quorum_id: int, step: int, members: list[str], rank: int, out: np.ndarray) -> np.ndarray:
+        """The confirmation ring: every member's 1.0, summed over the same links, after the data
+        ring. A member joins it only once its own data ring has completed, so its completion
+        means every member's data ring completed. Without it a ring's last frames let a member
+        finish while its neighbour, whose last frame was lost, fails: the first would commit a
+        step the second retries in another quorum (two histories of one step; docs/design.md,
+        "Split brain"). What remains is the same window on this ring's own last frame, one small
+        frame instead of a chunk of the average. The same quorum and step: an abort notice a
+        failing member sent for the data ring fails this one at once (else its silence times it out)."""
         world = len(members)
         ones, total = np.ones(world, np.float32), np.empty(world, np.float32)
         hooks = dict(ready=None, on_result=None)
@@ -218,6 +216,7 @@ class FTAREndpoint:
                 quorum_id=quorum_id,
                 step=step,
             )
+        return out
 
     @staticmethod
     def _alone(buf: np.ndarray, out: np.ndarray, count: int, wire_dtype: np.dtype | None) -> None:
