@@ -186,3 +186,24 @@ def test_bf16_compute_ends_within_2_percent_of_float32_over_300_steps(tmp_path):
     assert out["final_loss"]["float32"] < 3.0  # it trained (from about 5.5)
     assert out["relative_difference"] < 0.02, out
     assert plot.stat().st_size > 10_000
+
+
+def test_the_mfu_profile_script_times_each_part_and_says_why_a_variant_cannot_run():
+    """scripts/mfu_profile.py (the README's "where that step's time goes" on a GPU) at a tiny size on
+    this CPU: one line per part as it goes, then the summary; cuDNN's attention cannot run here and
+    its line says so, the other variants are timed."""
+    done = subprocess.run(
+        [sys.executable, f"{REPO}/scripts/mfu_profile.py", "llama_tiny", "--seq", "32", "--batch", "2",
+         "--micro-batches", "2", "--variants", "xla:none,cudnn:none,xla:full", "--reps", "2", "--step-s", "1.0"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    by = {(r["what"], r.get("variant")): r for r in lines}
+    assert by[("setup", None)]["params"] == 115008 and by[("setup", None)]["peak"] is None  # (no peak on CPU)
+    assert by[("forward_backward", "xla:none")]["s"] > 0 and by[("forward_backward", "xla:full")]["s"] > 0
+    assert "cuDNN" in by[("forward_backward", "cudnn:none")]["error"]
+    summary = by[("summary", "xla:none")]
+    fb, update = by[("forward_backward", "xla:none")]["s"], by[("update", None)]["s"]
+    assert summary["step_model_s"] == pytest.approx(2 * fb + update, rel=1e-3, abs=1e-5)
+    assert set(summary["time_vs_first"]) == {"xla:none", "xla:full"} and summary["loop_overhead_s"] < 1.0
