@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
 
     try:
         check_task(cfg)  # a task that cannot train fails here, named, before any peer waits for it
-    except TaskError as e:
+    except (TaskError, ConfigError) as e:  # (ConfigError: a setting this platform cannot run)
         print(f"ftjax train: error: {e}", file=sys.stderr, flush=True)
         return 2
     try:

@@ -207,3 +207,16 @@ def test_the_mfu_profile_script_times_each_part_and_says_why_a_variant_cannot_ru
     fb, update = by[("forward_backward", "xla:none")]["s"], by[("update", None)]["s"]
     assert summary["step_model_s"] == pytest.approx(2 * fb + update, rel=1e-3, abs=1e-5)
     assert set(summary["time_vs_first"]) == {"xla:none", "xla:full"} and summary["loop_overhead_s"] < 1.0
+
+
+def test_cudnn_attention_where_it_cannot_run_is_refused_in_one_line_naming_the_field(tmp_path):
+    done = subprocess.run(
+        [*FTJAX, "train", "llama_tiny", "--out", str(tmp_path / "run"), "steps=1", "model.attention=cudnn"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip() == (
+        "ftjax train: error: model.attention: cudnn needs a GPU (JAX's backend is cpu) and 16-bit compute "
+        "(it is float32); use xla or auto"
+    )
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

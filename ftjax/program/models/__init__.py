@@ -40,7 +40,9 @@ def attention_impl(setting: str, dtype, head_dim: int, backend: str | None = Non
     if setting == "auto":
         return "xla" if problems else "cudnn"
     if setting == "cudnn" and problems:
-        raise ValueError(f"model.attention: cudnn needs {' and '.join(problems)}; use xla or auto")
+        from ftjax.config import ConfigError
+
+        raise ConfigError(f"model.attention: cudnn needs {' and '.join(problems)}; use xla or auto")
     return setting
 
 
