@@ -205,7 +205,7 @@ def test_the_mfu_profile_script_times_each_part_and_says_why_a_variant_cannot_ru
     assert "cuDNN" in by[("forward_backward", "cudnn:none")]["error"]
     summary = by[("summary", "xla:none")]
     fb, update = by[("forward_backward", "xla:none")]["s"], by[("update", None)]["s"]
-    assert summary["step_model_s"] == pytest.approx(2 * fb + update, rel=1e-3, abs=1e-5)
+    assert summary["step_model_s"] == pytest.approx(2 * fb + update, abs=3e-5)  # (each printed to 5 decimals)
     assert set(summary["time_vs_first"]) == {"xla:none", "xla:full"} and summary["loop_overhead_s"] < 1.0
 
 
