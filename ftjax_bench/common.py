@@ -1,11 +1,12 @@
-"""What the benchmarks' commands share: the head of their parser, the config check, and the
-directory their runs go to."""
+"""What the benchmarks' commands share: the head of their parser, the config check, the directory
+their runs go to, and the best-of timing of a call (the scripts' probes use it too)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,3 +42,17 @@ def run_directory(name: str, out: str | None) -> Iterator[Path]:
         path = Path(out or tmp)
         path.mkdir(parents=True, exist_ok=True)
         yield path
+
+
+def best_time(f, reps: int = 5) -> float:
+    """The fastest of `reps` timed calls of `f` after one untimed call (compile, warm caches), each
+    waiting for the arrays `f` returns (JAX dispatches asynchronously)."""
+    import jax  # here: most benchmarks never need it
+
+    jax.block_until_ready(f())
+    times = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        jax.block_until_ready(f())
+        times.append(time.perf_counter() - began)
+    return min(times)

@@ -9,21 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def _best(f, reps: int = 5) -> float:
-    f()
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - began)
-    return min(times)
+from ftjax_bench.common import best_time
 
 
 def main() -> None:
@@ -35,16 +26,16 @@ def main() -> None:
     host = np.ones((n,), np.float32)
     out = {"device": device.device_kind, "bytes": n * 4}
 
-    out["d2h_gbps"] = n * 4 / _best(lambda: np.asarray(x + 0)) / 1e9  # (a fresh array: no cached host copy)
-    out["d2h_async_gbps"] = n * 4 / _best(lambda: (y := x * 1).copy_to_host_async() or np.asarray(y)) / 1e9
-    out["h2d_gbps"] = n * 4 / _best(lambda: jax.device_put(host, device).block_until_ready()) / 1e9
+    out["d2h_gbps"] = n * 4 / best_time(lambda: np.asarray(x + 0)) / 1e9  # (a fresh array: no cached host copy)
+    out["d2h_async_gbps"] = n * 4 / best_time(lambda: (y := x * 1).copy_to_host_async() or np.asarray(y)) / 1e9
+    out["h2d_gbps"] = n * 4 / best_time(lambda: jax.device_put(host, device).block_until_ready()) / 1e9
     try:
         out["memory_kinds"] = [m.kind for m in device.addressable_memories()]
         pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
         on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-        out["d2pinned_gbps"] = n * 4 / _best(lambda: jax.device_put(x, pinned).block_until_ready()) / 1e9
+        out["d2pinned_gbps"] = n * 4 / best_time(lambda: jax.device_put(x, pinned).block_until_ready()) / 1e9
         p = jax.device_put(x, pinned).block_until_ready()
-        out["pinned2d_gbps"] = n * 4 / _best(lambda: jax.device_put(p, on_device).block_until_ready()) / 1e9
+        out["pinned2d_gbps"] = n * 4 / best_time(lambda: jax.device_put(p, on_device).block_until_ready()) / 1e9
     except Exception as exc:  # a platform without the memory kind (CPU)
         out["pinned_error"] = repr(exc)[:200]
     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}))

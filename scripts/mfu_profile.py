@@ -26,17 +26,9 @@ from ftjax.base.accelerators import lookup
 from ftjax.config import load_config
 from ftjax.program import models
 from ftjax.program.optim import make_optimizer
+from ftjax.program.plan import transformer_flops_per_token
 from ftjax.program.tasks import token_losses
-
-
-def best(f, reps: int) -> float:
-    jax.block_until_ready(f())  # compile and warm
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        jax.block_until_ready(f())
-        times.append(time.perf_counter() - began)
-    return min(times)
+from ftjax_bench.common import best_time
 
 
 def say(**kv) -> None:
@@ -66,7 +58,7 @@ def main() -> None:
     params = nnx.state(model)
     n = sum(x.size for x in jax.tree.leaves(params))
     dense = n - m.vocab_size * m.d_model  # the embedding is a lookup (ftjax/program/plan.py's closed form)
-    flops = (6.0 * dense + 12.0 * m.n_layers * m.d_model * a.seq) * a.batch * a.seq
+    flops = transformer_flops_per_token(dense, m.n_layers, m.d_model, a.seq) * a.batch * a.seq
     say(what="setup", device=device.device_kind, params=n, flops_per_micro_batch=flops, peak=peak)
     fb_s: dict[str, float] = {}
     for variant in a.variants.split(","):
@@ -81,7 +73,7 @@ def main() -> None:
 
         fb = jax.jit(jax.value_and_grad(loss))
         try:
-            fb_s[variant] = s = best(lambda fb=fb: fb(params, tokens), a.reps)
+            fb_s[variant] = s = best_time(lambda fb=fb: fb(params, tokens), a.reps)
         except Exception as exc:  # (e.g. out of memory at this batch: say so, go on)
             say(what="forward_backward", variant=variant, error=repr(exc)[:300])
             continue
@@ -95,12 +87,12 @@ def main() -> None:
         u, o = tx.update(g, o, p)
         return optax.apply_updates(p, u), o
 
-    update_s = best(lambda: update(params, opt, grads), a.reps)
+    update_s = best_time(lambda: update(params, opt, grads), a.reps)
     say(what="update", s=update_s)
     x = jnp.ones((a.batch * a.seq, m.d_model), jnp.bfloat16)
     w = jnp.ones((m.d_model, m.d_ff), jnp.bfloat16)
     mm = jax.jit(lambda x, w: x @ w)
-    mm_s = best(lambda: mm(x, w), a.reps * 5)
+    mm_s = best_time(lambda: mm(x, w), a.reps * 5)
     mm_tflops = 2.0 * x.shape[0] * m.d_model * m.d_ff / mm_s / 1e12
     of_peak = mm_tflops * 1e12 / peak if peak else None
     say(what="matmul", shape=[x.shape[0], m.d_model, m.d_ff], tflops=mm_tflops, of_peak=of_peak)

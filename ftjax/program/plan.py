@@ -142,6 +142,12 @@ def closed_form_flops_per_token(program: ReplicaProgram, params_shape: Any) -> f
     else:
         pairs = zip(jax.tree.leaves(params_shape), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, P)))
         dense = sum(a.size for a, spec in pairs if not (a.ndim == 2 and spec[0] in LOOKUP_AXES))
+    return transformer_flops_per_token(dense, layers, width, length)
+
+
+def transformer_flops_per_token(dense: int, layers: int, width: int, length: int) -> float:
+    """6N + 12 L d T: a decoder's training FLOPs per token, forward and backward (PaLM, appendix B),
+    N its dense parameters (lookup tables left out), L layers of width d over sequences of T."""
     return 6.0 * dense + 12.0 * layers * width * length
 
 

@@ -216,7 +216,7 @@ def test_cudnn_attention_where_it_cannot_run_is_refused_in_one_line_naming_the_f
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip() == (
-        "ftjax train: error: model.attention: cudnn needs a GPU (JAX's backend is cpu) and 16-bit compute "
+        "ftjax train: error: model.attention: cudnn needs a GPU (JAX's backend is cpu) and bfloat16 compute "
         "(it is float32); use xla or auto"
     )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -161,10 +161,16 @@ def test_auto_compute_dtype_is_float32_on_cpu():
 def test_auto_attention_is_cudnn_only_where_it_can_run_and_a_cudnn_setting_that_cannot_is_refused():
     bf16, f32 = jnp.bfloat16, jnp.float32
     assert models.attention_impl("auto", bf16, 64, backend="gpu") == "cudnn"
-    for dtype, head, backend in ((bf16, 64, "cpu"), (f32, 64, "gpu"), (bf16, 12, "gpu"), (bf16, 256, "gpu")):
+    for dtype, head, backend in (
+        (bf16, 64, "cpu"),
+        (f32, 64, "gpu"),
+        (bf16, 12, "gpu"),
+        (bf16, 256, "gpu"),
+        (jnp.float16, 64, "gpu"),
+    ):
         assert models.attention_impl("auto", dtype, head, backend=backend) == "xla"
     assert models.attention_impl("xla", bf16, 64, backend="gpu") == "xla"
-    with pytest.raises(ValueError, match=r"model.attention: cudnn needs a GPU \(JAX's backend is cpu\) and 16-bit"):
+    with pytest.raises(ValueError, match=r"model.attention: cudnn needs a GPU \(JAX's backend is cpu\) and bfloat16"):
         models.attention_impl("cudnn", f32, 64, backend="cpu")
     with pytest.raises(ValueError, match="model.attention: cudnn needs a GPU"):
         tiny_model(attention="cudnn")  # this machine's backend is the CPU

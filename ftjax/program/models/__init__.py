@@ -22,7 +22,8 @@ def attention_impl(setting: str, dtype, head_dim: int, backend: str | None = Non
     """The implementation of `jax.nn.dot_product_attention` for `model.attention`. JAX's own default
     is XLA's, which materializes every T x T score matrix (4 GiB a layer for 8 x 32 heads x 2048^2
     in float32); cuDNN's fused kernel never does, but runs only on a GPU, in 16-bit, for head sizes
-    that are a multiple of 8 up to 128. auto picks it where it can run. A cudnn setting that cannot
+    that are a multiple of 8 up to 128 (of the compute dtypes `model.compute_dtype` names, bfloat16).
+    auto picks it where it can run. A cudnn setting that cannot
     run is refused here, at build, rather than by cuDNN inside the first compile."""
     import jax
     import jax.numpy as jnp
@@ -32,7 +33,7 @@ def attention_impl(setting: str, dtype, head_dim: int, backend: str | None = Non
         why
         for bad, why in (
             (backend != "gpu", f"a GPU (JAX's backend is {backend})"),
-            (jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16), f"16-bit compute (it is {jnp.dtype(dtype)})"),
+            (jnp.dtype(dtype) != jnp.bfloat16, f"bfloat16 compute (it is {jnp.dtype(dtype)})"),
             (head_dim % 8 or head_dim > 128, f"a head size a multiple of 8 up to 128 (it is {head_dim})"),
         )
         if bad
@@ -53,14 +54,15 @@ def build(cfg, rngs):
     shape = Decoder(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff)
     if cfg.kind == "gpt":
         return GPT(shape, seq_len=cfg.seq_len, remat=cfg.remat, rngs=rngs)
+    dtype = compute_dtype(cfg.compute_dtype)
     return Llama(
         shape,
         n_kv_heads=cfg.kv_heads,
         rope_theta=cfg.rope_theta,
         tie_embeddings=cfg.tie_embeddings,
         norm_eps=cfg.norm_eps,
-        compute_dtype=compute_dtype(cfg.compute_dtype),
-        attention=attention_impl(cfg.attention, compute_dtype(cfg.compute_dtype), cfg.d_model // cfg.n_heads),
+        compute_dtype=dtype,
+        attention=attention_impl(cfg.attention, dtype, cfg.d_model // cfg.n_heads),
         remat=cfg.remat,
         rngs=rngs,
     )
