@@ -6,6 +6,9 @@
 For each seed (`seed=S`: the initial parameters and the data order), runs `ftjax launch CONFIG
 --replicas R` twice with the same tokens: `ft.sync=every_step` for `--steps` steps, then
 `ft.sync=diloco` (`--sync streaming_diloco`) for steps / inner rounds of `--inner` inner steps.
+`--floor` adds a third job in the same run: `ft.sync=diloco` with one inner step per round and plain
+averaging (outer lr 1, no momentum), i.e. every replica's own AdamW step, then the parameters
+averaged, every step: what DiLoCo's per-replica inner optimizer costs with no sync interval at all.
 Prints the loss of each job's final parameters (DiLoCo's: the global ones) on the same held-out
 batches (far beyond any batch trained), their relative difference per seed and its mean over the
 seeds (one seed's difference moves by a percent with the seed alone); plots the training losses,
@@ -75,15 +78,18 @@ def main() -> int:
     p.add_argument("--both", action="append", default=[], help="an override of both jobs (repeatable)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds; the figures are their mean")
     p.add_argument("--plot", default=None, help="write both curves here (PNG)")
+    p.add_argument("--floor", action="store_true", help="also run H = 1 with plain averaging (see above)")
     a = p.parse_args()
     per_round = a.inner // (a.fragments if a.sync == "streaming_diloco" else 1)
     n = a.steps // per_round
     every = ["ft.digest_every=0", *a.both, f"steps={a.steps}", f"checkpoint.every={a.steps}"]
     rounds = ["ft.digest_every=0", *a.both, f"steps={n}", f"checkpoint.every={n}", f"ft.sync={a.sync}"]
     rounds += [f"ft.inner_steps={a.inner}", f"ft.fragments={a.fragments}", *a.set]
+    floor = ["ft.digest_every=0", *a.both, f"steps={a.steps}", f"checkpoint.every={a.steps}", "ft.sync=diloco"]
+    floor += ["ft.inner_steps=1", "ft.outer_lr=1.0", "ft.outer_momentum=0.0"]
     finals, base, dl = {}, defaultdict(list), defaultdict(list)
     for seed in [int(x) for x in a.seeds.split(",")]:
-        e, d = [*every, f"seed={seed}"], [*rounds, f"seed={seed}"]
+        e, d, f = [*every, f"seed={seed}"], [*rounds, f"seed={seed}"], [*floor, f"seed={seed}"]
         with tempfile.TemporaryDirectory() as tmp:
             for step, loss in job(a.config, e, a.replicas, Path(tmp) / "every_step").items():
                 base[step].append(loss)
@@ -93,6 +99,9 @@ def main() -> int:
                 "every_step": held_out(a.config, e, Path(tmp) / "every_step", a.held_out),
                 a.sync: held_out(a.config, d, Path(tmp) / a.sync, a.held_out),
             }
+            if a.floor:
+                job(a.config, f, a.replicas, Path(tmp) / "floor")
+                finals[seed]["floor"] = held_out(a.config, f, Path(tmp) / "floor", a.held_out)
     # the x axis: inner steps of one replica (equal tokens: every replica trains one batch per inner
     # step); a DiLoCo round's loss is its inner steps' mean, at the round's middle
     mean = lambda v: sum(v) / len(v)
@@ -105,7 +114,11 @@ def main() -> int:
     record = {"config": a.config, "replicas": a.replicas, "steps": a.steps, "inner_steps": a.inner}
     record.update({"both": a.both, "set": a.set, "sync": a.sync, "held_out_loss": finals})
     record["relative_difference"] = {seed: round(r, 4) for seed, r in rel.items()}
-    print(json.dumps({**record, "mean_relative_difference": round(mean(list(rel.values())), 4)}))
+    record["mean_relative_difference"] = round(mean(list(rel.values())), 4)
+    if a.floor:
+        rel_floor = [(f["floor"] - f["every_step"]) / f["every_step"] for f in finals.values()]
+        record["floor_mean_relative_difference"] = round(mean(rel_floor), 4)
+    print(json.dumps(record))
     if a.plot:
         import matplotlib
 
