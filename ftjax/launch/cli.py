@@ -166,6 +166,14 @@ def _add_supervision_arguments(p: argparse.ArgumentParser) -> None:
         "its replica restarts whole then, or goes on reduced meanwhile with "
         "ft.on_host_loss=reduce (default: back at once, with the restart)",
     )
+    option(
+        s,
+        "--host-repair-steps",
+        "N",
+        type=int,
+        help="instead of --host-repair-s: the host is back once its replica has trained N steps of its "
+        "own at a reduced degree (needs ft.on_host_loss=reduce): a repair paced by the job, not the clock",
+    )
     s.add_argument(
         "--hang-timeout-s",
         type=float,
@@ -204,6 +212,7 @@ def check_options(args: argparse.Namespace) -> None:
         ("--hosts-per-replica", args.hosts_per_replica, 1),
         ("--devices-per-host", args.devices_per_host, 1),
         ("--max-restarts", args.max_restarts, 0),
+        ("--host-repair-steps", args.host_repair_steps, 1),
     ):  # 0: the first failure ends the job
         if value is not None and value < low:
             raise UsageError(f"{flag}: must be >= {low} (got {value})")
@@ -302,6 +311,8 @@ def prepare(args: argparse.Namespace) -> Launch:
     cfg = load_config(args.config, [*overrides, f"ft.replicas={replicas}"])
     if cfg.task is not None:
         check_task_in_child(args.config, overrides)
+    if args.host_repair_steps is not None and (args.host_repair_s is not None or cfg.ft.on_host_loss != "reduce"):
+        raise UsageError("--host-repair-steps: needs ft.on_host_loss=reduce, and not --host-repair-s with it")
     if cfg.coordinator.min_replicas > replicas:
         raise UsageError(
             f"coordinator.min_replicas ({cfg.coordinator.min_replicas}) exceeds --replicas {replicas}: "
@@ -498,6 +509,7 @@ def _log_launch(log: RunLog, launch: Launch, cluster: VirtualCluster | None) -> 
         steps=cfg.steps,
         restart_delay_s=args.restart_delay_s,
         host_repair_s=args.host_repair_s,
+        host_repair_steps=args.host_repair_steps,
         faults=asdict(launch.plan),
         virtual_cluster=None
         if cluster is None
@@ -522,6 +534,7 @@ def _supervisor(
         timeout_s=args.timeout_s,
         on_poll=view.poll,
         host_repair_s=args.host_repair_s,
+        host_repair_steps=args.host_repair_steps,
     )
 
 

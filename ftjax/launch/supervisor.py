@@ -333,6 +333,7 @@ class ReplicaStatus:
     on_hosts: list[int] | None = None  # the hosts its incarnation runs on (None: all; fewer: reduced degree)
     restart_on: list[int] | None = None  # the hosts its next incarnation runs on (None: all)
     hosts_down: dict[int, float] = field(default_factory=dict)  # host -> when it is back (--host-repair-s)
+    own_steps: int = 0  # steps its incarnation committed with its own batch (--host-repair-steps)
     leaving_since: float | None = None  # SIGTERMed to come back at full degree: it leaves at a step boundary
 
     @property
@@ -399,12 +400,18 @@ class Supervisor:
         timeout_s: float = 3600.0,
         on_poll: Callable[[list[ReplicaStatus], dict], None] | None = None,
         host_repair_s: float | None = None,
+        host_repair_steps: int | None = None,
     ):
         self.job, self.plan, self.log = job, plan, log
         self.restart_delay_s = restart_delay_s
         # a host whose process died is back after this (None: at once, with the replica's restart)
         self.host_repair_s = host_repair_s
         self.reduce = job.cfg.ft.on_host_loss == "reduce"
+        # ... or once its replica has trained this many steps at a reduced degree: a repair paced by
+        # the job, not the clock, so a test's reduced phase exists however slow the machine is
+        self.host_repair_steps = host_repair_steps
+        if host_repair_steps is not None and (host_repair_s is not None or not self.reduce):
+            raise ValueError("--host-repair-steps: needs ft.on_host_loss=reduce, and not --host-repair-s with it")
         # A hung peer blocks the others for up to one FTAR timeout; after that they move on.
         self.hang_timeout_s = hang_timeout_s if hang_timeout_s is not None else 2 * job.cfg.ft.ftar_timeout_s
         self.startup_timeout_s = startup_timeout_s
@@ -502,7 +509,7 @@ class Supervisor:
         s.incarnation += 1
         s.started_at, s.restart_at = time.time(), None
         s.last_record = s.last_step = None
-        s.trained, s.killed_as, s.injection = False, None, inj
+        s.trained, s.killed_as, s.injection, s.own_steps = False, None, inj, 0
         s.step, s.loss, s.participants, s.computes = 0, None, 0, ""  # a new incarnation's row starts empty
         s.gaps.clear()
         s.recent_steps.clear()
@@ -563,6 +570,8 @@ class Supervisor:
             )
         if dead_host is not None and self.host_repair_s is not None:
             s.hosts_down[dead_host] = now + self.host_repair_s
+        elif dead_host is not None and self.host_repair_steps is not None:
+            s.hosts_down[dead_host] = math.inf  # back after the reduced steps (`_hosts_back`)
         self._plan_restart(s, now, left=cause == "left")
 
     def _plan_restart(self, s: ReplicaStatus, now: float, left: bool = False) -> None:
@@ -576,14 +585,19 @@ class Supervisor:
         live = reduced_degree(hosts, len(up), self.job.cfg.ft.reduced_min_fraction) if self.reduce else None
         if s.hosts_down and live is not None:
             s.restart_at, s.restart_on = now, up[:live]
-        else:
-            s.restart_at = now if left else max([now + self.restart_delay_s, *s.hosts_down.values()])
+            return
+        for h in [h for h, t in s.hosts_down.items() if t == math.inf]:  # no reduced steps can come
+            del s.hosts_down[h]
+            self._log(LauncherEvent.HOST_BACK, replica=s.replica, host=h)
+        s.restart_at = now if left else max([now + self.restart_delay_s, *s.hosts_down.values()])
 
     def _hosts_back(self, now: float) -> None:
-        """Repaired hosts return; a reduced replica whose hosts are all back is asked to leave at a
-        step boundary (SIGTERM) and starts again whole (killed if it does not leave in time)."""
+        """Repaired hosts return (`--host-repair-s` after their death, or once the reduced replica
+        trained `--host-repair-steps`); a reduced replica whose hosts are all back is asked to leave
+        at a step boundary (SIGTERM) and starts again whole (killed if it does not leave in time)."""
         for s in self.status:
-            for h in [h for h, t in s.hosts_down.items() if t <= now]:
+            repaired = s.on_hosts is not None and s.own_steps >= (self.host_repair_steps or math.inf)
+            for h in [h for h, t in s.hosts_down.items() if t <= now or repaired]:
                 del s.hosts_down[h]
                 self._log(LauncherEvent.HOST_BACK, replica=s.replica, host=h)
             if s.on_hosts is None or s.hosts_down or not s.alive:
@@ -684,6 +698,7 @@ class Supervisor:
         s.participants = int(rec.get(StepField.PARTICIPANTS) or 0)
         s.computes = for_others(rec.get("work") or [], s.replica)
         if is_own_step(rec):
+            s.own_steps += 1
             s.loss = rec.get(StepField.LOSS)
             self._holds_state(s, now)
 

@@ -1,7 +1,8 @@
-"""The supervisor's hang rule, without processes: a pure function, and the supervisor applying it to
-metrics files written the way replicas write them."""
+"""The supervisor's rules without processes: the hang rule, a pure function, and the supervisor
+applying it (and the host-repair rule) to metrics files written the way replicas write them."""
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -219,3 +220,43 @@ def test_overlapping_partitions_of_a_replica_restore_its_links_when_the_last_win
     assert cuts == [(1, ["r1h0", "r1h1"]), (2, ["r1h0"])] and ends == [(1, ["r1h1"]), (2, ["r1h0"])]
     # r1h0 was cut for 15 s: the hang rule's grace after the restore counts all of it
     assert supervisor.status[1].quiet_until - supervisor.status[1].reconnected_at == pytest.approx(15.0)
+
+
+def _step(k: int, healing: bool = False) -> dict:
+    return {"time": 100.0 + k, "step": k, "committed": True, "healing": healing, "loss": 2.0, "participants": 2}
+
+
+def test_a_host_repaired_after_reduced_steps_is_back_once_its_replica_trained_them_whatever_the_clock(tmp_path):
+    """--host-repair-steps N: the lost host of a reduced replica is back after the replica committed N
+    steps of its own (a healing step is not one), not after some seconds; where no reduced replica
+    can run, at once; refused without ft.on_host_loss=reduce."""
+    job = _Job(tmp_path, 2)
+    job.cfg.mesh.hosts, job.cfg.ft.on_host_loss = 2, "reduce"
+    job.start_replica = lambda r, **kw: [SimpleNamespace(pid=1000 + r)]
+    job.terminate_replica = lambda r: asked_to_leave.append(r)
+    events, asked_to_leave = [], []
+    supervisor = Supervisor(
+        job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl", listener=events.append), host_repair_steps=2
+    )
+    s = supervisor.status[1]
+    s.hosts_down = {1: math.inf}
+    supervisor._plan_restart(s, now=100.0)
+    assert (s.restart_at, s.restart_on) == (100.0, [0])  # at once, reduced, on the host that is up
+    supervisor._start(1)
+    back = lambda: [e for e in events if e["event"] == "host_back"]
+    supervisor._consume(1, [_step(40, healing=True), _step(41)], now=1e9)
+    supervisor._hosts_back(now=1e9)  # a day later by the clock: still one own step only
+    assert s.hosts_down == {1: math.inf} and not back()
+    supervisor._consume(1, [_step(42)], now=1e9)
+    supervisor._hosts_back(now=1e9)
+    assert s.hosts_down == {} and back() == [{**back()[0], "replica": 1, "host": 1}]
+    assert asked_to_leave == [1]  # to come back whole at a step boundary
+
+    job.cfg.ft.reduced_min_fraction = 0.75  # 1 of 2 hosts is too few: the replica waits for the host
+    s.hosts_down = {1: math.inf}
+    supervisor._plan_restart(s, now=200.0)
+    assert s.hosts_down == {} and s.restart_at == 200.0 + supervisor.restart_delay_s and len(back()) == 2
+
+    job.cfg.ft.on_host_loss = "restart"
+    with pytest.raises(ValueError, match="--host-repair-steps: needs ft.on_host_loss=reduce"):
+        Supervisor(job, FaultPlan(), RunLog(tmp_path / "again.jsonl"), host_repair_steps=2)
