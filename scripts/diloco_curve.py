@@ -85,8 +85,7 @@ def main() -> int:
     every = ["ft.digest_every=0", *a.both, f"steps={a.steps}", f"checkpoint.every={a.steps}"]
     rounds = ["ft.digest_every=0", *a.both, f"steps={n}", f"checkpoint.every={n}", f"ft.sync={a.sync}"]
     rounds += [f"ft.inner_steps={a.inner}", f"ft.fragments={a.fragments}", *a.set]
-    floor = ["ft.digest_every=0", *a.both, f"steps={a.steps}", f"checkpoint.every={a.steps}", "ft.sync=diloco"]
-    floor += ["ft.inner_steps=1", "ft.outer_lr=1.0", "ft.outer_momentum=0.0"]
+    floor = [*every, "ft.sync=diloco", "ft.inner_steps=1", "ft.outer_lr=1.0", "ft.outer_momentum=0.0"]
     finals, base, dl = {}, defaultdict(list), defaultdict(list)
     for seed in [int(x) for x in a.seeds.split(",")]:
         e, d, f = [*every, f"seed={seed}"], [*rounds, f"seed={seed}"], [*floor, f"seed={seed}"]

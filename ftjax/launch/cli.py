@@ -30,6 +30,7 @@ from ftjax.launch import emit as cluster
 from ftjax.launch.supervisor import (
     FaultPlan,
     LaunchError,
+    check_host_repair,
     check_seconds,
     parse_bandwidth,
     parse_hang,
@@ -311,8 +312,6 @@ def prepare(args: argparse.Namespace) -> Launch:
     cfg = load_config(args.config, [*overrides, f"ft.replicas={replicas}"])
     if cfg.task is not None:
         check_task_in_child(args.config, overrides)
-    if args.host_repair_steps is not None and (args.host_repair_s is not None or cfg.ft.on_host_loss != "reduce"):
-        raise UsageError("--host-repair-steps: needs ft.on_host_loss=reduce, and not --host-repair-s with it")
     if cfg.coordinator.min_replicas > replicas:
         raise UsageError(
             f"coordinator.min_replicas ({cfg.coordinator.min_replicas}) exceeds --replicas {replicas}: "
@@ -329,6 +328,7 @@ def prepare(args: argparse.Namespace) -> Launch:
             bandwidth=tuple(map(parse_bandwidth, args.bandwidth_mbit)),
         )
         plan.validate(replicas, cfg.mesh.hosts, cfg.steps)
+        check_host_repair(args.host_repair_s, args.host_repair_steps, cfg.ft.on_host_loss)
     except ValueError as e:
         raise UsageError(str(e)) from None
     out = Path(args.out or Path("runs") / f"launch-{Path(args.config).stem}")

@@ -345,6 +345,13 @@ class ReplicaStatus:
         self.state = self.lifecycle.feed(record)
 
 
+def check_host_repair(seconds: float | None, steps: int | None, on_host_loss: str) -> None:
+    """ValueError unless the host-repair options go together: a repair after reduced steps needs a
+    replica that can run reduced, and excludes a repair by the clock."""
+    if steps is not None and (seconds is not None or on_host_loss != "reduce"):
+        raise ValueError("--host-repair-steps: needs ft.on_host_loss=reduce, and not --host-repair-s with it")
+
+
 def reduced_degree(hosts: int, up: int, min_fraction: float) -> int | None:
     """The hosts a reduced-degree replica runs on when `up` of its `hosts` are up: the largest
     divisor of `hosts` (each live host serves whole gradient lanes, ftjax/runtime/lanes.py) that they cover,
@@ -410,8 +417,7 @@ class Supervisor:
         # ... or once its replica has trained this many steps at a reduced degree: a repair paced by
         # the job, not the clock, so a test's reduced phase exists however slow the machine is
         self.host_repair_steps = host_repair_steps
-        if host_repair_steps is not None and (host_repair_s is not None or not self.reduce):
-            raise ValueError("--host-repair-steps: needs ft.on_host_loss=reduce, and not --host-repair-s with it")
+        check_host_repair(host_repair_s, host_repair_steps, job.cfg.ft.on_host_loss)
         # A hung peer blocks the others for up to one FTAR timeout; after that they move on.
         self.hang_timeout_s = hang_timeout_s if hang_timeout_s is not None else 2 * job.cfg.ft.ftar_timeout_s
         self.startup_timeout_s = startup_timeout_s

@@ -82,6 +82,7 @@ def test_bad_options_start_nothing(tmp_path, capsys, args, problem):
 
 
 # Every option of `ftjax launch`, out of range. "{file}" is an existing regular file.
+REDUCE = ["ft.on_host_loss=reduce", "ft.global_batch=constant"]
 BAD_OPTIONS = [
     *[(["--mtbf-s", v], "--mtbf-s") for v in ("inf", "nan", "-3", "0")],
     *[(["--restart-delay-s", v], "--restart-delay-s") for v in ("nan", "inf", "-1")],
@@ -91,6 +92,10 @@ BAD_OPTIONS = [
     *[(["--hang", v], "--hang") for v in ("0@inf", "0@nan", "0@-1")],
     *[(["--kill-coordinator-at", v], "--kill-coordinator-at") for v in ("inf", "nan", "-1")],
     (["--max-restarts", "-1"], "--max-restarts"),
+    (["--host-repair-steps", "0", *REDUCE], "--host-repair-steps: must be >= 1"),
+    (["--host-repair-steps", "ten"], "--host-repair-steps"),
+    (["--host-repair-steps", "10"], "--host-repair-steps: needs ft.on_host_loss=reduce"),  # tiny: restart
+    (["--host-repair-steps", "9", "--host-repair-s", "5", *REDUCE], "and not --host-repair-s with it"),
     (["--replicas", "-2"], "--replicas"),
     (["--replicas", "two"], "--replicas"),
     (["--hosts-per-replica", "0"], "--hosts-per-replica"),

@@ -21,10 +21,10 @@ def compute_dtype(setting: str):
 def attention_impl(setting: str, dtype, head_dim: int, backend: str | None = None) -> str:
     """The implementation of `jax.nn.dot_product_attention` for `model.attention`. JAX's own default
     is XLA's, which materializes every T x T score matrix (4 GiB a layer for 8 x 32 heads x 2048^2
-    in float32); cuDNN's fused kernel never does, but runs only on a GPU, in 16-bit, for head sizes
-    that are a multiple of 8 up to 128 (of the compute dtypes `model.compute_dtype` names, bfloat16).
-    auto picks it where it can run. A cudnn setting that cannot
-    run is refused here, at build, rather than by cuDNN inside the first compile."""
+    in float32); cuDNN's fused kernel never does, but runs only on a GPU, in 16-bit (of the compute
+    dtypes `model.compute_dtype` names, bfloat16), for head sizes that are a multiple of 8 up to
+    128. auto picks it where it can run. A cudnn setting that cannot run is refused here, at build,
+    rather than by cuDNN inside the first compile."""
     import jax
     import jax.numpy as jnp
 
