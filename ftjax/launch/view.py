@@ -191,6 +191,7 @@ class PlainView(_View):
     def __init__(self, console: Console, probe: CoordinatorProbe | None = None):
         super().__init__(console, probe)
         self._next = 1
+        self._stall = _StallNote()
 
     def start(self) -> None:
         self.probe.start()
@@ -220,6 +221,29 @@ class PlainView(_View):
                 highlight=False,
                 soft_wrap=True,
             )
+        note = self._stall.poll(job["step"], self.probe.status, time.monotonic())
+        if note:
+            self.console.print(note, markup=False, highlight=False, soft_wrap=True)
+
+
+class _StallNote:
+    """A line when the job's step has not moved for `every_s` (and each `every_s` after) while the
+    coordinator holds requests: its reason for not forming a quorum. A log read after the fact (CI,
+    a batch job) then says who the job waited for, which the status page said only at the time."""
+
+    def __init__(self, every_s: float = 30.0):
+        self.every_s = every_s
+        self._step, self._since, self._said = -1, 0.0, 0
+
+    def poll(self, step: int, status: dict | None, now: float) -> str | None:
+        if step != self._step:
+            self._step, self._since, self._said = step, now, 0
+            return None
+        stalled = now - self._since
+        if stalled < self.every_s * (self._said + 1) or not status or not status.get("pending"):
+            return None
+        self._said = int(stalled // self.every_s)
+        return f"  step {step}: none for {stalled:.0f} s; coordinator waits: {status.get('waiting_because')}"
 
 
 class LiveView(_View):

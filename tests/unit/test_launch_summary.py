@@ -7,6 +7,7 @@ import pytest
 
 from ftjax.launch.plots import write_loss, write_timeline
 from ftjax.launch.supervisor import FaultPlan, Hang
+from ftjax.launch.view import _StallNote
 from ftjax.runs.summary import build_summary, load_run, timeline, write_summary
 
 T = 100.0  # launch time
@@ -501,3 +502,17 @@ def test_a_replica_told_the_job_finished_ends_behind_and_the_history_is_one(tmp_
     assert s["split_history"] is None and s["ok"]
     assert s["replicas"]["1"]["ended_behind"] and not s["replicas"]["0"]["ended_behind"]
     assert s["digests_equal"] and s["digests_missing"] == []  # its stale digest is not the job's
+
+
+def test_a_stalled_job_prints_why_the_coordinator_waits_every_30_s_and_only_while_it_holds_requests():
+    note = _StallNote(every_s=30.0)
+    waiting = {"pending": 2, "waiting_because": "waiting for a live member of the previous quorum to ask: 1"}
+    assert note.poll(3, waiting, 100.0) is None  # (the step just seen)
+    assert note.poll(3, waiting, 129.0) is None
+    line = note.poll(3, waiting, 130.5)
+    assert line is not None and "step 3: none for 30 s" in line and "previous quorum to ask: 1" in line
+    assert note.poll(3, waiting, 140.0) is None  # once per 30 s
+    assert "none for 60 s" in note.poll(3, waiting, 160.0)
+    assert note.poll(4, waiting, 161.0) is None and note.poll(4, waiting, 190.0) is None  # the step moved
+    assert note.poll(4, {"pending": 0, "waiting_because": "no pending request"}, 195.0) is None  # nobody asks
+    assert note.poll(4, None, 195.0) is None  # (no answer from the coordinator yet)
