@@ -75,11 +75,14 @@ class Launch:
             raise AssertionError(f"ftjax launch still running after {timeout} s:\n{self.output()}") from None
 
     def output(self) -> str:
-        """The launcher's output, then the last lines of each replica's host logs: what a failure
-        message needs to say why (the run directory is gone once CI has finished)."""
+        """The launcher's output, then the last lines of each replica's host logs and of the
+        coordinator's: what a failure message needs to say why (the run directory is gone once CI
+        has finished)."""
         self.log.flush()
         text = (self.run_dir.parent / f"{self.run_dir.name}.out").read_text()[-6000:]
-        for log in sorted(self.run_dir.glob("replica-*/host-*.log")):
+        for log in [*sorted(self.run_dir.glob("replica-*/host-*.log")), self.run_dir / "coordinator.log"]:
+            if not log.exists():
+                continue
             tail = log.read_text(errors="replace").splitlines()[-12:]
             text += f"\n--- {log.relative_to(self.run_dir)} (last lines)\n" + "\n".join(x[:300] for x in tail)
         return text

@@ -112,7 +112,17 @@ def _sums(x: jax.Array, offsets: tuple = (), global_shape: tuple = ()) -> jax.Ar
     m_i = fmix32(word_i ^ (i * 0x9E3779B9)) and i is the word's flat index in the whole leaf. For
     each i, m_i is a bijection of the word: a change of one word always changes the first sum.
     Integer sums do not depend on the order of their terms: blocks' sums added up give the same
-    bits however the leaf is cut."""
+    bits however the leaf is cut.
+
+    A nested jit: the leaves of a state repeat a few block shapes (every layer's, and the optimizer
+    moments' of each parameter), and a signature traced once is looked up for the others, so the
+    digest program of a replica's state traces in a fraction of the time (it is traced on the
+    first commit of every incarnation: a restart waits for it). Integer arithmetic: the same bits."""
+    return _sums_traced(x, tuple(offsets), tuple(global_shape))
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _sums_traced(x: jax.Array, offsets: tuple, global_shape: tuple) -> jax.Array:
     w = _words(x)
     offsets = tuple(offsets) + (0,) * (w.ndim - len(offsets))
     global_shape = tuple(global_shape) + w.shape[len(global_shape) :]
