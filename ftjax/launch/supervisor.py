@@ -303,6 +303,14 @@ class MetricsTail:
         return parse_jsonl(lines)
 
 
+def last_line(text: str, limit: int = 300) -> str | None:
+    """The last non-empty line of a log's tail (None: none), cut to `limit` characters."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    if not lines:
+        return None
+    return lines[-1] if len(lines[-1]) <= limit else lines[-1][: limit - 3] + "..."
+
+
 # --- per-replica status ---------------------------------------------------------------------------
 @dataclass
 class ReplicaStatus:
@@ -542,7 +550,7 @@ class Supervisor:
         self._consume(r, self.tails[r].read(), now)  # what the incarnation wrote before it died
         codes = [p.returncode for p in self.job.hosts.get(r, [])]
         placement = self.job.placement.get(r, list(range(len(codes))))
-        inj, cause, dead_host = s.injection, s.killed_as, None
+        inj, cause, dead_host, error = s.injection, s.killed_as, None, None
         if cause is None and s.leaving_since is not None and all(c in (0, EXIT_LEFT) for c in codes):
             cause = "left"  # asked to (the host it lacked is back): it returns at full degree
         elif cause is None:
@@ -555,6 +563,7 @@ class Supervisor:
             elif dead:
                 cause = f"crash (host {placement[dead[0]]} exit {codes[dead[0]]})"
                 dead_host = placement[dead[0]] if len(dead) < len(codes) else None
+                error = last_line(self.job.log_tail(r, placement[dead[0]]))
             else:
                 cause = "killed (SIGKILL from outside)"
         if cause != "left":
@@ -568,6 +577,7 @@ class Supervisor:
             step=s.step,
             at=inj.die_at if cause in ("kill", "kill_host") and inj else None,
             host=dead_host,
+            error=error,  # a crash: the last line its host wrote (what it died of, in the launcher's output)
         )
         if s.restarts > self.max_restarts:
             raise LaunchError(

@@ -66,7 +66,8 @@ def describe(e: dict) -> str | None:
     if k == LauncherEvent.REPLICA_DOWN:
         at = f" at {e['at']}" if e.get("at") else ""
         host = f" host {e['host']}" if e.get("host") is not None else ""
-        return f"replica {r} DOWN:{host} {e['cause']}{at} (last step {e['step']})"
+        error = f": {e['error']}" if e.get("error") else ""
+        return f"replica {r} DOWN:{host} {e['cause']}{at} (last step {e['step']}){error}"
     if k in (LauncherEvent.REJOINED, LauncherEvent.CAUGHT_UP):
         verb = "rejoined" if k == LauncherEvent.REJOINED else "caught up (it joined late)"
         return f"replica {r} {verb} at step {e['at_step']}: state from replica {e['source']} in {e['catchup_s']:.2f} s"

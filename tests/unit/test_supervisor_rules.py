@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ftjax.launch.supervisor import FaultPlan, Partition, RunLog, Supervisor, is_hung
+from ftjax.launch.supervisor import FaultPlan, Partition, RunLog, Supervisor, is_hung, last_line
 
 T = 20.0  # --hang-timeout-s of every case
 
@@ -260,3 +260,29 @@ def test_a_host_repaired_after_reduced_steps_is_back_once_its_replica_trained_th
     job.cfg.ft.on_host_loss = "restart"
     with pytest.raises(ValueError, match="--host-repair-steps: needs ft.on_host_loss=reduce"):
         Supervisor(job, FaultPlan(), RunLog(tmp_path / "again.jsonl"), host_repair_steps=2)
+
+
+def test_a_crashed_replica_is_down_with_the_last_line_its_host_wrote(tmp_path):
+    """A replica that exits on its own with an error (not a kill the launcher made): the down event,
+    and the line the launcher prints, carry the last line of the dead host's log, what it died of
+    (a CI log then says why without the run directory)."""
+    from ftjax.launch.view import describe
+
+    job = _Job(tmp_path, 2)
+    job.cfg.mesh.hosts = 2
+    job.hosts = {1: [SimpleNamespace(returncode=0, wait=lambda t: 0), SimpleNamespace(returncode=1, wait=lambda t: 1)]}
+    job.placement = {1: [0, 1]}
+    job.replica_dir(1).mkdir(parents=True)
+    (job.replica_dir(1) / "host-1.log").write_text(
+        "--- incarnation 1 host 1\nTraceback ...\nftjax train: error: no quorum within 120 s (last error: none)\n\n"
+    )
+    job.log_tail = lambda r, host=0: (job.replica_dir(r) / f"host-{host}.log").read_text()
+    events = []
+    supervisor = Supervisor(job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl", listener=events.append))
+    supervisor.tails[1].read = list  # (nothing more in its metrics)
+    supervisor._down(1, now=100.0)
+    (down,) = [e for e in events if e["event"] == "replica_down"]
+    assert down["cause"] == "crash (host 1 exit 1)" and down["host"] == 1
+    assert down["error"] == "ftjax train: error: no quorum within 120 s (last error: none)"
+    assert describe(down).endswith("(last step 0): ftjax train: error: no quorum within 120 s (last error: none)")
+    assert last_line("x" * 400, limit=300) == "x" * 297 + "..." and last_line("\n \n") is None
