@@ -4,17 +4,19 @@ A source process builds the config's model, trains two steps (so the optimizer m
 all zeros), and offers a snapshot exactly as a replica's host does for a healing peer. This process
 then, `--rounds` times over, measures (a) the raw link: one-way TCP from the source process to this
 one, the snapshot's byte count in 4 MiB sendall / recv_into calls, over one connection into one reused
-buffer (cache-hot), over one into a fresh buffer of the snapshot's size, over one from a resident
-buffer of that size into another (memory to memory, as a catch-up moves a snapshot), and over
-`ft.catchup_streams` connections at once (each a share), and (b) the snapshot transfer
-(`SnapshotFetch`: a manifest, then byte ranges streamed from the source's memory into place in this
-one's) with `ft.catchup_streams` connections and with one, and places the last one on this process's
-devices (`HostShards.to_state`). Prints one JSON line: medians of `catchup_mb_s` (the configured
-streams), `link_mb_s` (one connection), `ratio` (their quotient), `ratio_tcp` (against raw TCP over as
-many connections), `ratio_in_place` (against the link into a fresh buffer), `ratio_resident`
-(against one connection from a resident buffer of the snapshot's size into another: the link
-moving the same bytes memory to memory, as the transfer does),
-`single_stream` (the same with one connection: the previous transport's shape),
+buffer (cache-hot), over one into a fresh buffer of the snapshot's size, from a resident buffer of
+that size into another (memory to memory, as a catch-up moves a snapshot) over one connection and
+over `ft.catchup_streams` at once (each a share), and over as many from and into the reused buffer;
+and (b) the snapshot transfer (`SnapshotFetch`: a manifest, then byte ranges streamed from the
+source's memory into place in this one's) with `ft.catchup_streams` connections into a receive arena
+mapped beforehand (`ReceiveArena`, as a replica maps it while it starts: the shipped path), the same
+into fresh memory (`unmapped`: the path before the arena), and with one connection into fresh memory
+(`single_stream`: the transport before issue 32), and places the last one on this process's devices
+(`HostShards.to_state`). Prints one JSON line: medians of `catchup_mb_s`, `link_mb_s` (one
+connection, cache-hot), `ratio` (their quotient), `ratio_tcp` (against cache-hot raw TCP over as
+many connections), `ratio_in_place` (against one connection into a fresh buffer), `ratio_resident`
+and `ratio_resident_tcp` (against the link moving the same bytes memory to memory, over one
+connection and over as many as the fetch), `arena_s` (mapping the arena: off the transfer's path),
 and the other costs of a catch-up (the source's copy to host memory, the placement) for context.
 `orbax`: the same snapshot written and read back through orbax's `StandardCheckpointer` on this
 machine's local disk, against the copy and placement above (`vs_copy_and_place`; docs/design.md,
@@ -66,12 +68,13 @@ def _serve(argv: list[str]) -> int:
 
     def send(conn) -> None:
         with conn:
-            header = conn.recv(9, socket.MSG_WAITALL)
+            header = conn.recv(17, socket.MSG_WAITALL)
             n, from_resident = int.from_bytes(header[:8], "little"), header[8] == 1
+            first = int.from_bytes(header[9:], "little")  # (a resident share's place in the buffer)
             view, at = memoryview(resident if from_resident else payload), 0
             while at < n:
                 k = min(n - at, _CHUNK)
-                conn.sendall(view[at : at + k] if from_resident else view[:k])
+                conn.sendall(view[first + at : first + at + k] if from_resident else view[:k])
                 at += k
 
     def link_loop():  # a thread per connection: the raw link over several connections at once
@@ -96,7 +99,7 @@ def _serve(argv: list[str]) -> int:
     return 0
 
 
-def _receive(address: str, nbytes: int, into: str, resident=None) -> None:
+def _receive(address: str, nbytes: int, into: str, resident=None, first: int = 0) -> None:
     """One-way TCP of `nbytes` from the source: `into` "hot", from and into one reused 4 MiB buffer
     (cache-hot: the loopback's best case, which no transfer of a large state has); "place", into a
     fresh buffer of `nbytes` (each page touched for the first time); "resident", from a resident
@@ -104,9 +107,12 @@ def _receive(address: str, nbytes: int, into: str, resident=None) -> None:
     moves a snapshot whose buffers are already mapped)."""
     import numpy as np
 
-    buf = memoryview(resident if into == "resident" else np.empty(nbytes if into == "place" else _CHUNK, np.uint8))
+    if into == "resident":
+        buf = memoryview(resident)[first : first + nbytes]
+    else:
+        buf = memoryview(np.empty(nbytes if into == "place" else _CHUNK, np.uint8))
     with socket.create_connection(split_address(address)) as s:
-        s.sendall(nbytes.to_bytes(8, "little") + bytes([into == "resident"]))
+        s.sendall(nbytes.to_bytes(8, "little") + bytes([into == "resident"]) + first.to_bytes(8, "little"))
         done = 0
         while done < nbytes:
             at = 0 if into == "hot" else done
@@ -119,7 +125,8 @@ def _receive(address: str, nbytes: int, into: str, resident=None) -> None:
 def _link_seconds(address: str, nbytes: int, streams: int = 1, into: str = "hot", resident=None) -> float:
     """`nbytes` of raw TCP from the source, over `streams` connections at once (each a share)."""
     shares = [nbytes // streams + (k < nbytes % streams) for k in range(streams)]
-    threads = [threading.Thread(target=_receive, args=(address, n, into, resident)) for n in shares]
+    firsts = [sum(shares[:k]) for k in range(streams)]
+    threads = [threading.Thread(target=_receive, args=(address, n, into, resident, f)) for n, f in zip(shares, firsts)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -128,23 +135,35 @@ def _link_seconds(address: str, nbytes: int, streams: int = 1, into: str = "hot"
     return time.perf_counter() - t0
 
 
-def _transfer_seconds(address: str, streams: int) -> tuple[float, object]:
+def _transfer_seconds(address: str, streams: int, arena=None) -> tuple[float, object]:
     from ftjax.runtime.catchup import SnapshotFetch
 
-    fetch = SnapshotFetch(address, "bench/0", "bench-token", source="bench", streams=streams)
+    fetch = SnapshotFetch(address, "bench/0", "bench-token", source="bench", streams=streams, arena=arena)
     fetch.done.wait(300)
     if fetch.result is None:
         raise RuntimeError(f"fetch failed: {fetch.error}")
     return fetch.result.seconds, fetch.result
 
 
+def _arena(nbytes: int, times: dict[str, list[float]]):
+    """A newcomer's receive arena, mapped before its fetch as a replica maps it while it starts
+    (the fetch does not wait for it); its mapping time goes to `times["arena"]`."""
+    from ftjax.runtime.catchup import ReceiveArena
+
+    arena = ReceiveArena(nbytes)
+    arena.ready()
+    times["arena"].append(arena.seconds)
+    return arena
+
+
 def _measure(info: dict, streams: int, rounds: int) -> tuple[dict[str, list[float]], object]:
-    """Seconds of each of the four transfers, `rounds` times, interleaved (a load that comes and
-    goes on the machine weighs on all of them alike); and the last fetch's result."""
+    """Seconds of each of the transfers, `rounds` times, interleaved (a load that comes and goes on
+    the machine weighs on all of them alike); and the last fetch's result."""
     import numpy as np
 
-    times: dict[str, list[float]] = {k: [] for k in ("link", "link_tcp", "link_in_place", "link_resident")}
-    times.update(catchup=[], single=[])
+    kinds = ("link", "link_tcp", "link_in_place", "link_resident", "link_resident_tcp")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    times.update(catchup=[], unmapped=[], single=[], arena=[])
     resident = np.ones(info["nbytes"], np.uint8)
     result = None
     for _ in range(rounds):
@@ -152,8 +171,12 @@ def _measure(info: dict, streams: int, rounds: int) -> tuple[dict[str, list[floa
         times["link_in_place"].append(_link_seconds(info["link"], info["nbytes"], into="place"))
         times["link_resident"].append(_link_seconds(info["link"], info["nbytes"], into="resident", resident=resident))
         times["link_tcp"].append(_link_seconds(info["link"], info["nbytes"], streams))
+        times["link_resident_tcp"].append(
+            _link_seconds(info["link"], info["nbytes"], streams, into="resident", resident=resident)
+        )
         times["single"].append(_transfer_seconds(info["address"], 1)[0])
-        seconds, result = _transfer_seconds(info["address"], streams)
+        times["unmapped"].append(_transfer_seconds(info["address"], streams)[0])
+        seconds, result = _transfer_seconds(info["address"], streams, _arena(info["nbytes"], times))
         times["catchup"].append(seconds)
     return times, result
 
@@ -237,6 +260,7 @@ def _orbax_round_trip(state, abstract, our_s: float) -> dict:
 
 def _report(args, streams: int, info: dict, times: dict[str, list[float]], restore_s: float) -> dict:
     mb = info["nbytes"] / 1e6
+    arena_s = statistics.median(times.pop("arena"))
     rate = {k: mb / statistics.median(v) for k, v in times.items()}
     return {
         "bench": "catchup",
@@ -252,7 +276,11 @@ def _report(args, streams: int, info: dict, times: dict[str, list[float]], resto
         "ratio_in_place": round(rate["catchup"] / rate["link_in_place"], 3),
         "link_resident_mb_s": round(rate["link_resident"], 1),
         "ratio_resident": round(rate["catchup"] / rate["link_resident"], 3),
+        "link_resident_tcp_mb_s": round(rate["link_resident_tcp"], 1),
+        "ratio_resident_tcp": round(rate["catchup"] / rate["link_resident_tcp"], 3),
         "single_stream": {"catchup_mb_s": round(rate["single"], 1), "ratio": round(rate["single"] / rate["link"], 3)},
+        "unmapped": {"catchup_mb_s": round(rate["unmapped"], 1), "ratio": round(rate["unmapped"] / rate["link"], 3)},
+        "arena_s": round(arena_s, 3),
         "snapshot_copy_s": round(info["offer_s"], 3),
         "restore_s": round(restore_s, 3),
         "rounds": args.rounds,

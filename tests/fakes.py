@@ -97,6 +97,7 @@ class FakeTransport:
     def __init__(self):
         self.fetches, self.offers = [], []
         self.address = "me-host:2"
+        self.released = 0  # times the protocol said no fetch is coming
 
     def fetch(self, address, key, *, source, min_step):
         self.fetches.append((address, key, source, min_step))
@@ -104,6 +105,9 @@ class FakeTransport:
 
     def load(self, fetched, abstract_state):
         return np.ones(4, np.float32) * fetched.step
+
+    def release(self):
+        self.released += 1
 
     def offered(self, key):
         return key in self.offers

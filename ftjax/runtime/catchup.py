@@ -30,6 +30,9 @@ import contextlib
 import hmac
 import http.client
 import json
+import math
+import mmap
+import os
 import threading
 import time
 from collections import defaultdict
@@ -43,13 +46,14 @@ import numpy as np
 from ftjax.base import net
 from ftjax.base.net import split_address
 from ftjax.coordinator.http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPServer
-from ftjax.runtime.regions import LayoutMismatch, Piece, Region, assemble, region_of
+from ftjax.runtime.regions import LayoutMismatch, Piece, Region, assemble, region_of, size
 
 TOKEN_HEADER = "X-Ftjax-Token"
 _CHUNK = 4 << 20  # one sendall / readinto
 _SLOW_CHUNK = 256 << 10  # one sendall under a rate limit (a test's slow link)
 _MAX_MANIFEST = 256 << 20  # a manifest lists every piece of a host's shards: far less
 _MIN_RANGE, _MAX_RANGE = 4 << 20, 64 << 20  # bytes of one request
+_ALIGN = 64  # where a piece begins in a receive arena (XLA's CPU client places aligned host buffers without a copy)
 
 
 @dataclass
@@ -353,7 +357,95 @@ class SnapshotServer:
         return Handler
 
 
-def _allocate(manifest: dict) -> HostShards:
+class ReceiveArena:
+    """Host memory that a newcomer's snapshot lands in, mapped before the transfer begins.
+
+    A process that receives a snapshot into fresh memory takes a page fault for every 4 KiB it
+    writes: 42,000 for `gpt_small`'s 173 MB, as much time as the bytes themselves at loopback speed
+    (README, `bench catchup`). A replica therefore maps this arena while it starts (a background
+    thread, `MAP_POPULATE`: the kernel faults every page in one call), beside its imports and
+    compiles, and its first fetch lays the pieces out in it; a replica that turns out to need no
+    catch-up drops it at its first committed step. One use: the arrays placed from it may alias it."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.seconds: float | None = None  # mapping and faulting it in (off the transfer's path)
+        self._buffer: np.ndarray | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._map, name="catchup-arena", daemon=True).start()
+
+    def _map(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            buffer = np.frombuffer(mmap.mmap(-1, max(self.nbytes, 1), flags=flags), np.uint8)
+            if not getattr(mmap, "MAP_POPULATE", 0):
+                buffer[:: mmap.PAGESIZE] = 0  # (the kernel could not: one write per page)
+            self._buffer = buffer
+        except (OSError, ValueError, MemoryError):  # no arena: the fetch allocates as it did before
+            self._buffer = None
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._ready.set()
+
+    def ready(self, timeout_s: float | None = None) -> bool:
+        """Whether the mapping has finished (waiting up to `timeout_s` for it)."""
+        return self._ready.wait(timeout_s)
+
+    def take(self, timeout_s: float = 60.0) -> np.ndarray | None:
+        """The mapped bytes (waiting for the mapping to finish), once; None after that."""
+        self.ready(timeout_s)
+        buffer, self._buffer = self._buffer, None
+        return buffer
+
+    @classmethod
+    def for_state(cls, state: Any) -> ReceiveArena | None:
+        """An arena for a snapshot of `state`'s layout on this host, or None if it would take more
+        than a quarter of this host's free memory."""
+        # as _Layout lays them out, and room for a source of up to 8x this replica's hosts, whose
+        # pieces (smaller, each aligned) cut a leaf up to 8 times
+        sizes = _shard_bytes(state)
+        nbytes = sum(_aligned(n) for n in sizes) + 8 * _ALIGN * len(sizes)
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+        return cls(nbytes) if 0 < nbytes <= free // 4 else None
+
+
+def _shard_bytes(state: Any) -> list[int]:
+    """The bytes of each distinct shard of `state` (arrays or ShapeDtypeStructs with shardings) that
+    this host holds: the pieces a snapshot for this host carries."""
+    import jax
+
+    sizes = []
+    for a in jax.tree.leaves(state):
+        regions = {region_of(i, a.shape) for i in a.sharding.addressable_devices_indices_map(a.shape).values()}
+        sizes += [size(r) * np.dtype(a.dtype).itemsize for r in regions]
+    return sizes
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class _Layout:
+    """Empty arrays for a snapshot's pieces: carved one after the other (each at a multiple of
+    `_ALIGN` bytes) out of an arena while it lasts, then each allocated on its own."""
+
+    def __init__(self, arena: np.ndarray | None):
+        self.arena, self.at, self.placed = arena, 0, 0  # (placed: the bytes of the pieces in the arena)
+
+    def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        n = math.prod(shape) * np.dtype(dtype).itemsize
+        start = _aligned(self.at)
+        if self.arena is None or start + n > len(self.arena):
+            return np.empty(shape, dtype)
+        self.at, self.placed = start + n, self.placed + n
+        return self.arena[start : start + n].view(dtype).reshape(shape)
+
+
+def _allocate(manifest: dict, layout: _Layout) -> HostShards:
     """Empty host buffers for the pieces of a manifest, each checked before anything is allocated;
     the ranges are then read straight into them."""
     import jax.numpy as jnp
@@ -368,7 +460,7 @@ def _allocate(manifest: dict) -> HostShards:
         if leaves.setdefault(leaf, (shape, dtype.name)) != (shape, dtype.name):
             raise ValueError(f"snapshot manifest: {leaf}: pieces of different shapes or dtypes")
         checked.append((leaf, region, dtype))
-    return HostShards(leaves, [Piece(leaf, r, np.empty([b - a for a, b in r], d)) for leaf, r, d in checked])
+    return HostShards(leaves, [Piece(leaf, r, layout.empty(tuple(b - a for a, b in r), d)) for leaf, r, d in checked])
 
 
 def _ranges(sizes: list[int], streams: int) -> list[tuple[int, int, int]]:
@@ -387,6 +479,7 @@ class FetchResult:
     seconds: float  # the transfer itself (first range asked for to the last byte)
     source: str
     shards: HostShards = field(repr=False, compare=False)
+    arena_bytes: int = 0  # of `nbytes`, those that landed in the receive arena mapped beforehand
 
 
 def source_hosts(host: int, hosts: int, source_hosts: int) -> list[int]:
@@ -404,8 +497,8 @@ def source_hosts(host: int, hosts: int, source_hosts: int) -> list[int]:
 class SnapshotFetch:
     """Downloads this host's part of a peer's snapshot in a background thread (newcomer side): the
     manifest of each of `addresses` (the source's hosts that hold this host's shards), then every
-    byte range of their bodies over `streams` connections at once, straight into buffers allocated
-    from the manifests. `progress()` says how far it is."""
+    byte range of their bodies over `streams` connections at once, straight into buffers laid out
+    from the manifests (in `arena` while it lasts). `progress()` says how far it is."""
 
     def __init__(
         self,
@@ -417,6 +510,7 @@ class SnapshotFetch:
         min_step: int = 0,
         timeout_s: float = 120.0,
         streams: int = 1,
+        arena: ReceiveArena | None = None,
     ):
         if streams < 1:
             raise ValueError(f"streams must be at least 1, not {streams}")
@@ -430,6 +524,7 @@ class SnapshotFetch:
         self._t0: float | None = None
         self._lock = threading.Lock()
         self._args = (token, min_step, timeout_s)
+        self._arena = arena
         threading.Thread(target=self._run, name="snapshot-fetch", daemon=True).start()
 
     def progress(self) -> dict:
@@ -447,7 +542,9 @@ class SnapshotFetch:
             steps = {m["step"] for m in manifests}
             if len(steps) > 1:
                 raise RuntimeError(f"source {self.source}'s hosts served snapshots of different steps {sorted(steps)}")
-            parts = [_allocate(m) for m in manifests]
+            layout = _Layout(self._arena.take() if self._arena is not None else None)
+            self._arena = None
+            parts = [_allocate(m, layout) for m in manifests]
             self.bytes_total, self._t0 = sum(p.nbytes for p in parts), time.monotonic()
             self._download(parts, _ranges([p.nbytes for p in parts], self.streams), manifests[0]["step"])
             shards = HostShards(
@@ -455,7 +552,7 @@ class SnapshotFetch:
             )
             seconds = time.monotonic() - self._t0
             self.result = FetchResult(
-                manifests[0]["step"], manifests[0]["meta"], shards.nbytes, seconds, self.source, shards
+                manifests[0]["step"], manifests[0]["meta"], shards.nbytes, seconds, self.source, shards, layout.placed
             )
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
@@ -531,6 +628,7 @@ class CatchupTransport(Protocol):
     def keep_only(self, keys: set[str]) -> None: ...
     def fetch(self, addresses: list[str], key: str, *, source: str, min_step: int) -> SnapshotFetch: ...  # every host
     def load(self, fetched: FetchResult, abstract_state: Any) -> Any: ...  # every host of the newcomer
+    def release(self) -> None: ...  # memory kept for a fetch: none is coming
     def close(self) -> None: ...
 
 
@@ -547,12 +645,18 @@ class ShardTransport:
         host: str = "127.0.0.1",
         advertise: str | None = None,
         streams: int = 1,
+        arena: ReceiveArena | None = None,
     ):
         self.token, self.timeout_s, self.streams = token, timeout_s, streams
         self.server = SnapshotServer(
             token, listen=net.Listen(host, advertise=advertise), rate_limit_mbps=rate_limit_mbps
         )
         self.address = self.server.address
+        self.arena = arena  # (the next fetch lands in it: see ReceiveArena)
+
+    def release(self) -> None:
+        """No catch-up is coming (the replica applied a step of its own): drop the arena."""
+        self.arena = None
 
     def offer(self, key: str, state: Any, step: int, meta: dict) -> None:
         self.server.offer(key, state, step, meta)
@@ -564,8 +668,16 @@ class ShardTransport:
         self.server.keep_only(keys)
 
     def fetch(self, addresses: list[str], key: str, *, source: str, min_step: int) -> SnapshotFetch:
+        arena, self.arena = self.arena, None
         return SnapshotFetch(
-            addresses, key, self.token, source=source, min_step=min_step, timeout_s=self.timeout_s, streams=self.streams
+            addresses,
+            key,
+            self.token,
+            source=source,
+            min_step=min_step,
+            timeout_s=self.timeout_s,
+            streams=self.streams,
+            arena=arena,
         )
 
     def load(self, fetched: FetchResult, abstract_state: Any) -> Any:

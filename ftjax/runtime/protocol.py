@@ -319,6 +319,8 @@ class StepProtocol:
     def committed(self, q: QuorumResult, applied: bool) -> None:
         """The step went through (the vote passed); `applied`: this replica applied it."""
         self.commit_failures = 0
+        if applied and self.transport is not None:  # a replica with a state of its own fetches none now
+            self.transport.release()
         self.record_positions(q, committed=applied)  # a step we apply is committed for the job
 
     def record_positions(self, q: QuorumResult, committed: bool) -> None:
@@ -403,6 +405,7 @@ class StepProtocol:
             snapshot_step=got.step,
             at_step=step,
             bytes=got.nbytes,
+            arena_bytes=got.arena_bytes,
             transfer_s=got.seconds,
             mb_per_s=got.nbytes / 1e6 / max(got.seconds, 1e-9),
             replayed=replayed,

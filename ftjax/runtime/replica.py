@@ -30,7 +30,7 @@ from ftjax.program.plan import check_fits, peak_flops, step_flops
 from ftjax.program.step import ReplicaProgram, build_program
 from ftjax.program.task import Task
 from ftjax.runtime.args import RunOptions
-from ftjax.runtime.catchup import ShardTransport
+from ftjax.runtime.catchup import ReceiveArena, ShardTransport
 from ftjax.runtime.checkpoint import DurableCheckpoints
 from ftjax.runtime.diloco import FragmentReducer, fragment_cut, piece_templates
 from ftjax.runtime.faults import InjectedFaults, parse_die_at, parse_flip_at
@@ -102,16 +102,18 @@ def member_protocol(
     update_template: Any,
     update_shardings: Any,
     topology: str,
+    arena: ReceiveArena | None = None,
 ) -> StepProtocol:
     """The step protocol of one host of a job's replica: FTAR endpoints (one per gradient lane this
     host serves), the catch-up transport, and on the leader the coordinator client. `update_template`:
     the averaged update's shapes (ShapeDtypeStructs or arrays) and `update_shardings` its shardings;
-    `topology`: what replicas must agree on to average together (ftjax/coordinator/layout.py)."""
+    `topology`: what replicas must agree on to average together (ftjax/coordinator/layout.py);
+    `arena`: where a catch-up snapshot would land (mapped ahead, ftjax/runtime/catchup.py)."""
     leader = group.rank == 0
     served = served_lanes(group.rank, cfg.mesh.live, cfg.mesh.hosts)
     endpoints = _ftar_endpoints(cfg, token, addrs, served)
     ftar_addresses = [a for host in group.allgather([e.address for e in endpoints]) for a in host]  # lane order
-    transport = _catchup_transport(cfg, token, addrs)
+    transport = _catchup_transport(cfg, token, addrs, arena)
     catchup_addresses = group.allgather(transport.address)
     _announce(args, group, addrs, endpoints, transport)
     incarnation = group.broadcast(new_incarnation() if leader else None)
@@ -187,7 +189,7 @@ def _ftar_endpoints(cfg: Config, token: str, addrs: net.Addresses, served) -> li
     ]
 
 
-def _catchup_transport(cfg: Config, token: str, addrs: net.Addresses) -> ShardTransport:
+def _catchup_transport(cfg: Config, token: str, addrs: net.Addresses, arena: ReceiveArena | None) -> ShardTransport:
     """What serves and fetches catch-up snapshots."""
     return ShardTransport(
         token,
@@ -196,6 +198,7 @@ def _catchup_transport(cfg: Config, token: str, addrs: net.Addresses) -> ShardTr
         streams=cfg.ft.catchup_streams,
         host=addrs.bind,
         advertise=addrs.advertise,
+        arena=arena,
     )
 
 
@@ -271,6 +274,8 @@ def _compile(cfg: Config, program: ReplicaProgram) -> ModelFlops | None:
 def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Addresses, task: Task | None) -> Trainer:
     group = JaxHostGroup()
     program = build_program(cfg, task=task)
+    # mapped while this process compiles: a snapshot lands in it if the replica must catch up
+    arena = ReceiveArena.for_state(program.abstract_state())
     flops = _compile(cfg, program)
     group.meet("compiled")  # the first collective follows (warm_up): every host is ready for it
     program.warm_up()
@@ -287,6 +292,7 @@ def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Add
         update_template=program.abstract_update(),
         update_shardings=program.grad_shardings,
         topology=_topology(cfg, program),
+        arena=arena,
     )
     trainer = Trainer(
         cfg,

@@ -56,6 +56,8 @@ def test_bench_catchup_compares_the_transfer_with_the_raw_link():
     assert out["bench"] == "catchup" and out["snapshot_mb"] > 0 and out["streams"] == 2
     _ratio(out["ratio"]), _ratio(out["ratio_tcp"]), _ratio(out["ratio_in_place"]), _ratio(out["single_stream"]["ratio"])
     _ratio(out["ratio_resident"])  # (the link memory to memory: a resident source buffer into a resident one)
+    _ratio(out["ratio_resident_tcp"]), _ratio(out["unmapped"]["ratio"])  # (and over 2; the fetch into fresh memory)
+    assert out["arena_s"] > 0  # (the receive arena's mapping, off the transfer's clock)
     assert out["link_tcp_mb_s"] > 0 and out["single_stream"]["catchup_mb_s"] > 0
     # the orbax yardstick: the same snapshot through orbax, back bitwise
     assert out["orbax"]["bitwise_equal"] and out["orbax"]["save_s"] > 0 and out["orbax"]["vs_copy_and_place"] > 0

@@ -106,6 +106,7 @@ def test_slow_transfer_replays_buffered_updates(tmp_path, procs):
     with _StatusWatch(job) as watch:  # the coordinator's /status while the fetch goes on
         done = _run_until_in_step(job, 0, 1, after=t0)
     assert done["replayed"] >= 3 and done["transfer_s"] >= 2.0, done
+    assert done["arena_bytes"] == done["bytes"], done  # (landed in the memory it mapped while it started)
     _assert_in_step(job, 0, 1, start_after=5)
     # the fetch's progress events reached the status page with the newcomer's quorum requests
     seen = [row for row in watch.rows if row.get("catchup_bytes_total")]

@@ -20,6 +20,7 @@ from ftjax.runtime.catchup import (
     HostShards,
     LayoutMismatch,
     Piece,
+    ReceiveArena,
     ShardTransport,
     SnapshotFetch,
     SnapshotServer,
@@ -80,6 +81,38 @@ def test_a_state_crosses_the_network_bitwise_and_replicated_shards_travel_once()
             client.close()
 
 
+def test_a_snapshot_lands_in_the_arena_mapped_for_it_and_what_does_not_fit_spills():
+    # issue 32: a newcomer's receive arena (mapped ahead for its own layout) holds every piece of
+    # the snapshot, 64-byte aligned, and serves one fetch; a smaller one holds the pieces that fit
+    # and the rest are allocated on their own; either way the state is placed bitwise
+    src = state_on(mesh(4))
+    into = abstract(src, mesh(4))
+    server = ShardTransport(TOKEN, rate_limit_mbps=None, timeout_s=30)
+    try:
+        server.offer("b/1", src, 12, {"step": 12})
+        for arena, inside in ((ReceiveArena.for_state(into), 10), (ReceiveArena(300), 5)):  # (4 of w, b)
+            assert arena is not None and arena.ready(30)
+            base, size = arena._buffer.ctypes.data, len(arena._buffer)
+            client = ShardTransport(TOKEN, rate_limit_mbps=None, timeout_s=30, arena=arena)
+            try:
+                fetch = client.fetch(server.address, "b/1", source="a", min_step=12)
+                assert client.arena is None  # (one fetch takes it)
+                assert fetch.done.wait(30) and fetch.error is None, fetch.error
+                at = [p.data.ctypes.data - base for p in fetch.result.shards.pieces]
+                assert sum(0 <= a < size for a in at) == inside and all(a % 64 == 0 for a in at if 0 <= a < size), at
+                inner = [p.data.nbytes for p, a in zip(fetch.result.shards.pieces, at) if 0 <= a < size]
+                assert fetch.result.arena_bytes == sum(inner)
+                assert_same(client.load(fetch.result, into), src)
+                assert arena.take() is None
+            finally:
+                client.close()
+        # b and count once (replicated), every piece rounded up to 64 bytes (w's 4 and mu's 4 of 48 and
+        # 16), and 8 x 64 bytes a piece for the cuts of a source of more hosts
+        assert ReceiveArena.for_state(into).nbytes == 8 * 64 + 64 + 64 + 10 * 8 * 64
+    finally:
+        server.close()
+
+
 def test_the_newcomer_may_have_another_device_count():
     src = state_on(mesh(4))
     for n in (2, 1):  # regions of 2 (or all 4) source shards assembled into one
@@ -121,7 +154,8 @@ def _host_part(state, host: int, hosts: int) -> dict:
 def test_a_reduced_newcomer_fetches_from_every_host_of_its_source_over_the_network():
     src = state_on(mesh(4))
     servers = [ShardTransport(TOKEN, rate_limit_mbps=None, timeout_s=30) for _ in range(2)]
-    client = ShardTransport(TOKEN, rate_limit_mbps=None, timeout_s=30)
+    arena = ReceiveArena.for_state(abstract(src, mesh(2)))  # (the newcomer's own layout: 2 devices)
+    client = ShardTransport(TOKEN, rate_limit_mbps=None, timeout_s=30, arena=arena)
     try:
         from ftjax.runtime.catchup import _Snapshot
 
@@ -130,6 +164,7 @@ def test_a_reduced_newcomer_fetches_from_every_host_of_its_source_over_the_netwo
         fetch = client.fetch([servers[k].address for k in source_hosts(0, 1, 2)], "b/1", source="a", min_step=12)
         assert fetch.done.wait(30) and fetch.error is None, fetch.error
         assert fetch.result.nbytes >= sum(a.nbytes for a in jax.tree.leaves(src))  # both halves came
+        assert fetch.result.arena_bytes == fetch.result.nbytes  # (smaller pieces, a replicated leaf twice: all in)
         assert_same(client.load(fetch.result, abstract(src, mesh(2))), src)
         one = client.fetch([servers[0].address], "b/1", source="a", min_step=12)  # half is not enough
         assert one.done.wait(30)

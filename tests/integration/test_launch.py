@@ -138,6 +138,9 @@ def test_a_reduced_degree_replica_updates_with_the_full_replicas_bits(launch):
         time.sleep(0.2)
     run.proc.send_signal(signal.SIGINT)
     assert run.wait(timeout=60) == 130
+    # its one host healed from both hosts of the full replica, into the memory it mapped at start
+    healed = [m for m in run.metrics(1) if m.get("event") == "catchup_done" and m["time"] > reduced["time"]]
+    assert healed and healed[0]["arena_bytes"] == healed[0]["bytes"] > 0, healed
     d = digests()
     assert len(both()) >= 10 and [n for n in both() if d[0][n] != d[1][n]] == []
     assert run.summary()["divergences"] == []

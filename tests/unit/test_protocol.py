@@ -64,6 +64,7 @@ def test_a_newcomer_heals_and_replays_the_updates_it_kept(tmp_path):
     p.committed(q, applied=False)
     p.keep(q, update, 0.5)  # the average of step 5, kept for the replay
     assert p.log.kinds() == ["catchup_started"]
+    assert transport.released == 0  # (a healing replica applies nothing: its receive arena stays)
 
     p.ask(0, 2, False)
     agreement = p.agree()
@@ -78,6 +79,8 @@ def test_a_newcomer_heals_and_replays_the_updates_it_kept(tmp_path):
     done = dict(p.log.events)["catchup_done"]
     assert done["replayed"] == 1 and done["snapshot_step"] == 5 and done["at_step"] == 6
     assert len(p.buffer) == 0
+    p.committed(agreement.quorum, applied=True)  # its first step of its own: no fetch is coming
+    assert transport.released == 1
     assert time.monotonic() - t0 < 5
 
 
