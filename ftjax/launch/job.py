@@ -21,6 +21,7 @@ Layout of the run directory:
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import signal
 import subprocess
@@ -259,5 +260,11 @@ class LocalJob:
         return codes
 
     def log_tail(self, r: int, host: int = 0, chars: int = 3000) -> str:
+        """The last `chars` characters of a host's log. Only its end is read (at most 4 bytes a
+        character): the launcher asks at every crash, and a long run's log may be large."""
         path = self.replica_dir(r) / f"host-{host}.log"
-        return path.read_text()[-chars:] if path.exists() else ""
+        if not path.exists():
+            return ""
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4 * chars))
+            return f.read().decode("utf-8", errors="replace")[-chars:]

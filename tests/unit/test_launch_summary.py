@@ -516,3 +516,19 @@ def test_a_stalled_job_prints_why_the_coordinator_waits_every_30_s_and_only_whil
     assert note.poll(4, waiting, 161.0) is None and note.poll(4, waiting, 190.0) is None  # the step moved
     assert note.poll(4, {"pending": 0, "waiting_because": "no pending request"}, 195.0) is None  # nobody asks
     assert note.poll(4, None, 195.0) is None  # (no answer from the coordinator yet)
+
+
+def test_a_host_logs_tail_is_its_last_characters_read_from_the_end(tmp_path):
+    # the launcher reads it at every crash (the down line's last words): only the end of the file,
+    # multi-byte characters intact
+    from ftjax.base.procs import ProcessGroup
+    from ftjax.launch.job import LocalJob
+
+    with ProcessGroup() as procs:
+        job = LocalJob("tiny", [], tmp_path, replicas=1, procs=procs)
+        job.replica_dir(0).mkdir()
+        text = "step 1 ✓\n" * 200_000 + "ftjax train: error: no quorum within 120 s — the peer ✗\n"
+        (job.replica_dir(0) / "host-0.log").write_text(text)
+        assert job.log_tail(0, 0, 60) == text[-60:]
+        assert job.log_tail(0, 0, 10**7) == text  # (more than it holds: all of it)
+        assert job.log_tail(0, 1) == ""
