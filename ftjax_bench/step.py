@@ -19,6 +19,11 @@ same command: ft_serial_step_s and serial_vs_standalone. `phases` and `serial_ph
 of (a)'s and (d)'s replica 0 per-step d2h_s, ring_s, h2d_s, reduce_wall_s and overlap_share
 (the share of d2h + ring + h2d hidden behind each other). `--no-sync` skips (b) (its fields are null).
 
+`--pin-cores`: each replica of (a) and (d), and each standalone process of (c), runs on its own half
+of this machine's cores (`pinned_cores`). Unpinned, the two FT replicas compute in lockstep on shared
+cores (and one memory bus) while the standalone pair drifts apart and interleaves: part of
+ft_vs_standalone is then that contention, which replicas on machines of their own do not have.
+
 The digests (ft.digest_every at its default, 1: (a) and (c) compute the per-step checksum every
 step, inside their step time), from (a)'s replica 0: digest_s, the median time of the per-step
 checksum (`state_checksum`, its step records' `digest_s`), sha256_s, the time of the sha256 of the
@@ -31,6 +36,7 @@ MFU of (a)'s replica 0 after warm-up (null where the devices' peak is not known:
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -76,28 +82,48 @@ def _digest_costs(run: Path, warmup: int) -> tuple[float, float]:
     return statistics.median(times), json.loads((run / "summary.json").read_text())["param_digest_s"]
 
 
-def run_ft(config: str, overrides: list[str], out: Path, timeout: float) -> Path:
+def core_sets(pin: bool) -> list[set[int] | None]:
+    """The cores of each of the two replicas (and of each standalone process): with `pin`, this
+    process's cores in two disjoint halves, as if each replica had a machine of its own; else any."""
+    if not pin:
+        return [None, None]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("ftjax bench step: --pin-cores needs at least 2 cores")
+    half = len(cores) // 2
+    return [set(cores[:half]), set(cores[half : 2 * half])]
+
+
+def run_ft(config: str, overrides: list[str], out: Path, timeout: float, cpus: list) -> tuple[Path, list]:
+    """Run (a); replica 0's run directory and the cores each replica process was allowed, as read
+    from the live processes."""
     with ProcessGroup() as procs:
         job = LocalJob(config, [*overrides, "coordinator.min_replicas=2"], out, replicas=2, procs=procs)
+        job.cpus = dict(enumerate(cpus))
         job.start_coordinator()
-        for r in range(2):
-            job.start_replica(r)
+        cores = [sorted(os.sched_getaffinity(p.pid)) for r in range(2) for p in job.start_replica(r)]
         codes = job.wait(timeout=timeout)
         if codes != {0: [0], 1: [0]}:
             raise RuntimeError(f"FT-HSDP run failed {codes}:\n{job.log_tail(0)}")
-        return job.replica_dir(0)
+        return job.replica_dir(0), cores
 
 
-def _run_processes(name: str, commands: list[list[str]], devices: int, out: Path, timeout: float) -> None:
-    """Run `commands` (`python -m ...`, one process each, at the same time) to completion; their
-    output goes to OUT/NAME-i.log."""
+def _run_processes(
+    name: str, commands: list[list[str]], devices: int, out: Path, timeout: float, cpus: list | None = None
+) -> None:
+    """Run `commands` (`python -m ...`, one process each, at the same time, process i on the cores
+    `cpus[i]`) to completion; their output goes to OUT/NAME-i.log."""
     with ProcessGroup() as procs:
         children = []
         for i, command in enumerate(commands):
             log = open(out / f"{name}-{i}.log", "w")
             children.append(
                 procs.start(
-                    [sys.executable, "-m", *command], device_count=devices, stdout=log, stderr=subprocess.STDOUT
+                    [sys.executable, "-m", *command],
+                    device_count=devices,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cpus=cpus[i] if cpus else None,
                 )
             )
         for i, c in enumerate(children):
@@ -128,7 +154,7 @@ def run_sync(config: str, overrides: list[str], batch: int, devices: int, out: P
     return out / "sync" / "metrics.jsonl"
 
 
-def run_standalone(config: str, overrides: list[str], devices: int, out: Path, timeout: float) -> Path:
+def run_standalone(config: str, overrides: list[str], devices: int, out: Path, timeout: float, cpus: list) -> Path:
     """Both replicas of (a), each training alone, at the same time; replica 0's metrics."""
     runs = [out / f"standalone-{r}" for r in range(2)]
     _run_processes(
@@ -137,6 +163,7 @@ def run_standalone(config: str, overrides: list[str], devices: int, out: Path, t
         devices,
         out,
         timeout,
+        cpus,
     )
     return runs[0] / "metrics.jsonl"
 
@@ -151,6 +178,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-sync", action="store_true", help="skip the synchronous HSDP baseline (b)")
     p.add_argument(
         "--devices", type=int, default=2, help="devices per replica (1 on a machine of one GPU: both replicas share it)"
+    )
+    p.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="each replica of (a) and (d), and each standalone process of (c), on half of the cores: "
+        "replicas that do not compete for one core, as on machines of their own",
     )
     args = p.parse_intermixed_args(argv)
     if args.steps <= args.warmup + 1:
@@ -169,13 +202,14 @@ def main(argv: list[str]) -> int:
     if cfg is None:
         return 2
     with common.run_directory("step", args.out) as out:
-        ft_run = run_ft(args.config, overrides, out / "ft", args.timeout)
+        cpus = core_sets(args.pin_cores)
+        ft_run, replica_cores = run_ft(args.config, overrides, out / "ft", args.timeout, cpus)
         ft = _median_step(ft_run / "metrics.jsonl", args.warmup)
         checksum, sha256 = _digest_costs(ft_run, args.warmup)
-        serial_run = run_ft(args.config, [*overrides, "ft.grad_path=serial"], out / "ft-serial", args.timeout)
+        serial_run, _ = run_ft(args.config, [*overrides, "ft.grad_path=serial"], out / "ft-serial", args.timeout, cpus)
         serial = _median_step(serial_run / "metrics.jsonl", args.warmup)
         alone = _median_step(
-            run_standalone(args.config, [*overrides, "ft.replicas=1"], devices, out, args.timeout), args.warmup
+            run_standalone(args.config, [*overrides, "ft.replicas=1"], devices, out, args.timeout, cpus), args.warmup
         )
         sync = None
         if not args.no_sync:
@@ -188,6 +222,8 @@ def main(argv: list[str]) -> int:
             "config": args.config,
             "replicas": 2,
             "devices_per_replica": devices,
+            "pinned_cores": None if cpus[0] is None else [sorted(c) for c in cpus],
+            "replica_cores": replica_cores,
             "global_batch": 2 * cfg.data.batch_size,
             "steps": args.steps,
             "warmup": args.warmup,

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from ftjax.base.env import limited_env
 
@@ -52,7 +52,9 @@ class ProcessGroup:
         stderr=None,
         cwd: str | None = None,
         text: bool = False,
+        cpus: Collection[int] | None = None,
     ) -> subprocess.Popen:
+        """`cpus`: the cores the child (and every thread it starts) may run on; None: any."""
         child_env = limited_env(device_count=device_count)
         if env:
             child_env.update(env)
@@ -65,6 +67,7 @@ class ProcessGroup:
             cwd=cwd,
             text=text,
             start_new_session=True,  # its own process group: kill() reaches its children too
+            preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
         )
         self.procs.append(proc)
         return proc

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,7 @@ class LocalJob:
         self.placement: dict[int, list[int]] = {}  # replica -> the host each of its processes runs on
         self.incarnations: dict[int, int] = {}
         self.cluster = cluster  # a virtual cluster (every process on a host of its own), or None: this machine
+        self.cpus: dict[int, Collection[int]] = {}  # replica -> the cores its processes may use (none: any)
 
     def host_name(self, r: int, h: int) -> str:
         return host_name(r, h)
@@ -227,6 +229,7 @@ class LocalJob:
             device_count=self.cfg.mesh.devices_per_host,
             stdout=log,
             stderr=subprocess.STDOUT,
+            cpus=self.cpus.get(r),
         )
 
     def terminate_replica(self, r: int) -> None:

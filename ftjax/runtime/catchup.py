@@ -46,14 +46,14 @@ import numpy as np
 from ftjax.base import net
 from ftjax.base.net import split_address
 from ftjax.coordinator.http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPServer
-from ftjax.runtime.regions import LayoutMismatch, Piece, Region, assemble, region_of, size
+from ftjax.runtime.regions import HOST_ALIGN, LayoutMismatch, Piece, Region, assemble, region_of, size
 
 TOKEN_HEADER = "X-Ftjax-Token"
 _CHUNK = 4 << 20  # one sendall / readinto
 _SLOW_CHUNK = 256 << 10  # one sendall under a rate limit (a test's slow link)
 _MAX_MANIFEST = 256 << 20  # a manifest lists every piece of a host's shards: far less
 _MIN_RANGE, _MAX_RANGE = 4 << 20, 64 << 20  # bytes of one request
-_ALIGN = 64  # where a piece begins in a receive arena (XLA's CPU client places aligned host buffers without a copy)
+_ALIGN = HOST_ALIGN  # where a piece begins in a receive arena (placed on a CPU device without a copy)
 
 
 @dataclass

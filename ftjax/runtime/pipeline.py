@@ -29,15 +29,16 @@ import numpy as np
 
 from ftjax.ftar.ring import segment_bounds
 from ftjax.runtime.lanes import LaneFlattener
-from ftjax.runtime.regions import size
+from ftjax.runtime.regions import aligned_empty, size
 
 BLOCK_ELEMS = 1 << 20  # d2h progress is tracked per block of a piece (4 MiB of float32)
 
 
 @dataclass
 class Averaged:
-    """A step's average: `flat`, the lanes end to end (the pipeline reuses this memory next step:
-    `detach` copies it), and `tree`, already on the devices (None: not put back yet)."""
+    """A step's average: `flat`, the lanes end to end (the pipeline reuses this memory within two
+    steps: `detach` copies it), and `tree`, already on the devices (None: not put back yet; on CPU
+    its arrays share `flat`'s memory: apply it before the step after next)."""
 
     flat: np.ndarray
     tree: Any | None = None
@@ -176,15 +177,29 @@ class Pipeline:
         )
         self.bufs = [np.empty(flat.size, flat.dtype) for _ in flat.served]
         self.zeros = [np.zeros(flat.size, flat.dtype) for _ in flat.served]
-        self.flat_out = np.empty(flat.size * len(flat.served), flat.dtype)  # the lanes' results, end to end
-        self.outs = np.split(self.flat_out, len(flat.served))
-        self.out_pieces = flat.pieces_by_leaf(self.outs)  # per leaf, views of its pieces in `outs`
+        # On CPU a device_put of host memory shares it (`LaneFlattener.leaf_array`): copying every
+        # leaf out of the result buffer cost a pass over the update each step (and fresh pages to
+        # fault in). Instead two result buffers take turns and the leaves alias them: the arrays of
+        # step n are read by step n's apply, which step n + 1's gradients wait for, before step
+        # n + 2 writes the same buffer again (docs/design.md, "One step"). Devices copy on their own.
+        self.alias = not pinned and all(d.platform == "cpu" for s in flat.shardings for d in s.device_set)
+        self._results = [self._result_buffer() for _ in range(2 if self.alias else 1)]
+        self._turn = 0
+        self.flat_out, self.outs, self.out_pieces = self._results[0]
         self.blocks, self.leaves = _Blocks(flat, block_elems), _Leaves(flat)
         self.phases = Phases()
+
+    def _result_buffer(self) -> tuple[np.ndarray, list[np.ndarray], dict]:
+        """The lanes' results end to end, each lane's view of it, and per leaf the views of its pieces."""
+        flat_out = aligned_empty(self.flat.size * len(self.flat.served), self.flat.dtype)
+        outs = np.split(flat_out, len(self.flat.served))
+        return flat_out, outs, self.flat.pieces_by_leaf(outs)
 
     def run(self, grads: Any | None, rank: int, world: int, call) -> Averaged:
         """`call(bufs, outs, hooks)` runs every lane's FTAR (hooks: per lane, the kwargs to pass)."""
         t0 = time.perf_counter()
+        self._turn = (self._turn + 1) % len(self._results)
+        self.flat_out, self.outs, self.out_pieces = self._results[self._turn]
         self.phases = phases = Phases()
         if grads is None:  # healing: relays zeros; its average is kept for the replay, not put back
             call(self.zeros, self.outs, [{} for _ in self.outs])
@@ -251,7 +266,7 @@ class Pipeline:
         while (leaf := self.leaves.ready.get()) is not None:
             began = time.perf_counter()
             try:
-                tree[leaf] = self.flat.leaf_array(leaf, self.out_pieces[leaf], copy=True)
+                tree[leaf] = self.flat.leaf_array(leaf, self.out_pieces[leaf], copy=not self.alias)
             except BaseException as exc:
                 self._h2d_error = exc
             busy += time.perf_counter() - began

@@ -14,6 +14,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 Region = tuple[tuple[int, int], ...]  # [start, stop) in each dimension of a leaf's global shape
+HOST_ALIGN = 64  # bytes: XLA's CPU client places a host array aligned to this without a copy
+
+
+def aligned_empty(n: int, dtype: Any) -> np.ndarray:
+    """An empty 1-d array of n elements whose first byte is at a multiple of `HOST_ALIGN` (numpy's
+    large allocations begin 16 bytes past a page)."""
+    raw = np.empty(n * np.dtype(dtype).itemsize + HOST_ALIGN, np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGN
+    return raw[start : start + n * np.dtype(dtype).itemsize].view(dtype)
 
 
 class LayoutMismatch(ValueError):

@@ -38,8 +38,12 @@ def test_every_benchmark_has_a_test_here_or_is_named_where_it_runs():
 def test_bench_step_compares_ft_with_sync_hsdp_and_standalone():
     # it crashed before it trained anything (`ftjax_bench.sync_baseline` built a namespace that
     # `parse_config` could not read): no figure of the README's step table could be reproduced
-    out = _bench("step", TINY, "--steps", "4", "--warmup", "1", "hardware.peak_flops_per_device=1e11")
+    out = _bench("step", TINY, "--steps", "4", "--warmup", "1", "hardware.peak_flops_per_device=1e11", "--pin-cores")
     assert out["bench"] == "step" and out["steps"] == 4
+    # each replica on its own half of the cores, as read from the running processes
+    halves = out["pinned_cores"]
+    assert len(halves) == 2 and halves[0] and not set(halves[0]) & set(halves[1]), halves
+    assert out["replica_cores"] == halves
     assert 0 < out["ft_mfu"] < 1  # (a peak given: CPU has none of its own)
     _ratio(out["ratio"]), _ratio(out["ft_vs_standalone"])
     _ratio(out["digest_share"]), _ratio(out["sha256_share"])  # the per-step checksum's cost, the sha256's

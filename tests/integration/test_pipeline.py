@@ -1,5 +1,5 @@
 """The pipelined gradient path (ftjax/runtime/pipeline.py) against the serial one, over real FTAR
-endpoints: the same bits, buffers allocated once and never aliased by what went back to the devices,
+endpoints: the same bits, buffers allocated once, an update put back intact until it is applied,
 a healing member's zeros, a failed ring that leaves the next step whole, and the phases recorded."""
 
 import threading
@@ -117,21 +117,31 @@ def test_through_page_locked_host_memory_the_bits_are_the_same():
     [r.close() for r in reducers]
 
 
-def test_buffers_are_allocated_once_and_what_went_back_to_the_devices_is_not_overwritten():
-    """The pipeline reuses its lane and result buffers every step: the arrays put back on the devices
-    must be copies (a CPU device_put may alias host memory), and a kept update must be detached."""
+def test_buffers_are_allocated_once_and_an_update_put_back_outlives_the_next_step():
+    """The pipeline reuses its lane buffers every step and, on CPU, two result buffers in turn, which
+    the arrays put back share (no copy): step n's update must survive step n + 1 (its apply runs
+    before step n + 1's gradients exist), and a kept update must be detached."""
     reducers = _reducers([True, True])
     pipe = reducers[0].pipeline
-    bufs, outs = [b.ctypes.data for b in pipe.bufs], [o.ctypes.data for o in pipe.outs]
+    assert pipe.alias, "CPU devices: the leaves put back alias the result buffer"
+    bufs = [b.ctypes.data for b in pipe.bufs]
+
+    def span(flat):
+        return range(flat.ctypes.data, flat.ctypes.data + flat.nbytes)
+
     first = _step(reducers, [_update(1)[0], _update(2)[0]], qid=1, step=0)
-    first_bits = _bits(first[0])
+    first_bits, first_out = _bits(first[0]), span(pipe.flat_out)
+    aligned = [k for i, k in enumerate(sorted(SHAPES)) if all(p.data.ctypes.data % 64 == 0 for p in pipe.out_pieces[i])]
+    assert aligned, "the result buffer is aligned: so is at least its first leaf"
+    for k in aligned:
+        pointers = [s.data.unsafe_buffer_pointer() for s in first[0][k].addressable_shards]
+        assert all(p in first_out for p in pointers), f"{k}: put back as a copy, not shared"
     second = _step(reducers, [_update(3)[0], _update(4)[0]], qid=1, step=1)
-    assert [b.ctypes.data for b in pipe.bufs] == bufs and [o.ctypes.data for o in pipe.outs] == outs
-    assert _bits(first[0]) == first_bits, "step 0's update changed when step 1 reused the buffers"
-    lo, hi = pipe.flat_out.ctypes.data, pipe.flat_out.ctypes.data + pipe.flat_out.nbytes
-    pointers = [s.data.unsafe_buffer_pointer() for leaf in first[0].values() for s in leaf.addressable_shards]
-    assert not any(lo <= p < hi for p in pointers), "an array on the devices is a view of the result buffer"
+    assert span(pipe.flat_out) != first_out and [b.ctypes.data for b in pipe.bufs] == bufs
+    assert _bits(first[0]) == first_bits, "step 0's update changed when step 1 ran"
     assert _bits(second[0]) != first_bits
+    _step(reducers, [_update(5)[0], _update(6)[0]], qid=1, step=2)
+    assert span(pipe.flat_out) == first_out, "the result buffers take turns: none is allocated per step"
     update = Averaged(pipe.flat_out)
     kept = reducers[0].detach(update)
     assert not np.shares_memory(kept, pipe.flat_out) and kept.tobytes() == pipe.flat_out.tobytes()
