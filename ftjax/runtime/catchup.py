@@ -53,7 +53,6 @@ _CHUNK = 4 << 20  # one sendall / readinto
 _SLOW_CHUNK = 256 << 10  # one sendall under a rate limit (a test's slow link)
 _MAX_MANIFEST = 256 << 20  # a manifest lists every piece of a host's shards: far less
 _MIN_RANGE, _MAX_RANGE = 4 << 20, 64 << 20  # bytes of one request
-_ALIGN = HOST_ALIGN  # where a piece begins in a receive arena (placed on a CPU device without a copy)
 
 
 @dataclass
@@ -377,9 +376,10 @@ class ReceiveArena:
     def _map(self) -> None:
         t0 = time.perf_counter()
         try:
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            populate = getattr(mmap, "MAP_POPULATE", 0)  # (Linux only)
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate
             buffer = np.frombuffer(mmap.mmap(-1, max(self.nbytes, 1), flags=flags), np.uint8)
-            if not getattr(mmap, "MAP_POPULATE", 0):
+            if not populate:
                 buffer[:: mmap.PAGESIZE] = 0  # (the kernel could not: one write per page)
             self._buffer = buffer
         except (OSError, ValueError, MemoryError):  # no arena: the fetch allocates as it did before
@@ -405,7 +405,7 @@ class ReceiveArena:
         # as _Layout lays them out, and room for a source of up to 8x this replica's hosts, whose
         # pieces (smaller, each aligned) cut a leaf up to 8 times
         sizes = _shard_bytes(state)
-        nbytes = sum(_aligned(n) for n in sizes) + 8 * _ALIGN * len(sizes)
+        nbytes = sum(_aligned(n) for n in sizes) + 8 * HOST_ALIGN * len(sizes)
         try:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError):
@@ -426,12 +426,14 @@ def _shard_bytes(state: Any) -> list[int]:
 
 
 def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    """n rounded up to where the next piece of a receive arena begins: aligned, a CPU device takes
+    the piece without a copy."""
+    return -(-n // HOST_ALIGN) * HOST_ALIGN
 
 
 class _Layout:
     """Empty arrays for a snapshot's pieces: carved one after the other (each at a multiple of
-    `_ALIGN` bytes) out of an arena while it lasts, then each allocated on its own."""
+    `HOST_ALIGN` bytes) out of an arena while it lasts, then each allocated on its own."""
 
     def __init__(self, arena: np.ndarray | None):
         self.arena, self.at, self.placed = arena, 0, 0  # (placed: the bytes of the pieces in the arena)
