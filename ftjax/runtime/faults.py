@@ -16,9 +16,13 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
+if TYPE_CHECKING:
+    import jax
+
+# No JAX at import: the launcher reads PHASES and parses the flags here, and a launcher process
+# that imported JAX for it spent ~1.2 s of CPU doing so at every start.
 
 PHASES = ("forward", "ftar", "commit", "catchup", "eval")  # eval: during an evaluation (eval.every)
 
@@ -65,6 +69,8 @@ class InjectedFaults:
             return state
         self.flip_at = None
         print(f"fault injection: one bit of the parameters flipped after step {step}", file=sys.stderr, flush=True)
+        import jax
+
         leaves, treedef = jax.tree.flatten(state["params"])
         leaves[0] = _flip_first_bit(leaves[0])
         return {**state, "params": jax.tree.unflatten(treedef, leaves)}
@@ -80,6 +86,9 @@ def parse_flip_at(text: str | None) -> int | None:
 
 
 def _flip_first_bit(x: jax.Array) -> jax.Array:
+    import jax
+    import jax.numpy as jnp
+
     bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
 
     def flip(a):

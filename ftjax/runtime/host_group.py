@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ftjax.runtime.compile_cache import write_from_every_process
+
 MEET_TIMEOUT_S = 600.0  # hosts of a replica meet before their first collective (jax.distributed gives 300 s to connect)
 
 
@@ -23,6 +25,8 @@ class JaxHostGroup:
     def __init__(self) -> None:
         self.hosts = jax.process_count()
         self.rank = jax.process_index()
+        if self.hosts > 1:  # (a script's own jax.distributed.initialize: `ftjax train` did it already)
+            write_from_every_process()
 
     def meet(self, name: str, timeout_s: float = MEET_TIMEOUT_S) -> None:
         """Wait until every host of the replica is here, through jax.distributed's coordination
