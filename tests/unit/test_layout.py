@@ -116,6 +116,19 @@ def test_the_runtime_gets_its_coordinator_types_without_grpc():
     assert done.stdout.strip() == "[]", done.stdout
 
 
+def test_the_launcher_and_the_coordinator_start_without_jax():
+    """The processes that only supervise (the launcher, the coordinator) load no JAX: importing it
+    costs ~1.2 s of CPU at every start, and a job starts them often (tests, restarts)."""
+    code = (
+        "import sys\n"
+        "import ftjax.launch.cli, ftjax.launch.supervisor, ftjax.coordinator.server\n"
+        "print(sorted(m for m in sys.modules if m in ('jax', 'jaxlib', 'flax', 'optax', 'orbax')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 def test_no_function_is_longer_than_60_lines():
     long = []
     for path in modules().values():
