@@ -102,31 +102,29 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
     assert RANK[unit_of("ftjax.runtime")] > RANK[unit_of("ftjax.base.net")]
 
 
+def _loaded(modules: str, packages: tuple[str, ...]) -> list[str]:
+    """Which of `packages` (or their submodules) a fresh interpreter holds after importing `modules`."""
+    code = f"import sys\nimport {modules}\nprint(sorted(m for m in sys.modules if m.split('.')[0] in {packages!r}))\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return ast.literal_eval(done.stdout.strip())
+
+
 def test_the_runtime_gets_its_coordinator_types_without_grpc():
     """The step protocol, the loop, the reducer and FTAR read quorums and coordinator errors from
     ftjax.coordinator.types: none of them loads gRPC (only the client, which talks to the server)."""
-    code = (
-        "import sys\n"
-        "import ftjax.coordinator.types, ftjax.coordinator.codec, ftjax.ftar\n"
-        "import ftjax.runtime.protocol, ftjax.runtime.trainer, ftjax.runtime.reduce, ftjax.runtime.manager\n"
-        "print(sorted(m for m in sys.modules if m == 'grpc' or m.startswith('grpc.')))\n"
+    runtime = (
+        "ftjax.coordinator.types, ftjax.coordinator.codec, ftjax.ftar, ftjax.runtime.protocol, "
+        "ftjax.runtime.trainer, ftjax.runtime.reduce, ftjax.runtime.manager"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]", done.stdout
+    assert _loaded(runtime, ("grpc",)) == []
 
 
 def test_the_launcher_and_the_coordinator_start_without_jax():
     """The processes that only supervise (the launcher, the coordinator) load no JAX: importing it
     costs ~1.2 s of CPU at every start, and a job starts them often (tests, restarts)."""
-    code = (
-        "import sys\n"
-        "import ftjax.launch.cli, ftjax.launch.supervisor, ftjax.coordinator.server\n"
-        "print(sorted(m for m in sys.modules if m in ('jax', 'jaxlib', 'flax', 'optax', 'orbax')))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]", done.stdout
+    supervisors = "ftjax.launch.cli, ftjax.launch.supervisor, ftjax.coordinator.server"
+    assert _loaded(supervisors, ("jax", "jaxlib", "flax", "optax", "orbax")) == []
 
 
 def test_no_function_is_longer_than_60_lines():
