@@ -32,9 +32,6 @@ def init_distributed(cfg: Config, args: argparse.Namespace) -> None:
             process_id=args.process_id,
             coordinator_bind_address=dist_bind_address(cfg, args.dist_address),
         )
-        from ftjax.runtime.compile_cache import write_from_every_process
-
-        write_from_every_process()  # process 1 and up would otherwise compile at every start
 
 
 def main(argv: list[str]) -> int:

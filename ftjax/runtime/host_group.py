@@ -25,7 +25,7 @@ class JaxHostGroup:
     def __init__(self) -> None:
         self.hosts = jax.process_count()
         self.rank = jax.process_index()
-        if self.hosts > 1:  # (a script's own jax.distributed.initialize: `ftjax train` did it already)
+        if self.hosts > 1:  # before the replica's programs compile, in `ftjax train` and a script's loop
             write_from_every_process()
 
     def meet(self, name: str, timeout_s: float = MEET_TIMEOUT_S) -> None:
