@@ -31,7 +31,7 @@ from ftjax_bench import common
 def _job(config: str, overrides: list[str], out: Path, args, timeout: float) -> list[list[dict]]:
     """Run one job with `ftjax launch`; each replica's committed step records."""
     cmd = [sys.executable, "-m", "ftjax", "launch", config, *overrides, "--replicas", str(args.replicas)]
-    cmd += ["--out", str(out), "--overwrite", "--timeout-s", str(int(timeout))]
+    cmd += ["--out", str(out), "--overwrite", "--timeout-s", str(int(timeout)), "--no-plots"]
     if args.virtual_cluster:
         cmd += ["--virtual-cluster", "--bandwidth-mbit", f"all={args.bandwidth_mbit:g}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 60)

@@ -84,6 +84,7 @@ def main(argv: list[str]) -> int:
                 "ft.drain_timeout_s=0",
                 "--timeout-s",
                 "600",
+                "--no-plots",
                 "--out",
                 str(run),
             ]

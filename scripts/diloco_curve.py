@@ -30,7 +30,7 @@ from pathlib import Path
 
 def job(config: str, overrides: list[str], replicas: int, out: Path) -> dict[int, float]:
     """Run one job; step -> the mean training loss over the replicas that committed it."""
-    cmd = [sys.executable, "-m", "ftjax", "launch", config, "--replicas", str(replicas), *overrides]
+    cmd = [sys.executable, "-m", "ftjax", "launch", config, "--replicas", str(replicas), *overrides, "--no-plots"]
     done = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")

@@ -59,11 +59,13 @@ def kill_groups(groups: set[int]) -> None:
 class Launch:
     """One `ftjax launch` process; `close()` makes sure neither it nor any of its children survives."""
 
-    def __init__(self, procs: ProcessGroup, args: list[str], run_dir: Path):
+    def __init__(self, procs: ProcessGroup, args: list[str], run_dir: Path, plots: bool = False):
+        """`plots`: let the launcher draw its plots (~2 s of CPU at the end of every job, and no test
+        but one reads them: `--no-plots` otherwise)."""
         self.run_dir = run_dir
         self.log = open(run_dir.parent / f"{run_dir.name}.out", "w")
         self.proc = procs.start(
-            [sys.executable, "-m", "ftjax", "launch", *args, "--out", str(run_dir)],
+            [sys.executable, "-m", "ftjax", "launch", *args, *([] if plots else ["--no-plots"]), "--out", str(run_dir)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
@@ -121,11 +123,11 @@ class Launch:
 
 @pytest.fixture
 def launch(procs, tmp_path):
-    """`launch(*args, name="run")` starts `ftjax launch configs/tiny.yaml *args --out tmp/name`."""
+    """`launch(*args, name="run", plots=False)` starts `ftjax launch configs/tiny.yaml *args --out tmp/name`."""
     runs = []
 
-    def start(*args: str, name: str = "run") -> Launch:
-        run = Launch(procs, [TINY, "--restart-delay-s", "0.5", *args], tmp_path / name)
+    def start(*args: str, name: str = "run", plots: bool = False) -> Launch:
+        run = Launch(procs, [TINY, "--restart-delay-s", "0.5", *args], tmp_path / name, plots=plots)
         runs.append(run)
         return run
 

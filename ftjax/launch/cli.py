@@ -157,6 +157,13 @@ def _add_virtual_cluster_arguments(p: argparse.ArgumentParser) -> None:
 def _add_supervision_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("supervision")
     s.add_argument("--restart-delay-s", type=float, default=1.0, help="delay before a dead replica restarts (1.0)")
+    s.add_argument(
+        "--no-plots",
+        dest="plots",
+        action="store_false",
+        help="do not draw RUN/loss.png and RUN/timeline.png at the end (scripts, sweeps, the test suite: "
+        "drawing them is ~2 s of CPU per job, most of it importing matplotlib)",
+    )
     s.add_argument("--max-restarts", type=int, default=10, help="per replica; one more failure ends the job (10)")
     option(
         s,
@@ -469,7 +476,7 @@ def run(launch: Launch, console: Console) -> int:
                 log.close()
     if log is None:
         return code
-    return _report(out, console, code)
+    return _report(out, console, code, plots=args.plots)
 
 
 def _start_virtual_cluster(
@@ -538,16 +545,18 @@ def _supervisor(
     )
 
 
-def _report(out: Path, console: Console, code: int) -> int:
-    """Write summary.json and the plots, print the summary table."""
-    from ftjax.launch.plots import write_loss, write_timeline
+def _report(out: Path, console: Console, code: int, plots: bool = True) -> int:
+    """Write summary.json and (unless --no-plots) the plots, print the summary table."""
     from ftjax.launch.view import print_summary
     from ftjax.runs.summary import exit_code, load_run, write_summary
 
     summary = write_summary(out)
-    run = load_run(out)
-    write_loss(run, out / "loss.png")
-    write_timeline(run, out / "timeline.png", summary["median_step_s"] or 0.0)
+    if plots:
+        from ftjax.launch.plots import write_loss, write_timeline
+
+        run = load_run(out)
+        write_loss(run, out / "loss.png")
+        write_timeline(run, out / "timeline.png", summary["median_step_s"] or 0.0)
     print_summary(console, summary, str(out))
     code, why = exit_code(summary, code)
     if why:

@@ -16,6 +16,7 @@ import time
 import urllib.request
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -349,4 +350,5 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
             f"different states (first: step {split['first']['step']}: {split['first']['commits']})"
         )
     for name in ("summary.json", "loss.png", "timeline.png"):
-        console.print(f"  {run_dir}/{name}", highlight=False)
+        if (Path(run_dir) / name).exists():  # (no plots with --no-plots)
+            console.print(f"  {run_dir}/{name}", highlight=False)

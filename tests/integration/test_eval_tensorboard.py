@@ -115,8 +115,10 @@ def test_a_replica_killed_during_an_evaluation_changes_neither_digests_nor_exact
     killed in the middle of its evaluation of step 200 (after the commit, before its record), restarts,
     catches up and evaluates again. Its TensorBoard files hold what each incarnation wrote (the killed
     one's unflushed tail is lost with it; metrics.jsonl's line is not written either)."""
+    # The restarted replica must rejoin and evaluate before the last step: it rejoined at step 423
+    # (6 s after its kill) on a quiet machine, at step 600 with both cores busy (`yes` twice)
     run = launch(
-        "--replicas", "2", "--kill", "1@200:eval", *token_args(tokens, "steps=1400", "eval.every=100", "eval.batches=3")
+        "--replicas", "2", "--kill", "1@200:eval", *token_args(tokens, "steps=1000", "eval.every=100", "eval.batches=3")
     )
     code = run.wait(timeout=600)
     s = run.summary()
@@ -129,5 +131,5 @@ def test_a_replica_killed_during_an_evaluation_changes_neither_digests_nor_exact
         assert s["replicas"][str(r)]["last_eval_loss"] == evaluated[max(evaluated)]["eval_loss"]
         tb = scalars(run.run_dir / "tensorboard" / f"replica-{r}")["eval/loss"]
         assert tb == pytest.approx({step: evaluated[step]["eval_loss"] for step in tb}, rel=1e-6)
-        assert max(tb) == 1400 and (r == 1 or set(tb) == set(evaluated))
+        assert max(tb) == 1000 and (r == 1 or set(tb) == set(evaluated))
     assert 200 not in {m["step"] for m in run.metrics(1) if "step" in m and "event" not in m}

@@ -15,8 +15,9 @@ def _events(run, name, **match):
 @pytest.mark.slow
 def test_killed_replica_restarts_and_ends_equal(launch):
     """Issue 7: `--replicas 2 --kill 1@10 steps=60`: equal digests, replica 1 restarted, the healthy
-    replica's longest stall within 1.5 x its median step + 0.5 s; no process left after the end."""
-    run = launch("--replicas", "2", "--kill", "1@10", "steps=60")
+    replica's longest stall within 1.5 x its median step + 0.5 s; no process left after the end; the
+    launcher's plots drawn (the launch fixture passes --no-plots unless asked: ~2 s of CPU per job)."""
+    run = launch("--replicas", "2", "--kill", "1@10", "steps=60", plots=True)
     code = run.wait(timeout=400)
     s = run.summary()
     assert [(e["replica"], e["cause"], e["at"]) for e in s["failure_events"]] == [(1, "kill", "10:forward")]
@@ -24,6 +25,8 @@ def test_killed_replica_restarts_and_ends_equal(launch):
     assert s["max_healthy_stall_s"] <= 1.5 * s["median_step_s"] + 0.5, s
     assert run.leftovers() == []
     assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
+    for name in ("loss.png", "timeline.png"):
+        assert (run.run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
 @pytest.mark.slow

@@ -253,6 +253,25 @@ def test_plots_are_written(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("plots", [True, False])
+def test_the_launchers_report_draws_the_plots_unless_told_not_to(tmp_path, plots):
+    """`ftjax launch` ends with the summary and the plots; `--no-plots` leaves the plots out, and the
+    table lists only the files that exist."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from ftjax.launch.cli import _report
+
+    out = make_run(tmp_path / "run")
+    console = Console(file=StringIO(), width=200)
+    _report(out, console, 0, plots=plots)
+    shown = console.file.getvalue()
+    assert (out / "summary.json").exists() and f"{out}/summary.json" in shown
+    for name in ("loss.png", "timeline.png"):
+        assert (out / name).exists() == plots and (f"{out}/{name}" in shown) == plots, shown
+
+
 def make_frozen_run(tmp_path):
     """Two replicas. `--hang 1@0.4` SIGSTOPs replica 1 after its step 5 (110.5), and something sends it
     SIGCONT 15.1 s later, before the hang timeout: it is never declared hung, never killed. Replica 0
