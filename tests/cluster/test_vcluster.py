@@ -259,8 +259,9 @@ def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_wh
         "ft.global_batch=constant",
         "ft.on_host_loss=reduce",
         # Past the whole incarnation's rejoin, steps only add time: it rejoined at step 105 of 340
-        # (quiet machine, warm cache: 56 s into the run). A later rejoin is checked too (below).
-        "steps=200",
+        # (quiet machine, warm cache: 56 s into the run), at 135 of 200 with both cores busy; one
+        # after the last step (served while replica 0 drains) is checked too (below).
+        "steps=160",
     )
     code = run.wait(timeout=600)
     s = run.summary()
@@ -298,8 +299,8 @@ def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_wh
     trained = [m for m in run.metrics(1) if m.get("committed") and m.get("work") and m["time"] > rejoins[1]["time"]]
     rows = [sum(b - a for who, _, a, b in m["work"] if who == 1) for m in trained]
     assert all(n in (0, 8) for n in rows), rows  # (0: a step it healed into)
-    if rejoins[1]["at_step"] < 200:
-        assert trained and trained[-1]["step"] == 200 and rows[-1] == 8, (rejoins[1], rows)
+    if rejoins[1]["at_step"] < 160:
+        assert trained and trained[-1]["step"] == 160 and rows[-1] == 8, (rejoins[1], rows)
     assert s["replicas"]["0"]["restarts"] == 0
     # replica 0's stalls while replica 1 goes reduced and trains reduced, to the host's return. (The
     # whole incarnation's join afterwards is a restart's join, issue 14's test; on a 2-core machine
