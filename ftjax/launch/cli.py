@@ -86,6 +86,13 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         "--out", default=None, help="run directory (default: runs/launch-<config name>); must be new or empty"
     )
     p.add_argument("--overwrite", action="store_true", help="delete --out first if it holds an earlier run")
+    p.add_argument(
+        "--no-plots",
+        dest="plots",
+        action="store_false",
+        help="do not draw RUN/loss.png and RUN/timeline.png at the end (scripts, sweeps, the test suite: "
+        "drawing them is ~2 s of CPU per job, most of it importing matplotlib)",
+    )
     option(
         p,
         "--entry",
@@ -157,13 +164,6 @@ def _add_virtual_cluster_arguments(p: argparse.ArgumentParser) -> None:
 def _add_supervision_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("supervision")
     s.add_argument("--restart-delay-s", type=float, default=1.0, help="delay before a dead replica restarts (1.0)")
-    s.add_argument(
-        "--no-plots",
-        dest="plots",
-        action="store_false",
-        help="do not draw RUN/loss.png and RUN/timeline.png at the end (scripts, sweeps, the test suite: "
-        "drawing them is ~2 s of CPU per job, most of it importing matplotlib)",
-    )
     s.add_argument("--max-restarts", type=int, default=10, help="per replica; one more failure ends the job (10)")
     option(
         s,
