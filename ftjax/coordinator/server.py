@@ -184,6 +184,13 @@ class _Service:
             if rank is None or q.participants[rank].incarnation != waiter.incarnation:
                 continue  # not in this quorum (a dead member's request stays pending)
             del self._waiters[rid]
+            if waiter.future.done():
+                # Its caller hung up: cancelling the handler cancelled this future, and the
+                # handler's withdrawal is still queued behind us. It stays a participant, as a
+                # member that died just after its answer would (its peers' FTAR fails and they
+                # ask again); answering it would raise and leave the rest of the quorum unanswered
+                # while the state counts them as answered: they would wait out their deadlines.
+                continue
             first = min(first, waiter.since)
             # Each handler encodes its own few bytes: the first answers leave sooner.
             waiter.future.set_result((encoded, rank, waiter.known_quorum_id, now))

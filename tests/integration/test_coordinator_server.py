@@ -3,6 +3,7 @@ driven by real clients: quorums, healing, failure reports, auth, bad input, HTTP
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import queue
@@ -17,8 +18,9 @@ from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
 from ftjax.coordinator.client import CoordinatorClient, CoordinatorError
+from ftjax.coordinator.http import Metrics
 from ftjax.coordinator.quorum import MemberReport, Settings
-from ftjax.coordinator.server import CoordinatorServer, main
+from ftjax.coordinator.server import CoordinatorServer, _Service, main
 from ftjax.coordinator.state import CoordinatorState
 from ftjax.coordinator.types import JobFinished, MemberInfo, new_incarnation
 
@@ -279,6 +281,52 @@ def test_a_requester_that_hangs_up_is_withdrawn_and_its_broken_stream_makes_it_a
     while server.state.members["a"].requested_at or server.state.members["a"].suspected_at is None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_a_requester_that_hangs_up_as_its_quorum_forms_leaves_its_peers_answered():
+    """A caller hangs up (its handler is cancelled, which cancels its pending answer) and, before
+    its handler runs again to withdraw, the last request forms a quorum with it. The others must
+    get their answers: an exception on the cancelled one once left them waiting out their
+    deadlines while the state counted them answered (a DiLoCo job stalled 120 s on a kill).
+    The service is driven on its own event loop, so the order of the two events is the one a
+    real server can see, every time."""
+
+    class Context:
+        def time_remaining(self):
+            return None
+
+        async def abort(self, code, message):
+            raise RuntimeError(f"{code}: {message}")
+
+    async def requests(q: asyncio.Queue):
+        while (item := await q.get()) is not None:
+            yield item
+
+    async def serve(service, q: asyncio.Queue) -> list:
+        return [pb.QuorumResponse.FromString(a) async for a in service.quorum(requests(q), Context())]
+
+    async def scenario() -> None:
+        state = CoordinatorState(THREE, 0.0, startup_grace=0.0)
+        service = _Service(state, Metrics(state), asyncio.get_running_loop())
+        queues = {rid: asyncio.Queue() for rid in "abc"}
+        tasks = {rid: asyncio.create_task(serve(service, queues[rid])) for rid in "abc"}
+        for rid in "ab":
+            queues[rid].put_nowait(pb.QuorumRequest(member=member_proto(rid), timeout_ms=10_000))
+        while not all((m := state.members.get(rid)) and m.requested_at for rid in "ab"):
+            await asyncio.sleep(0)
+        # c's request wakes its handler first, a's cancellation second: a is still a requester
+        queues["c"].put_nowait(pb.QuorumRequest(member=member_proto("c"), timeout_ms=10_000))
+        tasks["a"].cancel()
+        for rid in "bc":
+            queues[rid].put_nowait(None)
+        answers = await asyncio.wait_for(asyncio.gather(tasks["b"], tasks["c"]), 5)
+        for (answer,) in answers:
+            assert answer.quorum_id >= 1 and [m.replica_id for m in answer.members] == ["a", "b", "c"]
+        with pytest.raises(asyncio.CancelledError):
+            await tasks["a"]
+        assert not any(m.requested_at for m in state.members.values())
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
 def test_a_new_incarnation_aborts_the_old_ones_pending_request(make_server, raw):
