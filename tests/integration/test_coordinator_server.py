@@ -1,5 +1,6 @@
 """The coordinator served for real (gRPC on 127.0.0.1, in a background thread of this process),
-driven by real clients: quorums, healing, failure reports, auth, bad input, HTTP status."""
+driven by real clients: quorums, healing, failure reports, auth, bad input, HTTP status. One test
+drives the gRPC service's handlers on an event loop of its own, to order two events exactly."""
 
 from __future__ import annotations
 
