@@ -18,13 +18,8 @@ demo: venv
 	$(VENV)/bin/ftjax demo
 
 # Everything: tests/unit, tests/integration, tests/cluster (ruff check and format among the unit tests).
-# Two tests at a time (pytest-xdist; TEST_WORKERS=1 for one): a multi-process test spends a third of
-# its time waiting (deadlines, partitions, drains), which the other test uses; each test's margins
-# hold with both cores busy. loadfile: a module's tests share one worker, so a module's fixture (a
-# trained run, a built wheel, a virtual cluster) is made once.
-TEST_WORKERS ?= 2
 test: venv
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(VENV)/bin/python -m pytest -q
 
 # The fast loop: pure functions and fakes, no process (under a minute).
 test-unit: venv
