@@ -333,6 +333,13 @@ class FTConfig(_Strict):
         'slow links"); `steps` then counts outer rounds',
     )
     inner_steps: int = Field(20, gt=0, description="diloco: inner optimizer steps between two averages of a parameter")
+    sync_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="diloco: the job's first N steps average gradients every step, as every_step does, before the "
+        "outer rounds start (the DiLoCo paper's synchronous warm start; `steps` counts them and then the rounds; "
+        'docs/design.md, "Training across slow links")',
+    )
     fragments: int = Field(
         4, gt=0, description="streaming_diloco: parts of the parameters (equal sizes; fragments - 1 arrays cut at most)"
     )
@@ -519,6 +526,8 @@ class Config(_Strict):
             )
         if self.ft.sync != "every_step":
             self._check_diloco()
+        elif self.ft.sync_warmup_steps:
+            raise ValueError("ft.sync_warmup_steps: only with ft.sync=diloco (every_step averages every step anyway)")
         elif self.ft.global_batch != "constant":
             # Rows a reduced replica does not compute go to the others, exactly once; elastic mode
             # has nobody to give them to (its batch n of stream r is trained by replica r or never).
@@ -546,6 +555,11 @@ class Config(_Strict):
         ft = self.ft
         if ft.global_batch != "elastic":
             raise ValueError(f"ft.sync={ft.sync}: ft.global_batch must be elastic (each replica trains its batches)")
+        if ft.sync == "streaming_diloco" and ft.sync_warmup_steps:
+            raise ValueError(
+                "ft.sync_warmup_steps: only with ft.sync=diloco (a warm-up step averages the whole gradient; "
+                "streaming_diloco's reducers each hold one fragment)"
+            )
         if ft.sync == "streaming_diloco" and ft.inner_steps % ft.fragments:
             raise ValueError(
                 f"ft.fragments ({ft.fragments}) must divide ft.inner_steps ({ft.inner_steps}): "
@@ -571,9 +585,16 @@ class Config(_Strict):
         return self.ft.inner_steps // self.sync_fragments
 
     @property
+    def warmup_sync_steps(self) -> int:
+        """Steps of the job that average gradients before DiLoCo's rounds (ft.sync_warmup_steps, at most `steps`)."""
+        return min(self.ft.sync_warmup_steps, self.steps) if self.ft.sync == "diloco" else 0
+
+    @property
     def train_steps(self) -> int:
-        """Optimizer steps of the job (the learning-rate schedule's length): `steps` x `inner_per_step`."""
-        return self.steps * self.inner_per_step
+        """Optimizer steps of the job (the learning-rate schedule's length): `steps` x `inner_per_step`,
+        a synchronous warm-up step counting one."""
+        w = self.warmup_sync_steps
+        return w + (self.steps - w) * self.inner_per_step
 
     @model_validator(mode="after")
     def _micro_batches_fit(self) -> Config:

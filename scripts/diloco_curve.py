@@ -1,11 +1,12 @@
 """DiLoCo against every-step sync at equal tokens: two jobs, one JSON line, a plot.
 
-    python scripts/diloco_curve.py [CONFIG] [--steps 300] [--inner 20] [--seeds 0,1,2,3] \\
+    python scripts/diloco_curve.py [CONFIG] [--steps 300] [--inner 20] [--warmup 0] [--seeds 0,1,2,3] \\
         [--plot docs/diloco_vs_every_step.png]
 
 For each seed (`seed=S`: the initial parameters and the data order), runs `ftjax launch CONFIG
 --replicas R` twice with the same tokens: `ft.sync=every_step` for `--steps` steps, then
-`ft.sync=diloco` (`--sync streaming_diloco`) for steps / inner rounds of `--inner` inner steps.
+`ft.sync=diloco` (`--sync streaming_diloco`) for steps / inner rounds of `--inner` inner steps
+(with `--warmup W`: W synchronous steps, `ft.sync_warmup_steps=W`, then (steps - W) / inner rounds).
 `--floor` adds a third job in the same run: `ft.sync=diloco` with one inner step per round and plain
 averaging (outer lr 1, no momentum), i.e. every replica's own AdamW step, then the parameters
 averaged, every step: what DiLoCo's per-replica inner optimizer costs with no sync interval at all.
@@ -70,6 +71,7 @@ def main() -> int:
     p.add_argument("config", nargs="?", default="llama_tiny")
     p.add_argument("--steps", type=int, default=300, help="inner steps of each job")
     p.add_argument("--inner", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=0, help="DiLoCo's synchronous warm-up steps (ft.sync_warmup_steps)")
     p.add_argument("--sync", choices=["diloco", "streaming_diloco"], default="diloco")
     p.add_argument("--fragments", type=int, default=4)
     p.add_argument("--replicas", type=int, default=2)
@@ -81,10 +83,11 @@ def main() -> int:
     p.add_argument("--floor", action="store_true", help="also run H = 1 with plain averaging (see above)")
     a = p.parse_args()
     per_round = a.inner // (a.fragments if a.sync == "streaming_diloco" else 1)
-    n = a.steps // per_round
+    n = a.warmup + (a.steps - a.warmup) // per_round
     every = ["ft.digest_every=0", *a.both, f"steps={a.steps}", f"checkpoint.every={a.steps}"]
     rounds = ["ft.digest_every=0", *a.both, f"steps={n}", f"checkpoint.every={n}", f"ft.sync={a.sync}"]
     rounds += [f"ft.inner_steps={a.inner}", f"ft.fragments={a.fragments}", *a.set]
+    rounds += [f"ft.sync_warmup_steps={a.warmup}"] if a.warmup else []
     floor = [*every, "ft.sync=diloco", "ft.inner_steps=1", "ft.outer_lr=1.0", "ft.outer_momentum=0.0"]
     finals, base, dl = {}, defaultdict(list), defaultdict(list)
     for seed in [int(x) for x in a.seeds.split(",")]:
@@ -102,15 +105,13 @@ def main() -> int:
                 job(a.config, f, a.replicas, Path(tmp) / "floor")
                 finals[seed]["floor"] = held_out(a.config, f, Path(tmp) / "floor", a.held_out)
     # the x axis: inner steps of one replica (equal tokens: every replica trains one batch per inner
-    # step); a DiLoCo round's loss is its inner steps' mean, at the round's middle
+    # step); a DiLoCo round's loss is its inner steps' mean, at the round's middle (a warm-up step's: its own)
     mean = lambda v: sum(v) / len(v)
-    curves = {
-        "every_step": {s: mean(v) for s, v in base.items()},
-        a.sync: {(s - 0.5) * per_round: mean(v) for s, v in dl.items()},
-    }
+    at = lambda s: s if s <= a.warmup else a.warmup + (s - a.warmup - 0.5) * per_round
+    curves = {"every_step": {s: mean(v) for s, v in base.items()}, a.sync: {at(s): mean(v) for s, v in dl.items()}}
     rel = {seed: (f[a.sync] - f["every_step"]) / f["every_step"] for seed, f in finals.items()}
     final = {name: mean([f[name] for f in finals.values()]) for name in ("every_step", a.sync)}
-    record = {"config": a.config, "replicas": a.replicas, "steps": a.steps, "inner_steps": a.inner}
+    record = {"config": a.config, "replicas": a.replicas, "steps": a.steps, "inner_steps": a.inner, "warmup": a.warmup}
     record.update({"both": a.both, "set": a.set, "sync": a.sync, "held_out_loss": finals})
     record["relative_difference"] = {seed: round(r, 4) for seed, r in rel.items()}
     record["mean_relative_difference"] = round(mean(list(rel.values())), 4)
@@ -133,7 +134,8 @@ def main() -> int:
         ax.set_ylabel("training loss (mean over replicas)")
         outer = " ".join(x.removeprefix("ft.") for x in a.set)
         seeds = f"{len(finals)} seeds" if len(finals) > 1 else f"seed {a.seeds}"
-        title = f"{a.config}: {a.replicas} replicas, {a.sync} H={a.inner} {outer}\nagainst every step ({seeds})"
+        warm = f" after {a.warmup} synchronous steps" if a.warmup else ""
+        title = f"{a.config}: {a.replicas} replicas, {a.sync} H={a.inner}{warm}\n{outer} against every step ({seeds})"
         ax.set_title(title, fontsize=9)
         ax.legend()
         fig.tight_layout()

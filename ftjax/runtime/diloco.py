@@ -8,6 +8,12 @@ into `fragments` and averages one fragment per round, in turn, so that the bytes
 a fragment's (Douillard et al. 2025; the overlap of a fragment's exchange with the next inner
 steps is not built: docs/design.md, "Training across slow links").
 
+With `ft.sync_warmup_steps` W (diloco only), the job's first W steps are synchronous, as the
+paper's runs start from a model trained with every-step sync: each averages the replicas' gradients
+of one batch (tagged `SYNC`) and applies the inner optimizer to the global parameters, as every_step
+would; the rounds start at step W with the inner optimizer's state as the warm-up left it and a
+fresh outer state.
+
 An outer round is one step of the step protocol: the quorum, FTAR, the vote, the commit, the heal
 and its replay, durable checkpoints and exactly-once positions all work per round as they do per
 step, unchanged. What is per replica and what the job shares:
@@ -42,6 +48,18 @@ def outer_optimizer(ft: Any) -> optax.GradientTransformation:
     if ft.outer_optimizer == "sgd":
         return optax.sgd(ft.outer_lr, momentum=ft.outer_momentum or None)
     return optax.adam(ft.outer_lr)
+
+
+SYNC = -1  # the tag of a warm-up step's average: the whole gradient, which the inner optimizer applies
+
+
+def round_span(position: int, inner: int, warmup: int = 0) -> tuple[int, int]:
+    """(the first batch, the number of batches) beneath data position `position` of a replica's
+    stream: one batch per position for the first `warmup` positions (synchronous steps), then
+    `inner` per position (rounds). Every batch lies beneath exactly one position."""
+    if position < warmup:
+        return position, 1
+    return warmup + (position - warmup) * inner, inner
 
 
 class Piece(NamedTuple):
@@ -171,7 +189,7 @@ class OuterSync:
                 f"ft.sync={ft.sync}: task {program.task.name} has model state (batch statistics ...), "
                 "which DiLoCo does not average; use ft.sync=every_step"
             )
-        self.fragments, self.inner = cfg.sync_fragments, cfg.inner_per_step
+        self.fragments, self.inner, self.warmup = cfg.sync_fragments, cfg.inner_per_step, cfg.warmup_sync_steps
         self.tx = outer_tx or program.task.outer_optimizer or outer_optimizer(ft)
         self.program = program
         abstract = program.abstract_state()
@@ -192,6 +210,7 @@ class OuterSync:
             self.outer_abstract.append(
                 jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, osh)
             )
+        self._grads32 = _float32_leaves(piece_shardings[0])  # (a warm-up step's gradient, laid out as a delta)
         copy = lambda t: jax.tree.map(jnp.copy, t)  # (new buffers: the program's apply donates its state)
         st = program.state_shardings
         self._copy_inner = jax.jit(copy, out_shardings={k: st[k] for k in ("params", "opt", "step")})
@@ -257,6 +276,14 @@ class OuterSync:
     def fragment(self, step: int) -> int:
         return step % self.fragments
 
+    def synchronous(self, step: int) -> bool:
+        """Whether the step after committed step `step` is a warm-up step (gradients averaged)."""
+        return step < self.warmup
+
+    def span(self, position: int) -> tuple[int, int]:
+        """(first batch, inner steps) of the round at data position `position` (`round_span`)."""
+        return round_span(position, self.inner, self.warmup)
+
     def fragment_bytes(self, f: int) -> int:
         """Bytes of fragment f's pseudo-gradient in float32 (what one replica averages in a round)."""
         return self._bytes[f]
@@ -287,10 +314,18 @@ class OuterSync:
         return state["local"] if self.fragments > 1 else state["params"]
 
     # --- a round ----------------------------------------------------------------------------------
-    def run_inner(self, state: dict, batches: list, wheres: list, f: int, beat=lambda: None) -> InnerResult:
+    def run_inner(
+        self, state: dict, batches: list, wheres: list, f: int, beat=lambda: None, synchronous: bool = False
+    ) -> InnerResult:
         """The inner steps of a round on copies (the state stays as it is until the round commits:
-        a discarded round is computed again from it)."""
+        a discarded round is computed again from it). `synchronous` (a warm-up step): the gradient
+        of the one batch at the global parameters, to be averaged, and no inner state."""
         program = self.program
+        if synchronous:  # (several batches only where a restore left the position past the warm-up's end)
+            out = [program.grads_of(state, b, w) for b, w in zip(batches, wheres)]
+            grads = [self._grads32(g) for _, _, g in out]
+            mean = grads[0] if len(grads) == 1 else [sum(x) / len(grads) for x in zip(*grads)]
+            return InnerResult(float(np.mean([float(x[0]) for x in out])), out[-1][1], mean, None, None, None)
         inner = self._copy_inner({"params": self.local_params(state), "opt": state["opt"], "step": state["step"]})
         losses, aux = [], None
         one = np.float32(1.0)
@@ -308,6 +343,10 @@ class OuterSync:
         """The outer step of fragment f with the contributors' average; `mine`: this replica's
         inner steps of the round (None in a replay: the state's own inner part stays)."""
         f, avg = tagged
+        if f == SYNC:  # a warm-up step: every replica's inner optimizer applies the average, bitwise alike
+            inner = {k: state[k] for k in ("params", "opt", "step")}
+            update = {"params": jax.tree.unflatten(self.treedef, list(avg))}
+            return {**state, **self.program.apply(inner, update, np.float32(scale))}
         leaves = jax.tree.leaves(state["params"])
         g, s = self._outer[f](self.part(leaves, f), state["outer"][f], list(avg), np.float32(scale))
         out = {**state, "params": jax.tree.unflatten(self.treedef, self._replace(leaves, f, g))}
@@ -331,28 +370,42 @@ class OuterSync:
             g, _ = self._outer[f](zeros, state, delta, np.float32(1.0))
             if self.fragments > 1:
                 self._reset[f](zeros, g)
+        if self.warmup:
+            self._grads32(self.program.zeros())
+
+
+def _float32_leaves(shardings: list):
+    """An update's parameter leaves as float32, in these shardings: a warm-up step's gradient laid out
+    as the one fragment's delta is (whole leaves in order, the parameters' shardings)."""
+    return jax.jit(lambda g: [x.astype(jnp.float32) for x in jax.tree.leaves(g["params"])], out_shardings=shardings)
 
 
 class RoundStream:
     """A replica's data stream in rounds: position p is the `inner` batches p*inner .. p*inner +
-    inner - 1 of the stream beneath, so exactly-once holds per round as it does per batch (a
-    round's batches are a pure function of its position). `batch_id(p)`: the round's own id, in
-    the same interleaving as a batch's (p * replicas + replica)."""
+    inner - 1 of the stream beneath (after `warmup` positions of one batch each: `round_span`), so
+    exactly-once holds per round as it does per batch (a round's batches are a pure function of
+    its position). `batch_id(p)`: the round's own id, in the same interleaving as a batch's
+    (p * replicas + replica)."""
 
-    def __init__(self, stream: Any, inner: int) -> None:
-        self.stream, self.inner = stream, inner
+    def __init__(self, stream: Any, inner: int, warmup: int = 0) -> None:
+        self.stream, self.inner, self.warmup = stream, inner, warmup
         self.replica, self.replicas = stream.replica, stream.replicas
-        self.fingerprint = f"{stream.fingerprint}|rounds of {inner}"
+        self.fingerprint = f"{stream.fingerprint}|rounds of {inner}" + (f" after {warmup} of 1" if warmup else "")
+
+    def span(self, position: int) -> tuple[int, int]:
+        return round_span(position, self.inner, self.warmup)
 
     def batch_id(self, position: int) -> int:
         return position * self.replicas + self.replica
 
     def batch_ids(self, position: int) -> list[int]:
         """The ids of the batches beneath round `position`."""
-        return [self.stream.batch_id(position * self.inner + h) for h in range(self.inner)]
+        first, n = self.span(position)
+        return [self.stream.batch_id(first + h) for h in range(n)]
 
     def batch(self, position: int) -> list:
-        return [self.stream.batch(position * self.inner + h) for h in range(self.inner)]
+        first, n = self.span(position)
+        return [self.stream.batch(first + h) for h in range(n)]
 
 
 class Tagged:
@@ -367,10 +420,15 @@ class Tagged:
 class FragmentReducer:
     """One reducer per fragment (FTAR over that fragment's leaves, buffers of its own), the round's
     chosen by the quorum's step. What the replay keeps is the fragment's flat average with its
-    index appended (one float32: exact below 2**24)."""
+    index appended (one float32: exact below 2**24; `SYNC` for a warm-up step's gradient).
 
-    def __init__(self, reducers: list, fragments: int) -> None:
-        self.reducers, self.fragments = reducers, fragments
+    With a warm-up (`warmup` synchronous steps, `inner` steps per round after it), a replica that
+    missed warm-up steps reaches the rounds with positions still below the warm-up's end, whose
+    rounds have one inner step (`round_span`): its delta then counts by its inner steps in the
+    round's mean (`weight`), as a warm-up step's mean gradient counts by its batches."""
+
+    def __init__(self, reducers: list, fragments: int, inner: int = 1, warmup: int = 0) -> None:
+        self.reducers, self.fragments, self.inner, self.warmup = reducers, fragments, inner, warmup
         self._last = 0
 
     @property
@@ -378,17 +436,34 @@ class FragmentReducer:
         return getattr(self.reducers[self._last], "phases", None)
 
     def average(self, q: Any, grads: Any | None) -> Tagged:
+        if q.step < self.warmup:
+            self._last = 0
+            return Tagged(SYNC, self.reducers[0].average(q, self.weight(q, grads)))
         f = self._last = q.step % self.fragments
-        return Tagged(f, self.reducers[f].average(q, grads))
+        return Tagged(f, self.reducers[f].average(q, self.weight(q, grads)))
+
+    def weight(self, q: Any, grads: list | None) -> list | None:
+        """This contributor's delta scaled so that FTAR's mean over the C contributors is the mean
+        weighted by inner steps: x n_mine * C / (the contributors' inner steps). Untouched (the same
+        bits) when all took the same number, as they do unless one missed warm-up steps."""
+        if grads is None or not self.warmup:
+            return grads
+        steps = [round_span(p.data_position, self.inner, self.warmup)[1] for p in q.participants if not p.healing]
+        mine = round_span(q.participants[q.rank].data_position, self.inner, self.warmup)[1]
+        if min(steps) == max(steps):
+            return grads
+        scale = np.float32(mine * len(steps) / sum(steps))
+        return [x * scale for x in grads]
 
     def tree(self, update: Tagged | np.ndarray) -> tuple[int, Any]:
         if isinstance(update, Tagged):
-            return update.fragment, self.reducers[update.fragment].tree(update.update)
+            return update.fragment, self.reducers[max(update.fragment, 0)].tree(update.update)
         f = int(update[-1])
-        return f, self.reducers[f].tree(update[:-1].astype(_flat_dtype(self.reducers[f])))
+        r = self.reducers[max(f, 0)]
+        return f, r.tree(update[:-1].astype(_flat_dtype(r)))
 
     def detach(self, update: Tagged) -> np.ndarray:
-        flat = np.asarray(self.reducers[update.fragment].detach(update.update), np.float32).reshape(-1)
+        flat = np.asarray(self.reducers[max(update.fragment, 0)].detach(update.update), np.float32).reshape(-1)
         return np.append(flat, np.float32(update.fragment))
 
     def close(self) -> None:

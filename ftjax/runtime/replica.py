@@ -154,7 +154,8 @@ def _fragments(cfg: Config, template: Any, shardings: Any, reducer_of) -> Fragme
     reducer each, over the fragment's pieces."""
     leaves, sh = jax.tree.leaves(template["params"]), jax.tree.leaves(shardings["params"])
     cut = fragment_cut(cfg, leaves)
-    return FragmentReducer([reducer_of(*piece_templates(leaves, sh, ps)) for ps in cut], len(cut))
+    reducers = [reducer_of(*piece_templates(leaves, sh, ps)) for ps in cut]
+    return FragmentReducer(reducers, len(cut), cfg.inner_per_step, cfg.warmup_sync_steps)
 
 
 def _ftar_reducer_of(cfg: Config, endpoints, served, update_template: Any, update_shardings: Any) -> FTARReducer:
@@ -170,7 +171,8 @@ def _topology(cfg: Config, program: ReplicaProgram) -> str:
     the rounds go (another inner step count or fragment cut would average other things)."""
     if cfg.ft.sync == "every_step":
         return program.topology()
-    return f"{program.topology()}\nsync: {cfg.ft.sync} inner_steps={cfg.ft.inner_steps} fragments={cfg.sync_fragments}"
+    sync = f"sync: {cfg.ft.sync} inner_steps={cfg.ft.inner_steps} fragments={cfg.sync_fragments}"
+    return f"{program.topology()}\n{sync}" + (f" warmup={cfg.warmup_sync_steps}" if cfg.warmup_sync_steps else "")
 
 
 def _ftar_endpoints(cfg: Config, token: str, addrs: net.Addresses, served) -> list[FTAREndpoint]:

@@ -150,7 +150,7 @@ class Trainer:
             return None, stream
         sync = OuterSync(cfg, program)
         sync.warm_up()
-        return sync, RoundStream(stream, sync.inner)
+        return sync, RoundStream(stream, sync.inner, sync.warmup)
 
     # the state, the step and the data position are the fault-tolerance object's
     state = property(lambda self: self.ft.state, lambda self, v: setattr(self.ft, "state", v))
@@ -315,9 +315,11 @@ class Trainer:
 
     def _inner_steps(self, work: tuple[RowSpan, ...]) -> Computed:
         """DiLoCo: the round's inner steps on this replica's own batches, from the committed state."""
-        batches, f, inner = self._own_batch(self.position), self.sync.fragment(self.step), self.sync.inner
-        wheres = [where(self.position * inner + h, self.own, 0) for h in range(inner)]
-        res = self.sync.run_inner(self.state, batches, wheres, f, beat=lambda: self.watchdog.beat("inner step"))
+        batches, f = self._own_batch(self.position), self.sync.fragment(self.step)
+        first, inner = self.stream.span(self.position)  # (one batch at a warm-up position)
+        wheres = [where(first + h, self.own, 0) for h in range(inner)]
+        beat, synchronous = lambda: self.watchdog.beat("inner step"), self.sync.synchronous(self.step)
+        res = self.sync.run_inner(self.state, batches, wheres, f, beat=beat, synchronous=synchronous)
         jax.block_until_ready(res.delta)
         return Computed(res.loss, res.delta, self.position, work, aux=res.aux, inner=res, step=self.step)
 
@@ -383,7 +385,9 @@ class Trainer:
         evaluated: dict | None = None,
     ) -> None:
         t5 = timing.end or time.perf_counter()
-        rows = row_count(computed.work) * self.cfg.inner_per_step if computed is not None else 0
+        # the optimizer steps this replica's batches went through (none while healing)
+        inner = 0 if computed is None else self.stream.span(computed.position)[1] if self.sync is not None else 1
+        rows = row_count(computed.work) * inner if computed is not None else 0
         record = {
             "step": q.step + 1,
             "committed": applied,
@@ -412,7 +416,8 @@ class Trainer:
             )
         if self.sync is not None:  # the round: its inner steps, the fragment averaged and its float32 bytes
             f = self.sync.fragment(q.step)
-            record.update(inner_steps=self.sync.inner, fragment=f, sync_bytes=self.sync.fragment_bytes(f))
+            record.update(inner_steps=inner, fragment=f, sync_bytes=self.sync.fragment_bytes(f))
+            record["synchronous"] = self.sync.synchronous(q.step)
             record["reused_inner"] = bool(computed is not None and computed.reused)
         if self.lrs is not None and 0 <= q.step < len(self.lrs):  # the learning rate this update applied
             record["lr"] = float(self.lrs[q.step]) * scale

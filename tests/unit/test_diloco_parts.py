@@ -7,9 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ftjax.config import ConfigError, load_config
+from ftjax.coordinator.quorum import Participant
 from ftjax.coordinator.types import QuorumResult
 from ftjax.program.data import BatchStream
-from ftjax.runtime.diloco import FragmentReducer, Piece, RoundStream, Tagged, fragment_pieces
+from ftjax.runtime.diloco import SYNC, FragmentReducer, Piece, RoundStream, Tagged, fragment_pieces, round_span
 
 
 def _check(sizes: list[int], n: int, cut) -> None:
@@ -75,8 +76,22 @@ def test_the_rounds_of_a_stream_cover_its_batches_once_each():
     assert rounds.fingerprint != stream.fingerprint  # a round stream's positions mean something else
 
 
-def _q(step: int) -> QuorumResult:
-    return QuorumResult(1, step, (), 0, False, "", (), 1, 0, False)
+@pytest.mark.parametrize("warmup", [0, 1, 5])
+def test_after_a_warmup_of_single_batches_the_rounds_still_cover_the_stream_once(warmup):
+    items = np.arange(1000, dtype=np.int32)
+    stream = BatchStream(items, seed=0, batch_size=2, replica=0, replicas=2)
+    rounds = RoundStream(stream, 4, warmup)
+    spans = [rounds.span(p) for p in range(10)]
+    assert [n for _, n in spans] == [1] * warmup + [4] * (10 - warmup)  # a warm-up position: one batch
+    seen = [i for p in range(10) for i in rounds.batch_ids(p)]
+    assert seen == [stream.batch_id(k) for k in range(warmup + 4 * (10 - warmup))]  # in order, none twice
+    assert all(np.array_equal(a, b) for a, b in zip(rounds.batch(warmup), [stream.batch(warmup + k) for k in range(4)]))
+    assert (rounds.fingerprint == RoundStream(stream, 4).fingerprint) == (warmup == 0)  # positions mean other things
+
+
+def _q(step: int, positions: tuple[int, ...] = (), rank: int = 0, healing: tuple[int, ...] = ()) -> QuorumResult:
+    parts = tuple(Participant(str(i), "x", step, p, (), (), i in healing, "") for i, p in enumerate(positions))
+    return QuorumResult(1, step, parts, rank, False, "", (), len(parts) - len(healing) or 1, 0, False)
 
 
 class _Flat:
@@ -115,6 +130,58 @@ def test_a_kept_fragment_comes_back_as_the_same_fragment_and_bits():
         assert reducer.tree(avg)[0] == f
 
 
+class _Sum:
+    """A reducer that hands back what it was given (FTAR's sum of one), on lists of arrays."""
+
+    flat = None
+
+    def average(self, q, grads):
+        return grads
+
+    def tree(self, update):
+        return [np.asarray(x, np.float32) for x in update] if isinstance(update, list) else [update]
+
+    def detach(self, update):
+        return np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in update])
+
+    def close(self):
+        pass
+
+
+def test_a_warmup_step_averages_the_whole_gradient_tagged_as_such_and_kept_so():
+    reducer = FragmentReducer([_Sum()], 1, inner=4, warmup=3)
+    grads = [np.linspace(-1, 1, 6).astype(np.float32)]
+    for step in (0, 2):  # warm-up steps: the gradient, tagged SYNC, also once kept by the replay
+        avg = reducer.average(_q(step, (step, step)), grads)
+        assert avg.fragment == SYNC and avg.update is grads
+        f, tree = reducer.tree(reducer.detach(avg))
+        assert f == SYNC and np.array_equal(tree[0], grads[0])
+    assert reducer.average(_q(3, (3, 3)), grads).fragment == 0  # the rounds: the fragment's delta
+    # a warm-up step where a restore left a position past the warm-up (4 batches beneath): the mean
+    # gradient of its 4 batches counts 4 times one batch's, (1 g0 + 4 g1) / 5 over both
+    sent = [reducer.average(_q(1, (1, 3), rank=r), [np.full(2, g, np.float32)]).update for r, g in ((0, 1.0), (1, 6.0))]
+    np.testing.assert_allclose((sent[0][0] + sent[1][0]) / 2, (1 * 1.0 + 4 * 6.0) / 5, rtol=1e-6)
+
+
+def test_a_delta_counts_by_its_inner_steps_when_a_contributor_lags_into_the_rounds():
+    """Replica 1 missed two warm-up steps: at round step 7 its position 4 (< warm-up 5) has one inner
+    step against replica 0's four; each scales its delta so that FTAR's plain mean over the two
+    contributors is the mean weighted by inner steps, (4 d0 + 1 d1) / 5."""
+    reducer = FragmentReducer([_Sum()], 1, inner=4, warmup=5)
+    assert [round_span(p, 4, 5) for p in (4, 5, 6)] == [(4, 1), (5, 4), (9, 4)]
+    d0, d1 = [np.full(3, 2.0, np.float32)], [np.full(3, 7.0, np.float32)]
+    sent0 = reducer.average(_q(7, (6, 4), rank=0), d0).update
+    sent1 = reducer.average(_q(7, (6, 4), rank=1), d1).update
+    mean = (np.asarray(sent0[0]) + np.asarray(sent1[0])) / 2  # what FTAR hands every contributor
+    np.testing.assert_allclose(mean, (4 * 2.0 + 1 * 7.0) / 5, rtol=1e-6)
+    # equal inner steps (every round without a lag): the delta as it was, not a bit changed
+    assert reducer.average(_q(7, (6, 6), rank=1), d1).update is d1
+    # a healing participant contributes nothing, so it does not count
+    assert reducer.average(_q(7, (6, 6, 2), rank=0, healing=(2,)), d0).update is d0
+    # no warm-up: never scaled (every round has the same inner steps)
+    assert FragmentReducer([_Sum()], 1, inner=4).average(_q(7, (6, 0)), d0).update is d0
+
+
 def test_config_rules_name_the_field_at_fault():
     with pytest.raises(ConfigError, match="ft.global_batch"):
         load_config("llama_tiny", ["ft.sync=diloco", "ft.global_batch=constant"])
@@ -125,6 +192,14 @@ def test_config_rules_name_the_field_at_fault():
     cfg = load_config("llama_tiny", ["ft.sync=streaming_diloco", "ft.inner_steps=8", "ft.fragments=4", "steps=10"])
     assert cfg.inner_per_step == 2 and cfg.train_steps == 20  # the inner optimizer's schedule spans every inner step
     assert load_config("llama_tiny", ["steps=10"]).train_steps == 10
+    # a warm-up step is one optimizer step, a round after it inner_steps
+    cfg = load_config("llama_tiny", ["ft.sync=diloco", "ft.inner_steps=4", "ft.sync_warmup_steps=3", "steps=10"])
+    assert cfg.warmup_sync_steps == 3 and cfg.train_steps == 3 + 7 * 4
+    for sync in ("every_step", "streaming_diloco"):
+        with pytest.raises(ConfigError, match="ft.sync_warmup_steps"):
+            load_config(
+                "llama_tiny", [f"ft.sync={sync}", "ft.sync_warmup_steps=2", "ft.inner_steps=4", "ft.fragments=2"]
+            )
     # a reduced-degree replica trains its whole batch with DiLoCo (nobody else computes its rows)
     cfg = load_config("llama_tiny", ["ft.sync=diloco", "mesh.hosts=2", "mesh.live_hosts=1", "ft.on_host_loss=reduce"])
     assert cfg.own_rows == cfg.data.batch_size
