@@ -32,7 +32,7 @@ from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
 from ftjax.coordinator.codec import result_from_proto
 from ftjax.coordinator.layout import MAX_LAYOUT_BYTES
-from ftjax.coordinator.quorum import MAX_REASON_BYTES
+from ftjax.coordinator.quorum import MAX_REASON_BYTES, RECONNECT_CAP_S
 from ftjax.coordinator.types import CoordinatorError, JobFinished, MemberInfo, QuorumResult
 
 log = logging.getLogger(__name__)
@@ -56,15 +56,15 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.min_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", int(RECONNECT_CAP_S * 1000)),
     ("grpc.use_local_subchannel_pool", 1),  # a fresh channel is a fresh connection
 ]
 
 
 class _Backoff:
-    """Capped exponential backoff with jitter: 50 ms, 100 ms, ... 1 s."""
+    """Capped exponential backoff with jitter: 50 ms, 100 ms, ... 1 s (RECONNECT_CAP_S)."""
 
-    def __init__(self, first: float = 0.05, cap: float = 1.0) -> None:
+    def __init__(self, first: float = 0.05, cap: float = RECONNECT_CAP_S) -> None:
         self._first, self._cap, self._next = first, cap, first
 
     def reset(self) -> None:

@@ -54,6 +54,13 @@ _DEFAULTS = CoordinatorConfig()
 MAX_HOSTS = 1024
 MAX_STRING_BYTES = 256
 MAX_REASON_BYTES = 1024
+# A client reconnects to a coordinator that went away with capped exponential backoff and jitter
+# (client._Backoff, grpc's max_reconnect_backoff_ms): after a restart a live member may wait up to
+# RECONNECT_CAP_S x 1.25 before it even tries. A restarted coordinator listens at least that long,
+# plus a heartbeat's round trip, before its first quorum (CoordinatorState.not_before), so that no
+# live member is left out of it for a timer that had not fired yet.
+RECONNECT_CAP_S = 1.0
+RECONNECT_WINDOW_S = RECONNECT_CAP_S * 1.25 + 0.25
 MAX_STEP = 2**62  # leaves int64 headroom for step + 1 and position + 1
 MAX_TIMEOUT_MS = 86_400_000
 _ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")

@@ -678,7 +678,8 @@ def _parser() -> argparse.ArgumentParser:
         "--startup-grace-s",
         type=float,
         default=None,
-        help="listen this long before forming the first quorum (default: the heartbeat timeout)",
+        help="listen this long before forming the first quorum (default: the heartbeat timeout, at least "
+        "a client's longest reconnect wait, 1.5 s)",
     )
     p.add_argument("--token-file", default=None, help=f"file holding the job token (default: ${TOKEN_ENV})")
     p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving")

@@ -25,6 +25,7 @@ from ftjax.coordinator.jobview import JobView
 from ftjax.coordinator.layout import layout_difference
 from ftjax.coordinator.progress import JobProgress, StepFigures
 from ftjax.coordinator.quorum import (
+    RECONNECT_WINDOW_S,
     Decision,
     MemberReport,
     MemberState,
@@ -128,7 +129,9 @@ class CoordinatorState:
     def __init__(self, settings: Settings, now: float, *, startup_grace: float | None = None) -> None:
         self.settings = settings
         self.started_at = now
-        grace = settings.heartbeat_timeout_s if startup_grace is None else startup_grace
+        # (default: one heartbeat timeout to learn who is alive, and no less than a live client's
+        # longest wait before it reconnects: quorum.RECONNECT_WINDOW_S)
+        grace = max(settings.heartbeat_timeout_s, RECONNECT_WINDOW_S) if startup_grace is None else startup_grace
         self.not_before = now + grace
         self.members: dict[str, MemberState] = {}
         self.departed: dict[str, tuple[MemberState, float, str]] = {}  # rid -> (state, when, why)

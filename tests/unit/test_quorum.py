@@ -11,6 +11,8 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from ftjax.coordinator.quorum import (
+    RECONNECT_CAP_S,
+    RECONNECT_WINDOW_S,
     InvalidField,
     MemberReport,
     MemberState,
@@ -551,6 +553,20 @@ def test_restart_grace_waits_one_heartbeat_timeout_by_default():
         assert not state.may_form(t) and state.evaluate(t).quorum is None
         assert state.next_wake(t) <= 12.0
     assert state.may_form(12.0) and state.evaluate(12.0).quorum is not None
+
+
+def test_restart_grace_is_never_shorter_than_a_clients_longest_reconnect_wait():
+    """With a heartbeat timeout of 1 s, a live client still in a backoff of up to 1.25 s when the
+    coordinator comes back would miss its first quorum: the grace is then RECONNECT_WINDOW_S."""
+    state = CoordinatorState(dataclasses.replace(S, heartbeat_timeout_s=1.0, suspect_window_s=0.3), 10.0)
+    assert state.not_before == 10.0 + RECONNECT_WINDOW_S > 10.0 + RECONNECT_CAP_S * 1.25
+    state.request(report("a"), 10.1)
+    state.request(report("b"), 10.1)
+    for t in (10.5, 10.9, 11.3):  # (their heartbeats)
+        state.heartbeat("a", "1", t), state.heartbeat("b", "1", t)
+    assert not state.may_form(11.3) and state.evaluate(11.3).quorum is None  # (past the heartbeat timeout)
+    end = 10.0 + RECONNECT_WINDOW_S
+    assert state.may_form(end) and state.evaluate(end).quorum is not None
 
 
 # -- the O(1) pre-check never hides a quorum that the pure function would form ------------------------
