@@ -524,10 +524,13 @@ class Config(_Strict):
                 f"ft.micro_batch_rows ({m}) must divide data.batch_size ({self.data.batch_size}) "
                 f"and be a multiple of the replica's {n} devices"
             )
+        if self.ft.sync_warmup_steps and self.ft.sync != "diloco":
+            raise ValueError(
+                f"ft.sync_warmup_steps: only with ft.sync=diloco, not {self.ft.sync} (every_step averages every "
+                "step anyway; a warm-up step averages the whole gradient, streaming_diloco's reducers hold a fragment)"
+            )
         if self.ft.sync != "every_step":
             self._check_diloco()
-        elif self.ft.sync_warmup_steps:
-            raise ValueError("ft.sync_warmup_steps: only with ft.sync=diloco (every_step averages every step anyway)")
         elif self.ft.global_batch != "constant":
             # Rows a reduced replica does not compute go to the others, exactly once; elastic mode
             # has nobody to give them to (its batch n of stream r is trained by replica r or never).
@@ -555,11 +558,6 @@ class Config(_Strict):
         ft = self.ft
         if ft.global_batch != "elastic":
             raise ValueError(f"ft.sync={ft.sync}: ft.global_batch must be elastic (each replica trains its batches)")
-        if ft.sync == "streaming_diloco" and ft.sync_warmup_steps:
-            raise ValueError(
-                "ft.sync_warmup_steps: only with ft.sync=diloco (a warm-up step averages the whole gradient; "
-                "streaming_diloco's reducers each hold one fragment)"
-            )
         if ft.sync == "streaming_diloco" and ft.inner_steps % ft.fragments:
             raise ValueError(
                 f"ft.fragments ({ft.fragments}) must divide ft.inner_steps ({ft.inner_steps}): "
@@ -587,7 +585,7 @@ class Config(_Strict):
     @property
     def warmup_sync_steps(self) -> int:
         """Steps of the job that average gradients before DiLoCo's rounds (ft.sync_warmup_steps, at most `steps`)."""
-        return min(self.ft.sync_warmup_steps, self.steps) if self.ft.sync == "diloco" else 0
+        return min(self.ft.sync_warmup_steps, self.steps)  # (0 unless ft.sync=diloco: validated)
 
     @property
     def train_steps(self) -> int:

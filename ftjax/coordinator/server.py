@@ -48,6 +48,7 @@ from ftjax.coordinator.quorum import (
     MAX_REASON_BYTES,
     MAX_STEP,
     MAX_TIMEOUT_MS,
+    RECONNECT_WINDOW_S,
     InvalidField,
     MemberReport,
     Settings,
@@ -679,7 +680,7 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="listen this long before forming the first quorum (default: the heartbeat timeout, at least "
-        "a client's longest reconnect wait, 1.5 s)",
+        f"a client's longest reconnect wait, {RECONNECT_WINDOW_S:g} s)",
     )
     p.add_argument("--token-file", default=None, help=f"file holding the job token (default: ${TOKEN_ENV})")
     p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving")

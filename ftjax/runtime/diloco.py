@@ -280,10 +280,6 @@ class OuterSync:
         """Whether the step after committed step `step` is a warm-up step (gradients averaged)."""
         return step < self.warmup
 
-    def span(self, position: int) -> tuple[int, int]:
-        """(first batch, inner steps) of the round at data position `position` (`round_span`)."""
-        return round_span(position, self.inner, self.warmup)
-
     def fragment_bytes(self, f: int) -> int:
         """Bytes of fragment f's pseudo-gradient in float32 (what one replica averages in a round)."""
         return self._bytes[f]
@@ -455,15 +451,19 @@ class FragmentReducer:
         scale = np.float32(mine * len(steps) / sum(steps))
         return [x * scale for x in grads]
 
+    def _reducer(self, f: int) -> Any:
+        """Fragment f's reducer; a warm-up step's (`SYNC`) is the one fragment's (warm-up: diloco only)."""
+        return self.reducers[max(f, 0)]
+
     def tree(self, update: Tagged | np.ndarray) -> tuple[int, Any]:
         if isinstance(update, Tagged):
-            return update.fragment, self.reducers[max(update.fragment, 0)].tree(update.update)
+            return update.fragment, self._reducer(update.fragment).tree(update.update)
         f = int(update[-1])
-        r = self.reducers[max(f, 0)]
+        r = self._reducer(f)
         return f, r.tree(update[:-1].astype(_flat_dtype(r)))
 
     def detach(self, update: Tagged) -> np.ndarray:
-        flat = np.asarray(self.reducers[max(update.fragment, 0)].detach(update.update), np.float32).reshape(-1)
+        flat = np.asarray(self._reducer(update.fragment).detach(update.update), np.float32).reshape(-1)
         return np.append(flat, np.float32(update.fragment))
 
     def close(self) -> None:
