@@ -308,7 +308,10 @@ def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_wh
     median, gaps = median_step(load_run(run.run_dir), warm_time(load_run(run.run_dir)))
     back = _events(run, "host_back")[0]["time"]
     during = [(t, stall) for t, _, stall in gaps if down["time"] <= t <= back]
-    assert len(during) >= 20 and round(median, 4) == s["median_step_s"]
+    # The window holds the 10 steps replica 1 trained reduced (--host-repair-steps), each one replica 0
+    # committed too; how many more (the reduced start and catch-up) is the machine's speed: CI's had 19.
+    # Replica 0's records of the last one or two may land after the launcher logs the host's return.
+    assert len(during) >= 10 - 2 and round(median, 4) == s["median_step_s"]
     waited = _waited(run, 0, since=down["time"], until=back)
     assert len(waited) == len(during) and max(w for _, w in waited) <= 1.5 * median + 0.5, (waited, s)
     _check_no_leftovers(run)
