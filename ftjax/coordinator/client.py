@@ -219,7 +219,7 @@ class CoordinatorClient:
                 self._quorum_thread.start()
         return future
 
-    def report_step(self, record: dict, *, target_steps: int = 0, replicas: int = 0) -> None:
+    def report_step(self, record: dict, *, target_steps: int = 0, replicas: int = 0, warmup_steps: int = 0) -> None:
         """Keep a step record of the training loop (ftjax/runtime/trainer.py) to send with the next quorum
         request: the coordinator's status page and /metrics show the replicas' loss, step time,
         tokens and MFU from them, and a DiLoCo round's inner steps, fragment and bytes averaged; the
@@ -247,6 +247,7 @@ class CoordinatorClient:
             inner_steps=record.get("inner_steps"),
             fragment=record.get("fragment"),
             sync_bytes=record.get("sync_bytes"),
+            warmup_steps=warmup_steps if warmup_steps and "inner_steps" in record else None,
         )
 
     def quorum(

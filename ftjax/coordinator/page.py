@@ -90,6 +90,15 @@ def unit(s: dict, plural: bool = False) -> str:
     return word + "s" if plural else word
 
 
+def _diloco_card(sync: dict, done: int, streaming: str) -> tuple[str, str, str]:
+    """The rounds' inner steps, or where the synchronous warm-up is (ft.sync_warmup_steps)."""
+    warmup, total = sync["warmup_steps"], f"{sync['optimizer_steps']:,} optimizer steps in all"
+    if done <= warmup:
+        return "DiLoCo", "synchronous warm-up", f"{done:,} of its {warmup:,} steps: gradients averaged every step"
+    first = f", the first {warmup:,} synchronous" if warmup else ""
+    return "DiLoCo", f"{sync['inner_steps']} inner steps", f"per outer round ({total}{first}){streaming}"
+
+
 # --- sections ---------------------------------------------------------------------------------------
 def _overall(s: dict) -> tuple[str, str]:
     """(phase colour key, words) for the whole job."""
@@ -134,7 +143,6 @@ def _figures(s: dict) -> str:
     ]
     sync = job.get("sync")
     if sync:
-        inner = sync["inner_steps"]
         streaming = (
             f"; streaming: fragment {sync['fragment']} averaged last ({sync['fragments_seen']} seen)"
             if sync["fragments_seen"] > 1
@@ -142,7 +150,7 @@ def _figures(s: dict) -> str:
         )
         per_token = sync["bytes_per_token"]
         cards += [
-            ("DiLoCo", f"{inner} inner steps", f"per outer round ({done * inner:,} optimizer steps in all){streaming}"),
+            _diloco_card(sync, done, streaming),
             (
                 "bytes averaged",
                 count(sync["bytes_total"], "B"),

@@ -78,6 +78,8 @@ class StepFigures(NamedTuple):
     catchup_bytes_done: int | None = None
     catchup_bytes_total: int | None = None
     catchup_eta_s: float | None = None
+    # DiLoCo's synchronous warm-up: the job's first `warmup_steps` steps are one averaged inner step each
+    warmup_steps: int | None = None
 
     def validate(self, prefix: str = "report") -> None:
         """InvalidField naming the first field out of bounds (the loss may be any float)."""
@@ -88,7 +90,7 @@ class StepFigures(NamedTuple):
         _check_seconds(f"{prefix}.step_time_s", self.step_time_s)
         if self.mfu is not None and not (math.isfinite(self.mfu) and 0 <= self.mfu <= MAX_MFU):
             raise InvalidField(f"{prefix}.mfu", f"{self.mfu} is not a finite fraction in [0, {MAX_MFU:g}]")
-        for name, lo in (("inner_steps", 1), ("fragment", 0), ("sync_bytes", 0)):
+        for name, lo in (("inner_steps", 1), ("fragment", 0), ("sync_bytes", 0), ("warmup_steps", 1)):
             value = getattr(self, name)
             if value is not None:
                 check_int(f"{prefix}.{name}", value, lo, MAX_STEP)
@@ -191,6 +193,7 @@ class JobProgress:
         self.fragment: int | None = None
         self.fragments_seen = 0  # the highest fragment reported + 1 (more than 1: streaming DiLoCo)
         self.round_bytes: int | None = None
+        self.warmup_steps = 0  # DiLoCo's synchronous steps before its rounds (ft.sync_warmup_steps)
         self.sync_bytes = 0
         self.sync_tokens = 0
 
@@ -253,6 +256,7 @@ class JobProgress:
         if fig.inner_steps is not None:
             self.inner_steps, self.fragment, self.round_bytes = fig.inner_steps, fig.fragment, fig.sync_bytes
             self.fragments_seen = max(self.fragments_seen, (fig.fragment or 0) + 1)
+            self.warmup_steps = max(self.warmup_steps, fig.warmup_steps or 0)
         if not (fig.committed and fig.contributed) or fig.step <= v.counted_step:
             return
         v.counted_step = fig.step
@@ -494,9 +498,14 @@ class JobProgress:
         }
 
     def _sync(self, step: int) -> dict[str, Any]:
-        """A DiLoCo job's rounds and bytes averaged (docs/design.md, "Training across slow links")."""
+        """A DiLoCo job's rounds and bytes averaged (docs/design.md, "Training across slow links"). With
+        a synchronous warm-up, its steps are one optimizer step each and the rounds start after it;
+        the latest report's inner steps are those of the rounds once a round was committed."""
+        warm = min(step, self.warmup_steps)
         return {
-            "outer_rounds": step,
+            "outer_rounds": step - warm,
+            "warmup_steps": self.warmup_steps,
+            "optimizer_steps": warm + (step - warm) * (self.inner_steps or 0),
             "inner_steps": self.inner_steps,
             "fragment": self.fragment,
             "fragments_seen": self.fragments_seen,

@@ -395,6 +395,7 @@ def _step_figures(request: pb.QuorumRequest) -> StepFigures | None:
         r.catchup_bytes_done if r.HasField("catchup_bytes_done") else None,
         r.catchup_bytes_total if r.HasField("catchup_bytes_total") else None,
         r.catchup_eta_s if r.HasField("catchup_eta_s") else None,
+        r.warmup_steps if r.HasField("warmup_steps") else None,
     )
     figures.validate()
     return figures

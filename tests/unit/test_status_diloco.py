@@ -22,17 +22,21 @@ ROUND_TOKENS = 20 * 512  # 20 inner steps of 512 tokens
 DELTA_BYTES = 1_000_000  # float32 bytes of the fragment averaged per round
 
 
-def _wire(record: dict) -> pb.QuorumRequest:
+def _wire(record: dict, warmup: int = 0) -> pb.QuorumRequest:
     """The quorum request that carries `record`, through the client's report_step."""
     client = SimpleNamespace(_report=None)
-    CoordinatorClient.report_step(client, record, target_steps=10, replicas=2)
+    CoordinatorClient.report_step(client, record, target_steps=10, replicas=2, warmup_steps=warmup)
     return pb.QuorumRequest(report=client._report)
 
 
-def _record(step: int, diloco: bool) -> dict:
+def _record(step: int, diloco: bool, warmup: int = 0) -> dict:
+    """Step `step`'s record: an every-step step, or a streaming DiLoCo round of 20 inner steps (two
+    fragments), or a DiLoCo round after a synchronous warm-up of `warmup` steps of one inner step."""
     record = {"step": step, "committed": True, "loss": 3.0, "step_time_s": 2.0, "tokens": ROUND_TOKENS}
     if diloco:
-        record.update(inner_steps=20, fragment=(step - 1) % 2, sync_bytes=DELTA_BYTES)
+        record.update(inner_steps=20, fragment=0 if warmup else (step - 1) % 2, sync_bytes=DELTA_BYTES)
+    if step <= warmup:  # (a warm-up is diloco's, one fragment: streaming refuses it)
+        record.update(inner_steps=1, fragment=0, tokens=ROUND_TOKENS // 20)
     return record
 
 
@@ -74,6 +78,8 @@ def test_a_diloco_job_shows_outer_rounds_inner_steps_and_bytes_averaged():
     # 3 rounds per replica, each counted once (b's repeated report adds nothing)
     assert snap["job"]["sync"] == {
         "outer_rounds": 3,
+        "warmup_steps": 0,
+        "optimizer_steps": 60,
         "inner_steps": 20,
         "fragment": 0,
         "fragments_seen": 2,
@@ -188,3 +194,30 @@ def test_a_retried_report_counts_its_tokens_once(diloco):
     state.request(again, 0.7, _step_figures(_wire(_record(3, diloco))))
     state.request(again, 0.8, _step_figures(_wire(_record(3, diloco))))  # and retried: once
     assert state.snapshot(0.9)["job"]["tokens_total"] == 7 * ROUND_TOKENS
+
+
+def test_a_warmed_up_diloco_job_shows_its_synchronous_steps_then_its_rounds():
+    # ft.sync_warmup_steps=2: steps 1 and 2 average gradients (one inner step each), then rounds of 20
+    state = CoordinatorState(Settings(min_replicas=1, expected_replicas=1), 0.0, startup_grace=0.0)
+    state.register(MemberReport("a", "a-inc", step=0, data_position=0, ftar_addresses=("h:a",)), 0.0)
+    cards = []
+    for step in range(5):
+        figures = _step_figures(_wire(_record(step, True, warmup=2), warmup=2)) if step else None
+        state.request(MemberReport("a", "a-inc", step=step, data_position=step, ftar_addresses=("h:a",)), step, figures)
+        assert state.evaluate(step).quorum is not None
+        sync = state.snapshot(step + 0.5)["job"].get("sync")
+        page = status_page(state.snapshot(step + 0.5))
+        cards.append(re.search(r">DiLoCo</div><div class=\"v\">(.*?)</div><div class=\"s\">(.*?)</div>", page))
+        if step:
+            assert (sync["warmup_steps"], sync["outer_rounds"]) == (2, max(0, step - 2))
+            assert sync["optimizer_steps"] == min(step, 2) + 20 * max(0, step - 2)
+    assert cards[0] is None  # no report yet: nothing says it is DiLoCo
+    assert cards[1].groups() == ("synchronous warm-up", "1 of its 2 steps: gradients averaged every step")
+    assert cards[2].groups() == ("synchronous warm-up", "2 of its 2 steps: gradients averaged every step")
+    after = "per outer round (42 optimizer steps in all, the first 2 synchronous)"
+    assert cards[4].groups() == ("20 inner steps", after)
+    # only a DiLoCo round's report carries the warm-up; a bad count is refused naming the field
+    assert not _wire(_record(3, False), warmup=2).report.HasField("warmup_steps")
+    with pytest.raises(InvalidField) as e:
+        StepFigures(3, True, True, 1.0, 0.1, 512, inner_steps=1, warmup_steps=0).validate()
+    assert e.value.field == "report.warmup_steps"
