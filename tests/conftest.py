@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -15,6 +16,17 @@ pytest_plugins = ["launchrun"]  # the `launch` fixture: real `ftjax launch` runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FTJAX = [sys.executable, "-m", "ftjax"]
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"pytest got signal {signum}")
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI job's time limit, `kill`) stops the run as Ctrl-C does, so the running test's
+    fixtures tear down and kill what it started: by default SIGTERM ends pytest at once, and the
+    processes a test started (each in a session of its own) kept running."""
+    signal.signal(signal.SIGTERM, _interrupted)
 
 
 def need_namespaces(what: str) -> None:
