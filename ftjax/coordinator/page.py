@@ -93,7 +93,7 @@ def unit(s: dict, plural: bool = False) -> str:
 def _diloco_card(sync: dict, done: int, streaming: str) -> tuple[str, str, str]:
     """The rounds' inner steps, or where the synchronous warm-up is (ft.sync_warmup_steps)."""
     warmup, total = sync["warmup_steps"], f"{sync['optimizer_steps']:,} optimizer steps in all"
-    if done <= warmup:
+    if warmup and not sync["outer_rounds"]:
         return "DiLoCo", "synchronous warm-up", f"{done:,} of its {warmup:,} steps: gradients averaged every step"
     first = f", the first {warmup:,} synchronous" if warmup else ""
     return "DiLoCo", f"{sync['inner_steps']} inner steps", f"per outer round ({total}{first}){streaming}"

@@ -505,7 +505,7 @@ class JobProgress:
         return {
             "outer_rounds": step - warm,
             "warmup_steps": self.warmup_steps,
-            "optimizer_steps": warm + (step - warm) * (self.inner_steps or 0),
+            "optimizer_steps": warm + (step - warm) * self.inner_steps,
             "inner_steps": self.inner_steps,
             "fragment": self.fragment,
             "fragments_seen": self.fragments_seen,

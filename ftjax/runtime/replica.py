@@ -223,8 +223,11 @@ def _coordinator_client(
     client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s)
     client.start()
     # each step's figures travel to the coordinator with the next quorum request (status page, /metrics)
-    report = partial(client.report_step, target_steps=cfg.steps, replicas=cfg.ft.replicas)
-    log.listeners.append(partial(report, warmup_steps=cfg.warmup_sync_steps))
+    log.listeners.append(
+        partial(
+            client.report_step, target_steps=cfg.steps, replicas=cfg.ft.replicas, warmup_steps=cfg.warmup_sync_steps
+        )
+    )
     return client
 
 

@@ -216,6 +216,13 @@ def test_a_warmed_up_diloco_job_shows_its_synchronous_steps_then_its_rounds():
     assert cards[2].groups() == ("synchronous warm-up", "2 of its 2 steps: gradients averaged every step")
     after = "per outer round (42 optimizer steps in all, the first 2 synchronous)"
     assert cards[4].groups() == ("20 inner steps", after)
+    # without a warm-up, a round reported before any commit is a round, not a warm-up step
+    state = CoordinatorState(Settings(min_replicas=1, expected_replicas=1), 0.0, startup_grace=0.0)
+    state.register(MemberReport("a", "a-inc", step=0, data_position=0, ftar_addresses=("h:a",)), 0.0)
+    uncommitted = _step_figures(_wire({**_record(1, True), "committed": False}))
+    state.request(MemberReport("a", "a-inc", step=0, data_position=0, ftar_addresses=("h:a",)), 0.1, uncommitted)
+    assert state.snapshot(0.2)["job"]["committed_steps"] == 0
+    assert '>DiLoCo</div><div class="v">20 inner steps</div>' in status_page(state.snapshot(0.2))
     # only a DiLoCo round's report carries the warm-up; a bad count is refused naming the field
     assert not _wire(_record(3, False), warmup=2).report.HasField("warmup_steps")
     with pytest.raises(InvalidField) as e:
