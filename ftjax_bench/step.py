@@ -17,7 +17,9 @@ The gradient path (issue 30): (a) runs pipelined (ft.grad_path auto: device -> h
 and host -> device overlap); (d) runs (a) again with `ft.grad_path=serial`, the serial path, in the
 same command: ft_serial_step_s and serial_vs_standalone. `phases` and `serial_phases`: the medians
 of (a)'s and (d)'s replica 0 per-step d2h_s, ring_s, h2d_s, reduce_wall_s and overlap_share
-(the share of d2h + ring + h2d hidden behind each other). `--no-sync` skips (b) (its fields are null).
+(the share of d2h + ring + h2d hidden behind each other), with grad_bytes (the update's bytes on the
+host) and d2h_gbps, h2d_gbps (those bytes over the phase's seconds). `--no-sync` skips (b) and
+`--no-serial` skips (d) (their fields are null).
 
 `--pin-cores`: each replica of (a) and (d), and each standalone process of (c), runs on its own half
 of this machine's cores (`pinned_cores`). Unpinned, the two FT replicas compute in lockstep on shared
@@ -68,9 +70,18 @@ PHASES = ("d2h_s", "ring_s", "h2d_s", "reduce_wall_s", "overlap_share")
 
 
 def _phases(metrics: Path, warmup: int) -> dict:
-    """Medians after warm-up of a replica's per-step gradient-path phases."""
-    recs = [r for r in read_metrics(metrics) if r["step"] > warmup and "d2h_s" in r]
-    return {k: round(statistics.median(r[k] for r in recs), 5) for k in PHASES} if recs else {}
+    """Medians after warm-up of a replica's per-step gradient-path phases, and the update's bytes on
+    its host with the GB/s (1e9 bytes per second) of its device -> host and host -> device phases,
+    the figures a raw copy of the same bytes is held against (`scripts/copy_probe.py`)."""
+    recs = [r for r in read_metrics(metrics) if r["step"] > warmup and r.get("grad_bytes")]
+    if not recs:
+        return {}
+    out = {k: round(statistics.median(r[k] for r in recs), 5) for k in PHASES}
+    out["grad_bytes"] = nbytes = recs[-1]["grad_bytes"]
+    for phase in ("d2h", "h2d"):
+        seconds = out[f"{phase}_s"]
+        out[f"{phase}_gbps"] = round(nbytes / seconds / 1e9, 3) if seconds > 0 else None
+    return out
 
 
 def _digest_costs(run: Path, warmup: int) -> tuple[float, float]:
@@ -176,6 +187,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=540.0)
     p.add_argument("--no-sync", action="store_true", help="skip the synchronous HSDP baseline (b)")
+    p.add_argument("--no-serial", action="store_true", help="skip (d), the serial gradient path")
     p.add_argument(
         "--devices", type=int, default=2, help="devices per replica (1 on a machine of one GPU: both replicas share it)"
     )
@@ -206,8 +218,11 @@ def main(argv: list[str]) -> int:
         ft_run, replica_cores = run_ft(args.config, overrides, out / "ft", args.timeout, cpus)
         ft = _median_step(ft_run / "metrics.jsonl", args.warmup)
         checksum, sha256 = _digest_costs(ft_run, args.warmup)
-        serial_run, _ = run_ft(args.config, [*overrides, "ft.grad_path=serial"], out / "ft-serial", args.timeout, cpus)
-        serial = _median_step(serial_run / "metrics.jsonl", args.warmup)
+        serial_run = serial = None
+        if not args.no_serial:
+            serial_overrides = [*overrides, "ft.grad_path=serial"]
+            serial_run, _ = run_ft(args.config, serial_overrides, out / "ft-serial", args.timeout, cpus)
+            serial = _median_step(serial_run / "metrics.jsonl", args.warmup)
         alone = _median_step(
             run_standalone(args.config, [*overrides, "ft.replicas=1"], devices, out, args.timeout, cpus), args.warmup
         )
@@ -232,10 +247,10 @@ def main(argv: list[str]) -> int:
             "ratio": None if sync is None else round(ft / sync, 4),
             "standalone_step_s": round(alone, 5),
             "ft_vs_standalone": round(ft / alone, 4),
-            "ft_serial_step_s": round(serial, 5),
-            "serial_vs_standalone": round(serial / alone, 4),
+            "ft_serial_step_s": None if serial is None else round(serial, 5),
+            "serial_vs_standalone": None if serial is None else round(serial / alone, 4),
             "phases": _phases(ft_run / "metrics.jsonl", args.warmup),
-            "serial_phases": _phases(serial_run / "metrics.jsonl", args.warmup),
+            "serial_phases": None if serial_run is None else _phases(serial_run / "metrics.jsonl", args.warmup),
             "digest_s": round(checksum, 5),
             "sha256_s": round(sha256, 5),
             "digest_share": round(checksum / ft, 5),

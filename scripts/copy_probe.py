@@ -2,7 +2,9 @@
 (issue 30): pageable host memory (`np.asarray`, `jax.device_put`) and, where the platform has it,
 JAX's pinned host memory kind. Prints one JSON line of GB/s (1e9 bytes per second, best of 5).
 
-    python scripts/copy_probe.py [--mib 1024]
+    python scripts/copy_probe.py [--mib 1024 | --bytes N]
+
+(`--bytes`: the gradient path's own bytes per step, `grad_bytes` of `ftjax bench step`'s phases.)
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from ftjax_bench.common import best_time
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=1024)
-    n = ap.parse_args().mib * 2**18  # float32 elements
+    ap.add_argument("--bytes", type=int, default=None, help="copy this many bytes instead (a multiple of 4)")
+    args = ap.parse_args()
+    n = args.mib * 2**18 if args.bytes is None else max(1, args.bytes // 4)  # float32 elements
     device = jax.devices()[0]
     x = (jnp.ones((n,), jnp.float32) + 0).block_until_ready()
     host = np.ones((n,), np.float32)

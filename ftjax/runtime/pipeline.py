@@ -47,12 +47,14 @@ class Averaged:
 @dataclass
 class Phases:
     """Seconds of one step's gradient path: d2h and h2d are their threads' busy time, ring the
-    calls' wall time, wall the whole; `overlap` the share of d2h + ring + h2d hidden behind each other."""
+    calls' wall time, wall the whole; `overlap` the share of d2h + ring + h2d hidden behind each other.
+    `grad_bytes`: what this host's update moved each way (0: it relayed zeros, nothing left the devices)."""
 
     d2h_s: float = 0.0
     ring_s: float = 0.0
     h2d_s: float = 0.0
     wall_s: float = 0.0
+    grad_bytes: int = 0
 
     def record(self) -> dict:
         total = self.d2h_s + self.ring_s + self.h2d_s
@@ -63,6 +65,7 @@ class Phases:
             "h2d_s": self.h2d_s,
             "reduce_wall_s": self.wall_s,
             "overlap_share": round(overlap, 4),
+            "grad_bytes": self.grad_bytes,
         }
 
 

@@ -46,6 +46,7 @@ class FTARReducer:
         if len(endpoints) != len(flat.served):
             raise ValueError(f"{len(endpoints)} FTAR endpoints for {len(flat.served)} lanes")
         self.endpoints, self.flat, self.divisor = endpoints, flat, divisor
+        self.host_bytes = flat.size * flat.dtype.itemsize * len(flat.served)  # the update's, on this host
         self.pipeline = Pipeline(flat, pinned=pinned) if pipelined else None
         self._zeros = [np.zeros(flat.size, flat.dtype) for _ in flat.served] if not pipelined else None
         self.phases = Phases()
@@ -68,12 +69,14 @@ class FTARReducer:
                 )
             finally:
                 self.phases = self.pipeline.phases
+                self.phases.grad_bytes = self.host_bytes if grads is not None else 0
         began = time.perf_counter()
         bufs = self.flat.flatten(grads) if grads is not None else self._zeros
         copied = time.perf_counter()
         outs = self._lanes(q, contributors, bufs, [None] * len(bufs), [{}] * len(bufs))
         done = time.perf_counter()
-        self.phases = Phases(d2h_s=copied - began, ring_s=done - copied, wall_s=done - began)
+        nbytes = self.host_bytes if grads is not None else 0
+        self.phases = Phases(d2h_s=copied - began, ring_s=done - copied, wall_s=done - began, grad_bytes=nbytes)
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
 
     def _lanes(self, q: QuorumResult, contributors: list[bool], bufs, outs, hooks) -> list[np.ndarray]:

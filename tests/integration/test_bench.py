@@ -49,8 +49,13 @@ def test_bench_step_compares_ft_with_sync_hsdp_and_standalone():
     _ratio(out["digest_share"]), _ratio(out["sha256_share"])  # the per-step checksum's cost, the sha256's
     _ratio(out["serial_vs_standalone"])  # issue 30: the serial path in the same run, and both breakdowns
     for phases in (out["phases"], out["serial_phases"]):
-        assert set(phases) == {"d2h_s", "ring_s", "h2d_s", "reduce_wall_s", "overlap_share"}, phases
+        assert set(phases) == {
+            *("d2h_s", "ring_s", "h2d_s", "reduce_wall_s", "overlap_share", "grad_bytes", "d2h_gbps", "h2d_gbps")
+        }, phases
         assert phases["ring_s"] > 0 and 0 <= phases["overlap_share"] < 1
+        _ratio(phases["d2h_gbps"]), _ratio(phases["h2d_gbps"])
+    # the update's bytes on a replica's host: every float32 parameter of the tiny model, once
+    assert out["phases"]["grad_bytes"] == out["serial_phases"]["grad_bytes"] > 0
 
 
 @pytest.mark.slow
