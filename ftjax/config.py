@@ -351,6 +351,14 @@ class FTConfig(_Strict):
     outer_lr: float = Field(0.7, gt=0, description="diloco: the outer optimizer's learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="diloco: the outer SGD's momentum")
     ftar_timeout_s: float = Field(5.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
+    commit_decision: Literal["ring", "coordinator"] = Field(
+        "ring",
+        description='who decides that a step commits (docs/design.md, "One history"). ring: each replica, once '
+        "FTAR's confirmation ring completed on every host (no round trip; a cut inside the confirmation's last "
+        "frame can let one replica commit a step its peer retries without it); coordinator: the coordinator, once "
+        "every participant voted that its average succeeded (one more round trip per step, waiting at most "
+        "ftar_timeout_s for the votes; closes that window)",
+    )
     ftar_shared_memory: bool = Field(
         True,
         description="FTAR links between replicas on one host carry payloads "

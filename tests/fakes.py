@@ -37,8 +37,9 @@ def quorum(qid, step, members, me, *, healing=False, source="", position=0):
 class FakeQuorums:
     """Answers each request with the next scripted quorum; remembers what was asked and reported."""
 
-    def __init__(self, answers):
+    def __init__(self, answers, decisions=()):
         self.answers, self.asked, self.reports, self.known_positions = list(answers), [], [], {}
+        self.decisions, self.votes = list(decisions), []  # ft.commit_decision coordinator: the answers, the votes
 
     def quorum_async(self, step, data_position, has_state, commit_failures=0, digest=""):
         self.asked.append((step, data_position, has_state, commit_failures))
@@ -49,6 +50,10 @@ class FakeQuorums:
     def report_failure(self, quorum_id, replica_id, incarnation, reason=""):
         self.reports.append((quorum_id, replica_id, incarnation))
         return True
+
+    def vote_commit(self, q, ok, reason, timeout_s):
+        self.votes.append((q.quorum_id, ok, reason, timeout_s))
+        return self.decisions.pop(0)
 
     def leave(self, reason):
         self.left = reason

@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
+from typing import Any
 
 import grpc
 
@@ -367,7 +368,34 @@ class CoordinatorClient:
             reason=reason,
             reporter_id=self.member.replica_id,
         )
-        deadline = time.monotonic() + self.rpc_timeout_s
+        return self._unary("ReportFailure", request, self.rpc_timeout_s).dropped
+
+    def vote_commit(self, q: QuorumResult, ok: bool, reason: str, timeout_s: float) -> tuple[str, str]:
+        """ft.commit_decision: coordinator. This replica's vote on the step of quorum `q` (every
+        host averaged it, or not), and the coordinator's (decision, why): COMMIT, ABORT, PENDING
+        (none within `timeout_s`) or UNKNOWN; a coordinator that cannot be reached in time is
+        ("UNREACHABLE", why), one that refuses the vote ("REFUSED", why). Only COMMIT lets the
+        step commit (ftjax/coordinator/commits.py)."""
+        request = pb.CommitVote(
+            formation=q.formation,
+            quorum_id=q.quorum_id,
+            step=q.step,
+            replica_id=self.member.replica_id,
+            incarnation=self.member.incarnation,
+            ok=ok,
+            reason=reason.encode()[:MAX_REASON_BYTES].decode(errors="ignore"),
+            timeout_ms=max(1, round(timeout_s * 1000)),
+        )
+        try:  # (the call may wait timeout_s for the decision: a margin beyond it for the answer)
+            answer = self._unary("Commit", request, timeout_s + self.rpc_timeout_s)
+        except CoordinatorError as e:  # (refused: a malformed vote, or not a participant)
+            return ("REFUSED" if e.code in CALLER_FAULT else "UNREACHABLE"), str(e)
+        return answer.decision, answer.detail
+
+    def _unary(self, method: str, request: Any, timeout_s: float) -> Any:
+        """One unary call, retried over a fresh channel until `timeout_s` if the coordinator cannot
+        be reached (raises CoordinatorError: the caller's fault at once, else at the deadline)."""
+        deadline = time.monotonic() + timeout_s
         backoff = _Backoff()
         while True:
             with self._lock:
@@ -375,10 +403,8 @@ class CoordinatorClient:
                     self._report_channel = self._channel()
                 channel = self._report_channel
             try:
-                verdict = pb_grpc.CoordinatorStub(channel).ReportFailure(
-                    request, timeout=max(0.01, deadline - time.monotonic()), metadata=self._metadata
-                )
-                return verdict.dropped
+                call = getattr(pb_grpc.CoordinatorStub(channel), method)
+                return call(request, timeout=max(0.01, deadline - time.monotonic()), metadata=self._metadata)
             except grpc.RpcError as e:
                 if e.code() in CALLER_FAULT or time.monotonic() + 0.05 >= deadline:
                     raise CoordinatorError(e.code(), e.details() or "") from None

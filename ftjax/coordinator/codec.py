@@ -33,6 +33,7 @@ class QuorumEncoding:
             steps=None if uniform else [p.step for p in parts],
             data_positions=[p.data_position for p in parts],
             heal_sources=[index[p.heal_source] + 1 if p.healing else 0 for p in parts] if healing else None,
+            formation=q.formation,
         ).SerializeToString()
         self._members: bytes | None = None
 
@@ -106,6 +107,7 @@ def result_from_proto(r: pb.QuorumResponse, members: tuple[pb.MemberAddress, ...
         data_position=r.data_position,
         no_state=r.no_state,
         majority_digest=r.majority_digest,
+        formation=r.formation,
     )
 
 

@@ -49,6 +49,11 @@ class CoordinatorStub:
                 request_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.FailureReport.SerializeToString,
                 response_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.FailureVerdict.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/ftjax.coordinator.v1.Coordinator/Commit',
+                request_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.CommitVote.SerializeToString,
+                response_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.CommitDecision.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -81,6 +86,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Commit(self, request, context):
+        """ft.commit_decision: coordinator. A participant's vote on its quorum's step (its average
+        succeeded on every host, or not), answered with the step's decision once every participant
+        voted yes (COMMIT), one voted no, left or missed the deadline (ABORT), or at the caller's
+        timeout_ms (PENDING). A member commits only on COMMIT (ftjax/coordinator/commits.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +113,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportFailure,
                     request_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.FailureReport.FromString,
                     response_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.FailureVerdict.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.CommitVote.FromString,
+                    response_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.CommitDecision.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +201,33 @@ class Coordinator:
             '/ftjax.coordinator.v1.Coordinator/ReportFailure',
             ftjax_dot_coordinator_dot_coordinator__pb2.FailureReport.SerializeToString,
             ftjax_dot_coordinator_dot_coordinator__pb2.FailureVerdict.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ftjax.coordinator.v1.Coordinator/Commit',
+            ftjax_dot_coordinator_dot_coordinator__pb2.CommitVote.SerializeToString,
+            ftjax_dot_coordinator_dot_coordinator__pb2.CommitDecision.FromString,
             options,
             channel_credentials,
             insecure,

@@ -334,6 +334,12 @@ class Metrics:
         self._rejected = Counter(
             "ftjax_coordinator_rejected_calls", "Calls refused, by gRPC status.", ["code"], registry=self.registry
         )
+        self._commits = Counter(
+            "ftjax_coordinator_commit_answers",
+            "Answers to commit votes (ft.commit_decision: coordinator), by decision.",
+            ["decision"],
+            registry=self.registry,
+        )
 
     def observe_wait(self, seconds: float) -> None:
         self._wait.observe(seconds)
@@ -343,6 +349,9 @@ class Metrics:
 
     def rejected(self, code: str) -> None:
         self._rejected.labels(code).inc()
+
+    def commit_decided(self, decision: str) -> None:
+        self._commits.labels(decision).inc()
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

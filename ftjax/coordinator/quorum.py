@@ -228,6 +228,9 @@ class Quorum:
     failure_epoch: int = 0  # accepted failure reports counted when it formed
     reason: str = ""  # fast_path | all_joined | join_timeout
     diverged: Mapping[str, str] = field(default_factory=dict)  # replica_id -> the digest kept (it heals)
+    # Unique per formation (the coordinator numbers them; a retried step with unchanged members has
+    # the same quorum_id and step): what a commit vote names (ftjax/coordinator/commits.py). 0: unset.
+    formation: int = field(default=0, compare=False)
     # (replica_id, incarnation) of each participant: computed once, compared on every formation
     members: tuple[tuple[str, str], ...] = field(init=False, repr=False, compare=False)
 

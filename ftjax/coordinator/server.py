@@ -38,6 +38,7 @@ from ftjax.config import CoordinatorConfig, flag_name
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator.codec import QuorumEncoding
+from ftjax.coordinator.commits import PENDING, NotAParticipant
 from ftjax.coordinator.http import Metrics, StatusHTTPServer
 from ftjax.coordinator.jobview import JobView
 from ftjax.coordinator.layout import MAX_LAYOUT_BYTES
@@ -148,6 +149,7 @@ class _Service:
         self._decode = MemberDecoder()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
+        self._votes: dict[int, list[asyncio.Future]] = {}  # formation -> its voters awaiting the decision
 
     # -- scheduling ---------------------------------------------------------------------------
 
@@ -155,7 +157,16 @@ class _Service:
         self._answer_finished(now)  # (first: a finished job forms no quorum, not even one without state)
         if self.state.may_form(now):
             self._evaluate(now, sweep=False)
+        self._answer_votes(now)
         self._arm(self.state.next_wake(now))
+
+    def _answer_votes(self, now: float) -> None:
+        """Answer the voters of every formation decided since the last look (a vote, a deadline, a
+        participant's departure or a newer quorum decided it)."""
+        for formation, decision in self.state.commit_decisions(now):
+            for future in self._votes.pop(formation, ()):
+                if not future.done():
+                    future.set_result(decision)
 
     def _arm(self, when: float | None) -> None:
         if when is None or (self._timer is not None and self._timer_at <= when):
@@ -170,6 +181,7 @@ class _Service:
         now = time.monotonic()
         self._answer_finished(now)
         self._evaluate(now)
+        self._answer_votes(now)
         self._arm(self.state.next_wake(now))
 
     def _evaluate(self, now: float, *, sweep: bool = True) -> None:
@@ -372,6 +384,39 @@ class _Service:
             self._after_event(later)
         return _verdict_proto(verdict)
 
+    async def commit(self, request: pb.CommitVote, context: grpc.aio.ServicerContext) -> pb.CommitDecision:
+        """The Commit RPC (ft.commit_decision: coordinator): record the vote, then wait for the step's
+        decision until the vote's timeout_ms (PENDING if none by then)."""
+        try:
+            check_int("formation", request.formation, 1, 2**63 - 1)
+            check_int("quorum_id", request.quorum_id, 0, 2**62)
+            check_int("step", request.step, 0, MAX_STEP)
+            check_id("replica_id", request.replica_id)
+            check_id("incarnation", request.incarnation)
+            check_text("reason", request.reason, MAX_REASON_BYTES)
+            check_int("timeout_ms", request.timeout_ms, 1, MAX_TIMEOUT_MS)
+        except InvalidField as e:
+            await self._reject_request(context, e)
+        now, budget = time.monotonic(), request.timeout_ms / 1000
+        member, step = (request.replica_id, request.incarnation), (request.quorum_id, request.step)
+        try:
+            decision = self.state.vote_commit(
+                request.formation, step, member, request.ok, now, now + budget, request.reason
+            )
+        except NotAParticipant as e:
+            await self._reject(context, "FAILED_PRECONDITION", str(e))
+        self._after_event(now)  # (answers the voters of a formation this vote decided)
+        if decision[0] == PENDING:
+            future = self.loop.create_future()
+            self._votes.setdefault(request.formation, []).append(future)
+            remaining = context.time_remaining()
+            try:
+                decision = await asyncio.wait_for(future, budget if remaining is None else min(budget, remaining))
+            except TimeoutError:
+                decision = (PENDING, f"no decision within the vote's {request.timeout_ms} ms")
+        self.metrics.commit_decided(decision[0])
+        return pb.CommitDecision(decision=decision[0], detail=decision[1])
+
 
 def _step_figures(request: pb.QuorumRequest) -> StepFigures | None:
     """A quorum request's step report, validated (InvalidField names the field); None without one."""
@@ -556,6 +601,11 @@ class CoordinatorServer:
                             service.report_failure,
                             request_deserializer=pb.FailureReport.FromString,
                             response_serializer=pb.FailureVerdict.SerializeToString,
+                        ),
+                        "Commit": grpc.unary_unary_rpc_method_handler(
+                            service.commit,
+                            request_deserializer=pb.CommitVote.FromString,
+                            response_serializer=pb.CommitDecision.SerializeToString,
                         ),
                     },
                 ),

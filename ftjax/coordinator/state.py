@@ -14,13 +14,16 @@ could form: the full, pure `compute_quorum` runs only when it could, or when a d
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ftjax.base.net import is_loopback
+from ftjax.coordinator.commits import COMMIT, CommitBook
 from ftjax.coordinator.jobview import JobView
 from ftjax.coordinator.layout import layout_difference
 from ftjax.coordinator.progress import JobProgress, StepFigures
@@ -78,24 +81,24 @@ class PositionLedger:
     def position(self, replica_id: str) -> int:
         return self.positions.get(replica_id, 0)
 
-    def _advance(self, replica_id: str, position: int) -> None:
+    def advance(self, replica_id: str, position: int) -> None:
         """The record only moves forward."""
         if position > self.positions.get(replica_id, 0):
             self.positions[replica_id] = position
 
     def observe(self, replica_id: str, step: int, position: int) -> None:
         """A member reported `step` steps committed and `position` as its next batch."""
-        self._advance(replica_id, position)
+        self.advance(replica_id, position)
         if self._contributions:
             for committed in sorted(s for s in self._contributions if s < step):
                 for p in self._contributions.pop(committed).participants:
                     if not p.healing:
-                        self._advance(p.replica_id, p.data_position + 1)
+                        self.advance(p.replica_id, p.data_position + 1)
 
     def merge(self, known: Mapping[str, int]) -> None:
         """Positions a member knows of."""
         for replica_id, position in known.items():
-            self._advance(replica_id, position)
+            self.advance(replica_id, position)
 
     def record(self, quorum: Quorum) -> None:
         """Remember who contributes which batch to the step of `quorum`."""
@@ -173,6 +176,10 @@ class CoordinatorState:
         self._first_request: float | None = None  # lower bound of the earliest pending request
         self._next_sweep = float("inf")  # no member of `members` can be dead before this
         self.job_view: JobView | None = None  # TensorBoard's view of the job (ftjax/coordinator/jobview.py)
+        # ft.commit_decision: coordinator: the commit votes and decisions, per quorum formation,
+        # numbered from a random base so that no formation of a restarted coordinator reuses one
+        self.commits = CommitBook()
+        self._formations = itertools.count((secrets.randbits(30) << 32) + 1)
 
     # -- the status page's bookkeeping --------------------------------------------------------
 
@@ -212,6 +219,7 @@ class CoordinatorState:
 
     def _depart(self, rid: str, now: float, why: str) -> None:
         m = self.members.pop(rid)
+        self.commits.departed(rid, why)
         self._count(m, -1)
         self.departed[rid] = (m, now, why)
         key = ("departed", why)
@@ -588,7 +596,7 @@ class CoordinatorState:
         """The next time after `now` when time alone may change what `evaluate` answers (what is
         already due is `may_form`'s business)."""
         with self._lock:
-            times = [self._next_sweep]
+            times = [self._next_sweep, self.commits.next_deadline() or float("inf")]
             if self._pending:
                 times.append(self.not_before)
                 if self._first_request is not None:
@@ -622,10 +630,44 @@ class CoordinatorState:
                 self._sweep(now)
             else:
                 self._maybe_sweep(now)
+            self.commits.expire(now)
             decision = self._decide(now)
             if decision.quorum is not None:
+                decision = replace(decision, quorum=replace(decision.quorum, formation=next(self._formations)))
                 self._record_quorum(decision.quorum, now)
+                self.commits.superseded(decision.quorum.formation)
             return decision
+
+    def vote_commit(
+        self,
+        formation: int,
+        step: tuple[int, int],
+        member: tuple[str, str],
+        ok: bool,
+        now: float,
+        deadline: float,
+        reason: str = "",
+    ) -> tuple[str, str]:
+        """A participant's commit vote (ftjax/coordinator/commits.py). On COMMIT the job has
+        committed the step from this moment: the committed step rises and the contributors' data
+        positions move past their batches, so a participant that misses the answer heals instead
+        of training the step again. Raises NotAParticipant."""
+        with self._lock:
+            self._maybe_sweep(now)
+            self.commits.expire(now)
+            decision, why = self.commits.vote(self.prev, formation, step, member, ok, deadline, reason)
+            if decision == COMMIT and self.prev is not None and self.prev.formation == formation:
+                self.committed_step = max(self.committed_step, self.prev.step + 1)
+                for p in self.prev.participants:
+                    if not p.healing:
+                        self.ledger.advance(p.replica_id, p.data_position + 1)
+            return decision, why
+
+    def commit_decisions(self, now: float) -> list[tuple[int, tuple[str, str]]]:
+        """Formations decided since the last call (deadlines passed by `now` included)."""
+        with self._lock:
+            self.commits.expire(now)
+            return self.commits.take_fresh()
 
     def _record_quorum(self, q: Quorum, now: float) -> None:
         """A quorum formed: clear its members' requests and record it."""
@@ -845,6 +887,7 @@ class CoordinatorState:
                 "history": list(self.history)[::-1],
                 "failures": failures[::-1],
                 "counters": dict(self.counters),
+                "commit_decisions": dict(self.commits.counts),  # (ft.commit_decision: coordinator; else zeros)
                 "failure_counts": {f"{source}:{kind}": n for (source, kind), n in self.failure_counts.items()},
                 "failure_epoch": self.failure_epoch,
                 "expected_replicas": self.settings.expected_replicas,

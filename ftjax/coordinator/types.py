@@ -87,6 +87,7 @@ class QuorumResult:
     data_position: int  # where this replica's data stream resumes
     no_state: bool  # nobody has state: restore the latest durable checkpoint
     majority_digest: str = ""  # set: this replica's state diverged from it; it heals from heal_source
+    formation: int = 0  # the coordinator's number of this formation (what a commit vote names; 0: none)
 
     @property
     def diverged(self) -> dict[str, str]:

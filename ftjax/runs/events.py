@@ -45,6 +45,9 @@ class ReplicaEvent(StrEnum):
     BATCHES_COMMITTED_BY_PEERS = "batches_committed_by_peers"  # its batches `batch_ids` were trained by peers
     POSITION_KEPT = "position_kept"  # the coordinator said a lower data position: its own is kept
     COMMIT_FAILURE = "commit_failure"  # a host's FTAR failed: step `step` is discarded and retried
+    # ft.commit_decision coordinator: every host averaged step `step`, but the coordinator's `decision`
+    # was not COMMIT (`detail`: why): the step is discarded; if a peer committed it, the next quorum heals this one
+    COMMIT_NOT_DECIDED = "commit_not_decided"
     PEER_UNREACHABLE = "peer_unreachable"  # every attempt for `seconds` failed on `peer` (replica, host); on stderr too
     REPORT_UNDELIVERED = "report_undelivered"  # a failure report of `replica` did not reach the coordinator (`error`)
     PROGRESS_TIMEOUT = "progress_timeout"  # the watchdog saw no progress in `phase`: the process leaves the job

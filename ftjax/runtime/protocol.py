@@ -48,6 +48,7 @@ class QuorumSource(Protocol):
         self, step: int, data_position: int, has_state: bool, commit_failures: int = 0, digest: str = ""
     ) -> Future: ...
     def report_failure(self, quorum_id: int, replica_id: str, incarnation: str, reason: str = "") -> bool: ...
+    def vote_commit(self, q: QuorumResult, ok: bool, reason: str, timeout_s: float) -> tuple[str, str]: ...
     def leave(self, reason: str) -> None: ...
     def close(self) -> None: ...
 
@@ -122,6 +123,9 @@ class LocalQuorum:
 
     def report_failure(self, quorum_id: int, replica_id: str, incarnation: str, reason: str = "") -> bool:
         raise AssertionError("a standalone run has no peer to report")
+
+    def vote_commit(self, q: QuorumResult, ok: bool, reason: str, timeout_s: float) -> tuple[str, str]:
+        return ("COMMIT", "a replica alone") if ok else ("ABORT", reason)
 
     def leave(self, reason: str) -> None:
         pass
@@ -206,6 +210,8 @@ class StepProtocol:
         log: Any,
         watchdog: Any = None,
         unreachable_after_s: float = UNREACHABLE_AFTER_S,
+        commit_decision: str = "ring",
+        decision_timeout_s: float = 5.0,
     ) -> None:
         self.replica_id, self.incarnation = replica_id, incarnation
         self.group, self.reducer, self.transport, self.quorums = group, reducer, transport, quorums
@@ -222,6 +228,10 @@ class StepProtocol:
         self.heal_started: float | None = None
         self._progress_at = time.monotonic()  # the last catchup_progress event (none in the first seconds)
         self.leaving: str | None = None  # leader: leave at the next step boundary (why)
+        # ft.commit_decision: "coordinator" asks the coordinator whether the step commits (`_vetoed`),
+        # waiting up to `decision_timeout_s` (ft.ftar_timeout_s: a peer may fail its ring that late)
+        self.commit_decision, self.decision_timeout_s = commit_decision, decision_timeout_s
+        self.decision_s: float | None = None  # the last step's wait for its decision (metrics.jsonl)
 
     # --- the quorum ---------------------------------------------------------------------------
     def ask(self, step: int, position: int, has_state: bool, digest: str = "") -> None:
@@ -275,11 +285,12 @@ class StepProtocol:
         self.watchdog.beat("commit vote")
         failed = [v for v in self.group.allgather(error) if v is not None]
         self.watchdog.beat("commit")
+        if self.commit_decision == "coordinator" and self._vetoed(q, failed):
+            return False
         if not failed:
             self.unreachable.succeeded()
             return True
-        self.commit_failures += 1
-        self.total_commit_failures += 1
+        self._count_failure()
         self.log.event(ReplicaEvent.COMMIT_FAILURE, step=q.step + 1, quorum_id=q.quorum_id, errors=failed)
         by_address = {
             a: (p, lane_host(lane, len(p.catchup_addresses), len(p.ftar_addresses)))
@@ -315,6 +326,39 @@ class StepProtocol:
             message = unreachable_message(self.replica_id, q.step + 1, peer, who, seconds, attempts, error)
             print(f"ftjax train: {message}", file=sys.stderr, flush=True)
         return False
+
+    def step_fields(self) -> dict:
+        """What the step's record adds from the protocol: the wait for the coordinator's decision."""
+        return {} if self.decision_s is None else {"decision_s": self.decision_s}
+
+    def _count_failure(self) -> None:
+        self.commit_failures += 1
+        self.total_commit_failures += 1
+
+    def _vetoed(self, q: QuorumResult, failed: list[dict]) -> bool:
+        """ft.commit_decision coordinator: the leader votes (yes only if no host failed) and every
+        host gets the coordinator's decision. True: every host averaged, but the decision was not
+        COMMIT (ABORT, PENDING, UNKNOWN, UNREACHABLE, REFUSED; logged here); the step does not
+        commit. A no vote's failure is logged and reported by the caller, as without the decision."""
+        # (bounded by the vote's own timeout, which may exceed ft.progress_timeout_s's margin)
+        began = time.perf_counter()
+        with self.watchdog.exempt("commit decision"):
+            if self.leader:
+                reason = "; ".join(f"{f['peer']}: {f['error']}" for f in failed)[:512]
+                decision, detail = self.quorums.vote_commit(q, not failed, reason, self.decision_timeout_s)
+                if self.group.hosts > 1:
+                    self.group.broadcast_bytes(f"{decision}\n{detail}".encode())
+            else:
+                decision, _, detail = self.group.broadcast_bytes(b"").decode().partition("\n")
+        self.decision_s = time.perf_counter() - began
+        self.watchdog.beat("commit")
+        if decision == "COMMIT" or failed:
+            return False
+        self._count_failure()
+        self.log.event(
+            ReplicaEvent.COMMIT_NOT_DECIDED, step=q.step + 1, quorum_id=q.quorum_id, decision=decision, detail=detail
+        )
+        return True
 
     def committed(self, q: QuorumResult, applied: bool) -> None:
         """The step went through (the vote passed); `applied`: this replica applied it."""

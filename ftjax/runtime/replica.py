@@ -138,6 +138,8 @@ def member_protocol(
         quorums=client,
         buffer=ReplayBuffer(out / f"replay-host{group.rank}", int(cfg.ft.catchup_buffer_mib * 2**20)),
         log=log,
+        commit_decision=cfg.ft.commit_decision,
+        decision_timeout_s=cfg.ft.ftar_timeout_s,
     )
 
 

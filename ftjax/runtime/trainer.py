@@ -406,6 +406,7 @@ class Trainer:
             "ftar_s": timing.ftar - timing.quorum - timing.shared,
             "commit_s": t5 - timing.ftar,
             "commit_failures": self.ft.commit_failures,
+            **self.ft.protocol.step_fields(),  # (ft.commit_decision coordinator: decision_s, within commit_s)
         }
         if self.constant:  # who computed which rows of the step's R batches (ftjax/base/batches.py)
             record["work"] = self.step_work

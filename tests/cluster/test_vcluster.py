@@ -318,12 +318,14 @@ def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_wh
 
 
 @pytest.mark.slow
-def test_a_partitioned_replica_commits_nothing_then_rejoins(launch, namespaces):
+@pytest.mark.parametrize("decision", ["ring", "coordinator"])
+def test_a_partitioned_replica_commits_nothing_then_rejoins(launch, namespaces, decision):
     """Issue 14: replica 1's links cut for 10 s at step 30, then restored: replica 0 trains on, replica
     1 commits nothing while cut off (no split brain: every step both committed has one digest), then
     rejoins and catches up; digests equal, exactly once. FTAR's timeout is 2 s, so that replica 0
     trains on within seconds whatever the cut interrupts (with the default 10 s it may wait out the
-    whole cut in the FTAR it was in)."""
+    whole cut in the FTAR it was in). With ft.commit_decision coordinator every step either replica
+    committed was decided by the coordinator (each record's decision_s), the cut-off side included."""
     run = launch(
         "--virtual-cluster",
         "--replicas",
@@ -333,6 +335,7 @@ def test_a_partitioned_replica_commits_nothing_then_rejoins(launch, namespaces):
         "steps=200",
         "ft.ftar_timeout_s=2",
         "ft.progress_timeout_s=5",
+        f"ft.commit_decision={decision}",
     )
     code = run.wait(timeout=400)
     s = run.summary()
@@ -352,6 +355,8 @@ def test_a_partitioned_replica_commits_nothing_then_rejoins(launch, namespaces):
     ]
     both = set(digests[0]) & set(digests[1])
     assert len(both) >= 30 and all(digests[0][n] == digests[1][n] for n in both)  # no split brain
+    if decision == "coordinator":
+        assert all("decision_s" in m for r in (0, 1) for m in run.metrics(r) if m.get("committed"))
     _check_no_leftovers(run)
     assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
 
