@@ -22,6 +22,11 @@ the moment the last one arrives: no validation, no membership, no state). `floor
 grpcio itself costs on this machine with these clients; `p99_vs_floor` is the coordinator's p99
 over it. (--no-floor skips it.)
 
+--commit-decision: after each answer every replica also votes yes on its step (the `Commit` RPC of
+ft.commit_decision: coordinator; a ring has just synchronized real replicas, so the votes arrive
+together) and waits for the decision: commit_p50_ms and commit_p99_ms, from the last replica's
+vote sent to each replica's decision received, and commit_p99_vs_quorum_p99 in the same run.
+
 Prints one JSON line: p50_ms, p99_ms, max_ms of the end-to-end latency, the server bounds,
 heartbeats_per_s handled by the coordinator while the steps ran, the 1-minute load average (the
 machine is shared: read the figures with it), and the settings. With --step-ms 0 every replica
@@ -79,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
         help="GRPC_EXPERIMENTS for the coordinator and the workers ('' for grpc's defaults)",
     )
     p.add_argument("--no-floor", action="store_true", help="skip the run against a bare grpcio server")
+    p.add_argument(
+        "--commit-decision",
+        action="store_true",
+        help="after each quorum every replica also votes on its step (ft.commit_decision: coordinator) and "
+        "waits for the decision: commit_p50_ms, commit_p99_ms",
+    )
     return p
 
 
@@ -92,11 +103,13 @@ def _worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", type=float, required=True)
     p.add_argument("--heartbeat-interval-ms", type=float, required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--commit-decision", action="store_true")
     return p
 
 
 async def _simulate(args: argparse.Namespace, token: str) -> list[tuple]:
-    """Run `count` replicas on one connection; return (step, t_send, t_recv, quorum_id, size) rows."""
+    """Run `count` replicas on one connection; return (step, t_send, t_recv, quorum_id, size) rows,
+    with --commit-decision followed by (t_vote_sent, t_decision_received, decision)."""
     metadata = ((TOKEN_METADATA_KEY, token),)
     rows: list[tuple] = []
     async with grpc.aio.insecure_channel(args.address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
@@ -127,6 +140,7 @@ async def _simulate(args: argparse.Namespace, token: str) -> list[tuple]:
             stop = asyncio.Event()
             hb = asyncio.create_task(heartbeats(hb_call, member, stop))
             call = stub.Quorum(metadata=metadata)
+            votes = stub.Commits(metadata=metadata) if args.commit_decision else None
             known = 0
             for step in range(args.steps):
                 # Mid-run numbers (100k steps in), so that the answers have their real size.
@@ -137,10 +151,27 @@ async def _simulate(args: argparse.Namespace, token: str) -> list[tuple]:
                 answer = await call.read()
                 t_recv = time.monotonic()
                 known = answer.quorum_id
-                rows.append((answer.step - _FIRST_STEP, t_send, t_recv, answer.quorum_id, answer.num_participants))
+                row = (answer.step - _FIRST_STEP, t_send, t_recv, answer.quorum_id, answer.num_participants)
+                if args.commit_decision:  # the vote of a replica whose every host averaged the step
+                    vote = pb.CommitVote(
+                        formation=answer.formation,
+                        quorum_id=answer.quorum_id,
+                        step=answer.step,
+                        replica_id=rid,
+                        incarnation=member.incarnation,
+                        ok=True,
+                        timeout_ms=60_000,
+                    )
+                    t_vote = time.monotonic()
+                    await votes.write(vote)
+                    decision = await votes.read()
+                    row += (t_vote, time.monotonic(), decision.decision)
+                rows.append(row)
                 if step + 1 < args.steps:
                     await asyncio.sleep(args.step_ms / 1000 * random.uniform(0.9, 1.1))
             await call.done_writing()
+            if votes is not None:
+                await votes.done_writing()
             stop.set()
             await hb
             await hb_call
@@ -387,6 +418,7 @@ def _run(
                     str(args.heartbeat_interval_ms),
                     "--out",
                     outs[-1],
+                    *(["--commit-decision"] if args.commit_decision and not floor else []),
                     env=env,
                 )
             )
@@ -443,6 +475,23 @@ def _latencies(rows: list[tuple], replicas: int, steps: int) -> tuple[list[float
     return latencies, ids, max(a[2] for a in by_step[steps - 1])
 
 
+def _decision_latencies(rows: list[tuple]) -> list[float]:
+    """Sorted latencies (ms) of the commit decisions of the measured steps: from the last replica's
+    vote sent to each replica's decision received. ValueError unless every decision was COMMIT."""
+    by_step: dict[int, list[tuple]] = {}
+    for row in rows:
+        by_step.setdefault(row[0], []).append(row)
+    latencies: list[float] = []
+    for step, answers in sorted(by_step.items()):
+        wrong = {a[7] for a in answers} - {"COMMIT"}
+        if wrong:
+            raise ValueError(f"step {step}: decisions {sorted(wrong)} where every replica voted yes")
+        if step >= _WARMUP_STEPS:
+            last_vote = max(a[5] for a in answers)
+            latencies += [(a[6] - last_vote) * 1000 for a in answers]
+    return sorted(latencies)
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.replicas < 1 or args.steps <= _WARMUP_STEPS or args.procs < 1:
@@ -452,6 +501,7 @@ def main(argv: list[str]) -> int:
     try:
         rows, base, final = _run(args, procs)
         latencies, ids, t_end = _latencies(rows, args.replicas, args.steps)
+        decisions = _decision_latencies(rows) if args.commit_decision else None
         floor = None if args.no_floor else _latencies(_run(args, procs, floor=True)[0], args.replicas, args.steps)[0]
     except (RuntimeError, TimeoutError, ValueError) as e:
         print(f"ftjax bench coordinator: {e}", file=sys.stderr)
@@ -471,6 +521,12 @@ def main(argv: list[str]) -> int:
         "heartbeats_per_s": round((final.heartbeats - base.heartbeats) / (t_end - base.t), 1),
         "quorum_ids": len(ids),
     }
+    if decisions is not None:  # the decision against the quorum, both per replica and step, same run
+        result.update(
+            commit_p50_ms=round(_percentile(decisions, 50), 2),
+            commit_p99_ms=round(_percentile(decisions, 99), 2),
+            commit_p99_vs_quorum_p99=round(_percentile(decisions, 99) / p99, 3),
+        )
     if floor is not None:
         result.update(
             floor_p50_ms=round(_percentile(floor, 50), 2),

@@ -80,17 +80,19 @@ class _Backoff:
 _CATCHUP_ENDS = frozenset({"catchup_done", "catchup_failed", "catchup_abandoned", "catchup_cancelled"})
 
 
-class _QuorumStream:
-    """One Quorum stream: send a request, wait for its answer (at most `timeout`)."""
+class _Stream:
+    """One request-and-answer stream (Quorum, Commits): send a request, wait for its answer (at most
+    `timeout`)."""
 
-    def __init__(self, channel: grpc.Channel, metadata) -> None:
+    def __init__(self, channel: grpc.Channel, metadata, method: str = "Quorum") -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self.expires = time.monotonic() + _STREAM_LIFETIME_S
-        self._call = pb_grpc.CoordinatorStub(channel).Quorum(
+        self.method = method
+        self._call = getattr(pb_grpc.CoordinatorStub(channel), method)(
             iter(self._requests.get, None), timeout=_STREAM_LIFETIME_S, metadata=metadata
         )
 
-    def exchange(self, request: pb.QuorumRequest, timeout: float) -> pb.QuorumResponse:
+    def exchange(self, request: Any, timeout: float) -> Any:
         self._requests.put(request)
         # The server bounds the wait by the request's timeout_ms; this bounds it if the server hangs.
         watchdog = threading.Timer(timeout, self._call.cancel)
@@ -99,7 +101,8 @@ class _QuorumStream:
         try:
             return next(self._call)
         except StopIteration:
-            raise CoordinatorError(grpc.StatusCode.UNAVAILABLE, "the coordinator closed the quorum stream") from None
+            closed = f"the coordinator closed the {self.method} stream"
+            raise CoordinatorError(grpc.StatusCode.UNAVAILABLE, closed) from None
         finally:
             watchdog.cancel()
 
@@ -138,8 +141,10 @@ class CoordinatorClient:
         self._heartbeat_call: grpc.Future | None = None
         self._quorum_thread: threading.Thread | None = None
         self._quorum_channel: grpc.Channel | None = None
-        self._stream: _QuorumStream | None = None
+        self._stream: _Stream | None = None
         self._report_channel: grpc.Channel | None = None
+        self._commit_stream: _Stream | None = None  # ft.commit_decision coordinator: votes (on its own channel)
+        self._commit_channel: grpc.Channel | None = None
         self.heartbeat_error: CoordinatorError | None = None  # the coordinator refused our heartbeats
         # What this member knows of every replica's data position (the caller keeps it current);
         # sent on each new heartbeat stream, so that a restarted coordinator can rebuild its record.
@@ -336,7 +341,7 @@ class CoordinatorClient:
             f"address that `ftjax coordinator` printed, that it runs, and that this machine reaches it"
         )
 
-    def _open_stream(self, needed_s: float) -> _QuorumStream:
+    def _open_stream(self, needed_s: float) -> _Stream:
         stream = self._stream
         if stream is not None and stream.expires - time.monotonic() > needed_s + 5.0:
             return stream
@@ -344,7 +349,7 @@ class CoordinatorClient:
             stream.close()
         if self._quorum_channel is None:
             self._quorum_channel = self._channel()
-        self._stream = _QuorumStream(self._quorum_channel, self._metadata)
+        self._stream = _Stream(self._quorum_channel, self._metadata)
         return self._stream
 
     def _drop_stream(self) -> None:
@@ -386,11 +391,44 @@ class CoordinatorClient:
             reason=reason.encode()[:MAX_REASON_BYTES].decode(errors="ignore"),
             timeout_ms=max(1, round(timeout_s * 1000)),
         )
-        try:  # (the call may wait timeout_s for the decision: a margin beyond it for the answer)
-            answer = self._unary("Commit", request, timeout_s + self.rpc_timeout_s)
-        except CoordinatorError as e:  # (refused: a malformed vote, or not a participant)
-            return ("REFUSED" if e.code in CALLER_FAULT else "UNREACHABLE"), str(e)
-        return answer.decision, answer.detail
+        # (the answer may wait timeout_s for the decision: a margin beyond it for the answer itself)
+        deadline = time.monotonic() + timeout_s + self.rpc_timeout_s
+        backoff = _Backoff()
+        while True:
+            stream = self._open_commit_stream(deadline)
+            try:
+                answer = stream.exchange(request, max(0.01, deadline - time.monotonic()))
+                return answer.decision, answer.detail
+            except (grpc.RpcError, CoordinatorError) as e:
+                code = e.code() if isinstance(e, grpc.RpcError) else e.code
+                details = (e.details() or "") if isinstance(e, grpc.RpcError) else e.details
+                self._drop_commit_stream()  # (the next attempt on a fresh connection)
+                if code in CALLER_FAULT:  # a malformed vote, or not a participant
+                    return "REFUSED", f"{code.name}: {details}"
+                if time.monotonic() + 0.05 >= deadline:
+                    return "UNREACHABLE", f"{code.name}: {details}"
+                time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
+
+    def _open_commit_stream(self, deadline: float) -> _Stream:
+        with self._lock:
+            stream = self._commit_stream
+            if stream is not None and stream.expires > deadline + 5.0:
+                return stream
+            if stream is not None:
+                stream.close()
+            if self._commit_channel is None:
+                self._commit_channel = self._channel()
+            self._commit_stream = _Stream(self._commit_channel, self._metadata, "Commits")
+            return self._commit_stream
+
+    def _drop_commit_stream(self) -> None:
+        with self._lock:
+            stream, self._commit_stream = self._commit_stream, None
+            channel, self._commit_channel = self._commit_channel, None
+        if stream is not None:
+            stream.close()
+        if channel is not None:
+            channel.close()
 
     def _unary(self, method: str, request: Any, timeout_s: float) -> Any:
         """One unary call, retried over a fresh channel until `timeout_s` if the coordinator cannot
@@ -453,6 +491,7 @@ class CoordinatorClient:
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(5)
         self._drop_stream()
+        self._drop_commit_stream()
         with self._lock:
             if self._report_channel is not None:
                 self._report_channel.close()

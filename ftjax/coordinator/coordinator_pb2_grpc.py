@@ -49,8 +49,8 @@ class CoordinatorStub:
                 request_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.FailureReport.SerializeToString,
                 response_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.FailureVerdict.FromString,
                 _registered_method=True)
-        self.Commit = channel.unary_unary(
-                '/ftjax.coordinator.v1.Coordinator/Commit',
+        self.Commits = channel.stream_stream(
+                '/ftjax.coordinator.v1.Coordinator/Commits',
                 request_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.CommitVote.SerializeToString,
                 response_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.CommitDecision.FromString,
                 _registered_method=True)
@@ -86,11 +86,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Commit(self, request, context):
-        """ft.commit_decision: coordinator. A participant's vote on its quorum's step (its average
-        succeeded on every host, or not), answered with the step's decision once every participant
-        voted yes (COMMIT), one voted no, left or missed the deadline (ABORT), or at the caller's
-        timeout_ms (PENDING). A member commits only on COMMIT (ftjax/coordinator/commits.py).
+    def Commits(self, request_iterator, context):
+        """ft.commit_decision: coordinator. A participant's votes on its quorums' steps (its average
+        succeeded on every host, or not), one per step on a long-lived stream per replica leader (as
+        Quorum, a third of a unary call's cost), each answered in order with the step's decision: once
+        every participant voted yes (COMMIT), one voted no, left or missed the deadline (ABORT), or at
+        the vote's timeout_ms (PENDING). A member commits only on COMMIT (ftjax/coordinator/commits.py).
+        A bad vote ends the stream with INVALID_ARGUMENT or FAILED_PRECONDITION and decides nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,8 +116,8 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.FailureReport.FromString,
                     response_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.FailureVerdict.SerializeToString,
             ),
-            'Commit': grpc.unary_unary_rpc_method_handler(
-                    servicer.Commit,
+            'Commits': grpc.stream_stream_rpc_method_handler(
+                    servicer.Commits,
                     request_deserializer=ftjax_dot_coordinator_dot_coordinator__pb2.CommitVote.FromString,
                     response_serializer=ftjax_dot_coordinator_dot_coordinator__pb2.CommitDecision.SerializeToString,
             ),
@@ -212,7 +214,7 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
-    def Commit(request,
+    def Commits(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -222,10 +224,10 @@ class Coordinator:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/ftjax.coordinator.v1.Coordinator/Commit',
+            '/ftjax.coordinator.v1.Coordinator/Commits',
             ftjax_dot_coordinator_dot_coordinator__pb2.CommitVote.SerializeToString,
             ftjax_dot_coordinator_dot_coordinator__pb2.CommitDecision.FromString,
             options,

@@ -384,9 +384,14 @@ class _Service:
             self._after_event(later)
         return _verdict_proto(verdict)
 
-    async def commit(self, request: pb.CommitVote, context: grpc.aio.ServicerContext) -> pb.CommitDecision:
-        """The Commit RPC (ft.commit_decision: coordinator): record the vote, then wait for the step's
-        decision until the vote's timeout_ms (PENDING if none by then)."""
+    async def commits(self, request_iterator, context: grpc.aio.ServicerContext):
+        """The Commits stream (ft.commit_decision: coordinator): each vote answered with its step's decision."""
+        async for request in request_iterator:
+            yield await self._commit(request, context)
+
+    async def _commit(self, request: pb.CommitVote, context: grpc.aio.ServicerContext) -> pb.CommitDecision:
+        """Record one vote, then wait for the step's decision until the vote's timeout_ms (PENDING
+        if none by then)."""
         try:
             check_int("formation", request.formation, 1, 2**63 - 1)
             check_int("quorum_id", request.quorum_id, 0, 2**62)
@@ -602,8 +607,8 @@ class CoordinatorServer:
                             request_deserializer=pb.FailureReport.FromString,
                             response_serializer=pb.FailureVerdict.SerializeToString,
                         ),
-                        "Commit": grpc.unary_unary_rpc_method_handler(
-                            service.commit,
+                        "Commits": grpc.stream_stream_rpc_method_handler(
+                            service.commits,
                             request_deserializer=pb.CommitVote.FromString,
                             response_serializer=pb.CommitDecision.SerializeToString,
                         ),

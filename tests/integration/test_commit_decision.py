@@ -1,5 +1,5 @@
-"""The Commit RPC served for real (ft.commit_decision: coordinator): real clients vote on their
-quorum's step over gRPC and get one decision; bad votes are refused naming the field; a restarted
+"""The Commits stream served for real (ft.commit_decision: coordinator): real clients vote on
+their quorum's step over gRPC and get one decision; bad votes are refused naming the field; a restarted
 coordinator answers UNKNOWN (the voter does not commit)."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_bad_votes_are_refused_naming_the_field_and_decide_nothing(make_server, 
     )
     r = raw(server)
     with pytest.raises(grpc.RpcError) as e:
-        r.stub.Commit(pb.CommitVote(**{**vote, **fields}), metadata=r.metadata, timeout=5)
+        next(r.stub.Commits(iter([pb.CommitVote(**{**vote, **fields})]), metadata=r.metadata, timeout=5))
     assert e.value.code() == getattr(grpc.StatusCode, code) and text in e.value.details()
     assert server.state.commits.counts == {"COMMIT": 0, "ABORT": 0}  # (the refused no vote decided nothing)
 

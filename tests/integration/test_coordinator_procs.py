@@ -203,7 +203,8 @@ def test_coordinator_restart_mid_run_loses_nothing(job):
 def test_the_benchmark_runs_and_reports_one_json_line():
     # --timeout-s: the benchmark gives up (and kills what it started) before this test would
     result = subprocess.run(
-        [*FTJAX, "bench", "coordinator", "--replicas", "20", "--steps", "5", "--step-ms", "20", "--timeout-s", "40"],
+        [*FTJAX, "bench", "coordinator", "--replicas", "20", "--steps", "5", "--step-ms", "20", "--timeout-s", "40"]
+        + ["--commit-decision"],
         capture_output=True,
         text=True,
         timeout=90,
@@ -216,3 +217,6 @@ def test_the_benchmark_runs_and_reports_one_json_line():
     # the same clients against the bare grpcio server, in the same run
     assert 0 < line["floor_p50_ms"] <= line["floor_p99_ms"] < 5000
     assert line["p99_vs_floor"] == pytest.approx(line["p99_ms"] / line["floor_p99_ms"], rel=0.01)
+    # every replica voted yes on every step and every decision was COMMIT (else the bench fails)
+    assert 0 < line["commit_p50_ms"] <= line["commit_p99_ms"] < 5000
+    assert line["commit_p99_vs_quorum_p99"] == pytest.approx(line["commit_p99_ms"] / line["p99_ms"], rel=0.02)

@@ -398,7 +398,11 @@ def test_calls_without_the_job_token_are_refused_and_change_nothing(make_server,
     with pytest.raises(grpc.RpcError) as e:
         bad.report(quorum_id=0, replica_id="a", incarnation=a.member.incarnation)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert membership(server) == before
+    vote = pb.CommitVote(formation=1, quorum_id=1, replica_id="a", incarnation="i", ok=False, timeout_ms=100)
+    with pytest.raises(grpc.RpcError) as e:
+        next(bad.stub.Commits(iter([vote]), metadata=bad.metadata, timeout=5))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert membership(server) == before and server.state.commits.counts == {"COMMIT": 0, "ABORT": 0}
 
 
 def test_a_client_with_the_wrong_token_fails_at_once(make_server, make_client):
