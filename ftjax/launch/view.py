@@ -245,7 +245,10 @@ class _StallNote:
         if stalled < self.every_s * (self._said + 1) or not status or not status.get("pending"):
             return None
         self._said = int(stalled // self.every_s)
-        return f"  step {step}: none for {stalled:.0f} s; coordinator waits: {status.get('waiting_because')}"
+        why = status.get("waiting_because")
+        if step == 0 and status.get("quorum") is None:  # the job's start: some may still compile, not stuck
+            return f"  starting: no quorum yet after {stalled:.0f} s (replicas ask once compiled); waiting: {why}"
+        return f"  step {step}: none for {stalled:.0f} s; coordinator waits: {why}"
 
 
 class LiveView(_View):

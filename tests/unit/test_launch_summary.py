@@ -525,7 +525,11 @@ def test_a_replica_told_the_job_finished_ends_behind_and_the_history_is_one(tmp_
 
 def test_a_stalled_job_prints_why_the_coordinator_waits_every_30_s_and_only_while_it_holds_requests():
     note = _StallNote(every_s=30.0)
-    waiting = {"pending": 2, "waiting_because": "waiting for a live member of the previous quorum to ask: 1"}
+    waiting = {
+        "pending": 2,
+        "waiting_because": "waiting for a live member of the previous quorum to ask: 1",
+        "quorum": {"quorum_id": 3},
+    }
     assert note.poll(3, waiting, 100.0) is None  # (the step just seen)
     assert note.poll(3, waiting, 129.0) is None
     line = note.poll(3, waiting, 130.5)
@@ -535,6 +539,15 @@ def test_a_stalled_job_prints_why_the_coordinator_waits_every_30_s_and_only_whil
     assert note.poll(4, waiting, 161.0) is None and note.poll(4, waiting, 190.0) is None  # the step moved
     assert note.poll(4, {"pending": 0, "waiting_because": "no pending request"}, 195.0) is None  # nobody asks
     assert note.poll(4, None, 195.0) is None  # (no answer from the coordinator yet)
+
+
+def test_before_the_first_quorum_the_stall_line_says_the_job_is_starting():
+    # at a job's start replicas compile before they ask: "step 0: none for 38 s" read as a stall
+    note = _StallNote(every_s=30.0)
+    starting = {"pending": 1, "waiting_because": "1 requesters of 2 alive members", "quorum": None}
+    assert note.poll(0, starting, 0.0) is None
+    line = note.poll(0, starting, 31.0)
+    assert line.startswith("  starting: no quorum yet after 31 s") and "1 requesters of 2 alive members" in line
 
 
 def test_a_host_logs_tail_is_its_last_characters_read_from_the_end(tmp_path):
