@@ -85,8 +85,10 @@ def badge(phase: str, text: str | None = None) -> str:
 
 
 def unit(s: dict, plural: bool = False) -> str:
-    """What the job's steps are: steps, or DiLoCo's outer rounds."""
-    word = "outer round" if s["job"].get("sync") else "step"
+    """What the job's steps are: steps, or DiLoCo's outer rounds. With a synchronous warm-up they
+    are steps (W synchronous steps, then the rounds: the DiLoCo card says which)."""
+    sync = s["job"].get("sync")
+    word = "outer round" if sync and not sync.get("warmup_steps") else "step"
     return word + "s" if plural else word
 
 

@@ -216,6 +216,8 @@ def test_a_warmed_up_diloco_job_shows_its_synchronous_steps_then_its_rounds():
     assert cards[2].groups() == ("synchronous warm-up", "2 of its 2 steps: gradients averaged every step")
     after = "per outer round (42 optimizer steps in all, the first 2 synchronous)"
     assert cards[4].groups() == ("20 inner steps", after)
+    # the job's count holds the warm-up's steps and the rounds: it says steps, not outer rounds
+    assert "committed steps" in page and "committed outer rounds" not in page
     # without a warm-up, a round reported before any commit is a round, not a warm-up step
     state = CoordinatorState(Settings(min_replicas=1, expected_replicas=1), 0.0, startup_grace=0.0)
     state.register(MemberReport("a", "a-inc", step=0, data_position=0, ftar_addresses=("h:a",)), 0.0)
