@@ -336,9 +336,9 @@ class FTConfig(_Strict):
     sync_warmup_steps: int = Field(
         0,
         ge=0,
-        description="diloco: the job's first N steps average gradients every step, as every_step does, before the "
-        "outer rounds start (the DiLoCo paper's synchronous warm start; `steps` counts them and then the rounds; "
-        'docs/design.md, "Training across slow links")',
+        description="diloco, streaming_diloco: the job's first N steps average the whole gradient every step, as "
+        "every_step does, before the outer rounds start (the DiLoCo paper's synchronous warm start; `steps` counts "
+        'them and then the rounds; docs/design.md, "Training across slow links")',
     )
     fragments: int = Field(
         4, gt=0, description="streaming_diloco: parts of the parameters (equal sizes; fragments - 1 arrays cut at most)"
@@ -532,10 +532,10 @@ class Config(_Strict):
                 f"ft.micro_batch_rows ({m}) must divide data.batch_size ({self.data.batch_size}) "
                 f"and be a multiple of the replica's {n} devices"
             )
-        if self.ft.sync_warmup_steps and self.ft.sync != "diloco":
+        if self.ft.sync_warmup_steps and self.ft.sync == "every_step":
             raise ValueError(
-                f"ft.sync_warmup_steps: only with ft.sync=diloco, not {self.ft.sync} (every_step averages every "
-                "step anyway; a warm-up step averages the whole gradient, streaming_diloco's reducers hold a fragment)"
+                "ft.sync_warmup_steps: only with ft.sync diloco or streaming_diloco (every_step averages every "
+                "step anyway)"
             )
         if self.ft.sync != "every_step":
             self._check_diloco()
@@ -593,7 +593,7 @@ class Config(_Strict):
     @property
     def warmup_sync_steps(self) -> int:
         """Steps of the job that average gradients before DiLoCo's rounds (ft.sync_warmup_steps, at most `steps`)."""
-        return min(self.ft.sync_warmup_steps, self.steps)  # (0 unless ft.sync=diloco: validated)
+        return min(self.ft.sync_warmup_steps, self.steps)  # (0 with every_step: validated)
 
     @property
     def train_steps(self) -> int:

@@ -8,11 +8,12 @@ into `fragments` and averages one fragment per round, in turn, so that the bytes
 a fragment's (Douillard et al. 2025; the overlap of a fragment's exchange with the next inner
 steps is not built: docs/design.md, "Training across slow links").
 
-With `ft.sync_warmup_steps` W (diloco only), the job's first W steps are synchronous, as the
-paper's runs start from a model trained with every-step sync: each averages the replicas' gradients
-of one batch (tagged `SYNC`) and applies the inner optimizer to the global parameters, as every_step
-would; the rounds start at step W with the inner optimizer's state as the warm-up left it and a
-fresh outer state.
+With `ft.sync_warmup_steps` W, the job's first W steps are synchronous, as the paper's runs
+start from a model trained with every-step sync: each averages the replicas' gradients of one
+batch (tagged `SYNC`; the whole gradient, also when streaming: through a reducer of its own over
+every parameter) and applies the inner optimizer to the global parameters, as every_step would;
+the rounds start at step W with the inner optimizer's state as the warm-up left it, a fresh outer
+state and, streaming, local parameters equal to the global ones.
 
 An outer round is one step of the step protocol: the quorum, FTAR, the vote, the commit, the heal
 and its replay, durable checkpoints and exactly-once positions all work per round as they do per
@@ -210,7 +211,7 @@ class OuterSync:
             self.outer_abstract.append(
                 jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, osh)
             )
-        self._grads32 = _float32_leaves(piece_shardings[0])  # (a warm-up step's gradient, laid out as a delta)
+        self._grads32 = _float32_leaves(self.shardings)  # (a warm-up step's gradient: whole leaves, in order)
         copy = lambda t: jax.tree.map(jnp.copy, t)  # (new buffers: the program's apply donates its state)
         st = program.state_shardings
         self._copy_inner = jax.jit(copy, out_shardings={k: st[k] for k in ("params", "opt", "step")})
@@ -274,7 +275,8 @@ class OuterSync:
         return out
 
     def fragment(self, step: int) -> int:
-        return step % self.fragments
+        """The fragment the step after committed step `step` averages (0, "all", in a warm-up step)."""
+        return 0 if step < self.warmup else step % self.fragments
 
     def synchronous(self, step: int) -> bool:
         """Whether the step after committed step `step` is a warm-up step (gradients averaged)."""
@@ -283,6 +285,14 @@ class OuterSync:
     def fragment_bytes(self, f: int) -> int:
         """Bytes of fragment f's pseudo-gradient in float32 (what one replica averages in a round)."""
         return self._bytes[f]
+
+    def round_fields(self, step: int) -> dict:
+        """The record of the step after committed step `step`: the fragment it averages, the float32
+        bytes it averages (the fragment's, or in a warm-up step the whole gradient's), whether it is
+        a warm-up step."""
+        synchronous = self.synchronous(step)
+        nbytes = sum(self._bytes) if synchronous else self._bytes[self.fragment(step)]
+        return {"fragment": self.fragment(step), "sync_bytes": nbytes, "synchronous": synchronous}
 
     # --- the state --------------------------------------------------------------------------------
     def abstract_state(self) -> dict:
@@ -342,7 +352,10 @@ class OuterSync:
         if f == SYNC:  # a warm-up step: every replica's inner optimizer applies the average, bitwise alike
             inner = {k: state[k] for k in ("params", "opt", "step")}
             update = {"params": jax.tree.unflatten(self.treedef, list(avg))}
-            return {**state, **self.program.apply(inner, update, np.float32(scale))}
+            out = {**state, **self.program.apply(inner, update, np.float32(scale))}
+            if self.fragments > 1:  # the inner steps start from the global parameters (copies: new buffers)
+                out["local"] = self._copy_params(out["params"])
+            return out
         leaves = jax.tree.leaves(state["params"])
         g, s = self._outer[f](self.part(leaves, f), state["outer"][f], list(avg), np.float32(scale))
         out = {**state, "params": jax.tree.unflatten(self.treedef, self._replace(leaves, f, g))}
@@ -372,7 +385,7 @@ class OuterSync:
 
 def _float32_leaves(shardings: list):
     """An update's parameter leaves as float32, in these shardings: a warm-up step's gradient laid out
-    as the one fragment's delta is (whole leaves in order, the parameters' shardings)."""
+    as its reducer takes it (whole leaves in order, the parameters' shardings)."""
     return jax.jit(lambda g: [x.astype(jnp.float32) for x in jax.tree.leaves(g["params"])], out_shardings=shardings)
 
 
@@ -423,20 +436,19 @@ class FragmentReducer:
     rounds have one inner step (`round_span`): its delta then counts by its inner steps in the
     round's mean (`weight`), as a warm-up step's mean gradient counts by its batches."""
 
-    def __init__(self, reducers: list, fragments: int, inner: int = 1, warmup: int = 0) -> None:
+    def __init__(self, reducers: list, fragments: int, inner: int = 1, warmup: int = 0, sync: Any = None) -> None:
         self.reducers, self.fragments, self.inner, self.warmup = reducers, fragments, inner, warmup
+        # a warm-up step's: over every parameter, whole leaves in order (the one fragment's, unless streaming)
+        self.sync = sync if sync is not None else reducers[0]
         self._last = 0
 
     @property
     def phases(self):
-        return getattr(self.reducers[self._last], "phases", None)
+        return getattr(self._reducer(self._last), "phases", None)
 
     def average(self, q: Any, grads: Any | None) -> Tagged:
-        if q.step < self.warmup:
-            self._last = 0
-            return Tagged(SYNC, self.reducers[0].average(q, self.weight(q, grads)))
-        f = self._last = q.step % self.fragments
-        return Tagged(f, self.reducers[f].average(q, self.weight(q, grads)))
+        f = self._last = SYNC if q.step < self.warmup else q.step % self.fragments
+        return Tagged(f, self._reducer(f).average(q, self.weight(q, grads)))
 
     def weight(self, q: Any, grads: list | None) -> list | None:
         """This contributor's delta scaled so that FTAR's mean over the C contributors is the mean
@@ -452,8 +464,8 @@ class FragmentReducer:
         return [x * scale for x in grads]
 
     def _reducer(self, f: int) -> Any:
-        """Fragment f's reducer; a warm-up step's (`SYNC`) is the one fragment's (warm-up: diloco only)."""
-        return self.reducers[max(f, 0)]
+        """Fragment f's reducer, or a warm-up step's (`SYNC`)."""
+        return self.sync if f == SYNC else self.reducers[f]
 
     def tree(self, update: Tagged | np.ndarray) -> tuple[int, Any]:
         if isinstance(update, Tagged):
@@ -467,7 +479,7 @@ class FragmentReducer:
         return np.append(flat, np.float32(update.fragment))
 
     def close(self) -> None:
-        for r in self.reducers:
+        for r in {id(r): r for r in [*self.reducers, self.sync]}.values():
             r.close()
 
 

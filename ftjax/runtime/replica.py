@@ -32,7 +32,7 @@ from ftjax.program.task import Task
 from ftjax.runtime.args import RunOptions
 from ftjax.runtime.catchup import ReceiveArena, ShardTransport
 from ftjax.runtime.checkpoint import DurableCheckpoints
-from ftjax.runtime.diloco import FragmentReducer, fragment_cut, piece_templates
+from ftjax.runtime.diloco import FragmentReducer, Piece, fragment_cut, piece_templates
 from ftjax.runtime.faults import InjectedFaults, parse_die_at, parse_flip_at
 from ftjax.runtime.host_group import JaxHostGroup
 from ftjax.runtime.lanes import LaneFlattener, served_lanes
@@ -157,7 +157,10 @@ def _fragments(cfg: Config, template: Any, shardings: Any, reducer_of) -> Fragme
     leaves, sh = jax.tree.leaves(template["params"]), jax.tree.leaves(shardings["params"])
     cut = fragment_cut(cfg, leaves)
     reducers = [reducer_of(*piece_templates(leaves, sh, ps)) for ps in cut]
-    return FragmentReducer(reducers, len(cut), cfg.inner_per_step, cfg.warmup_sync_steps)
+    sync = None  # a warm-up step averages the whole gradient: streaming, through a reducer of its own
+    if cfg.warmup_sync_steps and len(cut) > 1:
+        sync = reducer_of(*piece_templates(leaves, sh, tuple(Piece(i, 0, a.size) for i, a in enumerate(leaves))))
+    return FragmentReducer(reducers, len(cut), cfg.inner_per_step, cfg.warmup_sync_steps, sync)
 
 
 def _ftar_reducer_of(cfg: Config, endpoints, served, update_template: Any, update_shardings: Any) -> FTARReducer:

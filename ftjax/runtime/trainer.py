@@ -416,10 +416,8 @@ class Trainer:
                 else None
             )
         if self.sync is not None:  # the round: its inner steps, the fragment averaged and its float32 bytes
-            f = self.sync.fragment(q.step)
-            record.update(inner_steps=inner, fragment=f, sync_bytes=self.sync.fragment_bytes(f))
-            record["synchronous"] = self.sync.synchronous(q.step)
-            record["reused_inner"] = bool(computed is not None and computed.reused)
+            reused = bool(computed is not None and computed.reused)
+            record.update(inner_steps=inner, **self.sync.round_fields(q.step), reused_inner=reused)
         if self.lrs is not None and 0 <= q.step < len(self.lrs):  # the learning rate this update applied
             record["lr"] = float(self.lrs[q.step]) * scale
         if self.flops is not None:

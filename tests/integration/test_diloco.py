@@ -95,12 +95,18 @@ def test_streaming_averages_one_fragment_and_resets_only_its_local_parameters():
     assert any(p.size < g0[p.leaf].size for p in sync.pieces[1])  # (which takes a cut array here)
 
 
-def test_a_warmup_step_is_every_step_syncs_update_and_its_replay_the_same_state():
+@pytest.mark.parametrize("sync_kind", ["diloco", "streaming_diloco"])
+def test_a_warmup_step_is_every_step_syncs_update_and_its_replay_the_same_state(sync_kind):
     """A warm-up step (ft.sync_warmup_steps): two replicas' gradients of their own batches at the
     global parameters, averaged, applied by the inner optimizer to the global parameters, bit for
     bit the program's own every-step update; the outer state untouched; a healing replica's replay
-    (no inner result of its own) ends in the same whole state, inner optimizer included."""
-    cfg, program = _program(["ft.sync=diloco", "ft.inner_steps=4", "ft.sync_warmup_steps=2", "ft.replicas=2"])
+    (no inner result of its own) ends in the same whole state, inner optimizer included. Streaming
+    (2 fragments), the whole gradient too, and the local parameters the rounds start from are the
+    new global ones."""
+    cfg, program = _program(
+        [f"ft.sync={sync_kind}", "ft.inner_steps=4", "ft.fragments=2", "ft.sync_warmup_steps=2", "ft.replicas=2"]
+        + ["optim.warmup_steps=0"]  # (a learning rate above 0 at the first step: the parameters move)
+    )
     sync = OuterSync(cfg, program)
     assert [sync.synchronous(s) for s in range(4)] == [True, True, False, False]
     state = sync.init(program.init(np.int32(0)))
@@ -122,12 +128,18 @@ def test_a_warmup_step_is_every_step_syncs_update_and_its_replay_the_same_state(
     assert state_checksum({k: live[k] for k in want}) == state_checksum(want)  # every_step's update, bitwise
     assert state_checksum(live) == state_checksum(replayed) and int(live["step"]) == 1
     assert state_checksum(live["outer"]) == outer_before
+    if sync_kind == "streaming_diloco":
+        local, new, old = (jax.tree.leaves(x) for x in (live["local"], live["params"], state["local"]))
+        assert all(np.array_equal(a, b) for a, b in zip(local, new))  # the rounds start from the global ones
+        assert not all(np.array_equal(a, b) for a, b in zip(local, old))  # (not the initial copy)
 
 
-def test_a_warmed_up_job_is_the_every_step_job_until_its_rounds_start(tmp_path):
+@pytest.mark.parametrize("sync_kind", ["diloco", "streaming_diloco"])
+def test_a_warmed_up_job_is_the_every_step_job_until_its_rounds_start(tmp_path, sync_kind):
     """`ftjax train` with ft.sync_warmup_steps=2 and rounds of 3 after them: stopped after its 2
     warm-up steps it holds the parameters of an every-step job of the same schedule (8 optimizer
-    steps) stopped after 2, bitwise; resumed, its records say 1, 1, 3, 3 inner steps."""
+    steps) stopped after 2, bitwise; resumed, its records say 1, 1, 3, 3 inner steps. Streaming with
+    3 fragments: the same warm-up (the whole gradient), then rounds of 1 inner step, one fragment each."""
     import json
     import subprocess
 
@@ -140,18 +152,20 @@ def test_a_warmed_up_job_is_the_every_step_job_until_its_rounds_start(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads((out / "summary.json").read_text())
 
-    warm = ["ft.sync=diloco", "ft.sync_warmup_steps=2", "ft.inner_steps=3", "steps=4"]
+    streaming = sync_kind == "streaming_diloco"
+    warm = [f"ft.sync={sync_kind}", "ft.sync_warmup_steps=2", "ft.inner_steps=3", "ft.fragments=3"]
+    warm += ["steps=8" if streaming else "steps=4"]  # (8 optimizer steps either way: 2 + 6 x 1, or 2 + 2 x 3)
     every = train(tmp_path / "every", "steps=8", "--stop-after", "2")
     assert train(tmp_path / "warm", *warm, "--stop-after", "2")["params_digest"] == every["params_digest"]
     train(tmp_path / "warm", *warm, "--resume")
     records = [json.loads(x) for x in (tmp_path / "warm" / "metrics.jsonl").read_text().splitlines()]
-    rounds = [m for m in records if m.get("committed") and "inner_steps" in m]
-    assert [(m["step"], m["inner_steps"], m["synchronous"]) for m in rounds] == [
-        (1, 1, True),
-        (2, 1, True),
-        (3, 3, False),
-        (4, 3, False),
-    ]
+    rounds = [(m["step"], m["inner_steps"], m["synchronous"]) for m in records if m.get("committed")]
+    if streaming:
+        assert rounds == [(1, 1, True), (2, 1, True)] + [(n, 1, False) for n in range(3, 9)]
+        fragments = [m["fragment"] for m in records if m.get("committed") and not m["synchronous"]]
+        assert fragments == [n % 3 for n in range(2, 8)]  # one fragment per round, in turn
+    else:
+        assert rounds == [(1, 1, True), (2, 1, True), (3, 3, False), (4, 3, False)]
 
 
 def _rounds(run: Launch, r: int) -> dict[int, str]:
@@ -160,7 +174,9 @@ def _rounds(run: Launch, r: int) -> dict[int, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync,warmup", [("diloco", 0), ("streaming_diloco", 0), ("diloco", 6)])
+@pytest.mark.parametrize(
+    "sync,warmup", [("diloco", 0), ("streaming_diloco", 0), ("diloco", 6), ("streaming_diloco", 6)]
+)
 def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_equal(procs, tmp_path, sync, warmup):
     """3 replicas of the tiny Llama, 24 rounds: replica 1 dies during its inner steps of round 4 and
     its next incarnation while it catches up; replica 2 dies in the outer all-reduce of round 8.
@@ -213,9 +229,11 @@ def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_
                 if m.get("committed") and m.get("batch_id") is not None:
                     n = round_span(m["data_position"] - 1, inner, warmup)[1]
                     assert (m["inner_steps"], m["tokens"]) == (n, n * 8 * 64), (r, m)
-        if sync == "streaming_diloco":  # one fragment per round, in turn
-            assert [m["fragment"] for m in mine] == [n % 2 for n in range(24)]
-            assert sum(m["sync_bytes"] for m in mine[:2]) == mine[0]["sync_bytes"] + mine[1]["sync_bytes"]
+        if sync == "streaming_diloco":  # one fragment per round, in turn; a warm-up step averages both
+            assert [m["fragment"] for m in mine] == [0] * warmup + [n % 2 for n in range(warmup, 24)]
+            both = mine[warmup]["sync_bytes"] + mine[warmup + 1]["sync_bytes"]
+            assert abs(mine[warmup]["sync_bytes"] - mine[warmup + 1]["sync_bytes"]) <= 0.01 * both  # (halves)
+            assert all(m["sync_bytes"] == both for m in mine[:warmup])
     finally:
         run.close()
 
