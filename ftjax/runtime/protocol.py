@@ -212,6 +212,7 @@ class StepProtocol:
         unreachable_after_s: float = UNREACHABLE_AFTER_S,
         commit_decision: str = "ring",
         decision_timeout_s: float = 5.0,
+        decision_patience_s: float = 120.0,
     ) -> None:
         self.replica_id, self.incarnation = replica_id, incarnation
         self.group, self.reducer, self.transport, self.quorums = group, reducer, transport, quorums
@@ -231,6 +232,7 @@ class StepProtocol:
         # ft.commit_decision: "coordinator" asks the coordinator whether the step commits (`_vetoed`),
         # waiting up to `decision_timeout_s` (ft.ftar_timeout_s: a peer may fail its ring that late)
         self.commit_decision, self.decision_timeout_s = commit_decision, decision_timeout_s
+        self.decision_patience_s = decision_patience_s  # (ft.quorum_timeout_s: see `_ask_decision`)
         self.decision_s: float | None = None  # the last step's wait for its decision (metrics.jsonl)
 
     # --- the quorum ---------------------------------------------------------------------------
@@ -345,7 +347,7 @@ class StepProtocol:
         with self.watchdog.exempt("commit decision"):
             if self.leader:
                 reason = "; ".join(f"{f['peer']}: {f['error']}" for f in failed)[:512]
-                decision, detail = self.quorums.vote_commit(q, not failed, reason, self.decision_timeout_s)
+                decision, detail = self._ask_decision(q, not failed, reason)
                 if self.group.hosts > 1:
                     self.group.broadcast_bytes(f"{decision}\n{detail}".encode())
             else:
@@ -359,6 +361,22 @@ class StepProtocol:
             ReplicaEvent.COMMIT_NOT_DECIDED, step=q.step + 1, quorum_id=q.quorum_id, decision=decision, detail=detail
         )
         return True
+
+    def _ask_decision(self, q: QuorumResult, ok: bool, reason: str) -> tuple[str, str]:
+        """The leader's vote and the coordinator's answer. A yes vote whose answer was lost on the
+        way (UNREACHABLE) or not there in time (PENDING) is sent again until `decision_patience_s`:
+        a COMMIT may have been decided unheard, and were it unheard by every participant, nobody
+        would hold the step the job committed (no quorum forms behind it). The replica cannot train
+        on without the coordinator anyway; a repeated vote gets the decision made, or ABORT past
+        the deadline, or UNKNOWN from a restarted coordinator (which relearns the committed step
+        from the members: nobody applied it)."""
+        give_up, pause = time.monotonic() + self.decision_patience_s, 0.05
+        while True:
+            decision, detail = self.quorums.vote_commit(q, ok, reason, self.decision_timeout_s)
+            if not ok or decision not in ("UNREACHABLE", "PENDING") or time.monotonic() + pause >= give_up:
+                return decision, detail
+            time.sleep(pause)
+            pause = min(2 * pause, 2.0)
 
     def committed(self, q: QuorumResult, applied: bool) -> None:
         """The step went through (the vote passed); `applied`: this replica applied it."""

@@ -140,6 +140,7 @@ def member_protocol(
         log=log,
         commit_decision=cfg.ft.commit_decision,
         decision_timeout_s=cfg.ft.ftar_timeout_s,
+        decision_patience_s=cfg.ft.quorum_timeout_s,
     )
 
 

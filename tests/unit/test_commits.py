@@ -123,6 +123,7 @@ def test_a_replica_whose_average_succeeded_commits_only_on_the_coordinators_comm
     quorums = FakeQuorums([quorum(7, 3, [a, b], "a", position=3)], decisions=answers)
     p = protocol(tmp_path, quorums, FakeReducer())
     p.commit_decision, p.decision_timeout_s = "coordinator", 4.0
+    p.decision_patience_s = 0.0  # (no second asking: that is the next test's)
     p.ask(3, 3, True)
     q = p.agree().quorum
     _, error = p.average(q, np.ones(4, np.float32))
@@ -173,3 +174,25 @@ def test_every_host_of_a_replica_gets_its_leaders_decision(tmp_path):
         assert len(quorums.votes) == (rank == 0)  # only the leader asks the coordinator
         if rank == 0:
             assert p.group.sent == [b"COMMIT\nall voted yes"]  # what its other hosts decide on
+
+
+def test_an_answer_lost_on_the_way_is_asked_for_again_until_the_patience_runs_out(tmp_path):
+    # every participant could miss a COMMIT (the coordinator unreachable as it answered): then nobody
+    # would hold the step the job committed. The same vote is sent again and gets the decision made.
+    a, b = participant("a", 3, 3), participant("b", 3, 3)
+    q = quorum(7, 3, [a, b], "a", position=3)
+    lost = [("UNREACHABLE", "UNAVAILABLE: connection refused"), (PENDING, "no decision within 4000 ms")]
+    quorums = FakeQuorums([], decisions=[*lost, (COMMIT, "all 2 participants voted yes")])
+    p = protocol(tmp_path / "a", quorums, FakeReducer())
+    p.commit_decision, p.decision_patience_s = "coordinator", 30.0
+    assert p.vote(q, None) is True and [v[1] for v in quorums.votes] == [True, True, True]
+    # patience spent: the replica does not commit (its next quorum heals it if a peer did)
+    quorums = FakeQuorums([], decisions=[lost[0]] * 50)
+    p = protocol(tmp_path / "b", quorums, FakeReducer())
+    p.commit_decision, p.decision_patience_s = "coordinator", 0.3
+    assert p.vote(q, None) is False and 2 <= len(quorums.votes) < 50
+    # a no vote is not repeated: nothing to wait for
+    quorums = FakeQuorums([], decisions=[lost[0]] * 5)
+    p = protocol(tmp_path / "c", quorums, FakeReducer())
+    p.commit_decision, p.decision_patience_s = "coordinator", 30.0
+    assert p.vote(q, {"peer": "b-host:1", "error": "PeerFailed: gone"}) is False and len(quorums.votes) == 1
