@@ -81,24 +81,29 @@ class PositionLedger:
     def position(self, replica_id: str) -> int:
         return self.positions.get(replica_id, 0)
 
-    def advance(self, replica_id: str, position: int) -> None:
+    def _advance(self, replica_id: str, position: int) -> None:
         """The record only moves forward."""
         if position > self.positions.get(replica_id, 0):
             self.positions[replica_id] = position
 
     def observe(self, replica_id: str, step: int, position: int) -> None:
         """A member reported `step` steps committed and `position` as its next batch."""
-        self.advance(replica_id, position)
+        self._advance(replica_id, position)
+        self.committed(step)
+
+    def committed(self, step: int) -> None:
+        """The job committed `step` steps (a member reported it, or the coordinator decided it):
+        every contributor of each step below is past its batch."""
         if self._contributions:
             for committed in sorted(s for s in self._contributions if s < step):
                 for p in self._contributions.pop(committed).participants:
                     if not p.healing:
-                        self.advance(p.replica_id, p.data_position + 1)
+                        self._advance(p.replica_id, p.data_position + 1)
 
     def merge(self, known: Mapping[str, int]) -> None:
         """Positions a member knows of."""
         for replica_id, position in known.items():
-            self.advance(replica_id, position)
+            self._advance(replica_id, position)
 
     def record(self, quorum: Quorum) -> None:
         """Remember who contributes which batch to the step of `quorum`."""
@@ -658,9 +663,7 @@ class CoordinatorState:
             decision, why = self.commits.vote(self.prev, formation, step, member, ok, deadline, reason)
             if decision == COMMIT and self.prev is not None and self.prev.formation == formation:
                 self.committed_step = max(self.committed_step, self.prev.step + 1)
-                for p in self.prev.participants:
-                    if not p.healing:
-                        self.ledger.advance(p.replica_id, p.data_position + 1)
+                self.ledger.committed(self.committed_step)  # (the quorum's contributors, recorded at its formation)
             return decision, why
 
     def commit_decisions(self, now: float) -> list[tuple[int, tuple[str, str]]]:
