@@ -22,10 +22,11 @@ the moment the last one arrives: no validation, no membership, no state). `floor
 grpcio itself costs on this machine with these clients; `p99_vs_floor` is the coordinator's p99
 over it. (--no-floor skips it.)
 
---commit-decision: after each answer every replica also votes yes on its step (the `Commit` RPC of
-ft.commit_decision: coordinator; a ring has just synchronized real replicas, so the votes arrive
-together) and waits for the decision: commit_p50_ms and commit_p99_ms, from the last replica's
-vote sent to each replica's decision received, and commit_p99_vs_quorum_p99 in the same run.
+--commit-decision: after each answer every replica also votes yes on its step (on its `Commits`
+stream, as with ft.commit_decision: coordinator; a ring has just synchronized real replicas, so
+the votes arrive together) and waits for the decision: commit_p50_ms and commit_p99_ms, from the
+last replica's vote sent to each replica's decision received, and commit_p99_vs_quorum_p99 in the
+same run.
 
 Prints one JSON line: p50_ms, p99_ms, max_ms of the end-to-end latency, the server bounds,
 heartbeats_per_s handled by the coordinator while the steps ran, the 1-minute load average (the

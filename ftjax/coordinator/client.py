@@ -111,6 +111,46 @@ class _Stream:
         self._call.cancel()
 
 
+class _StreamSlot:
+    """The stream of one method (Quorum, Commits) on a channel of its own: kept while it has time
+    left, opened again on a fresh connection once dropped after a failure."""
+
+    def __init__(self, open_channel, metadata, method: str) -> None:
+        self._open_channel, self._metadata, self.method = open_channel, metadata, method
+        self.stream: _Stream | None = None
+        self._channel: grpc.Channel | None = None
+        self._lock = threading.Lock()
+
+    def get(self, needed_s: float) -> _Stream:
+        """The stream, opened again if it ends within `needed_s` (+ 5 s)."""
+        with self._lock:
+            stream = self.stream
+            if stream is not None and stream.expires - time.monotonic() > needed_s + 5.0:
+                return stream
+            if stream is not None:
+                stream.close()
+            if self._channel is None:
+                self._channel = self._open_channel()
+            self.stream = _Stream(self._channel, self._metadata, self.method)
+            return self.stream
+
+    def drop(self) -> None:
+        """Forget the stream and its channel: the next attempt starts on a fresh connection."""
+        with self._lock:
+            stream, self.stream = self.stream, None
+            channel, self._channel = self._channel, None
+        if stream is not None:
+            stream.close()
+        if channel is not None:
+            channel.close()
+
+
+def _code_and_details(e: grpc.RpcError | CoordinatorError) -> tuple[grpc.StatusCode, str]:
+    if isinstance(e, grpc.RpcError):
+        return e.code(), e.details() or ""
+    return e.code, e.details
+
+
 class CoordinatorClient:
     """A replica leader's connection to the coordinator (see the module docstring)."""
 
@@ -140,11 +180,9 @@ class CoordinatorClient:
         self._heartbeat_thread: threading.Thread | None = None
         self._heartbeat_call: grpc.Future | None = None
         self._quorum_thread: threading.Thread | None = None
-        self._quorum_channel: grpc.Channel | None = None
-        self._stream: _Stream | None = None
+        self._quorums = _StreamSlot(self._channel, self._metadata, "Quorum")
         self._report_channel: grpc.Channel | None = None
-        self._commit_stream: _Stream | None = None  # ft.commit_decision coordinator: votes (on its own channel)
-        self._commit_channel: grpc.Channel | None = None
+        self._commits = _StreamSlot(self._channel, self._metadata, "Commits")  # ft.commit_decision coordinator
         self.heartbeat_error: CoordinatorError | None = None  # the coordinator refused our heartbeats
         # What this member knows of every replica's data position (the caller keeps it current);
         # sent on each new heartbeat stream, so that a restarted coordinator can rebuild its record.
@@ -303,11 +341,10 @@ class CoordinatorClient:
                     if catchup["eta_s"] is not None:
                         request.report.catchup_eta_s = float(catchup["eta_s"])
             try:
-                response = self._open_stream(remaining).exchange(request, remaining + 1.0)
+                response = self._quorums.get(remaining).exchange(request, remaining + 1.0)
             except (grpc.RpcError, CoordinatorError) as e:
-                self._drop_stream()
-                code = e.code() if isinstance(e, grpc.RpcError) else e.code
-                details = (e.details() or "") if isinstance(e, grpc.RpcError) else e.details
+                self._quorums.drop()
+                code, details = _code_and_details(e)
                 if code == grpc.StatusCode.ALREADY_EXISTS:
                     duplicate_until = duplicate_until or time.monotonic() + self.duplicate_grace_s
                 if code in CALLER_FAULT and (duplicate_until is None or time.monotonic() >= duplicate_until):
@@ -340,26 +377,6 @@ class CoordinatorClient:
             f"{self.quorum_timeout_s:g} s (ft.quorum_timeout_s; last error: {last_error}). Check the "
             f"address that `ftjax coordinator` printed, that it runs, and that this machine reaches it"
         )
-
-    def _open_stream(self, needed_s: float) -> _Stream:
-        stream = self._stream
-        if stream is not None and stream.expires - time.monotonic() > needed_s + 5.0:
-            return stream
-        if stream is not None:
-            stream.close()
-        if self._quorum_channel is None:
-            self._quorum_channel = self._channel()
-        self._stream = _Stream(self._quorum_channel, self._metadata)
-        return self._stream
-
-    def _drop_stream(self) -> None:
-        """Forget the stream and its channel: the next attempt starts on a fresh connection."""
-        stream, self._stream = self._stream, None
-        channel, self._quorum_channel = self._quorum_channel, None
-        if stream is not None:
-            stream.close()
-        if channel is not None:
-            channel.close()
 
     # -- failure reports ----------------------------------------------------------------------
 
@@ -395,40 +412,18 @@ class CoordinatorClient:
         deadline = time.monotonic() + timeout_s + self.rpc_timeout_s
         backoff = _Backoff()
         while True:
-            stream = self._open_commit_stream(deadline)
+            remaining = max(0.01, deadline - time.monotonic())
             try:
-                answer = stream.exchange(request, max(0.01, deadline - time.monotonic()))
+                answer = self._commits.get(remaining).exchange(request, remaining)
                 return answer.decision, answer.detail
             except (grpc.RpcError, CoordinatorError) as e:
-                code = e.code() if isinstance(e, grpc.RpcError) else e.code
-                details = (e.details() or "") if isinstance(e, grpc.RpcError) else e.details
-                self._drop_commit_stream()  # (the next attempt on a fresh connection)
+                self._commits.drop()  # (the next attempt on a fresh connection)
+                code, details = _code_and_details(e)
                 if code in CALLER_FAULT:  # a malformed vote, or not a participant
                     return "REFUSED", f"{code.name}: {details}"
                 if time.monotonic() + 0.05 >= deadline:
                     return "UNREACHABLE", f"{code.name}: {details}"
                 time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
-
-    def _open_commit_stream(self, deadline: float) -> _Stream:
-        with self._lock:
-            stream = self._commit_stream
-            if stream is not None and stream.expires > deadline + 5.0:
-                return stream
-            if stream is not None:
-                stream.close()
-            if self._commit_channel is None:
-                self._commit_channel = self._channel()
-            self._commit_stream = _Stream(self._commit_channel, self._metadata, "Commits")
-            return self._commit_stream
-
-    def _drop_commit_stream(self) -> None:
-        with self._lock:
-            stream, self._commit_stream = self._commit_stream, None
-            channel, self._commit_channel = self._commit_channel, None
-        if stream is not None:
-            stream.close()
-        if channel is not None:
-            channel.close()
 
     def _unary(self, method: str, request: Any, timeout_s: float) -> Any:
         """One unary call, retried over a fresh channel until `timeout_s` if the coordinator cannot
@@ -475,7 +470,7 @@ class CoordinatorClient:
         call = self._heartbeat_call
         if call is not None:
             call.cancel()
-        stream = self._stream
+        stream = self._quorums.stream
         if stream is not None:
             stream.close()
         self._requests.put(None)
@@ -490,8 +485,8 @@ class CoordinatorClient:
                 item[1].set_exception(CoordinatorError(grpc.StatusCode.CANCELLED, "the client was closed"))
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(5)
-        self._drop_stream()
-        self._drop_commit_stream()
+        self._quorums.drop()
+        self._commits.drop()
         with self._lock:
             if self._report_channel is not None:
                 self._report_channel.close()
