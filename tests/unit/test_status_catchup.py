@@ -43,7 +43,7 @@ def _request(client) -> pb.QuorumRequest:
         quorum_timeout_s=5.0,
         _membership=(0, ()),
         member=SimpleNamespace(replica_id="b", incarnation="b-2"),
-        _open_stream=lambda remaining: Stream(),
+        _quorums=SimpleNamespace(get=lambda remaining: Stream()),
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("ftjax.coordinator.client.member_proto", lambda *a: pb.Member())
