@@ -64,6 +64,13 @@ class ModelConfig(_Strict):
         description="rematerialize each transformer block in the backward pass (llama, gpt): none; full "
         "(save only the block's input); save_dots (also the outputs of its weight matmuls)",
     )
+    logits_chunk: int = Field(
+        0,
+        ge=0,
+        description="llama: the loss computes the output projection and the cross-entropy this many "
+        "positions at a time, each chunk's logits recomputed in the backward pass, so the float32 logits "
+        "of (rows x logits_chunk) tokens exist at once instead of the whole batch's; 0: all at once",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -77,8 +84,13 @@ class ModelConfig(_Strict):
                 )
             if self.n_heads % self.kv_heads:
                 raise ValueError(f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})")
+            if self.logits_chunk >= self.seq_len:
+                raise ValueError(
+                    f"logits_chunk ({self.logits_chunk}) must be below seq_len ({self.seq_len}): one chunk "
+                    "holds the whole logits and only adds their recomputation; use 0"
+                )
             return self
-        for name in ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps", "attention"):
+        for name in ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps", "attention", "logits_chunk"):
             # (set to its default is no setting: a dumped config round-trips)
             if getattr(self, name) != type(self).model_fields[name].default:
                 raise ValueError(f"{name}: only for kind llama (kind is {self.kind})")

@@ -1,7 +1,8 @@
 """Where a Llama step's time goes on one device (issue 28: the profile behind the MFU figure).
 
 Times, each compiled apart and best of `--reps`: the forward and backward pass of one micro-batch
-under each VARIANT (attention implementation : remat policy), the optimizer's update of the whole
+under each VARIANT (attention implementation : remat policy [: model.logits_chunk], with XLA's
+temporaries of that compiled pass), the optimizer's update of the whole
 state (optax AdamW over float32 master weights), and one bf16 matmul of the feed-forward's shape
 (what this device's matmul units reach: the practical ceiling). Prints one JSON line per
 measurement as it goes (a run cut short keeps what it measured), then a summary line whose
@@ -9,6 +10,11 @@ measurement as it goes (a run cut short keeps what it measured), then a summary 
 `ftjax train` (`--step-s`): what is left is the loop's own overhead.
 
     python scripts/mfu_profile.py llama_1b --batch 8 --micro-batches 2 --variants cudnn:save_dots,xla:save_dots
+    python scripts/mfu_profile.py llama_1b --variants cudnn:save_dots,cudnn:save_dots:512   # logits in chunks
+
+`--compile-only` compiles each variant and prints its temporaries without running it (any machine:
+on CPU the attention is XLA's and the compute float32, so only the differences between variants
+say something about an accelerator).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--step-s", type=float, default=None, help="the step time `ftjax train` measured")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this long")
+    ap.add_argument("--compile-only", action="store_true", help="each variant's temporaries, nothing run")
     a = ap.parse_args()
     t0 = time.perf_counter()
     cfg = load_config(a.config, [f"model.seq_len={a.seq}"])
@@ -64,8 +71,8 @@ def main() -> None:
     for variant in a.variants.split(","):
         if time.perf_counter() - t0 > a.budget_s:
             break
-        impl, remat = variant.split(":")
-        model.attention, model.remat = impl, remat
+        impl, remat, chunk = (*variant.split(":"), "0")[:3]
+        model.attention, model.remat, model.logits_chunk = impl, remat, int(chunk)
         gd = nnx.graphdef(model)
 
         def loss(p, t, gd=gd):
@@ -73,11 +80,17 @@ def main() -> None:
 
         fb = jax.jit(jax.value_and_grad(loss))
         try:
+            temp = fb.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
+            if a.compile_only:
+                say(what="forward_backward", variant=variant, temp_bytes=temp)
+                continue
             fb_s[variant] = s = best_time(lambda fb=fb: fb(params, tokens), a.reps)
         except Exception as exc:  # (e.g. out of memory at this batch: say so, go on)
             say(what="forward_backward", variant=variant, error=repr(exc)[:300])
             continue
-        say(what="forward_backward", variant=variant, s=s, mfu=flops / s / peak if peak else None)
+        say(what="forward_backward", variant=variant, s=s, mfu=flops / s / peak if peak else None, temp_bytes=temp)
+    if a.compile_only:
+        return
     tx = make_optimizer(cfg.optim, cfg.steps)
     opt = tx.init(params)
     grads = jax.tree.map(jnp.ones_like, params)

@@ -139,6 +139,7 @@ def _report(args: argparse.Namespace, cfg: Config, plan: Any, accelerator: Accel
         "overrides": args.overrides,
         "hosts": cfg.mesh.live,
         "devices_per_host": cfg.mesh.devices_per_host,
+        "logits_chunk": cfg.model.logits_chunk,
         **plan.as_dict(),
         "device": device,
         "step_s_at_peak": ideal,
@@ -183,6 +184,8 @@ def _table(r: dict[str, Any]) -> str:
         check = ""
         if closed and r["flops_per_token"]:
             check = f"; 6N + 12 L d T: {human_flops(closed)} (XLA / closed form {r['flops_per_token'] / closed:.3f})"
+        if r["logits_chunk"]:  # (a while loop's body is counted once, whatever its trip count)
+            check += "; XLA counts one chunk of model.logits_chunk's output projection"
         rows.append(("FLOPs per token", human_flops(r["flops_per_token"]) + check))
     d = r["device"]
     if d is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -29,11 +30,42 @@ def token_losses(model, batch):
     a target in another segment than its input (the first token of the next document, after an EOS)
     weighs 0, so no loss crosses a document boundary."""
     tokens, segments = (batch["tokens"], batch.get("segment_ids")) if isinstance(batch, dict) else (batch, None)
-    logits = model(tokens[:, :-1], **({} if segments is None else {"segment_ids": segments[:, :-1]}))
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype("float32"), tokens[:, 1:])
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    kw = {} if segments is None else {"segment_ids": segments[:, :-1]}
+    if getattr(model, "logits_chunk", 0):  # (a Llama with model.logits_chunk set)
+        losses = chunked_cross_entropy(model.logits, model.features(inputs, **kw), targets, model.logits_chunk)
+    else:
+        losses = optax.softmax_cross_entropy_with_integer_labels(model(inputs, **kw).astype("float32"), targets)
     if segments is None:
         return losses, jnp.ones_like(losses)
     return losses, (segments[:, 1:] == segments[:, :-1]).astype(losses.dtype)
+
+
+def chunked_cross_entropy(logits_of, features: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+    """Per-token cross-entropy [B, T] of `logits_of(features)` against `targets` [B, T], the logits
+    of `chunk` positions (of every row) at a time.
+
+    A 128K-token vocabulary makes the float32 logits the step's largest buffer (the 1B Llama's
+    8 x 2048 tokens: 8.4 GB, and as much again for their gradient). Here a scan computes one chunk's
+    logits, reduces them to its losses and drops them; the backward pass recomputes each chunk's
+    logits (jax.checkpoint) instead of keeping them. The losses are the same numbers (each logit is
+    the same dot product); the output projection's gradient is summed chunk by chunk, so it differs
+    from the unchunked one in rounding only. A length that `chunk` does not divide is padded, and
+    the padding's losses dropped."""
+    rows, length = targets.shape
+    n = -(-length // chunk)
+    if pad := n * chunk - length:
+        features = jnp.pad(features, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+
+    @jax.checkpoint
+    def one(part):
+        f, t = part
+        return optax.softmax_cross_entropy_with_integer_labels(logits_of(f).astype("float32"), t)
+
+    # chunk-major, so the scan walks positions and every chunk keeps the batch's rows (and sharding)
+    parts = (features.reshape(rows, n, chunk, -1).swapaxes(0, 1), targets.reshape(rows, n, chunk).swapaxes(0, 1))
+    return jax.lax.map(one, parts).swapaxes(0, 1).reshape(rows, n * chunk)[:, :length]
 
 
 def _lm_task(cfg, source, name: str) -> Task:

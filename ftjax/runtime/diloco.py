@@ -440,6 +440,7 @@ class FragmentReducer:
         self.reducers, self.fragments, self.inner, self.warmup = reducers, fragments, inner, warmup
         # a warm-up step's: over every parameter, whole leaves in order (the one fragment's, unless streaming)
         self.sync = sync if sync is not None else reducers[0]
+        self._sync_held = sync is not None  # (a reducer of its own: its buffers go once the warm-up is over)
         self._last = 0
 
     @property
@@ -448,6 +449,11 @@ class FragmentReducer:
 
     def average(self, q: Any, grads: Any | None) -> Tagged:
         f = self._last = SYNC if q.step < self.warmup else q.step % self.fragments
+        if f != SYNC and self._sync_held:
+            # the warm-up is over (a quorum's step does not go back in a process): its reducer's
+            # buffers, an update's size, go; `tree` of a kept warm-up average does not need them
+            self._sync_held = False
+            self.sync.release()
         return Tagged(f, self._reducer(f).average(q, self.weight(q, grads)))
 
     def weight(self, q: Any, grads: list | None) -> list | None:

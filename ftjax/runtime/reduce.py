@@ -55,10 +55,13 @@ class FTARReducer:
         self._widen = _cast(np.float32, shardings) if flat.dtype != np.float32 else None
         # lanes after the first run beside it, each on its own endpoint (one call at a time each)
         self._pool = ThreadPoolExecutor(len(endpoints) - 1, "ftar-lane") if len(endpoints) > 1 else None
+        self._released = False
 
     def average(self, q: QuorumResult, grads: Any | None) -> Averaged | np.ndarray:
         """The averages of this host's lanes, end to end in one buffer (pipelined: with the tree
         already back on the devices); raises FTARError naming the peer, once every lane's call has ended."""
+        if self._released:
+            raise RuntimeError("this FTAR reducer's buffers were released (release(): its phase of the job is over)")
         if grads is not None and self._narrow is not None:
             grads = self._narrow(grads)
         contributors = [not p.healing for p in q.participants]
@@ -119,11 +122,19 @@ class FTARReducer:
         """The update as host memory of its own (the replay keeps it; the pipeline reuses its buffers)."""
         return update.flat.copy() if isinstance(update, Averaged) else update
 
+    def release(self) -> None:
+        """Its buffers (an update's size; an update the training still holds keeps its own) and lane
+        threads go, not its links, which the job's other reducers share. `tree` of a flat update
+        still works; `average` is refused."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        self.pipeline = self._zeros = self._pool = None
+        self._released = True
+
     def close(self) -> None:
         for e in self.endpoints:
             e.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+        self.release()
 
 
 class LocalReducer:
@@ -145,6 +156,9 @@ class LocalReducer:
 
     def detach(self, update: Any) -> Any:
         return update
+
+    def release(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

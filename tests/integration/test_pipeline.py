@@ -2,7 +2,9 @@
 endpoints: the same bits, buffers allocated once, an update put back intact until it is applied,
 a healing member's zeros, a failed ring that leaves the next step whole, and the phases recorded."""
 
+import gc
 import threading
+import weakref
 
 import jax
 import ml_dtypes
@@ -176,3 +178,26 @@ def test_a_ring_that_fails_mid_step_raises_naming_the_peer_and_the_next_step_is_
     np.testing.assert_allclose(np.asarray(got[0]["emb"]), want, rtol=1e-6)
     assert _bits(got[0]) == _bits(got[1])
     [r.close() for r in reducers]
+
+
+def test_a_released_reducer_drops_its_buffers_keeps_the_shared_links_and_still_unflattens():
+    """release() (streaming DiLoCo's warm-up reducer, once the rounds start): its pipeline goes, the
+    endpoints it shares with the job's other reducers stay open and carry their next step, a flat
+    update it kept still comes back as the same tree, and averaging through it again is refused."""
+    reducers = _reducers([True, True])
+    first = _step(reducers, [_update(1)[0], _update(2)[0]], qid=1)
+    kept = reducers[0].detach(Averaged(reducers[0].pipeline.flat_out))
+    pipe = weakref.ref(reducers[0].pipeline)
+    reducers[0].release()
+    gc.collect()
+    assert pipe() is None, "the released pipeline (its buffers) is still referenced"
+    assert _bits(reducers[0].tree(kept)) == _bits(first[0])
+    with pytest.raises(RuntimeError, match="released"):
+        reducers[0].average(_quorum(2, 1, [[e.address for e in r.endpoints] for r in reducers], 0), _update(3)[0])
+    # another reducer over the same endpoints (as DiLoCo's fragments share them) averages on
+    update, shardings = _update(0)
+    flat = LaneFlattener(update, shardings, lanes=1, devices_per_host=2, served=[0])
+    others = [FTARReducer(r.endpoints, flat) for r in reducers]
+    got = _step(others, [_update(3)[0], _update(4)[0]], qid=2, step=1)
+    assert _bits(got[0]) == _bits(got[1])
+    [r.close() for r in reducers + others]

@@ -163,6 +163,42 @@ def test_a_warmup_step_averages_the_whole_gradient_tagged_as_such_and_kept_so():
     np.testing.assert_allclose((sent[0][0] + sent[1][0]) / 2, (1 * 1.0 + 4 * 6.0) / 5, rtol=1e-6)
 
 
+class _Releasing(_Sum):
+    def __init__(self):
+        self.released = self.closed = 0
+
+    def release(self):
+        self.released += 1
+
+    def close(self):
+        self.closed += 1
+
+
+def test_streaming_warmup_reducer_releases_its_buffers_once_the_rounds_start_and_still_unflattens():
+    """Streaming DiLoCo's warm-up averages through a reducer of its own (FTAR buffers of an update's
+    size): the first round step releases its buffers, once, and nothing else's (its links are the
+    job's, closed at the end with the others); a warm-up average kept by the replay still comes
+    back as a tree after that (a healing replica replays it later)."""
+    fragments, sync = [_Releasing(), _Releasing()], _Releasing()
+    reducer = FragmentReducer(fragments, 2, inner=4, warmup=2, sync=sync)
+    grads = [np.linspace(-1, 1, 6).astype(np.float32)]
+    kept = reducer.detach(reducer.average(_q(0, (0, 0)), grads))
+    reducer.average(_q(1, (1, 1)), grads)
+    assert sync.released == 0  # (warm-up steps)
+    assert reducer.average(_q(2, (2, 2)), grads).fragment == 0
+    reducer.average(_q(3, (6, 6)), grads)
+    assert (sync.released, [r.released for r in fragments]) == (1, [0, 0])
+    f, tree = reducer.tree(kept)
+    assert f == SYNC and np.array_equal(tree[0], grads[0])
+    reducer.close()
+    assert (sync.closed, [r.closed for r in fragments]) == (1, [1, 1])
+    # plain DiLoCo's warm-up uses the one fragment's reducer: nothing released
+    one = _Releasing()
+    plain = FragmentReducer([one], 1, inner=4, warmup=2)
+    plain.average(_q(2, (2, 2)), grads)
+    assert one.released == 0
+
+
 def test_a_delta_counts_by_its_inner_steps_when_a_contributor_lags_into_the_rounds():
     """Replica 1 missed two warm-up steps: at round step 7 its position 4 (< warm-up 5) has one inner
     step against replica 0's four; each scales its delta so that FTAR's plain mean over the two

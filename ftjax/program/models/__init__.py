@@ -64,5 +64,6 @@ def build(cfg, rngs):
         compute_dtype=dtype,
         attention=attention_impl(cfg.attention, dtype, cfg.d_model // cfg.n_heads),
         remat=cfg.remat,
+        logits_chunk=cfg.logits_chunk,
         rngs=rngs,
     )

@@ -153,11 +153,13 @@ class Llama(nnx.Module):
         compute_dtype=F32,
         attention: str = "xla",
         remat: str = "none",
+        logits_chunk: int = 0,
         rngs: nnx.Rngs,
     ):
         d, kv_heads = shape.d_model, n_kv_heads or shape.n_heads
         self.head_dim, self.rope_theta = d // shape.n_heads, rope_theta
         self.compute_dtype, self.remat, self.attention = jnp.dtype(compute_dtype), remat, attention
+        self.logits_chunk = logits_chunk  # positions whose logits the loss computes at once; 0: all
         self.embed = _param(rngs, (shape.vocab_size, d), ("vocab", "embed"))
         self.blocks = nnx.List(
             [
@@ -171,6 +173,12 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """tokens (batch, time) int32, segment_ids (batch, time) int or None -> logits (batch, time,
         vocab) float32."""
+        return self.logits(self.features(tokens, segment_ids))
+
+    def features(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """What the output projection reads: the final RMSNorm's output (batch, time, d_model) in the
+        compute dtype. `logits` of any slice of its positions are those positions' logits, which is
+        what lets the loss compute them a chunk at a time (`model.logits_chunk`)."""
         dtype = self.compute_dtype
         x = jnp.take(self.embed[...], tokens, axis=0)  # float32 rows of the master embedding
         cos, sin = rope_tables(tokens.shape[1], self.head_dim, self.rope_theta)
@@ -178,7 +186,11 @@ class Llama(nnx.Module):
         run = block_runner(self.remat, dtype, self.attention)
         for block in self.blocks:
             x = run(block, x, cos, sin, mask)
-        h = self.norm(x, dtype)
+        return self.norm(x, dtype)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """features (..., d_model) -> float32 logits (..., vocab)."""
+        dtype = self.compute_dtype
         if self.head is None:  # tied: the embedding's transpose
-            return jnp.einsum("btd,vd->btv", h, self.embed[...].astype(dtype), preferred_element_type=F32)
-        return jnp.einsum("btd,dv->btv", h, self.head[...].astype(dtype), preferred_element_type=F32)
+            return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(dtype), preferred_element_type=F32)
+        return jnp.einsum("...d,dv->...v", h, self.head[...].astype(dtype), preferred_element_type=F32)
