@@ -64,6 +64,13 @@ class ModelConfig(_Strict):
         description="rematerialize each transformer block in the backward pass (llama, gpt): none; full "
         "(save only the block's input); save_dots (also the outputs of its weight matmuls)",
     )
+    attention_chunk: int = Field(
+        0,
+        ge=0,
+        description="llama, where attention runs on XLA: queries this many positions at a time, each chunk's "
+        "scores (chunk x seq_len, not seq_len x seq_len) recomputed in the backward pass; must divide seq_len; "
+        "0: all at once. cuDNN's fused kernel keeps no score matrix and needs none",
+    )
     logits_chunk: int = Field(
         0,
         ge=0,
@@ -84,13 +91,28 @@ class ModelConfig(_Strict):
                 )
             if self.n_heads % self.kv_heads:
                 raise ValueError(f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})")
+            if self.attention_chunk and (self.attention_chunk >= self.seq_len or self.seq_len % self.attention_chunk):
+                raise ValueError(
+                    f"attention_chunk ({self.attention_chunk}) must divide seq_len ({self.seq_len}) and be "
+                    "below it; use 0 for the whole length"
+                )
+            if self.attention_chunk and self.attention == "cudnn":
+                raise ValueError("attention_chunk: only for attention xla or auto (cuDNN's kernel keeps no scores)")
             if self.logits_chunk >= self.seq_len:
                 raise ValueError(
                     f"logits_chunk ({self.logits_chunk}) must be below seq_len ({self.seq_len}): one chunk "
                     "holds the whole logits and only adds their recomputation; use 0"
                 )
             return self
-        for name in ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps", "attention", "logits_chunk"):
+        for name in (
+            "n_kv_heads",
+            "rope_theta",
+            "tie_embeddings",
+            "norm_eps",
+            "attention",
+            "attention_chunk",
+            "logits_chunk",
+        ):
             # (set to its default is no setting: a dumped config round-trips)
             if getattr(self, name) != type(self).model_fields[name].default:
                 raise ValueError(f"{name}: only for kind llama (kind is {self.kind})")

@@ -1,8 +1,8 @@
 """Where a Llama step's time goes on one device (issue 28: the profile behind the MFU figure).
 
 Times, each compiled apart and best of `--reps`: the forward and backward pass of one micro-batch
-under each VARIANT (attention implementation : remat policy [: model.logits_chunk], with XLA's
-temporaries of that compiled pass), the optimizer's update of the whole
+under each VARIANT (attention implementation [/ model.attention_chunk] : remat policy
+[: model.logits_chunk], with XLA's temporaries of that compiled pass), the optimizer's update of the whole
 state (optax AdamW over float32 master weights), and one bf16 matmul of the feed-forward's shape
 (what this device's matmul units reach: the practical ceiling). Prints one JSON line per
 measurement as it goes (a run cut short keeps what it measured), then a summary line whose
@@ -11,6 +11,7 @@ measurement as it goes (a run cut short keeps what it measured), then a summary 
 
     python scripts/mfu_profile.py llama_1b --batch 8 --micro-batches 2 --variants cudnn:save_dots,xla:save_dots
     python scripts/mfu_profile.py llama_1b --variants cudnn:save_dots,cudnn:save_dots:512   # logits in chunks
+    python scripts/mfu_profile.py llama_1b --variants xla:save_dots,xla/512:save_dots:512  # and queries
 
 `--compile-only` compiles each variant and prints its temporaries without running it (any machine:
 on CPU the attention is XLA's and the compute float32, so only the differences between variants
@@ -72,7 +73,8 @@ def main() -> None:
         if time.perf_counter() - t0 > a.budget_s:
             break
         impl, remat, chunk = (*variant.split(":"), "0")[:3]
-        model.attention, model.remat, model.logits_chunk = impl, remat, int(chunk)
+        impl, queries = (*impl.split("/"), "0")[:2]
+        model.attention, model.remat, model.logits_chunk, model.attention_chunk = impl, remat, int(chunk), int(queries)
         gd = nnx.graphdef(model)
 
         def loss(p, t, gd=gd):

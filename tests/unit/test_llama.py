@@ -12,7 +12,7 @@ from flax import nnx
 
 from ftjax.config import ConfigError, load_config
 from ftjax.program import models
-from ftjax.program.models.llama import apply_rope, rope_tables
+from ftjax.program.models.llama import apply_rope, chunked_attention, rope_tables, segment_mask
 from ftjax.program.sharding import LOGICAL_AXIS_RULES
 
 
@@ -81,6 +81,13 @@ def test_llama_3_shapes():
         (["model.logits_chunk=16"], "model: logits_chunk: only for kind llama (kind is gpt)"),
         (["model.kind=llama", "model.logits_chunk=-1"], "model.logits_chunk: Input should be greater than or equal"),
         (["model.kind=llama", "model.logits_chunk=64"], "model: logits_chunk (64) must be below seq_len (64)"),
+        (["model.kind=llama", "model.attention_chunk=24"], "model: attention_chunk (24) must divide seq_len (64)"),
+        (["model.kind=llama", "model.attention_chunk=64"], "model: attention_chunk (64) must divide seq_len (64)"),
+        (["model.attention_chunk=16"], "model: attention_chunk: only for kind llama (kind is gpt)"),
+        (
+            ["model.kind=llama", "model.attention=cudnn", "model.attention_chunk=16"],
+            "model: attention_chunk: only for attention xla or auto",
+        ),
         (["model.kind=llama", "model.attention=flash"], "model.attention: Input should be 'auto', 'xla' or 'cudnn'"),
         (["data.micro_batches=3"], "data: micro_batches (3) must divide batch_size (8)"),
         (["data.micro_batches=8", "mesh.devices_per_host=2"], "data.micro_batches (8): a micro-batch of 1 rows"),
@@ -142,6 +149,34 @@ def test_a_token_sees_only_earlier_tokens_of_its_own_segment():
     whole = out(tokens, None)
     changed = out(tokens.at[0, 3].set((tokens[0, 3] + 1) % 256), None)
     assert not np.allclose(changed[6:], whole[6:])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one document", "two documents"])
+def test_attention_in_query_chunks_is_the_whole_attention_forward_and_backward(packed):
+    """chunked_attention (model.attention_chunk) against jax.nn.dot_product_attention, grouped-query
+    (4 query heads on 2 key/value heads), causal, with and without a segment mask: outputs and the
+    gradients of q, k and v the same to float32 rounding; and the whole model with chunks gives the
+    unchunked model's logits."""
+    rows, length, heads, kv, hd = 2, 64, 4, 2, 16
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (rows, length, heads, hd))
+    k, v = (jax.random.normal(key, (rows, length, kv, hd)) for key in keys[1:])
+    seg = jnp.asarray([[0] * 20 + [1] * 44, [0] * 50 + [1] * 14]) if packed else None
+    mask = None if seg is None else segment_mask(seg)
+
+    def whole(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+
+    for chunk in (8, 32):
+        np.testing.assert_allclose(chunked_attention(q, k, v, mask, chunk), whole(q, k, v), atol=1e-5)
+        want = jax.grad(lambda *a: (whole(*a) ** 2).sum(), (0, 1, 2))(q, k, v)
+        got = jax.grad(lambda *a, c=chunk: (chunked_attention(*a, mask, c) ** 2).sum(), (0, 1, 2))(q, k, v)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    tokens = jax.random.randint(jax.random.key(6), (rows, length), 0, 256)
+    ref = jitted(tiny_model(seq_len=length))(tokens, seg)
+    got = jitted(tiny_model(seq_len=length, attention_chunk=16))(tokens, seg)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_positions_restart_nowhere_a_document_is_the_same_wherever_it_is_packed():

@@ -23,8 +23,9 @@ def attention_impl(setting: str, dtype, head_dim: int, backend: str | None = Non
     is XLA's, which materializes every T x T score matrix (4 GiB a layer for 8 x 32 heads x 2048^2
     in float32); cuDNN's fused kernel never does, but runs only on a GPU, in 16-bit (of the compute
     dtypes `model.compute_dtype` names, bfloat16), for head sizes that are a multiple of 8 up to
-    128. auto picks it where it can run. A cudnn setting that cannot run is refused here, at build,
-    rather than by cuDNN inside the first compile."""
+    128 (where it cannot, `model.attention_chunk` bounds XLA's matrices). auto picks it where it can
+    run. A cudnn setting that cannot run is refused here, at build, rather than by cuDNN inside the
+    first compile."""
     import jax
     import jax.numpy as jnp
 
@@ -65,5 +66,6 @@ def build(cfg, rngs):
         attention=attention_impl(cfg.attention, dtype, cfg.d_model // cfg.n_heads),
         remat=cfg.remat,
         logits_chunk=cfg.logits_chunk,
+        attention_chunk=cfg.attention_chunk,
         rngs=rngs,
     )

@@ -100,12 +100,36 @@ class Attention(nnx.Module):
         # GPT-2's scaled init of the residual projections keeps the residual stream's variance flat
         self.wo = _param(rngs, (n_heads, hd, d), ("heads", "head_dim", "embed"), std=0.02 / (2 * n_layers) ** 0.5)
 
-    def __call__(self, x, cos, sin, mask, dtype, impl: str = "xla") -> jax.Array:
+    def __call__(self, x, cos, sin, mask, dtype, impl: str = "xla", chunk: int = 0) -> jax.Array:
         q = apply_rope(_mm("btd,dhk->bthk", x, self.wq, dtype), cos, sin)
         k = apply_rope(_mm("btd,dhk->bthk", x, self.wk, dtype), cos, sin)
         v = _mm("btd,dhk->bthk", x, self.wv, dtype)
-        y = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)  # softmax in float32
+        if chunk and impl == "xla":
+            y = chunked_attention(q, k, v, mask, chunk)
+        else:
+            y = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)  # softmax in f32
         return _mm("bthk,hkd->btd", y, self.wo, dtype)
+
+
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, chunk: int) -> jax.Array:
+    """Causal attention of q [B, T, H, hd] over k, v [B, T, KV, hd], `chunk` query positions at a
+    time (`model.attention_chunk`): XLA's attention writes every T x T score matrix, this one the
+    chunk x T scores of one chunk, each chunk a `jax.checkpoint` whose scores the backward pass
+    recomputes. Every query row's softmax is over the same keys as unchunked, so the outputs are
+    the same numbers to rounding. `mask` [B, 1, T, T] (segments) or None; T a multiple of chunk."""
+    rows, length = q.shape[:2]
+    n, keys = length // chunk, jnp.arange(length)
+
+    @jax.checkpoint
+    def one(part):
+        qc, start = part
+        allowed = (keys[None, :] <= start + jnp.arange(chunk)[:, None])[None, None]  # causal, [1, 1, chunk, T]
+        if mask is not None:
+            allowed = allowed & jax.lax.dynamic_slice_in_dim(mask, start, chunk, axis=2)
+        return jax.nn.dot_product_attention(qc, k, v, mask=allowed, implementation="xla")
+
+    parts = (q.reshape(rows, n, chunk, *q.shape[2:]).swapaxes(0, 1), jnp.arange(n) * chunk)
+    return jax.lax.map(one, parts).swapaxes(0, 1).reshape(q.shape)
 
 
 class SwiGLU(nnx.Module):
@@ -126,17 +150,17 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(d, eps, rngs)
         self.mlp = SwiGLU(d, d_ff, n_layers, rngs)
 
-    def __call__(self, x, cos, sin, mask, dtype, impl: str = "xla") -> jax.Array:
+    def __call__(self, x, cos, sin, mask, dtype, impl: str = "xla", chunk: int = 0) -> jax.Array:
         """x: the float32 residual stream; each branch computes in `dtype` and is added in float32."""
-        x = x + self.attn(self.attn_norm(x, dtype), cos, sin, mask, dtype, impl).astype(F32)
+        x = x + self.attn(self.attn_norm(x, dtype), cos, sin, mask, dtype, impl, chunk).astype(F32)
         return x + self.mlp(self.mlp_norm(x, dtype), dtype).astype(F32)
 
 
-def block_runner(remat: str, dtype, impl: str = "xla"):
+def block_runner(remat: str, dtype, impl: str = "xla", chunk: int = 0):
     """`run(block, x, cos, sin, mask)`: a block's forward, rematerialized by `remat`'s policy."""
 
     def run(block: Block, x, cos, sin, mask):
-        return block(x, cos, sin, mask, dtype, impl)
+        return block(x, cos, sin, mask, dtype, impl, chunk)
 
     return run if remat == "none" else nnx.remat(run, policy=REMAT_POLICIES[remat])
 
@@ -154,12 +178,14 @@ class Llama(nnx.Module):
         attention: str = "xla",
         remat: str = "none",
         logits_chunk: int = 0,
+        attention_chunk: int = 0,
         rngs: nnx.Rngs,
     ):
         d, kv_heads = shape.d_model, n_kv_heads or shape.n_heads
         self.head_dim, self.rope_theta = d // shape.n_heads, rope_theta
         self.compute_dtype, self.remat, self.attention = jnp.dtype(compute_dtype), remat, attention
         self.logits_chunk = logits_chunk  # positions whose logits the loss computes at once; 0: all
+        self.attention_chunk = attention_chunk  # query positions XLA's attention takes at once; 0: all
         self.embed = _param(rngs, (shape.vocab_size, d), ("vocab", "embed"))
         self.blocks = nnx.List(
             [
@@ -183,7 +209,7 @@ class Llama(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0)  # float32 rows of the master embedding
         cos, sin = rope_tables(tokens.shape[1], self.head_dim, self.rope_theta)
         mask = None if segment_ids is None else segment_mask(segment_ids)
-        run = block_runner(self.remat, dtype, self.attention)
+        run = block_runner(self.remat, dtype, self.attention, self.attention_chunk)
         for block in self.blocks:
             x = run(block, x, cos, sin, mask)
         return self.norm(x, dtype)
