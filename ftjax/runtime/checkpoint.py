@@ -142,7 +142,9 @@ def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, An
     The run's starting point when it is not the seed's (`checkpoint.init_from`, `checkpoint.init_opt`).
 
     Out, because the same job may change them between restarts: `model.compute_dtype`,
-    `model.remat` and `model.attention` (how the model is computed, not what), `data.micro_batches`,
+    `model.remat`, `model.attention`, `model.attention_chunk` and `model.logits_chunk` (how the
+    model is computed, not what; a checkpoint from before the chunk settings existed restores too),
+    `data.micro_batches`,
     `steps` (a run may be extended; with no `optim.decay_steps` the cosine decay then stretches from the resume on,
     which is what extending means), the mesh (a checkpoint is resharded onto another device count), the
     checkpoint cadence and directory, logging, the coordinator and every fault-tolerance timeout or transport knob.
@@ -177,7 +179,7 @@ def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, An
 
 
 # How the model is computed, not what: a job may change them between restarts, like its mesh.
-_HOW = ("model.compute_dtype", "model.remat", "model.attention")
+_HOW = ("model.compute_dtype", "model.remat", "model.attention", "model.attention_chunk", "model.logits_chunk")
 # Model fields added after checkpoints recorded their job's identity (the llama's).
 _LATER = ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps")
 

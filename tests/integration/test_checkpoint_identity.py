@@ -115,3 +115,21 @@ def test_cli_resume_with_another_seed_exits_2(tmp_path, old_run):
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
     assert "seed: checkpoint 0, this job 7" in r.stderr, r.stderr[-3000:]
     assert str(out / "checkpoints") in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_how_the_model_is_computed_is_not_the_job(tmp_path):
+    """The llama's compute dtype, remat, attention and its chunk settings may change between restarts
+    of one job (and a checkpoint written before the chunk settings existed has none of them): the
+    identity is the same whatever they are, and a model field that is the model's is not."""
+    from ftjax.config import load_config
+
+    base = load_config("llama_tiny", ["model.seq_len=64"])
+    how = load_config(
+        "llama_tiny",
+        ["model.seq_len=64", "model.compute_dtype=float32", "model.remat=full", "model.attention=xla",
+         "model.attention_chunk=16", "model.logits_chunk=16"],
+    )  # fmt: skip
+    assert checkpoint.job_identity(how, "fp") == checkpoint.job_identity(base, "fp")
+    assert not any("chunk" in key for key in checkpoint.job_identity(how, "fp"))
+    other = load_config("llama_tiny", ["model.seq_len=64", "model.d_ff=128"])
+    assert checkpoint.job_identity(other, "fp") != checkpoint.job_identity(base, "fp")
