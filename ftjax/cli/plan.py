@@ -115,6 +115,10 @@ def _plannable(cfg: Config) -> tuple[Config, str | None]:
     return planned, f"planned on the built-in corpus (same shapes): {index}: no such file"
 
 
+# model settings that put part of a step in a loop of chunks, and that part (XLA's FLOPs count one chunk)
+_LOOPED = {"attention_chunk": "attention", "logits_chunk": "output projection"}
+
+
 def _report(args: argparse.Namespace, cfg: Config, plan: Any, accelerator: Accelerator | None) -> dict[str, Any]:
     """Everything `ftjax plan` prints, as one JSON object."""
     from ftjax.program.plan import verdict
@@ -139,7 +143,7 @@ def _report(args: argparse.Namespace, cfg: Config, plan: Any, accelerator: Accel
         "overrides": args.overrides,
         "hosts": cfg.mesh.live,
         "devices_per_host": cfg.mesh.devices_per_host,
-        "logits_chunk": cfg.model.logits_chunk,
+        **{name: getattr(cfg.model, name) for name in _LOOPED},
         **plan.as_dict(),
         "device": device,
         "step_s_at_peak": ideal,
@@ -184,8 +188,9 @@ def _table(r: dict[str, Any]) -> str:
         check = ""
         if closed and r["flops_per_token"]:
             check = f"; 6N + 12 L d T: {human_flops(closed)} (XLA / closed form {r['flops_per_token'] / closed:.3f})"
-        if r["logits_chunk"]:  # (a while loop's body is counted once, whatever its trip count)
-            check += "; XLA counts one chunk of model.logits_chunk's output projection"
+        for name, work in _LOOPED.items():  # (a while loop's body is counted once, whatever its trip count)
+            if r[name]:
+                check += f"; XLA counts one chunk of model.{name}'s {work}"
         rows.append(("FLOPs per token", human_flops(r["flops_per_token"]) + check))
     d = r["device"]
     if d is not None:

@@ -165,14 +165,16 @@ def test_an_unknown_device_or_an_impossible_mesh_is_one_line_naming_it(capsys):
     assert "mesh.devices_per_host=3" in err and "--devices-per-host" in err
 
 
-def test_with_the_logits_in_chunks_the_table_says_xla_counts_one_chunk(capsys):
-    """model.logits_chunk puts the output projection in a loop, whose body XLA's cost analysis counts
-    once: the XLA FLOPs drop (the model's work does not) and the table says why."""
+@pytest.mark.parametrize("setting", ["logits_chunk", "attention_chunk"])
+def test_with_a_part_in_chunks_the_table_says_xla_counts_one_chunk(setting, capsys):
+    """model.logits_chunk puts the output projection in a loop (model.attention_chunk, the attention),
+    whose body XLA's cost analysis counts once: the XLA FLOPs drop (the model's work does not) and
+    the table says why."""
     flops = {}
     for chunk in (0, 16):
-        assert plan_cli.main(["llama_tiny", "--devices-per-host", "4", f"model.logits_chunk={chunk}"]) == 0
+        assert plan_cli.main(["llama_tiny", "--devices-per-host", "4", f"model.{setting}={chunk}"]) == 0
         table = capsys.readouterr().out
-        assert ("XLA counts one chunk of model.logits_chunk" in table) == bool(chunk)
-        assert plan_cli.main(["llama_tiny", "--json", "--devices-per-host", "4", f"model.logits_chunk={chunk}"]) == 0
+        assert (f"XLA counts one chunk of model.{setting}" in table) == bool(chunk)
+        assert plan_cli.main(["llama_tiny", "--json", "--devices-per-host", "4", f"model.{setting}={chunk}"]) == 0
         flops[chunk] = json.loads(capsys.readouterr().out)["flops_per_step"]
     assert flops[16] < flops[0]
