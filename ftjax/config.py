@@ -47,6 +47,13 @@ class ModelConfig(_Strict):
     rope_theta: float = Field(10000.0, gt=0, description="llama: the base of the rotary position embedding")
     tie_embeddings: bool = Field(False, description="llama: the output projection is the input embedding's transpose")
     norm_eps: float = Field(1e-5, gt=0, description="llama: RMSNorm's epsilon")
+    scan_layers: bool = Field(
+        False,
+        description="llama: the blocks' parameters stacked along a first axis (`layers/...`, not "
+        "`blocks/<i>/...`) and the forward pass a scan over them: XLA compiles one block, not n_layers, and "
+        "remat's savings show in a CPU plan; the same numbers either way, but another parameter tree "
+        "(a checkpoint of the other layout is refused)",
+    )
     # how the model is computed, not what (docs/design.md, "Precision", "Rematerialization")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
@@ -109,6 +116,7 @@ class ModelConfig(_Strict):
             "rope_theta",
             "tie_embeddings",
             "norm_eps",
+            "scan_layers",
             "attention",
             "attention_chunk",
             "logits_chunk",

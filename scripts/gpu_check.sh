@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of issues 28 and 30, in one run on a machine of one GPU (README "On a GPU").
 # Usage: bash scripts/gpu_check.sh OUT [CONFIG]   (CONFIG: llama_1b; llama_tiny to try it on CPU)
-# Env: STAGES (default "bench probe"; also alone, profile, kill), SERIAL=1, T_BENCH (420 s), BENCH_STEPS (5).
+# Env: STAGES (default "bench probe"; also alone, profile, kill), SERIAL=1, T_BENCH (420 s), BENCH_STEPS (5),
+#      VARIANTS and SCAN=1 (profile: scripts/mfu_profile.py's --variants, --scan-layers).
 # Wheels the machine lacks are in .whl/ (pip download --python-version 3.12 --only-binary=:all:).
 set -u
 OUT=${1:?out dir}; CONFIG=${2:-llama_1b}; mkdir -p "$OUT"
@@ -38,10 +39,11 @@ PY
   done
 fi
 if has profile; then
+  scan=(); if [ -n "${SCAN:-}" ]; then scan=(--scan-layers); fi  # SCAN=1: the model's blocks as one lax.scan
   # the 1B's forward and backward with the logits whole and in chunks (model.logits_chunk): time,
   # MFU and XLA's temporaries of each (scripts/mfu_profile.py), one JSON line per variant
   timeout "${T_PROFILE:-180}" "$PY" scripts/mfu_profile.py "$CONFIG" --batch 8 --micro-batches 2 --seq "${SEQ:-2048}" \
-    --variants "${VARIANTS:-cudnn:save_dots,cudnn:save_dots:512,cudnn:save_dots:2048}" --reps 3 \
+    --variants "${VARIANTS:-cudnn:save_dots,cudnn:save_dots:512,cudnn:save_dots:2048}" --reps 3 "${scan[@]}" \
     > "$OUT/profile.json" 2> "$OUT/profile.err"; cat "$OUT/profile.json"; tail -3 "$OUT/profile.err"
 fi
 if has bench; then

@@ -13,6 +13,7 @@ measurement as it goes (a run cut short keeps what it measured), then a summary 
     python scripts/mfu_profile.py llama_1b --variants cudnn:save_dots,cudnn:save_dots:512   # logits in chunks
     python scripts/mfu_profile.py llama_1b --variants xla:save_dots,xla/512:save_dots:512  # and queries
 
+`--scan-layers` builds the model with `model.scan_layers` (its blocks one `lax.scan`) for every variant.
 `--compile-only` compiles each variant and prints its temporaries without running it (any machine:
 on CPU the attention is XLA's and the compute float32, so only the differences between variants
 say something about an accelerator).
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--step-s", type=float, default=None, help="the step time `ftjax train` measured")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this long")
     ap.add_argument("--compile-only", action="store_true", help="each variant's temporaries, nothing run")
+    ap.add_argument("--scan-layers", action="store_true", help="every variant with model.scan_layers (one lax.scan)")
     a = ap.parse_args()
     t0 = time.perf_counter()
     cfg = load_config(a.config, [f"model.seq_len={a.seq}"])
@@ -62,12 +64,12 @@ def main() -> None:
     m = cfg.model
     tokens = jax.random.randint(jax.random.key(0), (a.batch, a.seq + 1), 0, m.vocab_size)
     with nnx.use_eager_sharding(False):  # one device: no mesh
-        model = models.build(m.model_copy(update={"attention": "xla"}), nnx.Rngs(0))
+        model = models.build(m.model_copy(update={"attention": "xla", "scan_layers": a.scan_layers}), nnx.Rngs(0))
     params = nnx.state(model)
     n = sum(x.size for x in jax.tree.leaves(params))
     dense = n - m.vocab_size * m.d_model  # the embedding is a lookup (ftjax/program/plan.py's closed form)
     flops = transformer_flops_per_token(dense, m.n_layers, m.d_model, a.seq) * a.batch * a.seq
-    say(what="setup", device=device.device_kind, params=n, flops_per_micro_batch=flops, peak=peak)
+    say(what="setup", device=device.device_kind, params=n, flops_per_micro_batch=flops, peak=peak, scan=a.scan_layers)
     fb_s: dict[str, float] = {}
     for variant in a.variants.split(","):
         if time.perf_counter() - t0 > a.budget_s:

@@ -115,8 +115,12 @@ def _plannable(cfg: Config) -> tuple[Config, str | None]:
     return planned, f"planned on the built-in corpus (same shapes): {index}: no such file"
 
 
-# model settings that put part of a step in a loop of chunks, and that part (XLA's FLOPs count one chunk)
-_LOOPED = {"attention_chunk": "attention", "logits_chunk": "output projection"}
+# model settings that put part of a step in a loop, and what XLA's FLOPs then count of it (one trip)
+_LOOPED = {
+    "attention_chunk": "one chunk of model.attention_chunk's attention",
+    "logits_chunk": "one chunk of model.logits_chunk's output projection",
+    "scan_layers": "one of model.scan_layers' blocks",
+}
 
 
 def _report(args: argparse.Namespace, cfg: Config, plan: Any, accelerator: Accelerator | None) -> dict[str, Any]:
@@ -137,7 +141,12 @@ def _report(args: argparse.Namespace, cfg: Config, plan: Any, accelerator: Accel
             "peak_fp32_flops": accelerator.peak_fp32_flops if accelerator else None,
         }
     peak = device["peak_bf16_flops"] if device else None
-    ideal = plan.flops_per_step / (plan.devices * peak) if peak and plan.flops_per_step else None
+    # MFU counts the model's FLOPs (the closed form where there is one): not remat's recomputation,
+    # and not XLA's count, which takes a loop's body once (model.scan_layers: one block of n_layers)
+    work = plan.flops_per_step
+    if plan.closed_form_flops_per_token and plan.tokens_per_step:
+        work = plan.closed_form_flops_per_token * plan.tokens_per_step
+    ideal = work / (plan.devices * peak) if peak and work else None
     return {
         "config": args.config,
         "overrides": args.overrides,
@@ -150,6 +159,11 @@ def _report(args: argparse.Namespace, cfg: Config, plan: Any, accelerator: Accel
         "fits": fits,
         "verdict": text,
     }
+
+
+def ideal_work(r: dict[str, Any]) -> str:
+    """What the step time at 100% MFU divides by the peak."""
+    return "6N + 12 L d T" if r["closed_form_flops_per_token"] and r["tokens_per_step"] else "XLA's FLOPs"
 
 
 def human_flops(n: float | None) -> str:
@@ -188,9 +202,9 @@ def _table(r: dict[str, Any]) -> str:
         check = ""
         if closed and r["flops_per_token"]:
             check = f"; 6N + 12 L d T: {human_flops(closed)} (XLA / closed form {r['flops_per_token'] / closed:.3f})"
-        for name, work in _LOOPED.items():  # (a while loop's body is counted once, whatever its trip count)
+        for name, counted in _LOOPED.items():  # (a while loop's body is counted once, whatever its trip count)
             if r[name]:
-                check += f"; XLA counts one chunk of model.{name}'s {work}"
+                check += f"; XLA counts {counted}"
         rows.append(("FLOPs per token", human_flops(r["flops_per_token"]) + check))
     d = r["device"]
     if d is not None:
@@ -199,7 +213,9 @@ def _table(r: dict[str, Any]) -> str:
             peaks += f", {d['peak_fp32_flops'] / 1e12:,.1f} fp32"
         rows.append(("device", f"{d['name']}: {human_bytes(d['memory_bytes'])}{peaks}"))
         if r["step_s_at_peak"]:
-            rows.append(("step time at 100% MFU", f"{human_seconds(r['step_s_at_peak'])} (at the bf16 peak)"))
+            rows.append(
+                ("step time at 100% MFU", f"{human_seconds(r['step_s_at_peak'])} ({ideal_work(r)} at the bf16 peak)")
+            )
         rows.append(("verdict", r["verdict"]))
     if r.get("note"):
         rows.append(("note", r["note"]))

@@ -35,6 +35,7 @@ LOGICAL_AXIS_RULES: Mapping[str, str | None] = {
     "kv_heads": TENSOR,  # key/value heads of grouped-query attention
     "head_dim": None,
     "seq": None,
+    "layers": None,  # a scanned model's stacking axis (model.scan_layers): every device holds every layer's shard
 }
 
 

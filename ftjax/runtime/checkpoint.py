@@ -181,7 +181,7 @@ def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, An
 # How the model is computed, not what: a job may change them between restarts, like its mesh.
 _HOW = ("model.compute_dtype", "model.remat", "model.attention", "model.attention_chunk", "model.logits_chunk")
 # Model fields added after checkpoints recorded their job's identity (the llama's).
-_LATER = ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps")
+_LATER = ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps", "scan_layers")
 
 
 class DurableCheckpoints:
@@ -375,12 +375,19 @@ def load_init(directory: str | Path, abstract_state: dict, *, opt: bool) -> dict
     # a dict holding "params" is the wrapped form, unless this model's own parameters have that key
     wrapped = isinstance(tree, dict) and "params" in tree and not (isinstance(params, dict) and "params" in params)
     have = tree if wrapped else {"params": tree}
-    want = {"params": params, **({"opt": abstract_state["opt"]} if opt else {})}
     if opt and "opt" not in have:
         raise InitCheckpointError(
             f"{where}: checkpoint.init_opt asks for its optimizer state, but it holds none "
             "(save {'params': params, 'opt': opt_state} for both)"
         )
+    layout = _other_layout(have["params"], params)
+    if layout is not None and opt:
+        raise InitCheckpointError(
+            f"{where}: its parameters are a Llama's in the other layout of model.scan_layers (converted on "
+            "load), but checkpoint.init_opt asks for its optimizer state too, which is not converted; "
+            "take the parameters alone (checkpoint.init_opt=false) or set model.scan_layers as it was"
+        )
+    want = {"params": params if layout is None else layout[0], **({"opt": abstract_state["opt"]} if opt else {})}
     rows = _differences(_leaves(want), _leaves({k: have[k] for k in want}))
     if rows:
         raise InitCheckpointError(
@@ -390,11 +397,46 @@ def load_init(directory: str | Path, abstract_state: dict, *, opt: bool) -> dict
     step_dir = path.parent
     if step_dir.name.isdigit() and (step_dir / CHECKSUMS).is_file():  # an ftjax run's step: check its seal
         verify(step_dir, int(step_dir.name))
-    item = want if wrapped else params
+    item = want if wrapped else want["params"]
     restored = checkpointer.restore(
         path,
         args=ocp.args.PyTreeRestore(
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=wrapped
         ),
     )  # (what else it holds, a step counter, an unwanted "opt", is not read)
-    return dict(restored) if wrapped else {"params": restored}
+    loaded = dict(restored) if wrapped else {"params": restored}
+    if layout is not None:  # stacked or unstacked where the arrays are, placed as this model's
+        shardings = jax.tree.map(lambda a: a.sharding, params)
+        loaded["params"] = jax.jit(layout[1], out_shardings=shardings)(loaded["params"])
+    return loaded
+
+
+def _other_layout(have: Any, params: Any) -> tuple[Any, Callable] | None:
+    """Where the checkpoint holds a Llama's blocks in the other layout of `model.scan_layers` than
+    this model (stacked, `layers/...`, in one; `blocks/<i>/...` in the other): the abstract tree to
+    restore in the checkpoint's layout, each leaf placed as this model's slice or stack of it will
+    be, and the conversion to this model's layout (the same numbers: ftjax/program/models/llama.py).
+    None where the layouts agree (or it is no such model)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from ftjax.program.models.llama import stacked_layers, unstacked_layers
+
+    if not (isinstance(have, dict) and isinstance(params, dict)):
+        return None
+
+    def placed(a, shape, spec):
+        sharding = a.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, P(*spec(tuple(sharding.spec))))
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=sharding)
+
+    rest = {k: v for k, v in params.items() if k not in ("blocks", "layers")}
+    if "layers" in params and "blocks" in have and "blocks" not in params:
+        layer = jax.tree.map(lambda a: placed(a, a.shape[1:], lambda s: s[1:]), params["layers"])
+        return {**rest, "blocks": dict.fromkeys(range(len(have["blocks"])), layer)}, stacked_layers
+    if "blocks" in params and "layers" in have and "layers" not in params:
+        n = len(params["blocks"])
+        stack = jax.tree.map(lambda a: placed(a, (n, *a.shape), lambda s: (None, *s)), params["blocks"][0])
+        return {**rest, "layers": stack}, unstacked_layers
+    return None

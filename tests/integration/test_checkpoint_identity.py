@@ -133,3 +133,7 @@ def test_how_the_model_is_computed_is_not_the_job(tmp_path):
     assert not any("chunk" in key for key in checkpoint.job_identity(how, "fp"))
     other = load_config("llama_tiny", ["model.seq_len=64", "model.d_ff=128"])
     assert checkpoint.job_identity(other, "fp") != checkpoint.job_identity(base, "fp")
+    # model.scan_layers is another parameter tree: in the identity when set, absent when not (so a
+    # checkpoint written before the setting existed keeps its identity)
+    scanned = checkpoint.job_identity(load_config("llama_tiny", ["model.seq_len=64", "model.scan_layers=true"]), "fp")
+    assert scanned["model.scan_layers"] is True and "model.scan_layers" not in checkpoint.job_identity(base, "fp")

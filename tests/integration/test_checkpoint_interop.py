@@ -217,3 +217,33 @@ def test_launch_passes_init_from_to_its_replicas(tmp_path, capsys):
     missing = tmp_path / "nowhere"
     assert launch_cli.main([TINY, "--init-from", str(missing), "--out", str(tmp_path / "job")]) == 2
     assert f"--init-from {missing}: not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("saved_scanned", [False, True], ids=["unrolled into scanned", "scanned into unrolled"])
+def test_init_from_converts_a_llama_between_the_layouts_of_scan_layers(tmp_path, saved_scanned):
+    """A Llama's parameters saved with one `model.scan_layers` start a run with the other: stacked
+    (or unstacked) on load, the same numbers bitwise, placed with this model's shardings on a
+    2 x 2 tensor-parallel replica. Its optimizer state is not converted: checkpoint.init_opt is
+    refused, naming the setting."""
+    from ftjax.config import load_config
+    from ftjax.program.models.llama import stacked_layers, unstacked_layers
+
+    def prog(scanned):
+        mesh = ["mesh.devices_per_host=4", "mesh.tensor=2", f"model.scan_layers={scanned}"]
+        return build_program(load_config("llama_tiny", ["model.n_layers=3", *mesh]))
+
+    source, target = prog(saved_scanned), prog(not saved_scanned)
+    params = source.init(np.int32(3))["params"]
+    with ocp.StandardCheckpointer() as saver:
+        saver.save(tmp_path / "init", {"params": params})
+        saver.save(tmp_path / "both", {"params": params, "opt": source.init(np.int32(3))["opt"]})
+    loaded = checkpoint.load_init(tmp_path / "init", target.abstract_state(), opt=False)
+    convert = unstacked_layers if saved_scanned else stacked_layers
+    jax.tree.map(np.testing.assert_array_equal, loaded["params"], convert(jax.device_get(params)))
+    jax.tree.map(
+        np.testing.assert_array_equal, loaded["params"], target.init(np.int32(3))["params"]
+    )  # (a seed is a seed)
+    shardings = jax.tree.leaves(jax.tree.map(lambda a: a.sharding, target.abstract_state()["params"]))
+    assert [x.sharding for x in jax.tree.leaves(loaded["params"])] == shardings
+    with pytest.raises(checkpoint.InitCheckpointError, match="other layout of model.scan_layers"):
+        checkpoint.load_init(tmp_path / "both", target.abstract_state(), opt=True)

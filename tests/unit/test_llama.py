@@ -9,10 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from ftjax.config import ConfigError, load_config
 from ftjax.program import models
-from ftjax.program.models.llama import apply_rope, chunked_attention, rope_tables, segment_mask
+from ftjax.program.models.llama import (
+    LAYERS,
+    apply_rope,
+    chunked_attention,
+    rope_tables,
+    segment_mask,
+    stacked_layers,
+    unstacked_layers,
+)
 from ftjax.program.sharding import LOGICAL_AXIS_RULES
 
 
@@ -84,6 +93,7 @@ def test_llama_3_shapes():
         (["model.kind=llama", "model.attention_chunk=24"], "model: attention_chunk (24) must divide seq_len (64)"),
         (["model.kind=llama", "model.attention_chunk=64"], "model: attention_chunk (64) must divide seq_len (64)"),
         (["model.attention_chunk=16"], "model: attention_chunk: only for kind llama (kind is gpt)"),
+        (["model.scan_layers=true"], "model: scan_layers: only for kind llama (kind is gpt)"),
         (
             ["model.kind=llama", "model.attention=cudnn", "model.attention_chunk=16"],
             "model: attention_chunk: only for attention xla or auto",
@@ -177,6 +187,46 @@ def test_attention_in_query_chunks_is_the_whole_attention_forward_and_backward(p
     ref = jitted(tiny_model(seq_len=length))(tokens, seg)
     got = jitted(tiny_model(seq_len=length, attention_chunk=16))(tokens, seg)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_layers_are_the_unrolled_layers_stacked_and_compute_the_same():
+    """model.scan_layers: a seed gives the unrolled model's parameters stacked along a first axis
+    named `layers` (bitwise; `stacked_layers` and `unstacked_layers` convert either way), and the
+    scanned model's logits and gradients are the unrolled model's to float32 rounding, with packed
+    documents, with attention in chunks, and under each remat policy."""
+    unrolled, scanned = tiny_model(n_layers=3), tiny_model(n_layers=3, scan_layers=True)
+    a, b = (nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in (unrolled, scanned))
+    assert "blocks" not in b and "layers" not in a
+    assert jax.tree.map(np.shape, b["layers"]["attn"]["wq"]) == (3, *np.shape(a["blocks"][0]["attn"]["wq"]))
+    jax.tree.map(np.testing.assert_array_equal, stacked_layers(a), b)
+    jax.tree.map(np.testing.assert_array_equal, unstacked_layers(b), a)
+    specs_a, specs_b = (nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(m, nnx.Param))) for m in (unrolled, scanned))
+    for path, spec in jax.tree_util.tree_flatten_with_path(specs_b["layers"], is_leaf=lambda x: isinstance(x, P))[0]:
+        unrolled_spec = specs_a["blocks"][0]
+        for key in path:
+            unrolled_spec = unrolled_spec[key.key]
+        assert tuple(spec) == (LAYERS, *unrolled_spec), path  # (`layers` is replicated: LOGICAL_AXIS_RULES)
+    assert LOGICAL_AXIS_RULES[LAYERS] is None
+
+    tokens = jax.random.randint(jax.random.key(7), (2, 32), 0, 256)
+    seg = jnp.asarray([[0] * 12 + [1] * 20, [0] * 32])
+    for settings in ({}, {"attention_chunk": 8}):
+        want = jitted(tiny_model(n_layers=3, seq_len=32, **settings))(tokens, seg)
+        got = jitted(tiny_model(n_layers=3, seq_len=32, scan_layers=True, **settings))(tokens, seg)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    def grads(model):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(p):
+            return (nnx.merge(graphdef, p, rest)(tokens, seg) ** 2).mean()
+
+        return nnx.to_pure_dict(jax.jit(jax.grad(loss))(params))
+
+    want = stacked_layers(grads(tiny_model(n_layers=3, seq_len=32)))
+    for remat in ("none", "full", "save_dots"):
+        got = grads(tiny_model(n_layers=3, seq_len=32, scan_layers=True, remat=remat))
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-7), got, want)
 
 
 def test_positions_restart_nowhere_a_document_is_the_same_wherever_it_is_packed():

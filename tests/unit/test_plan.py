@@ -165,16 +165,28 @@ def test_an_unknown_device_or_an_impossible_mesh_is_one_line_naming_it(capsys):
     assert "mesh.devices_per_host=3" in err and "--devices-per-host" in err
 
 
-@pytest.mark.parametrize("setting", ["logits_chunk", "attention_chunk"])
-def test_with_a_part_in_chunks_the_table_says_xla_counts_one_chunk(setting, capsys):
-    """model.logits_chunk puts the output projection in a loop (model.attention_chunk, the attention),
-    whose body XLA's cost analysis counts once: the XLA FLOPs drop (the model's work does not) and
-    the table says why."""
-    flops = {}
-    for chunk in (0, 16):
-        assert plan_cli.main(["llama_tiny", "--devices-per-host", "4", f"model.{setting}={chunk}"]) == 0
+@pytest.mark.parametrize(
+    "setting, on, said",
+    [
+        ("logits_chunk", "16", "one chunk of model.logits_chunk's"),
+        ("attention_chunk", "16", "one chunk of model.attention_chunk's"),
+        ("scan_layers", "true", "one of model.scan_layers' blocks"),
+    ],
+)
+def test_with_a_part_in_a_loop_the_table_says_what_xla_counts(setting, on, said, capsys):
+    """model.logits_chunk puts the output projection in a loop (model.attention_chunk, the attention;
+    model.scan_layers, the blocks), whose body XLA's cost analysis counts once: the XLA FLOPs drop
+    (the model's work does not) and the table says why."""
+    flops, ideal = {}, {}
+    for value in ("0", on):
+        argv = ["llama_tiny", "--devices-per-host", "4", "--device-kind", "H100", f"model.{setting}={value}"]
+        assert plan_cli.main(argv) == 0
         table = capsys.readouterr().out
-        assert (f"XLA counts one chunk of model.{setting}" in table) == bool(chunk)
-        assert plan_cli.main(["llama_tiny", "--json", "--devices-per-host", "4", f"model.{setting}={chunk}"]) == 0
-        flops[chunk] = json.loads(capsys.readouterr().out)["flops_per_step"]
-    assert flops[16] < flops[0]
+        assert (f"XLA counts {said}" in table) == (value == on)
+        assert "(6N + 12 L d T at the bf16 peak)" in table
+        assert plan_cli.main([*argv, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        flops[value], ideal[value] = report["flops_per_step"], report["step_s_at_peak"]
+    assert flops[on] < flops["0"]
+    # the step time at 100% MFU is the model's work at the peak: the loop leaves it as it was
+    assert ideal[on] == ideal["0"] > 0

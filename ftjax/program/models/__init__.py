@@ -67,5 +67,6 @@ def build(cfg, rngs):
         remat=cfg.remat,
         logits_chunk=cfg.logits_chunk,
         attention_chunk=cfg.attention_chunk,
+        scan_layers=cfg.scan_layers,
         rngs=rngs,
     )

@@ -12,6 +12,11 @@ Precision (docs/design.md, "Precision"): parameters are float32 master weights; 
 in `compute_dtype` (their inputs cast); the residual stream, RMSNorm's statistics, RoPE, the
 attention softmax and the logits are float32.
 
+With `scan_layers` the blocks' parameters are stacked along a first axis named `layers` (one leaf per
+kind of parameter, not per layer) and the forward pass is a `jax.lax.scan` over them: XLA compiles
+one block instead of n_layers copies, and a rematerialized block's saved input is the scan's
+explicit per-layer residual (docs/design.md, "Scanned layers").
+
 Attention goes through `jax.nn.dot_product_attention` (`attention`: xla, or cudnn's fused kernel on a
 GPU: `ftjax.program.models.attention_impl` picks), causal, and with `segment_ids` [B, T] (packed
 documents) also within a token's own segment.
@@ -165,6 +170,54 @@ def block_runner(remat: str, dtype, impl: str = "xla", chunk: int = 0):
     return run if remat == "none" else nnx.remat(run, policy=REMAT_POLICIES[remat])
 
 
+LAYERS = "layers"  # the logical name of a scanned model's stacking axis (replicated)
+
+
+def stack_blocks(blocks: list[Block]) -> Block:
+    """One Block whose every parameter is `blocks`' parameters stacked along a new first axis,
+    logically named `layers`: the same numbers, so a seed initializes a scanned model exactly as
+    it does an unrolled one, and a checkpoint converts between the two by stacking."""
+    graphdef, first = nnx.split(blocks[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), first, *(nnx.split(b)[1] for b in blocks[1:]))
+    block = nnx.merge(graphdef, stacked)
+    for _, v in nnx.iter_graph(block):
+        if isinstance(v, nnx.Param):
+            v.set_metadata(out_sharding=(LAYERS, *v.get_metadata()["out_sharding"]))
+    return block
+
+
+def stacked_layers(tree: dict) -> dict:
+    """A pure tree of an unrolled Llama's parameters (or one shaped like them: an update, an Adam
+    moment), `blocks/<i>/...`, in the scanned layout, `layers/...` (`model.scan_layers`). The
+    parameters of one seed map to each other exactly (`stack_blocks`); `unstacked_layers` undoes it."""
+    out = {k: v for k, v in tree.items() if k != "blocks"}
+    blocks = tree["blocks"]
+    out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *(blocks[i] for i in range(len(blocks))))
+    return out
+
+
+def unstacked_layers(tree: dict) -> dict:
+    """The inverse of `stacked_layers`: `layers/...` [n_layers, ...] to `blocks/<i>/...`."""
+    out = {k: v for k, v in tree.items() if k != "layers"}
+    n = len(jax.tree.leaves(tree["layers"])[0])
+    out["blocks"] = {i: jax.tree.map(lambda x, i=i: x[i], tree["layers"]) for i in range(n)}
+    return out
+
+
+def scan_blocks(layers: Block, x, cos, sin, mask, remat: str, dtype, impl: str = "xla", chunk: int = 0):
+    """The residual stream through every layer of a stacked Block (`stack_blocks`), one scan step
+    a layer. With remat the scan's body is rematerialized: the backward pass keeps each layer's
+    input (and with save_dots its matmuls' outputs), stacked, and recomputes the rest."""
+    graphdef, stacked = nnx.split(layers)
+
+    def layer(x, params):
+        return nnx.merge(graphdef, params)(x, cos, sin, mask, dtype, impl, chunk), None
+
+    if remat != "none":  # (prevent_cse only guards unrolled code; in a scan it costs fusions)
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return jax.lax.scan(layer, x, stacked)[0]
+
+
 class Llama(nnx.Module):
     def __init__(
         self,
@@ -179,6 +232,7 @@ class Llama(nnx.Module):
         remat: str = "none",
         logits_chunk: int = 0,
         attention_chunk: int = 0,
+        scan_layers: bool = False,
         rngs: nnx.Rngs,
     ):
         d, kv_heads = shape.d_model, n_kv_heads or shape.n_heads
@@ -187,12 +241,12 @@ class Llama(nnx.Module):
         self.logits_chunk = logits_chunk  # positions whose logits the loss computes at once; 0: all
         self.attention_chunk = attention_chunk  # query positions XLA's attention takes at once; 0: all
         self.embed = _param(rngs, (shape.vocab_size, d), ("vocab", "embed"))
-        self.blocks = nnx.List(
-            [
-                Block(d, shape.n_heads, kv_heads, shape.d_ff, shape.n_layers, norm_eps, rngs)
-                for _ in range(shape.n_layers)
-            ]
-        )
+        blocks = [
+            Block(d, shape.n_heads, kv_heads, shape.d_ff, shape.n_layers, norm_eps, rngs) for _ in range(shape.n_layers)
+        ]
+        # unrolled: `blocks/<i>/...`, a leaf per layer; scanned: `layers/...`, stacked (stack_blocks)
+        self.blocks = None if scan_layers else nnx.List(blocks)
+        self.layers = stack_blocks(blocks) if scan_layers else None
         self.norm = RMSNorm(d, norm_eps, rngs)
         self.head = None if tie_embeddings else _param(rngs, (d, shape.vocab_size), ("embed", "vocab"))
 
@@ -209,9 +263,12 @@ class Llama(nnx.Module):
         x = jnp.take(self.embed[...], tokens, axis=0)  # float32 rows of the master embedding
         cos, sin = rope_tables(tokens.shape[1], self.head_dim, self.rope_theta)
         mask = None if segment_ids is None else segment_mask(segment_ids)
-        run = block_runner(self.remat, dtype, self.attention, self.attention_chunk)
-        for block in self.blocks:
-            x = run(block, x, cos, sin, mask)
+        if self.layers is not None:
+            x = scan_blocks(self.layers, x, cos, sin, mask, self.remat, dtype, self.attention, self.attention_chunk)
+        else:
+            run = block_runner(self.remat, dtype, self.attention, self.attention_chunk)
+            for block in self.blocks:
+                x = run(block, x, cos, sin, mask)
         return self.norm(x, dtype)
 
     def logits(self, h: jax.Array) -> jax.Array:
