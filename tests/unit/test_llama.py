@@ -3,6 +3,7 @@ configs and their checks, the causal and document mask. Training in bfloat16, re
 accumulation, which compile whole train steps, are in tests/integration/test_llama_training.py."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -263,6 +264,22 @@ def test_auto_attention_is_cudnn_only_where_it_can_run_and_a_cudnn_setting_that_
     with pytest.raises(ValueError, match="model.attention: cudnn needs a GPU"):
         tiny_model(attention="cudnn")  # this machine's backend is the CPU
     assert tiny_model(attention="auto").attention == "xla"
+
+
+def test_an_attention_chunk_that_cudnn_makes_unused_is_warned_about(monkeypatch):
+    """model.attention_chunk bounds XLA's score matrices; where `attention: auto` picks cuDNN's kernel
+    (a GPU, bfloat16) the setting does nothing, and building the model says so, once; where XLA's
+    attention runs, nothing is said."""
+    cfg = load_config("llama_tiny", ["model.attention_chunk=16", "model.compute_dtype=bfloat16"]).model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # on CPU the chunks are used: no warning
+        with nnx.use_eager_sharding(False):
+            models.build(cfg, nnx.Rngs(0))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    unused = r"model.attention_chunk=16 is unused: attention auto runs cuDNN"
+    with pytest.warns(UserWarning, match=unused), nnx.use_eager_sharding(False):
+        model = models.build(cfg, nnx.Rngs(0))
+    assert model.attention == "cudnn"
 
 
 def test_rope_scores_depend_on_the_distance_only_and_theta_sets_the_frequencies():

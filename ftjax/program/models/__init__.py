@@ -56,6 +56,15 @@ def build(cfg, rngs):
     if cfg.kind == "gpt":
         return GPT(shape, seq_len=cfg.seq_len, remat=cfg.remat, rngs=rngs)
     dtype = compute_dtype(cfg.compute_dtype)
+    attention = attention_impl(cfg.attention, dtype, cfg.d_model // cfg.n_heads)
+    if cfg.attention_chunk and attention == "cudnn":  # (attention: cudnn with a chunk is refused by the config)
+        import warnings
+
+        warnings.warn(
+            f"model.attention_chunk={cfg.attention_chunk} is unused: attention auto runs cuDNN's fused kernel "
+            "here, which keeps no score matrix (the chunks are for XLA's attention)",
+            stacklevel=2,
+        )
     return Llama(
         shape,
         n_kv_heads=cfg.kv_heads,
@@ -63,7 +72,7 @@ def build(cfg, rngs):
         tie_embeddings=cfg.tie_embeddings,
         norm_eps=cfg.norm_eps,
         compute_dtype=dtype,
-        attention=attention_impl(cfg.attention, dtype, cfg.d_model // cfg.n_heads),
+        attention=attention,
         remat=cfg.remat,
         logits_chunk=cfg.logits_chunk,
         attention_chunk=cfg.attention_chunk,
