@@ -380,14 +380,11 @@ def load_init(directory: str | Path, abstract_state: dict, *, opt: bool) -> dict
             f"{where}: checkpoint.init_opt asks for its optimizer state, but it holds none "
             "(save {'params': params, 'opt': opt_state} for both)"
         )
-    layout = _other_layout(have["params"], params)
-    if layout is not None and opt:
-        raise InitCheckpointError(
-            f"{where}: its parameters are a Llama's in the other layout of model.scan_layers (converted on "
-            "load), but checkpoint.init_opt asks for its optimizer state too, which is not converted; "
-            "take the parameters alone (checkpoint.init_opt=false) or set model.scan_layers as it was"
-        )
-    want = {"params": params if layout is None else layout[0], **({"opt": abstract_state["opt"]} if opt else {})}
+    # (a Llama's parameters in the other layout of model.scan_layers: restored in theirs, converted)
+    target, convert = _other_layout(have["params"], params) or (None, None)
+    want = {k: abstract_state[k] for k in ("params", "opt") if k == "params" or opt}
+    if target is not None:  # (the optimizer's moments are parameter-shaped trees: converted alike)
+        want = {k: _each_layers_tree(tree, target) for k, tree in want.items()}
     rows = _differences(_leaves(want), _leaves({k: have[k] for k in want}))
     if rows:
         raise InitCheckpointError(
@@ -405,18 +402,34 @@ def load_init(directory: str | Path, abstract_state: dict, *, opt: bool) -> dict
         ),
     )  # (what else it holds, a step counter, an unwanted "opt", is not read)
     loaded = dict(restored) if wrapped else {"params": restored}
-    if layout is not None:  # stacked or unstacked where the arrays are, placed as this model's
-        shardings = jax.tree.map(lambda a: a.sharding, params)
-        loaded["params"] = jax.jit(layout[1], out_shardings=shardings)(loaded["params"])
+    if convert is not None:  # stacked or unstacked where the arrays are, placed as this model's
+        for k in loaded:
+            shardings = jax.tree.map(lambda a: a.sharding, abstract_state[k])
+            loaded[k] = jax.jit(lambda t: _each_layers_tree(t, convert), out_shardings=shardings)(loaded[k])
     return loaded
 
 
-def _other_layout(have: Any, params: Any) -> tuple[Any, Callable] | None:
+def _each_layers_tree(tree: Any, fn: Callable[[dict], dict]) -> Any:
+    """`tree` with `fn` applied to each dict in it that holds a Llama's blocks (a `blocks` or
+    `layers` key): the parameters, and each parameter-shaped tree of an optimizer state (optax's
+    states are named tuples of them)."""
+    if isinstance(tree, dict):
+        if "blocks" in tree or "layers" in tree:
+            return fn(tree)
+        return {k: _each_layers_tree(v, fn) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(_each_layers_tree(v, fn) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_each_layers_tree(v, fn) for v in tree)
+    return tree
+
+
+def _other_layout(have: Any, params: Any) -> tuple[Callable, Callable] | None:
     """Where the checkpoint holds a Llama's blocks in the other layout of `model.scan_layers` than
-    this model (stacked, `layers/...`, in one; `blocks/<i>/...` in the other): the abstract tree to
-    restore in the checkpoint's layout, each leaf placed as this model's slice or stack of it will
-    be, and the conversion to this model's layout (the same numbers: ftjax/program/models/llama.py).
-    None where the layouts agree (or it is no such model)."""
+    this model (stacked, `layers/...`, in one; `blocks/<i>/...` in the other): (what an abstract
+    tree of this model's layout is to restore in the checkpoint's, each leaf placed as this model's
+    slice or stack of it will be; the conversion to this model's layout: the same numbers,
+    ftjax/program/models/llama.py). None where the layouts agree (or it is no such model)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -431,12 +444,25 @@ def _other_layout(have: Any, params: Any) -> tuple[Any, Callable] | None:
             sharding = NamedSharding(sharding.mesh, P(*spec(tuple(sharding.spec))))
         return jax.ShapeDtypeStruct(shape, a.dtype, sharding=sharding)
 
-    rest = {k: v for k, v in params.items() if k not in ("blocks", "layers")}
+    def rest(tree):
+        return {k: v for k, v in tree.items() if k not in ("blocks", "layers")}
+
     if "layers" in params and "blocks" in have and "blocks" not in params:
-        layer = jax.tree.map(lambda a: placed(a, a.shape[1:], lambda s: s[1:]), params["layers"])
-        return {**rest, "blocks": dict.fromkeys(range(len(have["blocks"])), layer)}, stacked_layers
+        n = len(have["blocks"])
+
+        def unstacked(tree):
+            layer = jax.tree.map(lambda a: placed(a, a.shape[1:], lambda s: s[1:]), tree["layers"])
+            return {**rest(tree), "blocks": dict.fromkeys(range(n), layer)}
+
+        return unstacked, stacked_layers
     if "blocks" in params and "layers" in have and "layers" not in params:
-        n = len(params["blocks"])
-        stack = jax.tree.map(lambda a: placed(a, (n, *a.shape), lambda s: (None, *s)), params["blocks"][0])
-        return {**rest, "layers": stack}, unstacked_layers
+
+        def stacked(tree):
+            n, first = len(tree["blocks"]), tree["blocks"][0]
+            return {
+                **rest(tree),
+                "layers": jax.tree.map(lambda a: placed(a, (n, *a.shape), lambda s: (None, *s)), first),
+            }
+
+        return stacked, unstacked_layers
     return None

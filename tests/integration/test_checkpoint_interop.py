@@ -223,8 +223,8 @@ def test_launch_passes_init_from_to_its_replicas(tmp_path, capsys):
 def test_init_from_converts_a_llama_between_the_layouts_of_scan_layers(tmp_path, saved_scanned):
     """A Llama's parameters saved with one `model.scan_layers` start a run with the other: stacked
     (or unstacked) on load, the same numbers bitwise, placed with this model's shardings on a
-    2 x 2 tensor-parallel replica. Its optimizer state is not converted: checkpoint.init_opt is
-    refused, naming the setting."""
+    2 x 2 tensor-parallel replica; with checkpoint.init_opt its optimizer state too (AdamW's
+    moments are parameter-shaped trees: converted alike)."""
     from ftjax.config import load_config
     from ftjax.program.models.llama import stacked_layers, unstacked_layers
 
@@ -233,17 +233,32 @@ def test_init_from_converts_a_llama_between_the_layouts_of_scan_layers(tmp_path,
         return build_program(load_config("llama_tiny", ["model.n_layers=3", *mesh]))
 
     source, target = prog(saved_scanned), prog(not saved_scanned)
-    params = source.init(np.int32(3))["params"]
+    state = source.init(np.int32(3))
+    batch = device_batch(source, np.stack([source.task.source[i] for i in range(8)]))
+    _, _, update = source.grads(state["params"], {}, batch, where(0, 0, 0))
+    state = jax.device_get(source.apply(state, update, np.float32(1.0)))  # (AdamW's moments: not zeros)
     with ocp.StandardCheckpointer() as saver:
-        saver.save(tmp_path / "init", {"params": params})
-        saver.save(tmp_path / "both", {"params": params, "opt": source.init(np.int32(3))["opt"]})
-    loaded = checkpoint.load_init(tmp_path / "init", target.abstract_state(), opt=False)
+        saver.save(tmp_path / "init", {"params": state["params"]})
+        saver.save(tmp_path / "both", {"params": state["params"], "opt": state["opt"]})
     convert = unstacked_layers if saved_scanned else stacked_layers
-    jax.tree.map(np.testing.assert_array_equal, loaded["params"], convert(jax.device_get(params)))
-    jax.tree.map(
-        np.testing.assert_array_equal, loaded["params"], target.init(np.int32(3))["params"]
-    )  # (a seed is a seed)
-    shardings = jax.tree.leaves(jax.tree.map(lambda a: a.sharding, target.abstract_state()["params"]))
-    assert [x.sharding for x in jax.tree.leaves(loaded["params"])] == shardings
-    with pytest.raises(checkpoint.InitCheckpointError, match="other layout of model.scan_layers"):
-        checkpoint.load_init(tmp_path / "both", target.abstract_state(), opt=True)
+
+    def placed_as_this_model(tree, k):
+        shardings = jax.tree.leaves(jax.tree.map(lambda a: a.sharding, target.abstract_state()[k]))
+        return [x.sharding for x in jax.tree.leaves(tree)] == shardings
+
+    loaded = checkpoint.load_init(tmp_path / "init", target.abstract_state(), opt=False)
+    jax.tree.map(np.testing.assert_array_equal, loaded["params"], convert(state["params"]))
+    assert placed_as_this_model(loaded["params"], "params")
+    both = checkpoint.load_init(tmp_path / "both", target.abstract_state(), opt=True)
+    jax.tree.map(np.testing.assert_array_equal, both["params"], loaded["params"])
+    assert jax.tree.structure(both["opt"]) == jax.tree.structure(target.abstract_state()["opt"])
+    [saved], [got] = (adam_states(s) for s in (state["opt"], both["opt"]))
+    assert int(got.count) == int(saved.count) == 1 and np.abs(jax.tree.leaves(saved.mu)[0]).max() > 0
+    for moment in ("mu", "nu"):
+        jax.tree.map(np.testing.assert_array_equal, getattr(got, moment), convert(getattr(saved, moment)))
+    assert placed_as_this_model(both["opt"], "opt")
+
+
+def adam_states(opt_state) -> list:
+    """The AdamW states (count, mu, nu) inside an optax chain's state."""
+    return [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(x, "mu")]
