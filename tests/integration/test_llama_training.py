@@ -184,28 +184,29 @@ def test_attention_chunk_gives_the_same_loss_and_update_without_the_whole_scores
     assert temp - chunked > 0.5 * scores
 
 
-@pytest.mark.parametrize("mesh", [("mesh.devices_per_host=2",), ("mesh.devices_per_host=4", "mesh.tensor=2")])
-def test_scanned_layers_give_the_same_loss_and_update_from_one_compiled_block(mesh):
+def test_scanned_layers_give_the_same_loss_and_update_from_one_compiled_block():
     """model.scan_layers through the whole gradient program, inside gradient accumulation, with
-    remat full, on a replica of 2 devices (FSDP) and of 4 (2 x 2 tensor parallel): the same seed's
+    remat full, on a 2 x 2 tensor-parallel replica (FSDP and tensor sharding both): the same seed's
     state is the unrolled one's stacked, the loss and the update equal the unrolled ones (stacked)
     within 1e-6 (float32), and the traced program rematerializes one block (the scan's body)
-    instead of one per layer. On the FSDP mesh, the compiled step's temporaries are less than 0.6 of
-    the unrolled step's: the scan keeps each layer's input, XLA:CPU keeps an unrolled block's whole
-    activations whatever remat says (docs/design.md, "Scanned layers"; measured 0.53)."""
-    common = ("model.compute_dtype=float32", *mesh, "model.n_layers=4", "model.seq_len=128", "data.micro_batches=2")
-    base = program("llama_tiny", *common, "model.remat=full")
-    prog = program("llama_tiny", *common, "model.remat=full", "model.scan_layers=true")
+    instead of one per layer. The compiled step's temporaries are less than 0.7 of the unrolled
+    step's: the scan keeps each layer's input, XLA:CPU keeps an unrolled block's whole activations
+    whatever remat says (docs/design.md, "Scanned layers"; measured 0.55, 0.53 on 2 devices FSDP)."""
+    common = (
+        "model.compute_dtype=float32", "mesh.devices_per_host=4", "mesh.tensor=2", "model.n_layers=4",
+        "model.seq_len=128", "data.micro_batches=2", "model.remat=full",
+    )  # fmt: skip
+    base = program("llama_tiny", *common)
+    prog = program("llama_tiny", *common, "model.scan_layers=true")
     assert _remat_policies(base) == [REMAT_POLICIES["full"]] * 4 and _remat_policies(prog) == [REMAT_POLICIES["full"]]
     state, _, loss, want = _grads(base)
     got_state, _, got_loss, got = _grads(prog)
     jax.tree.map(np.testing.assert_array_equal, stacked_layers(state["params"]), got_state["params"])
     assert got_loss == pytest.approx(loss, rel=1e-6)
     assert relative(got["params"], stacked_layers(want["params"])) <= 1e-6
-    if prog.cfg.mesh.tensor == 1:
-        temps = [compiled_grads(p).memory_analysis().temp_size_in_bytes for p in (base, prog)]
-        print(f"temporaries, remat full: unrolled {temps[0] / 1e6:.1f} MB, scanned {temps[1] / 1e6:.1f} MB")
-        assert temps[1] < 0.6 * temps[0]
+    temps = [compiled_grads(p).memory_analysis().temp_size_in_bytes for p in (base, prog)]
+    print(f"temporaries, remat full: unrolled {temps[0] / 1e6:.1f} MB, scanned {temps[1] / 1e6:.1f} MB")
+    assert temps[1] < 0.7 * temps[0]
 
 
 def test_train_llama_tiny_learns(tmp_path):
