@@ -94,12 +94,24 @@ def main(argv: list[str]) -> int:
     except TaskError as e:
         return _fail(str(e))
     report = _report(args, cfg, plan, accelerator)
-    if note:
-        report["note"] = note
+    report["notes"] = [n for n in (note, _remat_note(cfg)) if n]
     print(json.dumps(report) if args.json else _table(report))
     if report["fits"] is False:
         return _fail(f"{args.config}: {report['verdict']}")
     return 0
+
+
+def _remat_note(cfg: Config) -> str | None:
+    """What the temporaries of an unrolled model under remat are on CPU (docs/design.md, "Memory,
+    FLOPs and MFU"): XLA:CPU keeps a block's activations whatever jax.checkpoint says."""
+    model = cfg.model
+    if model.kind not in ("llama", "gpt") or model.remat == "none" or model.scan_layers:
+        return None
+    remedy = "; model.scan_layers=true makes the CPU compile show it" if model.kind == "llama" else ""
+    return (
+        f"model.remat={model.remat}: the CPU compile of unrolled blocks keeps their activations, so the "
+        f'temporaries above are remat none\'s, an upper bound{remedy} (docs/design.md, "Scanned layers")'
+    )
 
 
 def _plannable(cfg: Config) -> tuple[Config, str | None]:
@@ -217,7 +229,6 @@ def _table(r: dict[str, Any]) -> str:
                 ("step time at 100% MFU", f"{human_seconds(r['step_s_at_peak'])} ({ideal_work(r)} at the bf16 peak)")
             )
         rows.append(("verdict", r["verdict"]))
-    if r.get("note"):
-        rows.append(("note", r["note"]))
+    rows += [("note", note) for note in r.get("notes", [])]
     width = max(len(k) for k, _ in rows) + 2
     return "\n".join(f"{k:<{width}}{v}" for k, v in rows)

@@ -190,3 +190,26 @@ def test_with_a_part_in_a_loop_the_table_says_what_xla_counts(setting, on, said,
     assert flops[on] < flops["0"]
     # the step time at 100% MFU is the model's work at the peak: the loop leaves it as it was
     assert ideal[on] == ideal["0"] > 0
+
+
+def test_the_table_says_when_the_cpu_compile_cannot_show_remat(capsys):
+    """An unrolled transformer under remat: XLA:CPU keeps its blocks' activations, and the plan
+    says its temporaries are an upper bound, naming model.scan_layers for the llama (whose scan
+    shows remat: at 4 layers of 128 positions the temporaries drop; at 2 of 64 a scan's own
+    buffers outweigh what it saves); without remat, or scanned, nothing is said."""
+    said = "the temporaries above are remat none's, an upper bound"
+    temps = {}
+    for overrides, note in (
+        ([], False),
+        (["model.remat=full"], True),
+        (["model.remat=full", "model.scan_layers=true"], False),
+    ):
+        argv = ["llama_tiny", "--devices-per-host", "4", "model.n_layers=4", "model.seq_len=128", *overrides]
+        assert plan_cli.main([*argv, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert any(said in n and "model.scan_layers=true" in n for n in report["notes"]) == note, report["notes"]
+        temps[len(overrides)] = report["temp_bytes"]
+    assert temps[2] < temps[1]
+    assert plan_cli.main(["tiny", "--devices-per-host", "4", "model.remat=save_dots"]) == 0
+    table = capsys.readouterr().out
+    assert "note" in table and said in table and "scan_layers" not in table  # (the gpt has no scan)
