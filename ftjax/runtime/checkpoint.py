@@ -382,7 +382,7 @@ def load_init(directory: str | Path, abstract_state: dict, *, opt: bool) -> dict
         )
     # (a Llama's parameters in the other layout of model.scan_layers: restored in theirs, converted)
     target, convert = _other_layout(have["params"], params) or (None, None)
-    want = {k: abstract_state[k] for k in ("params", "opt") if k == "params" or opt}
+    want = {"params": params, **({"opt": abstract_state["opt"]} if opt else {})}
     if target is not None:  # (the optimizer's moments are parameter-shaped trees: converted alike)
         want = {k: _each_layers_tree(tree, target) for k, tree in want.items()}
     rows = _differences(_leaves(want), _leaves({k: have[k] for k in want}))
@@ -412,16 +412,12 @@ def load_init(directory: str | Path, abstract_state: dict, *, opt: bool) -> dict
 def _each_layers_tree(tree: Any, fn: Callable[[dict], dict]) -> Any:
     """`tree` with `fn` applied to each dict in it that holds a Llama's blocks (a `blocks` or
     `layers` key): the parameters, and each parameter-shaped tree of an optimizer state (optax's
-    states are named tuples of them)."""
-    if isinstance(tree, dict):
-        if "blocks" in tree or "layers" in tree:
-            return fn(tree)
-        return {k: _each_layers_tree(v, fn) for k, v in tree.items()}
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(_each_layers_tree(v, fn) for v in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_each_layers_tree(v, fn) for v in tree)
-    return tree
+    states are named tuples of them); every other leaf as it is."""
+
+    def holds_blocks(x) -> bool:
+        return isinstance(x, dict) and ("blocks" in x or "layers" in x)
+
+    return jax.tree.map(lambda x: fn(x) if holds_blocks(x) else x, tree, is_leaf=holds_blocks)
 
 
 def _other_layout(have: Any, params: Any) -> tuple[Callable, Callable] | None:
