@@ -153,11 +153,7 @@ def _report(args: argparse.Namespace, cfg: Config, plan: Any, accelerator: Accel
             "peak_fp32_flops": accelerator.peak_fp32_flops if accelerator else None,
         }
     peak = device["peak_bf16_flops"] if device else None
-    # MFU counts the model's FLOPs (the closed form where there is one): not remat's recomputation,
-    # and not XLA's count, which takes a loop's body once (model.scan_layers: one block of n_layers)
-    work = plan.flops_per_step
-    if plan.closed_form_flops_per_token and plan.tokens_per_step:
-        work = plan.closed_form_flops_per_token * plan.tokens_per_step
+    work = plan.closed_form_flops_per_step or plan.flops_per_step  # (what MFU counts, where known)
     ideal = work / (plan.devices * peak) if peak and work else None
     return {
         "config": args.config,
@@ -174,7 +170,8 @@ def _report(args: argparse.Namespace, cfg: Config, plan: Any, accelerator: Accel
 
 
 def ideal_work(r: dict[str, Any]) -> str:
-    """What the step time at 100% MFU divides by the peak."""
+    """What the step time at 100% MFU divides by the peak (`_report`: Plan.closed_form_flops_per_step,
+    else XLA's)."""
     return "6N + 12 L d T" if r["closed_form_flops_per_token"] and r["tokens_per_step"] else "XLA's FLOPs"
 
 

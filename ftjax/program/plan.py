@@ -65,6 +65,15 @@ class Plan:
     def flops_per_token(self) -> float | None:
         return self.flops_per_step / self.tokens_per_step if self.flops_per_step and self.tokens_per_step else None
 
+    @property
+    def closed_form_flops_per_step(self) -> float | None:
+        """The model's FLOPs of the step (6N + 12 L d T over its tokens), what MFU counts, as
+        `step_flops` does: not remat's recomputation, and every trip of a loop (XLA's count takes a
+        loop's body once: model.scan_layers, the chunk settings). None where there is no closed form."""
+        if self.closed_form_flops_per_token and self.tokens_per_step:
+            return self.closed_form_flops_per_token * self.tokens_per_step
+        return None
+
     def as_dict(self) -> dict[str, Any]:
         return {
             **asdict(self),
