@@ -9,7 +9,8 @@ The Python API (docs/design.md, "The API"; README, "Bring your own model"):
 - `Task`, built by `nnx_task`, `linen_task` or `pytree_task`: what a replica trains;
 - `fit(task, config)`: train it, standalone or as one replica of a job;
 - `FaultTolerance`: the step protocol for a script that owns its training loop;
-- `load_config`, `Config`: the run configuration (YAML + overrides, validated).
+- `load_config`, `Config`: the run configuration (YAML + overrides, validated);
+- `constrain_rows(x)`: in a model, an activation split by rows like the batch (docs/design.md, "Rows").
 
 Names are imported on first use, so that `ftjax coordinator` and `ftjax launch` never import JAX.
 """
@@ -34,6 +35,7 @@ _EXPORTS = {
     "Config": "ftjax.config",
     "ConfigError": "ftjax.config",
     "load_config": "ftjax.config",
+    "constrain_rows": "ftjax.program.sharding",
 }
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "StepInfo",
     "Task",
     "TaskError",
+    "constrain_rows",
     "fit",
     "linen_task",
     "load_config",

@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
     except TaskError as e:
         return _fail(str(e))
     report = _report(args, cfg, plan, accelerator)
-    report["notes"] = [n for n in (note, _remat_note(cfg)) if n]
+    report["notes"] = [n for n in (note, _remat_note(cfg), _bfloat16_note(cfg)) if n]
     print(json.dumps(report) if args.json else _table(report))
     if report["fits"] is False:
         return _fail(f"{args.config}: {report['verdict']}")
@@ -111,6 +111,18 @@ def _remat_note(cfg: Config) -> str | None:
     return (
         f"model.remat={model.remat}: the CPU compile of unrolled blocks keeps their activations, so the "
         f'temporaries above are remat none\'s, an upper bound{remedy} (docs/design.md, "Scanned layers")'
+    )
+
+
+def _bfloat16_note(cfg: Config) -> str | None:
+    """What XLA:CPU does with bfloat16 activations (docs/design.md, "What the backward pass keeps"):
+    it has no bfloat16 matmul, and converts what the backward pass keeps to float32 as well."""
+    if getattr(cfg.model, "compute_dtype", "auto") != "bfloat16":
+        return None
+    return (
+        "model.compute_dtype=bfloat16: XLA:CPU keeps a bfloat16 activation saved for the backward pass "
+        "also as float32 (it computes matmuls in float32), so the temporaries above count it up to three "
+        "times; an accelerator keeps it once (the kept-for-backward row)"
     )
 
 
@@ -203,6 +215,7 @@ def _table(r: dict[str, Any]) -> str:
         ("batch per device", human_bytes(r["batch_bytes"])),
         ("gradients per device", human_bytes(r["update_bytes"]) + " (the step's outputs: float32 update, loss)"),
         ("activations, temporaries", human_bytes(r["temp_bytes"]) + " (XLA memory_analysis, compiled for CPU)"),
+        ("  kept for backward", human_bytes(r["backward_bytes"]) + " (JAX's residuals of a micro-batch: any platform)"),
         ("total per device", human_bytes(r["total_bytes"])),
         ("FLOPs per step", human_flops(r["flops_per_step"]) + f" ({r['rows_per_step']} rows; XLA cost_analysis)"),
     ]

@@ -9,6 +9,11 @@
   kept for the backward pass among them). Compiled for the platform it runs on: `ftjax plan`
   compiles for CPU devices standing in for the accelerators, whose compiler fuses and schedules
   differently, so these are an estimate there; `ftjax train` compiles for the device itself.
+- **kept for the backward pass per device**: JAX's residuals of one micro-batch (the values its
+  backward pass reads that are not the step's arguments: what `model.remat` decides), split over
+  the replica's data-parallel devices. Decided by JAX before any compiler runs, so the same for
+  every platform; not the peak (a compiler adds a block's working set, and may fuse cheap
+  residuals away: docs/design.md, "What the backward pass keeps").
 - **FLOPs**: XLA's `cost_analysis()` of the same executable, per device (the partitioned program),
   times the replica's devices: the model FLOPs of one step's forward and backward pass (the
   optimizer's update is not counted, as MFU conventionally leaves it out). For the built-in
@@ -23,10 +28,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ftjax.base.accelerators import GIB, lookup
-from ftjax.program.step import ReplicaProgram, model_state
+from ftjax.program.sharding import TENSOR
+from ftjax.program.step import ReplicaProgram, model_state, rows_like
+from ftjax.program.task import normalize_loss, step_key
 
 LOOKUP_AXES = ("vocab", "seq")  # a matrix whose first logical axis is one of these is a table, read by index
 
@@ -48,6 +56,7 @@ class Plan:
     batch_bytes: int  # the gradient step's arguments that are not state
     update_bytes: int  # its outputs: the update (float32), loss and metrics
     temp_bytes: int  # its temporaries: activations and scratch
+    backward_bytes: int  # what one micro-batch's backward pass reads besides the arguments (JAX's residuals)
     flops_per_step: float | None  # the replica's whole gradient step (all devices); None: not reported
     rows_per_step: int
     tokens_per_step: int  # 0: not a token model
@@ -160,6 +169,32 @@ def transformer_flops_per_token(dense: int, layers: int, width: int, length: int
     return 6.0 * dense + 12.0 * layers * width * length
 
 
+def backward_bytes(program: ReplicaProgram) -> int:
+    """Bytes per device that the gradient step keeps from a micro-batch's forward pass for its
+    backward pass: the residuals of the task's loss (the pullback's closure in JAX's jaxpr, less
+    the step's own arguments: parameters, model state, batch), at their global size over the
+    replica's data-parallel devices (the batch axes; a tensor-parallel group shares its rows).
+    Platform-independent: `model.remat`, `scan_layers` and the chunk settings decide it in JAX,
+    where XLA:CPU's temporaries blur it (docs/design.md, "What the backward pass keeps")."""
+    cfg, task = program.cfg, program.task
+    rows = cfg.data.batch_size // cfg.data.micro_batches
+    where = jnp.zeros(3, jnp.int32)
+
+    def pullback(params, ms, batch):
+        def loss(p):
+            out = task.loss(p, ms, batch, step_key(cfg.seed, where))
+            return normalize_loss(out[:2], rows, task.name)[0].sum()
+
+        return jax.vjp(loss, params)[1]  # (a pytree: its leaves are the residuals)
+
+    st = program.abstract_state()
+    jaxpr = jax.make_jaxpr(pullback)(st["params"], model_state(st), rows_like(program.example, rows)).jaxpr
+    arguments = {id(v) for v in jaxpr.invars}
+    kept = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in jaxpr.outvars if id(v) not in arguments)
+    data_parallel = math.prod(n for axis, n in program.mesh.shape.items() if axis != TENSOR)
+    return kept // data_parallel
+
+
 def plan_program(program: ReplicaProgram) -> Plan:
     """The plan of a built program (compiles its gradient step if `precompile` has not)."""
     st = program.abstract_state()
@@ -179,6 +214,7 @@ def plan_program(program: ReplicaProgram) -> Plan:
         batch_bytes=max(0, int(mem.argument_size_in_bytes) - param_bytes - model_state_bytes),
         update_bytes=int(mem.output_size_in_bytes),
         temp_bytes=int(mem.temp_size_in_bytes),
+        backward_bytes=backward_bytes(program),
         flops_per_step=(
             per_device * program.mesh.devices.size * program.cfg.data.micro_batches if per_device is not None else None
         ),

@@ -12,7 +12,9 @@ replicated over `tensor` (a tensor group computes the same rows together).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import jax
@@ -107,6 +109,33 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Rows split over the data axes (all but `tensor`, whose groups share their rows); any
     trailing axes whole."""
     return NamedSharding(mesh, P(tuple(a for a in mesh.axis_names if a != TENSOR)))
+
+
+_ROWS: ContextVar[NamedSharding | None] = ContextVar("ftjax_rows", default=None)
+
+
+@contextmanager
+def rows_split(batch: NamedSharding) -> Iterator[None]:
+    """While a replica's step is traced: its rows are split as `batch` (`batch_sharding`), which
+    `constrain_rows` then says of an activation. Tracing is Python, so a context variable carries it
+    (jax.set_mesh may not be entered inside jit)."""
+    token = _ROWS.set(batch)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+    """x [rows, ...] split over the data axes like the batch's rows while a step is traced
+    (`rows_split`), the rest of it whole; as is elsewhere. XLA's partitioner does not carry the
+    rows' split into a while loop on its own: a `lax.scan` over layers (model.scan_layers) whose
+    carry is not constrained ran every row of the batch on every device (docs/design.md, "Scanned
+    layers")."""
+    batch = _ROWS.get()
+    if batch is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(batch.mesh, P(batch.spec[0], *[None] * (x.ndim - 1))))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

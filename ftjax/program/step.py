@@ -297,7 +297,8 @@ def _loss_functions(cfg: Config, task: Task, lay: _Layout):
         """(per-example losses, aux, the update of `batch` with its loss weighted `weight` per row)."""
 
         def total(p):
-            per_example, aux, new_ms = task.loss(p, ms, batch, step_key(cfg.seed, where))
+            with shd.rows_split(lay.b_shard):
+                per_example, aux, new_ms = task.loss(p, ms, batch, step_key(cfg.seed, where))
             per_example, aux = normalize_loss((per_example, aux), batch_rows(batch), task.name)
             return per_example.sum() * weight, (per_example, aux, new_ms)
 
@@ -326,7 +327,8 @@ def _loss_functions(cfg: Config, task: Task, lay: _Layout):
 
     def evaluate(params, ms, batch):
         # the loss alone: no gradient, and the model state it returns is dropped (eval changes nothing)
-        per_example, aux, _ = task.loss(params, ms, batch, step_key(cfg.seed, jnp.full(3, -1, jnp.int32)))
+        with shd.rows_split(lay.b_shard):
+            per_example, aux, _ = task.loss(params, ms, batch, step_key(cfg.seed, jnp.full(3, -1, jnp.int32)))
         per_example, _ = normalize_loss((per_example, aux), batch_rows(batch), task.name)
         return per_example.mean()
 

@@ -213,3 +213,27 @@ def test_the_table_says_when_the_cpu_compile_cannot_show_remat(capsys):
     assert plan_cli.main(["tiny", "--devices-per-host", "4", "model.remat=save_dots"]) == 0
     table = capsys.readouterr().out
     assert "note" in table and said in table and "scan_layers" not in table  # (the gpt has no scan)
+
+
+@pytest.mark.parametrize("scan", ["false", "true"])
+def test_kept_for_backward_is_what_remat_keeps_of_each_layer(scan):
+    """`backward_bytes` (JAX's residuals of a micro-batch, per device) grows per layer by exactly
+    what the remat policy keeps of a block, counted here from llama_tiny's shapes (d 64, 4 heads of
+    16, 2 kv heads, d_ff 192; 2 rows of 64 tokens a device of 4): `full` its float32 input;
+    `save_dots` also its weight matmuls' outputs (query, key, value, attention projection, gate, up;
+    the down projection's is not read) in the compute dtype. The same scanned or unrolled."""
+    tokens, d, q, kv, ff = 2 * 64, 64, 64, 2 * 2 * 16, 192
+    expected = {
+        ("full", "float32"): tokens * 4 * d,
+        ("save_dots", "float32"): tokens * (4 * d + 4 * (q + kv + d + 2 * ff)),
+        ("save_dots", "bfloat16"): tokens * (4 * d + 2 * (q + kv + d + 2 * ff)),
+    }
+    for (remat, dtype), per_layer in expected.items():
+        kept = {}
+        for layers in (2, 3):
+            overrides = [f"model.n_layers={layers}", f"model.scan_layers={scan}", f"model.remat={remat}"]
+            cfg = load_config("llama_tiny", ["mesh.devices_per_host=4", *overrides, f"model.compute_dtype={dtype}"])
+            kept[layers] = plan_mod.backward_bytes(build_program(cfg))
+        assert kept[3] - kept[2] == per_layer, (remat, dtype)
+    none = load_config("llama_tiny", ["mesh.devices_per_host=4", "model.remat=none", f"model.scan_layers={scan}"])
+    assert plan_mod.backward_bytes(build_program(none)) > kept[2]  # (keeping everything keeps more)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ftjax.program.models.llama import REMAT_POLICIES, Decoder
+from ftjax.program.sharding import constrain_rows
 
 _init = nnx.initializers.normal(stddev=0.02)
 
@@ -92,11 +93,13 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens (batch, time) int32 -> logits (batch, time, vocab) float32."""
-        x = self.wte(tokens) + self.wpe[: tokens.shape[1]]
+        # the residual stream split by rows like the batch, not along the width like the `embed`-sharded
+        # parameters (constrain_rows; docs/design.md, "Rows")
+        x = constrain_rows(self.wte(tokens) + self.wpe[: tokens.shape[1]])
         run = _call if self.remat == "none" else nnx.remat(_call, policy=REMAT_POLICIES[self.remat])
         for block in self.blocks:
-            x = run(block, x)
-        return self.head(self.ln_f(x))
+            x = constrain_rows(run(block, x))
+        return self.head(constrain_rows(self.ln_f(x)))
 
 
 def _call(block: Block, x: jax.Array) -> jax.Array:

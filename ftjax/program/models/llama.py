@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ftjax.program.sharding import constrain_rows
+
 F32 = jnp.float32
 
 # remat setting -> what a block keeps for the backward pass (the rest is recomputed)
@@ -211,7 +213,8 @@ def scan_blocks(layers: Block, x, cos, sin, mask, remat: str, dtype, impl: str =
     graphdef, stacked = nnx.split(layers)
 
     def layer(x, params):
-        return nnx.merge(graphdef, params)(x, cos, sin, mask, dtype, impl, chunk), None
+        x = constrain_rows(x)  # (the carry: XLA does not split a loop's rows by itself)
+        return constrain_rows(nnx.merge(graphdef, params)(x, cos, sin, mask, dtype, impl, chunk)), None
 
     if remat != "none":  # (prevent_cse only guards unrolled code; in a scan it costs fusions)
         layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
@@ -260,7 +263,9 @@ class Llama(nnx.Module):
         compute dtype. `logits` of any slice of its positions are those positions' logits, which is
         what lets the loss compute them a chunk at a time (`model.logits_chunk`)."""
         dtype = self.compute_dtype
-        x = jnp.take(self.embed[...], tokens, axis=0)  # float32 rows of the master embedding
+        # the residual stream is split by rows like the batch (constrain_rows): left to itself, XLA
+        # splits it along the width like the `embed`-sharded parameters (docs/design.md, "Rows")
+        x = constrain_rows(jnp.take(self.embed[...], tokens, axis=0))  # float32 rows of the master embedding
         cos, sin = rope_tables(tokens.shape[1], self.head_dim, self.rope_theta)
         mask = None if segment_ids is None else segment_mask(segment_ids)
         if self.layers is not None:
@@ -268,8 +273,8 @@ class Llama(nnx.Module):
         else:
             run = block_runner(self.remat, dtype, self.attention, self.attention_chunk)
             for block in self.blocks:
-                x = run(block, x, cos, sin, mask)
-        return self.norm(x, dtype)
+                x = constrain_rows(run(block, x, cos, sin, mask))
+        return constrain_rows(self.norm(x, dtype))
 
     def logits(self, h: jax.Array) -> jax.Array:
         """features (..., d_model) -> float32 logits (..., vocab)."""
