@@ -237,3 +237,21 @@ def test_kept_for_backward_is_what_remat_keeps_of_each_layer(scan):
         assert kept[3] - kept[2] == per_layer, (remat, dtype)
     none = load_config("llama_tiny", ["mesh.devices_per_host=4", "model.remat=none", f"model.scan_layers={scan}"])
     assert plan_mod.backward_bytes(build_program(none)) > kept[2]  # (keeping everything keeps more)
+
+
+
+def test_the_table_shows_what_the_backward_pass_keeps_and_notes_cpu_bfloat16(capsys):
+    """The report carries `backward_bytes`, the table's "kept for backward" row; with
+    compute_dtype bfloat16 a note says that XLA:CPU's temporaries hold its saved activations also
+    in float32; in float32 no such note."""
+    said = "XLA:CPU keeps a bfloat16 activation saved for the backward pass also as float32"
+    for dtype, note in (("float32", False), ("bfloat16", True)):
+        overrides = ["mesh.devices_per_host=4", f"model.compute_dtype={dtype}"]
+        kept = plan_mod.backward_bytes(build_program(load_config("llama_tiny", overrides)))
+        assert plan_cli.main(["llama_tiny", *overrides, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["backward_bytes"] == kept > 0
+        assert any(said in n for n in report["notes"]) == note
+        assert plan_cli.main(["llama_tiny", *overrides]) == 0
+        table = capsys.readouterr().out
+        assert f"kept for backward       {plan_mod.human_bytes(kept)} (JAX's residuals" in table
