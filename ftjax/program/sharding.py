@@ -3,9 +3,10 @@
 Models annotate each parameter with logical axis names (`("vocab", "embed")`, `("embed", "mlp")`,
 `("embed", "heads", "head_dim")`, ...). FSDP inside a replica shards every parameter along its
 `embed` dimension over the `fsdp` axis. With `mesh.tensor: T > 1` the mesh is `fsdp x tensor` (T
-consecutive devices of a host form a tensor group) and the heads and the MLP's hidden dimension
-(`heads`, `kv_heads`, `qkv`, `mlp`) are split over `tensor` (Megatron-style tensor parallelism, here
-by sharding annotations: XLA inserts the collectives). Everything else is replicated. Optimizer
+consecutive devices of a host form a tensor group) and the heads, the MLP's hidden dimension and
+the vocabulary (`heads`, `kv_heads`, `qkv`, `mlp`, `vocab`) are split over `tensor` (Megatron-style
+tensor parallelism, here by sharding annotations: XLA inserts the collectives). Everything else is
+replicated. Optimizer
 state follows its parameter. Batches are split along their first dimension over `fsdp` and
 replicated over `tensor` (a tensor group computes the same rows together).
 """
@@ -30,7 +31,7 @@ REPLICA = "replica"  # only in the synchronous HSDP baseline mesh
 # have (`tensor` on a mesh without tensor parallelism), are replicated.
 LOGICAL_AXIS_RULES: Mapping[str, str | None] = {
     "embed": FSDP,
-    "vocab": None,
+    "vocab": TENSOR,  # the embedding and output projection vocabulary-parallel (Megatron's), the logits too
     "mlp": TENSOR,
     "qkv": TENSOR,
     "heads": TENSOR,  # query heads (llama: attention's output projection too)
@@ -77,12 +78,23 @@ def logical_to_mesh(spec: P, axes: tuple[str, ...] = (FSDP,)) -> P:
     return P(*out)
 
 
-def param_shardings(logical_specs: Any, mesh: Mesh) -> Any:
-    """A tree of NamedShardings for a tree of logical PartitionSpecs."""
+def param_shardings(logical_specs: Any, mesh: Mesh, shapes: Any = None) -> Any:
+    """A tree of NamedShardings for a tree of logical PartitionSpecs. With `shapes` (the parameters'
+    ShapeDtypeStructs), a dimension that the `tensor` axis does not divide stays whole (a
+    vocabulary of 50257 on 2): its size is the same on every degree of a replica, so the layout is
+    too (fsdp, which a reduced-degree replica shrinks, must divide what it splits)."""
     axes = tuple(mesh.axis_names)
-    return jax.tree.map(
-        lambda s: NamedSharding(mesh, logical_to_mesh(s, axes)), logical_specs, is_leaf=lambda x: isinstance(x, P)
-    )
+
+    def one(spec: P, shape: Any = None) -> NamedSharding:
+        split = logical_to_mesh(spec, axes)
+        if shape is not None and TENSOR in axes:
+            t, dims = mesh.shape[TENSOR], shape.shape
+            split = P(*(None if a == TENSOR and i < len(dims) and dims[i] % t else a for i, a in enumerate(split)))
+        return NamedSharding(mesh, split)
+
+    if shapes is None:
+        return jax.tree.map(one, logical_specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(one, logical_specs, shapes, is_leaf=lambda x: isinstance(x, P))
 
 
 def follow_params(tree_shape: Any, params_sharding: Any, mesh: Mesh) -> Any:

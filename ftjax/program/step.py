@@ -217,8 +217,7 @@ def _layout(cfg: Config, mesh: jax.sharding.Mesh, task: Task) -> _Layout:
     params_shape, ms_shape = jax.eval_shape(task.init, jax.random.key(0))
     logical = task.param_axes if task.param_axes is not None else replicated_axes(params_shape)
     try:
-        p_shard = shd.param_shardings(logical, mesh)
-        jax.tree.map(lambda a, b: None, params_shape, p_shard)
+        p_shard = shd.param_shardings(logical, mesh, params_shape)
     except ValueError as e:
         raise TaskError(f"task {task.name}: its parameter axes do not match its parameters: {e}") from None
     ms_shard = jax.tree.map(lambda _: shd.replicated(mesh), ms_shape)

@@ -239,7 +239,6 @@ def test_kept_for_backward_is_what_remat_keeps_of_each_layer(scan):
     assert plan_mod.backward_bytes(build_program(none)) > kept[2]  # (keeping everything keeps more)
 
 
-
 def test_the_table_shows_what_the_backward_pass_keeps_and_notes_cpu_bfloat16(capsys):
     """The report carries `backward_bytes`, the table's "kept for backward" row; with
     compute_dtype bfloat16 a note says that XLA:CPU's temporaries hold its saved activations also
