@@ -29,7 +29,8 @@ class DropoutLM(nnx.Module):
         self.down = nnx.Linear(d_ff, vocab, kernel_init=nnx.with_partitioning(init, ("mlp", "vocab")), rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.down(self.drop(jax.nn.gelu(self.up(self.embed(tokens)))))
+        x = ftjax.constrain_rows(self.embed(tokens))  # split by rows like the batch (README, "Bring your own model")
+        return self.down(self.drop(jax.nn.gelu(self.up(x))))
 
 
 def loss(model: DropoutLM, tokens: jax.Array):
