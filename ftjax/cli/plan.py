@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
 
     try:
         cfg, note = _plannable(cfg)
-        plan = plan_program(build_program(cfg))
+        plan = plan_program(build_program(cfg), backward=True)
     except TaskError as e:
         return _fail(str(e))
     report = _report(args, cfg, plan, accelerator)

@@ -56,7 +56,7 @@ class Plan:
     batch_bytes: int  # the gradient step's arguments that are not state
     update_bytes: int  # its outputs: the update (float32), loss and metrics
     temp_bytes: int  # its temporaries: activations and scratch
-    backward_bytes: int  # what one micro-batch's backward pass reads besides the arguments (JAX's residuals)
+    backward_bytes: int | None  # what a micro-batch's backward pass keeps (JAX's residuals); None: not asked
     flops_per_step: float | None  # the replica's whole gradient step (all devices); None: not reported
     rows_per_step: int
     tokens_per_step: int  # 0: not a token model
@@ -195,8 +195,10 @@ def backward_bytes(program: ReplicaProgram) -> int:
     return kept // data_parallel
 
 
-def plan_program(program: ReplicaProgram) -> Plan:
-    """The plan of a built program (compiles its gradient step if `precompile` has not)."""
+def plan_program(program: ReplicaProgram, *, backward: bool = False) -> Plan:
+    """The plan of a built program (compiles its gradient step if `precompile` has not); with
+    `backward`, also what its backward pass keeps (`ftjax plan`: one more trace of the loss, which
+    `ftjax train`'s fit check, on a restarted replica's path, does without)."""
     st = program.abstract_state()
     compiled = compiled_grads(program)
     mem = compiled.memory_analysis()
@@ -214,7 +216,7 @@ def plan_program(program: ReplicaProgram) -> Plan:
         batch_bytes=max(0, int(mem.argument_size_in_bytes) - param_bytes - model_state_bytes),
         update_bytes=int(mem.output_size_in_bytes),
         temp_bytes=int(mem.temp_size_in_bytes),
-        backward_bytes=backward_bytes(program),
+        backward_bytes=backward_bytes(program) if backward else None,
         flops_per_step=(
             per_device * program.mesh.devices.size * program.cfg.data.micro_batches if per_device is not None else None
         ),

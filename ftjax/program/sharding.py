@@ -6,9 +6,9 @@ Models annotate each parameter with logical axis names (`("vocab", "embed")`, `(
 consecutive devices of a host form a tensor group) and the heads, the MLP's hidden dimension and
 the vocabulary (`heads`, `kv_heads`, `qkv`, `mlp`, `vocab`) are split over `tensor` (Megatron-style
 tensor parallelism, here by sharding annotations: XLA inserts the collectives). Everything else is
-replicated. Optimizer
-state follows its parameter. Batches are split along their first dimension over `fsdp` and
-replicated over `tensor` (a tensor group computes the same rows together).
+replicated. Optimizer state follows its parameter. Batches are split along their first dimension
+over `fsdp` and replicated over `tensor` (a tensor group computes the same rows together), and so
+are the activations the models constrain (`constrain_rows`).
 """
 
 from __future__ import annotations

@@ -25,8 +25,16 @@ def test_plan_tiny_prints_its_numbers_and_they_are_the_in_process_plan():
     assert done.returncode == 0, done.stderr
     [line] = done.stdout.splitlines()
     report = json.loads(line)
-    here = plan_program(build_program(load_config("tiny")))  # the same config, one device, in this process
-    for key in ("params", "param_bytes", "optimizer_bytes", "state_bytes", "batch_bytes", "update_bytes"):
+    here = plan_program(build_program(load_config("tiny")), backward=True)  # the same config, one device, here
+    for key in (
+        "params",
+        "param_bytes",
+        "optimizer_bytes",
+        "state_bytes",
+        "batch_bytes",
+        "update_bytes",
+        "backward_bytes",
+    ):
         assert report[key] == getattr(here, key), key
     assert report["temp_bytes"] == here.temp_bytes and report["flops_per_step"] == here.flops_per_step
     assert report["fits"] is True and report["verdict"].startswith("fits NVIDIA H100 SXM 80GB HBM3 (80.00 GiB)")
