@@ -23,7 +23,7 @@ from ftjax.program.step import build_program
 def test_each_device_computes_and_keeps_a_quarter_of_the_batch(name, overrides):
     """The same 16 rows on a 1-device and a 4-device replica: each of the 4 devices does a quarter
     of the compiled step's FLOPs (not more: measured before, 1.006x and 1.7x) and holds at most
-    ~a quarter of its temporaries (before: 1.4x to 3x a quarter)."""
+    ~a quarter of its temporaries (before: 1.3x to 3x a quarter)."""
     figures = {}
     for devices in (1, 4):
         cfg = load_config(
