@@ -1,7 +1,8 @@
 """`ftjax plan CONFIG [key=value ...]`: what a config asks of each device of a replica, without an
 accelerator: parameters, state bytes per device (exact, from shapes, dtypes and shardings), the
 gradient step's batch, gradients, activations and temporaries (XLA's memory analysis of the step,
-compiled for as many simulated CPU devices as the replica has), FLOPs per step and per token (XLA's
+compiled for as many simulated CPU devices as the replica has), what its backward pass keeps (JAX's
+residuals of a micro-batch: the same on any platform), FLOPs per step and per token (XLA's
 cost analysis, and 6N + attention for the built-in transformers), and with a device
 (`--device-kind`, `--device-memory-gib`) whether it fits: exit 2 if it does not.
 """
