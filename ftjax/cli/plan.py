@@ -118,7 +118,7 @@ def _remat_note(cfg: Config) -> str | None:
 def _bfloat16_note(cfg: Config) -> str | None:
     """What XLA:CPU does with bfloat16 activations (docs/design.md, "What the backward pass keeps"):
     it has no bfloat16 matmul, and converts what the backward pass keeps to float32 as well."""
-    if getattr(cfg.model, "compute_dtype", "auto") != "bfloat16":
+    if cfg.model.compute_dtype != "bfloat16":
         return None
     return (
         "model.compute_dtype=bfloat16: XLA:CPU keeps a bfloat16 activation saved for the backward pass "

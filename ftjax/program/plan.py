@@ -33,8 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from ftjax.base.accelerators import GIB, lookup
 from ftjax.program.sharding import TENSOR
-from ftjax.program.step import ReplicaProgram, model_state, rows_like
-from ftjax.program.task import normalize_loss, step_key
+from ftjax.program.step import ReplicaProgram, model_state, rows_like, task_losses
 
 LOOKUP_AXES = ("vocab", "seq")  # a matrix whose first logical axis is one of these is a table, read by index
 
@@ -176,14 +175,13 @@ def backward_bytes(program: ReplicaProgram) -> int:
     replica's data-parallel devices (the batch axes; a tensor-parallel group shares its rows).
     Platform-independent: `model.remat`, `scan_layers` and the chunk settings decide it in JAX,
     where XLA:CPU's temporaries blur it (docs/design.md, "What the backward pass keeps")."""
-    cfg, task = program.cfg, program.task
+    cfg = program.cfg
     rows = cfg.data.batch_size // cfg.data.micro_batches
     where = jnp.zeros(3, jnp.int32)
 
     def pullback(params, ms, batch):
         def loss(p):
-            out = task.loss(p, ms, batch, step_key(cfg.seed, where))
-            return normalize_loss(out[:2], rows, task.name)[0].sum()
+            return task_losses(program.task, cfg.seed, program.batch_sharding, p, ms, batch, where)[0].sum()
 
         return jax.vjp(loss, params)[1]  # (a pytree: its leaves are the residuals)
 

@@ -78,22 +78,21 @@ def logical_to_mesh(spec: P, axes: tuple[str, ...] = (FSDP,)) -> P:
     return P(*out)
 
 
-def param_shardings(logical_specs: Any, mesh: Mesh, shapes: Any = None) -> Any:
-    """A tree of NamedShardings for a tree of logical PartitionSpecs. With `shapes` (the parameters'
-    ShapeDtypeStructs), a dimension that the `tensor` axis does not divide stays whole (a
-    vocabulary of 50257 on 2): its size is the same on every degree of a replica, so the layout is
-    too (fsdp, which a reduced-degree replica shrinks, must divide what it splits)."""
+def param_shardings(logical_specs: Any, mesh: Mesh, shapes: Any) -> Any:
+    """A tree of NamedShardings for a tree of logical PartitionSpecs and the parameters'
+    ShapeDtypeStructs (`shapes`, the same structure: ValueError otherwise). A dimension that the
+    `tensor` axis does not divide stays whole (a vocabulary of 50257 on 2): its size is the same on
+    every degree of a replica, so the layout is too (fsdp, which a reduced-degree replica shrinks,
+    must divide what it splits)."""
     axes = tuple(mesh.axis_names)
 
-    def one(spec: P, shape: Any = None) -> NamedSharding:
+    def one(spec: P, shape: Any) -> NamedSharding:
         split = logical_to_mesh(spec, axes)
-        if shape is not None and TENSOR in axes:
+        if TENSOR in axes:
             t, dims = mesh.shape[TENSOR], shape.shape
             split = P(*(None if a == TENSOR and i < len(dims) and dims[i] % t else a for i, a in enumerate(split)))
         return NamedSharding(mesh, split)
 
-    if shapes is None:
-        return jax.tree.map(one, logical_specs, is_leaf=lambda x: isinstance(x, P))
     return jax.tree.map(one, logical_specs, shapes, is_leaf=lambda x: isinstance(x, P))
 
 
@@ -141,9 +140,9 @@ def rows_split(batch: NamedSharding) -> Iterator[None]:
 def constrain_rows(x: jax.Array) -> jax.Array:
     """x [rows, ...] split over the data axes like the batch's rows while a step is traced
     (`rows_split`), the rest of it whole; as is elsewhere. XLA's partitioner does not carry the
-    rows' split into a while loop on its own: a `lax.scan` over layers (model.scan_layers) whose
-    carry is not constrained ran every row of the batch on every device (docs/design.md, "Scanned
-    layers")."""
+    rows' split into the activations on its own: it split the built-in models' residual stream along
+    the width like their `embed`-sharded parameters, and every device computed every row
+    (docs/design.md, "Rows")."""
     batch = _ROWS.get()
     if batch is None:
         return x

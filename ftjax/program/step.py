@@ -296,9 +296,7 @@ def _loss_functions(cfg: Config, task: Task, lay: _Layout):
         """(per-example losses, aux, the update of `batch` with its loss weighted `weight` per row)."""
 
         def total(p):
-            with shd.rows_split(lay.b_shard):
-                per_example, aux, new_ms = task.loss(p, ms, batch, step_key(cfg.seed, where))
-            per_example, aux = normalize_loss((per_example, aux), batch_rows(batch), task.name)
+            per_example, aux, new_ms = task_losses(task, cfg.seed, lay.b_shard, p, ms, batch, where)
             return per_example.sum() * weight, (per_example, aux, new_ms)
 
         (_, (per_example, aux, new_ms)), g = jax.value_and_grad(total, has_aux=True)(params)
@@ -326,12 +324,21 @@ def _loss_functions(cfg: Config, task: Task, lay: _Layout):
 
     def evaluate(params, ms, batch):
         # the loss alone: no gradient, and the model state it returns is dropped (eval changes nothing)
-        with shd.rows_split(lay.b_shard):
-            per_example, aux, _ = task.loss(params, ms, batch, step_key(cfg.seed, jnp.full(3, -1, jnp.int32)))
-        per_example, _ = normalize_loss((per_example, aux), batch_rows(batch), task.name)
+        per_example, _, _ = task_losses(task, cfg.seed, lay.b_shard, params, ms, batch, jnp.full(3, -1, jnp.int32))
         return per_example.mean()
 
     return grads, accumulate, evaluate
+
+
+def task_losses(task: Task, seed: int, rows_sharding: jax.sharding.NamedSharding, params, ms, batch, where):
+    """The task's loss of `batch` at the computation `where` (its RNG key), checked: (per-example
+    losses, metrics, new model state). Traced with the batch's rows split as `rows_sharding`, which
+    the models' `constrain_rows` then keeps (docs/design.md, "Rows"): every trace of a task's loss
+    for a step goes through here."""
+    with shd.rows_split(rows_sharding):
+        per_example, aux, new_ms = task.loss(params, ms, batch, step_key(seed, where))
+    per_example, aux = normalize_loss((per_example, aux), batch_rows(batch), task.name)
+    return per_example, aux, new_ms
 
 
 def in_micro_batches(update_of, rows, where, most: int):

@@ -4,6 +4,8 @@ built-in models' residual stream along the width like their `embed`-sharded para
 replica then computed the whole batch's logits on every device and summed them, and a scanned
 Llama ran its layers on every row everywhere (1.7x the FLOPs, 3x the temporaries)."""
 
+import functools
+
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -13,6 +15,17 @@ from ftjax.config import load_config
 from ftjax.program.plan import compiled_flops, compiled_grads
 from ftjax.program.sharding import constrain_rows, rows_split
 from ftjax.program.step import build_program
+
+COMMON = ("data.batch_size=16", "model.seq_len=128", "model.d_model=128")
+
+
+@functools.lru_cache
+def compiled_step(name: str, *overrides: str):
+    """(XLA's FLOPs per device, temporaries) of the config's compiled gradient step, 16 rows of 128
+    positions, d 128 (compiled once per config: the 1-device steps serve several tests)."""
+    program = build_program(load_config(name, [*COMMON, *overrides]))
+    compiled = compiled_grads(program)
+    return program, compiled_flops(compiled), compiled.memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize(
@@ -24,21 +37,8 @@ def test_each_device_computes_and_keeps_a_quarter_of_the_batch(name, overrides):
     """The same 16 rows on a 1-device and a 4-device replica: each of the 4 devices does a quarter
     of the compiled step's FLOPs (not more: measured before, 1.006x and 1.7x) and holds at most
     ~a quarter of its temporaries (before: 1.3x to 3x a quarter)."""
-    figures = {}
-    for devices in (1, 4):
-        cfg = load_config(
-            name,
-            [
-                f"mesh.devices_per_host={devices}",
-                "data.batch_size=16",
-                "model.seq_len=128",
-                "model.d_model=128",
-                *overrides,
-            ],
-        )
-        compiled = compiled_grads(build_program(cfg))
-        figures[devices] = compiled_flops(compiled), compiled.memory_analysis().temp_size_in_bytes
-    (flops_1, temp_1), (flops_4, temp_4) = figures[1], figures[4]
+    _, flops_1, temp_1 = compiled_step(name, "mesh.devices_per_host=1", *overrides)
+    _, flops_4, temp_4 = compiled_step(name, "mesh.devices_per_host=4", *overrides)
     assert 4 * flops_4 <= 1.003 * flops_1
     assert temp_4 <= 1.1 * temp_1 / 4
 
@@ -61,15 +61,12 @@ def test_a_tensor_group_splits_the_vocabulary_and_so_the_logits(name):
     are split over the tensor axis (Megatron's vocabulary-parallel layers): each device does a
     quarter of the 1-device replica's FLOPs within 2% (when every device of a tensor group computed
     the whole vocabulary's logits: 6.5-7% over at 2, 27-30% at 4)."""
-    common = ["data.batch_size=16", "model.seq_len=128", "model.d_model=128"]
-    flops = {}
-    for mesh in (["mesh.devices_per_host=1"], ["mesh.devices_per_host=4", "mesh.tensor=2"]):
-        program = build_program(load_config(name, [*mesh, *common]))
-        flops[len(mesh)] = compiled_flops(compiled_grads(program))
+    _, flops_1, _ = compiled_step(name, "mesh.devices_per_host=1")
+    program, flops_4, _ = compiled_step(name, "mesh.devices_per_host=4", "mesh.tensor=2")
     params = program.state_shardings["params"]
     embedding = params["wte"]["embedding"] if name == "tiny" else params["embed"]
     assert embedding.spec == P("tensor", "fsdp")
-    assert 4 * flops[2] <= 1.02 * flops[1]
+    assert 4 * flops_4 <= 1.02 * flops_1
 
 
 def test_a_vocabulary_that_the_tensor_axis_does_not_divide_stays_whole():
