@@ -704,7 +704,8 @@ def _format_errors(err: ValidationError, where: tuple[str, ...] = ()) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key" + (f" ({_RETIRED[loc]})" if loc in _RETIRED else "")
-        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        shown = "input" in e and not isinstance(e["input"], dict) and repr(e["input"]) not in msg  # (ours may name it)
+        got = f" (got {e['input']!r})" if shown else ""
         lines.append(f"{loc}: {msg}{got}" if loc else msg)
     return "; ".join(lines)
 

@@ -1,5 +1,6 @@
 """`ftjax check CONFIG [key=value ...]`: load the config's task and trace its init and loss on
-the source's first examples (on the CPU, nothing trained). Exit 2 naming what is wrong. `ftjax
+the source's first examples (on the CPU, nothing trained); a source that can check its files
+(token files: `verify`, their recorded sha256) checks them. Exit 2 naming what is wrong. `ftjax
 launch` runs it before it starts anything when the config names a task."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import sys
 
 from ftjax.config import ConfigError, load_config
 from ftjax.program.task import TaskError
+from ftjax.program.tokens import TokenFileError
 
 
 def main(argv: list[str]) -> int:
@@ -24,10 +26,15 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config, args.overrides)
         jax.config.update("jax_platforms", "cpu")  # (before any backend starts: shapes only, no device)
         task = check_task(cfg)
-    except (ConfigError, TaskError) as e:
+        for source in (task.source, task.heldout):  # (token files: their recorded hash; a big corpus takes a while)
+            if callable(getattr(source, "verify", None)):
+                source.verify()
+    except (ConfigError, TaskError, TokenFileError) as e:
         print(f"ftjax check: error: {e}", file=sys.stderr)
         return 2
+    n = len(task.source)
     print(
-        f"ftjax check: task {task.name}: ok ({len(task.source):,} examples, data fingerprint {task.data_fingerprint()})"
+        f"ftjax check: task {task.name}: ok ({n:,} example{'s' if n != 1 else ''}, "
+        f"data fingerprint {task.data_fingerprint()})"
     )
     return 0

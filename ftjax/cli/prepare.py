@@ -84,6 +84,12 @@ def list_inputs(inputs: list[str]) -> list[Path]:
             files += matches
     if not files:
         raise PrepareError(f"no input files in {' '.join(inputs)}")
+    for path in files:  # (read as text, a JSON file would be one document of its braces and quotes)
+        if path.suffix == ".json":
+            raise PrepareError(
+                f"{path}: a .json input is read neither as text nor as JSON Lines: name it .jsonl (or .ndjson) "
+                "if it holds one JSON object per line"
+            )
     return files
 
 

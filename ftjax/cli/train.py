@@ -43,6 +43,14 @@ def main(argv: list[str]) -> int:
         return 2
     configure_run(cfg.platform, device_count=cfg.mesh.devices_per_host)
     out = Path(args.out or Path("runs") / Path(args.config).stem)
+    if not args.coordinator and not args.resume and (held := held_run(out)):
+        # (checked before jax.distributed connects the replica's processes: none has written yet)
+        print(
+            f"ftjax train: error: --out {out} already holds a run ({held}): --resume continues it; "
+            "another --out starts a new one",
+            file=sys.stderr,
+        )
+        return 2
     init_distributed(cfg, args)
     try:
         check_platform(cfg.platform, cfg.mesh.devices_per_host)
@@ -53,6 +61,7 @@ def main(argv: list[str]) -> int:
     from ftjax.program.plan import DoesNotFit
     from ftjax.program.task import TaskError
     from ftjax.program.tasks import check_task
+    from ftjax.program.tokens import TokenFileError
     from ftjax.runtime.checkpoint import CheckpointError
     from ftjax.runtime.replay import SpillError
 
@@ -65,10 +74,10 @@ def main(argv: list[str]) -> int:
         if args.coordinator:
             return run_member(cfg, args, out)
         return run_standalone(cfg, args, out)
-    except (CheckpointError, SpillError, CoordinatorError, DoesNotFit) as e:
-        # another job's checkpoint or none intact, a step that does not fit the device (2); a full
-        # disk, the coordinator unreachable (1): one line, no traceback
-        code = 2 if isinstance(e, (CheckpointError, DoesNotFit)) else 1
+    except (CheckpointError, SpillError, CoordinatorError, DoesNotFit, TokenFileError) as e:
+        # another job's checkpoint or none intact, a step that does not fit the device, token files
+        # that do not match their index (2); a full disk, the coordinator unreachable (1): one line
+        code = 2 if isinstance(e, (CheckpointError, DoesNotFit, TokenFileError)) else 1
         print(f"ftjax train: error: {e}", file=sys.stderr, flush=True)
         if cfg.mesh.hosts > 1:
             os._exit(code)  # (as below: not into jax.distributed's shutdown barrier)
@@ -82,6 +91,14 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+
+
+def held_run(out: Path) -> str:
+    """What of a run `out` holds ("" if none). A standalone run that started from the seed into it
+    would append a second history to its metrics and mix its checkpoints with the old ones (a later
+    --resume would restore the old run's newest). A job's member is exempt: a restarted replica
+    reuses its directory and heals from its peers."""
+    return ", ".join(name for name in ("metrics.jsonl", "checkpoints", "summary.json") if (out / name).exists())
 
 
 def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:

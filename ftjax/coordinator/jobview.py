@@ -2,7 +2,8 @@
 `RUN/tensorboard/replica-R/`): per quorum formed, `job/quorum_size`, `job/contributors` and
 `job/step` at the job's step; as they happen, the counters `job/failures` (failure reports the
 coordinator acted on: the accused became a suspect or was dropped) and `job/catchups` (heals
-started: participants of a formed quorum that fetch the state from a peer), at the latest step.
+started: a participant that heals from a peer in a formed quorum and did not in the one before; a
+catch-up that spans several quorums is one), at the latest step.
 
 CoordinatorState calls it under its lock, from the gRPC handlers: each call only queues (ftjax/runs/
 scalars.py's ScalarWriter, one daemon thread writes the files), so no handler waits on a disk.
@@ -25,6 +26,7 @@ class JobView:
         self.directory = Path(directory)
         self.failures = 0
         self.catchups = 0
+        self._healing: frozenset[tuple[str, str]] = frozenset()  # (replica, incarnation) healing in the last quorum
         self._step = 0  # the job's latest quorum step: where a counter is marked
         self._writer = ScalarWriter([tensorboard_sink(self.directory, flush_s)], flush_s, name="coordinator-tb")
 
@@ -32,10 +34,11 @@ class JobView:
         self._step = max(self._step, q.step)
         figures = {"job/quorum_size": len(q.participants), "job/contributors": q.num_contributors, "job/step": q.step}
         self._writer.scalars(figures, q.step)
-        healing = len(q.participants) - q.num_contributors
-        if healing:
-            self.catchups += healing
+        healing = frozenset((p.replica_id, p.incarnation) for p in q.participants if p.healing)
+        if started := len(healing - self._healing):
+            self.catchups += started
             self._writer.scalars({"job/catchups": self.catchups}, self._step)
+        self._healing = healing
 
     def failure_report(self, verdict: str) -> None:
         if verdict in ACTED_ON:

@@ -679,6 +679,7 @@ class Supervisor:
                     catchup_s=rec.get("catchup_s"),
                     source=rec.get("source"),
                 )
+                s.step = max(s.step, int(rec.get("at_step") or 0))  # (its step, if it commits none after this)
                 self._holds_state(s, t)  # (at the very end of a job it commits no step after this)
             elif kind == ReplicaEvent.COMMIT_FAILURE:
                 self._log(

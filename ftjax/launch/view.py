@@ -158,7 +158,7 @@ class CoordinatorProbe:
                 + (f" of {expected}" if expected else "")
                 + " connected"
             )
-        parts = [f"quorum {q['quorum_id']}: {q['num_contributors']}/{len(q['participants'])} contributing"]
+        parts = [f"quorum #{q['quorum_id']}: {q['num_contributors']} of {len(q['participants'])} contributing"]
         if job.get("finished"):
             parts.append("target reached")
         elif job.get("eta_s") is not None:

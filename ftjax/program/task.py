@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -74,6 +75,10 @@ class Task:
     # ft.sync diloco | streaming_diloco: the outer optimizer of the averaged parameter deltas, any optax
     # transformation (None: the config's, ft.outer_optimizer); set it with dataclasses.replace(task, ...)
     outer_optimizer: optax.GradientTransformation | None = None
+    # names of `task_args` that say where the data is, not what it is (the source's fingerprint says
+    # what): left out of the job identity, so that a run resumes from its data moved or named by
+    # another path (ftjax/runtime/checkpoint.py, job_identity)
+    locations: tuple[str, ...] = ()
 
     def data_fingerprint(self) -> str:
         """The source's own `fingerprint` attribute, else a hash of its type, length and first example."""
@@ -89,8 +94,9 @@ class Task:
         return h.hexdigest()[:16]
 
     def example_batch(self, rows: int = 1) -> Batch:
-        """The first `rows` examples of the source, stacked: what a batch of this task looks like."""
-        return stack([self.source[i] for i in range(rows)], self.name)
+        """The first `rows` examples of the source, stacked: what a batch of this task looks like (a
+        source shorter than `rows` repeats, as its epochs do in training)."""
+        return stack([self.source[i % len(self.source)] for i in range(rows)], self.name)
 
 
 def stack(examples: Sequence[Any], task: str = "") -> Batch:
@@ -360,6 +366,7 @@ def load_task(path: str, cfg: Any, args: dict | None = None, search: Sequence[st
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise TaskError(f"task {path!r}: {module_name} has no callable {attr!r}")
+    _check_task_args(path, factory, args or {})
     try:
         task = factory(cfg, **(args or {}))
     except TypeError as e:
@@ -374,6 +381,30 @@ def load_task(path: str, cfg: Any, args: dict | None = None, search: Sequence[st
     if n < 1:
         raise TaskError(f"task {path!r}: its source is empty")
     return dataclasses.replace(task, name=path)
+
+
+def _check_task_args(path: str, factory: Callable, args: dict) -> None:
+    """`task_args` that `factory(cfg, **args)` cannot take, named as the config's fields (a TypeError
+    from inside the factory would name neither the field nor the config)."""
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):  # (no signature to read: the call itself will tell)
+        return
+    try:
+        sig.bind(None, **args)
+    except TypeError as e:
+        named = list(sig.parameters.items())[1:]
+        takes = [n for n, p in named if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        unknown = [k for k in args if k not in sig.parameters]
+        missing = [n for n, p in named if n in takes and p.default is p.empty and n not in args]
+        field = (
+            f"task_args.{unknown[0]}: not an argument of"
+            if unknown
+            else f"task_args.{missing[0]}: required by"
+            if missing
+            else f"task_args: {e}: calling"
+        )
+        raise TaskError(f"task {path!r}: {field} {factory.__name__}(cfg, {', '.join(takes)})") from None
 
 
 def replicated_axes(params: PyTree) -> PyTree:

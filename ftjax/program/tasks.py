@@ -124,7 +124,18 @@ def token_lm(cfg, *, dir: str, split: str = "train", packing: str = "none") -> T
             f"window of model.seq_len + 1 = {source.window}"
         )
     heldout = _heldout(dir, cfg.model.seq_len + 1, packing) if split == "train" else None
-    return dataclasses.replace(_lm_task(cfg, source, name), heldout=heldout)
+    if heldout is None and cfg.eval.every:  # (said here: check_task's message cannot say why)
+        held = source.index["splits"].get("heldout", {}).get("tokens", 0)
+        why = (
+            f"task_args.split is {split!r}: evaluation uses the heldout split of a task that trains on 'train'"
+            if split != "train"
+            else f"its heldout split holds {held} tokens, fewer than one window of model.seq_len + 1 = "
+            f"{source.window} (`ftjax data prepare --heldout-fraction` sets its share)"
+            if held < source.window
+            else "its heldout split cannot be read"
+        )
+        raise TaskError(f"task {name}: eval.every={cfg.eval.every}: {source.directory}: {why}; or set eval.every=0")
+    return dataclasses.replace(_lm_task(cfg, source, name), heldout=heldout, locations=("dir",))
 
 
 def _heldout(dir: str, window: int, packing: str):

@@ -154,9 +154,32 @@ class TokenWindows:
         if not 0 <= i < self.n:
             raise IndexError(f"window {i} out of range: {self.split} has {self.n} windows of {self.window} tokens")
         tokens = self._read(i * self.window, self.window).astype(np.int32)
+        if int(tokens.max()) >= self.vocab_size:  # (an embedding lookup past the table is NaN, silently)
+            at = int(np.argmax(tokens >= self.vocab_size))
+            raise TokenFileError(
+                f"{self.directory / self.split}: token {i * self.window + at} (window {i}) is "
+                f"{int(tokens[at])}, not below the vocabulary of {self.directory / INDEX} "
+                f"(vocab_size {self.vocab_size}): the files changed after `ftjax data prepare`, or are "
+                "not this index's"
+            )
         if self.packing == "none":
             return tokens
         return {"tokens": tokens, "segment_ids": segment_ids(tokens, self.eos_id)}
+
+    def verify(self) -> None:
+        """Hash this split's tokens against the sha256 `ftjax data prepare` recorded in the index (the
+        whole split, read once: `ftjax check` calls it; training reads windows only and checks each
+        one's ids against the vocabulary). Raises TokenFileError naming the file."""
+        h, step = hashlib.sha256(), 1 << 24
+        for start in range(0, self.count, step):
+            h.update(self._read(start, min(step, self.count - start)).tobytes())
+        recorded = _split_info(self.directory, self.index, self.split)["sha256"]
+        if h.hexdigest() != recorded:
+            raise TokenFileError(
+                f"{self.directory / self.split}: its {self.count:,} tokens do not hash to the sha256 that "
+                f"{self.directory / INDEX} recorded ({recorded[:12]}...): the files changed after "
+                "`ftjax data prepare` (prepare them again)"
+            )
 
     def _read(self, start: int, count: int) -> np.ndarray:
         """Tokens [start, start + count): one pread of tokens.bin, or the ArrayRecord records (one a

@@ -471,7 +471,8 @@ def _replica_summary(
     return {
         "steps_committed": len(committed),
         "steps_contributed": sum(is_own_step(s) for s in steps),
-        "final_step": committed[-1][StepField.STEP] if committed else 0,
+        # the step of its state: its last commit, or a catch-up after it (one at the job's end commits none)
+        "final_step": max([c[StepField.STEP] for c in committed] + [e.get("at_step") or 0 for e in catchups] + [0]),
         "restarts": sum(1 for e in run.events if e[EVENT] == LauncherEvent.REPLICA_STARTED and e[REPLICA] == r) - 1,
         "failures": sum(1 for e in run.events if e[EVENT] == LauncherEvent.REPLICA_DOWN and e[REPLICA] == r),
         "catchup_s": round(sum(e.get("catchup_s") or 0.0 for e in catchups), 3),

@@ -124,7 +124,7 @@ def params_structure(params: Any) -> str:
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
 
 
-def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, Any]:
+def job_identity(cfg, data_fingerprint: str, params: Any = None, locations: tuple[str, ...] = ()) -> dict[str, Any]:
     """What makes a checkpoint this job's: every setting that changes the numbers of the run, as a
     flat {"section.field": value} record (JSON scalars, so that it survives the meta's round trip).
 
@@ -136,8 +136,9 @@ def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, An
     older than them keep their identity); the whole `optim` section (learning rate and its schedule,
     AdamW, clipping) and `ft.lr_scaling`. Whole sections, so that a field added to them later is
     checked by default.
-    The task: its import path and arguments (`task`, `task_args`), and the structure of its parameter
-    tree (`params` given: paths, shapes, dtypes).
+    The task: its import path and arguments (`task`, `task_args`, less the `locations` that only say
+    where its data is: `token_lm`'s `dir`, whose content `data.fingerprint` names), and the structure
+    of its parameter tree (`params` given: paths, shapes, dtypes).
 
     The run's starting point when it is not the seed's (`checkpoint.init_from`, `checkpoint.init_opt`).
 
@@ -157,7 +158,7 @@ def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, An
         "ft.replicas": cfg.ft.replicas,
         "ft.lr_scaling": cfg.ft.lr_scaling,
         "task": cfg.task or "ftjax.program.tasks:language_model",
-        "task_args": json.dumps(cfg.task_args, sort_keys=True, default=str),
+        "task_args": task_args_identity(cfg.task_args, locations),
     }
     if cfg.checkpoint.init_from:
         # The starting weights (and optimizer state) are the run's numbers like the seed's. Only
@@ -178,6 +179,15 @@ def job_identity(cfg, data_fingerprint: str, params: Any = None) -> dict[str, An
     return identity
 
 
+def task_args_identity(task_args: dict[str, Any] | str, locations: tuple[str, ...]) -> str:
+    """`task_args` as the identity records them (JSON), less `locations`. Also applied to a
+    checkpoint's recorded ones, which may hold a location (written before they were left out)."""
+    if isinstance(task_args, str):
+        task_args = json.loads(task_args)
+    kept = {k: v for k, v in task_args.items() if k not in locations}
+    return json.dumps(kept, sort_keys=True, default=str)
+
+
 # How the model is computed, not what: a job may change them between restarts, like its mesh.
 _HOW = ("model.compute_dtype", "model.remat", "model.attention", "model.attention_chunk", "model.logits_chunk")
 # Model fields added after checkpoints recorded their job's identity (the llama's).
@@ -196,26 +206,37 @@ class DurableCheckpoints:
         keep: int,
         async_save: bool = True,
         identity: dict[str, Any] | None = None,
+        locations: tuple[str, ...] = (),
     ):
         self.every = every
         self.identity = identity
+        self.locations = locations  # (the task's: see job_identity)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=max(every, 1), enable_async_checkpointing=async_save, create=True
         )
         self.manager = _SealingManager(Path(directory).absolute(), options=options)
 
     @classmethod
-    def from_config(cls, cfg, run_dir: str | Path, *, data_fingerprint: str, params: Any = None) -> DurableCheckpoints:
+    def from_config(
+        cls, cfg, run_dir: str | Path, *, data_fingerprint: str, params: Any = None, locations: tuple[str, ...] = ()
+    ) -> DurableCheckpoints:
         """The checkpoints a run's config asks for (`checkpoint:` section; default dir RUN/checkpoints),
-        holding and accepting only this job's (`data_fingerprint`: the data stream's)."""
+        holding and accepting only this job's (`data_fingerprint`: the data stream's; `locations`:
+        the task's, see job_identity)."""
         c = cfg.checkpoint
         return cls(
             c.dir or Path(run_dir) / "checkpoints",
             every=c.every,
             keep=c.keep,
             async_save=c.async_save,
-            identity=job_identity(cfg, data_fingerprint, params),
+            identity=job_identity(cfg, data_fingerprint, params, locations),
+            locations=locations,
         )
+
+    @property
+    def where(self) -> str:
+        """The checkpoint directory."""
+        return str(self.manager.directory)
 
     def maybe_save(self, step: int, state: dict, meta: dict[str, Any], *, force: bool = False) -> bool:
         """Save at multiples of `every` (or when forced). Returns whether a save started."""
@@ -297,6 +318,9 @@ class DurableCheckpoints:
                 f"{where} has no job identity (written before ftjax recorded one): "
                 f"nothing shows that it belongs to this job.\n{todo}"
             )
+
+        if isinstance(theirs.get("task_args"), str):  # (one written before its locations were left out)
+            theirs = {**theirs, "task_args": task_args_identity(theirs["task_args"], self.locations)}
 
         def show(identity: dict[str, Any], key: str) -> str:
             return json.dumps(identity[key]) if key in identity else "(not recorded)"

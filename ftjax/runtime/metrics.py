@@ -100,8 +100,10 @@ class PlainLines:
         loss = summary.get("final_loss")
         first = summary.get("first_loss")
         median = summary.get("median_step_s")
+        ran, final = summary.get("steps"), summary.get("final_step")
         self._print(
-            f"done: {summary.get('final_step')} steps, final loss "
+            (f"done: {final} steps" if ran == final else f"done at step {final} ({ran} steps run here)")
+            + ", final loss "
             + (f"{loss:.4f}" if loss is not None else "none")
             + (f" (first {first:.4f})" if first is not None else "")
             + (f", median step {median * 1e3:.0f} ms" if median else "")

@@ -48,7 +48,11 @@ from ftjax.runtime.watchdog import NoWatchdog, ProgressWatchdog
 def _checkpoints(cfg: Config, args: RunOptions, out: Path, stream, program) -> DurableCheckpoints | None:
     if cfg.checkpoint.every > 0 or args.resume or args.stop_after:
         return DurableCheckpoints.from_config(
-            cfg, out, data_fingerprint=stream.fingerprint, params=program.abstract_state()["params"]
+            cfg,
+            out,
+            data_fingerprint=stream.fingerprint,
+            params=program.abstract_state()["params"],
+            locations=program.task.locations,
         )
     return None
 

@@ -471,8 +471,9 @@ class Trainer:
             self.step = 0
             if self.cfg.checkpoint.init_from:
                 self._init_from()
-            else:
-                self.log.event(ReplicaEvent.INIT, seed=self.cfg.seed)
+            else:  # (asked to restore and found nothing: said, so that a wrong directory shows)
+                nothing = {} if not self.restore_durable or self.ckpt is None else {"no_checkpoint_in": self.ckpt.where}
+                self.log.event(ReplicaEvent.INIT, seed=self.cfg.seed, **nothing)
             if self.sync is not None:  # the outer state of the initial parameters
                 self.state = self.sync.init(self.state)
         else:
@@ -505,6 +506,7 @@ class Trainer:
             self.ckpt.maybe_save(self.step, self.state, self._meta(), force=True)
             self.ckpt.close()
         self.log.summary(
+            final_step=self.step,  # the state's step: a replica that caught up at the end logged no step of its own
             **final_digests(self.sync.shared(self.state) if self.sync is not None else self.state),
             params_digest=params_digest(self.state),
             replica=self.replica_id,

@@ -364,9 +364,9 @@ def test_the_launchers_header_follows_the_coordinator(server):
         try:
             _steps([a, b], 5)
             deadline = time.monotonic() + 10
-            while not re.search(r"quorum \d+: 2/2 contributing", header()) and time.monotonic() < deadline:
+            while not re.search(r"quorum #\d+: 2 of 2 contributing", header()) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert re.search(r"quorum \d+: 2/2 contributing", header()), header()
+            assert re.search(r"quorum #\d+: 2 of 2 contributing", header()), header()
         finally:
             a.close()
             b.close()

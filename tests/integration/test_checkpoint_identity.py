@@ -137,3 +137,24 @@ def test_how_the_model_is_computed_is_not_the_job(tmp_path):
     # checkpoint written before the setting existed keeps its identity)
     scanned = checkpoint.job_identity(load_config("llama_tiny", ["model.seq_len=64", "model.scan_layers=true"]), "fp")
     assert scanned["model.scan_layers"] is True and "model.scan_layers" not in checkpoint.job_identity(base, "fp")
+
+
+def test_where_token_files_are_is_not_the_job_but_how_they_are_read_is(tmp_path):
+    """`token_lm`'s `task_args.dir` only says where the data is (`data.fingerprint` says what): it is
+    left out of the identity, also when a checkpoint recorded it (written before it was left out);
+    its other arguments (the packing) stay in."""
+    from ftjax.config import load_config
+
+    def cfg(**task_args):
+        return load_config("llama_tiny", ["task=ftjax.program.tasks:token_lm", f"task_args={json.dumps(task_args)}"])
+
+    ours = checkpoint.job_identity(cfg(dir="data/tokens"), "fp", locations=("dir",))
+    assert ours == checkpoint.job_identity(cfg(dir="/elsewhere/tokens"), "fp", locations=("dir",))
+    ck = checkpoint.DurableCheckpoints(tmp_path, every=1, keep=1, identity=ours, locations=("dir",))
+    recorded = checkpoint.job_identity(cfg(dir="./data/tokens"), "fp")  # an older checkpoint's: with its dir
+    assert "tokens" in recorded["task_args"]
+    ck._check(3, {"identity": recorded})  # accepted
+    packed = checkpoint.job_identity(cfg(dir="data/tokens", packing="segments"), "fp")
+    with pytest.raises(checkpoint.CheckpointMismatch, match="task_args"):
+        ck._check(3, {"identity": packed})
+    ck.close()

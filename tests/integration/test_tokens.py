@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -174,6 +175,17 @@ def test_a_jsonl_line_without_the_field_or_not_json_exits_2_naming_path_and_line
     assert not list(tmp_path.glob("*out*")) and not list(tmp_path.glob(".*")), "partial output left behind"
 
 
+def test_a_json_input_is_refused_naming_the_suffix_it_wants(tmp_path):
+    from ftjax.cli.prepare import PrepareError, list_inputs
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("text")
+    (tmp_path / "docs" / "web.json").write_text('{"text": "one"}\n{"text": "two"}\n')
+    with pytest.raises(PrepareError, match=r"web.json: a .json input .* name it .jsonl"):
+        list_inputs([str(tmp_path / "docs")])
+    assert list_inputs([str(tmp_path / "docs" / "a.txt")]) == [tmp_path / "docs" / "a.txt"]
+
+
 def test_a_tokenizer_without_a_default_eos_names_the_flag(corpus, tmp_path, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -208,6 +220,21 @@ def test_token_lm_refuses_a_model_vocabulary_smaller_than_the_files(prepared):
         load_task("ftjax.program.tasks:token_lm", cfg, {"dir": str(prepared[0])})
     with pytest.raises(TaskError, match="task_args.dir: .*index.json: no such file"):
         load_task("ftjax.program.tasks:token_lm", cfg, {"dir": str(prepared[0] / "nowhere")})
+
+
+def test_evaluation_without_heldout_windows_says_why(prepared):
+    from ftjax.config import load_config
+    from ftjax.program.task import TaskError, load_task
+
+    held = json.loads((prepared[0] / "index.json").read_text())["splits"]["heldout"]["tokens"]
+    cfg = load_config("tiny", [f"model.vocab_size={VOCAB}", f"model.seq_len={held}", "eval.every=5"])
+    with pytest.raises(TaskError, match=rf"eval.every=5: .*heldout split holds {held} tokens, fewer than one window"):
+        load_task("ftjax.program.tasks:token_lm", cfg, {"dir": str(prepared[0])})
+    short = load_config("tiny", [f"model.vocab_size={VOCAB}", "model.seq_len=8", "eval.every=5"])
+    with pytest.raises(TaskError, match="task_args.split is 'heldout'"):
+        load_task("ftjax.program.tasks:token_lm", short, {"dir": str(prepared[0]), "split": "heldout"})
+    no_eval = load_config("tiny", [f"model.vocab_size={VOCAB}", f"model.seq_len={held}"])
+    assert load_task("ftjax.program.tasks:token_lm", no_eval, {"dir": str(prepared[0])}).heldout is None
 
 
 def test_ftjax_train_runs_token_lm_on_the_prepared_files(prepared, tmp_path):
@@ -307,6 +334,33 @@ def test_prepare_as_array_record_reads_the_same_windows_by_record(corpus, prepar
         assert np.array_equal(records[i]["tokens"], flat[i]), i
     copy = pickle.loads(pickle.dumps(records))
     assert np.array_equal(copy[7]["tokens"], flat[7])
+    records.verify()  # the tokens hash to the recorded sha256 in either storage
+
+
+def test_token_files_changed_after_prepare_are_refused_by_check_and_by_training(prepared, tmp_path):
+    """A token id past the index's vocabulary would be an embedding lookup past the table (NaN, and
+    the run trained on, exit 0): a window that holds one is refused naming the token; `ftjax check`
+    hashes the files against the index and refuses any change."""
+    from ftjax.program.tokens import TokenFileError, TokenWindows
+
+    changed = shutil.copytree(prepared[0], tmp_path / "changed")
+    TokenWindows(changed, "train", 33).verify()  # intact: passes
+    index = json.loads((changed / "index.json").read_text())
+    tokens = np.memmap(changed / "train" / "tokens.bin", dtype=index["dtype"], mode="r+")
+    tokens[33 * 5 + 2] = index["vocab_size"]  # window 5 of 33 tokens
+    tokens.flush()
+    del tokens
+    src = TokenWindows(changed, "train", 33)
+    src[4]  # its neighbours read as before
+    with pytest.raises(TokenFileError, match=rf"token {33 * 5 + 2} \(window 5\) is {index['vocab_size']}, not below"):
+        src[5]
+    with pytest.raises(TokenFileError, match="do not hash to the sha256"):
+        src.verify()
+    args = [*_token_args(prepared), "steps=3"]
+    args[1] = f"task_args={json.dumps({'dir': str(changed)})}"
+    check = subprocess.run([*FTJAX, "check", "tiny", *args], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 2 and "changed after `ftjax data prepare`" in check.stderr, check.stderr[-2000:]
+    assert check.stderr.count("\n") == 1, check.stderr  # one line
 
 
 def _token_args(prepared) -> list[str]:
@@ -332,7 +386,10 @@ def test_stop_and_resume_on_token_files_is_bitwise(prepared, tmp_path):
     args = [*_token_args(prepared), "steps=30", "checkpoint.every=10"]
     straight = _train(tmp_path / "straight", *args)
     _train(tmp_path / "resumed", *args, "--stop-after", "20")
-    resumed = _train(tmp_path / "resumed", *args, "--resume")
+    # resumed from the same token files at another path: the job is their content, not where they are
+    moved = shutil.copytree(prepared[0], tmp_path / "moved")
+    elsewhere = [*args[:1], f"task_args={json.dumps({'dir': str(moved)})}", *args[2:]]
+    resumed = _train(tmp_path / "resumed", *elsewhere, "--resume")
     steps = [json.loads(line) for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "step" in r and "event" not in r]
     assert [r["step"] for r in steps] == list(range(1, 31))

@@ -58,6 +58,17 @@ def test_cli_tiny_trains_and_its_output_redirected_to_a_file_is_a_readable_log(t
     assert [r["step"] for r in recs] == list(range(1, 31)), [r["step"] for r in recs]
     assert recs[-1]["loss"] <= 0.8 * recs[0]["loss"], (recs[0]["loss"], recs[-1]["loss"])
     assert [r["batch_id"] for r in recs] == list(range(30))
+    # the same command again, without --resume: refused in one line; the run is untouched
+    before = (run / "metrics.jsonl").read_bytes()
+    again = subprocess.run(
+        [*FTJAX, "train", "configs/tiny.yaml", "--out", str(run), "steps=30"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 2 and "already holds a run (metrics.jsonl" in again.stderr, again.stderr[-2000:]
+    assert "--resume continues it" in again.stderr and (run / "metrics.jsonl").read_bytes() == before
     assert all(r["step_time_s"] > 0 for r in recs)
 
 
@@ -109,6 +120,16 @@ def test_resume_is_bitwise(tmp_path):
     assert [r["batch_id"] for r in recs] == list(range(30))  # the data stream resumed where it stopped
     assert resumed["param_digest"] == straight["param_digest"]
     assert resumed["final_loss"] == straight["final_loss"]
+    # resumed once more, with nothing left to run: the summary still names the state's step
+    _third, again = run_inprocess(tmp_path / "resumed", *ck, "--resume")
+    assert again["steps"] == 0 and again["final_step"] == 30 and again["param_digest"] == straight["param_digest"]
+
+
+def test_resume_with_no_checkpoint_starts_from_the_seed_and_says_where_it_looked(tmp_path):
+    run_inprocess(tmp_path / "fresh", "steps=1", "--resume")
+    events = [json.loads(line) for line in (tmp_path / "fresh" / "metrics.jsonl").read_text().splitlines()]
+    (init,) = [e for e in events if e.get("event") == "init"]
+    assert init["no_checkpoint_in"] == str((tmp_path / "fresh" / "checkpoints").absolute()), init
 
 
 def test_a_wrong_coordinator_address_is_one_clear_error(tmp_path):

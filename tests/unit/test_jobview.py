@@ -37,24 +37,28 @@ def test_quorums_failures_and_catchups_are_scalars_at_the_job_step(tmp_path):
         state.request(member(rid, step, has_state), 0.1)
     q = state.evaluate(0.1).quorum
     assert q is not None and q.step == 5 and q.num_contributors == 2
+    # step 6: c is still healing (one catch-up over two quorums: counted once)
+    for rid, step, has_state in (("a", 6, True), ("b", 6, True), ("c", 0, False)):
+        state.request(member(rid, step, has_state), 0.15)
+    assert state.evaluate(0.15).quorum.num_contributors == 2
     for rid in "abc":
-        state.request(member(rid, 6), 0.2)
+        state.request(member(rid, 7), 0.2)
     assert state.evaluate(0.2).quorum.num_contributors == 3
     # a report on c while it is heard from (PENDING: a suspect), one on nobody (not counted)
     assert state.accuse("c", "c-1", 0.3, reporter="a").verdict == "PENDING"
     assert state.accuse("z", "z-1", 0.3, reporter="a").verdict == "UNKNOWN_REPLICA"
     for rid in "ab":  # c stays silent past the suspect window: dropped, the quorum goes on without it
-        state.request(member(rid, 7), 1.0)
+        state.request(member(rid, 8), 1.0)
     q = state.evaluate(1.0).quorum
     assert q is not None and [p.replica_id for p in q.participants] == ["a", "b"]
     state.job_view.close()
 
     got = scalars(tmp_path / "job")
-    assert got["job/quorum_size"] == {5: 3, 6: 3, 7: 2}
-    assert got["job/contributors"] == {5: 2, 6: 3, 7: 2}
-    assert got["job/step"] == {5: 5, 6: 6, 7: 7}
+    assert got["job/quorum_size"] == {5: 3, 6: 3, 7: 3, 8: 2}
+    assert got["job/contributors"] == {5: 2, 6: 2, 7: 3, 8: 2}
+    assert got["job/step"] == {5: 5, 6: 6, 7: 7, 8: 8}
     assert got["job/catchups"] == {5: 1}
-    assert got["job/failures"] == {6: 1}
+    assert got["job/failures"] == {7: 1}
 
 
 def test_the_server_writes_the_view_only_when_given_a_directory(tmp_path):

@@ -174,6 +174,13 @@ def test_a_skipped_batch_breaks_exactly_once(tmp_path):
     assert "missing batches [7]" in s["replicas"]["1"]["exactly_once_error"]
 
 
+def test_a_replica_that_caught_up_and_committed_nothing_after_ends_at_the_step_it_caught_up_to(tmp_path):
+    # replica 1 rejoins at step 7 (its last commit was step 3, before the kill) and trains no step after
+    s = build_summary(make_run(tmp_path, r1_own_batches=()))
+    assert s["replicas"]["1"]["final_step"] == 7 and s["replicas"]["1"]["steps_committed"] == 3
+    assert s["replicas"]["0"]["final_step"] == 10
+
+
 def test_different_digests_are_reported(tmp_path):
     make_run(tmp_path)
     (tmp_path / "replica-1" / "summary.json").write_text(json.dumps({"param_digest": "xyz", "data_position": 7}))
