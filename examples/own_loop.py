@@ -14,7 +14,6 @@ import sys
 import time
 
 import ftjax
-from ftjax.runtime.manager import Finished, Left
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,11 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import optax
 
-    from ftjax.program.data import BatchStream, Windows, stdlib_corpus
+    from ftjax.program.data import Windows, stdlib_corpus
 
     cfg, rid = run.cfg, run.options.replica_id
     corpus = stdlib_corpus()
-    stream = BatchStream(
+    stream = ftjax.BatchStream(
         Windows(corpus.tokens, cfg.model.seq_len + 1),
         seed=cfg.seed,
         batch_size=cfg.data.batch_size,
@@ -74,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             if ft.vote(info.quorum, error):
                 ft.commit(info.quorum, update, contributed=info.contributes, loss=None if loss is None else float(loss))
         return ft.finish()
-    except (Left, Finished):
+    except (ftjax.Left, ftjax.Finished):
         return 0
     finally:
         ft.close()

@@ -8,7 +8,8 @@ The Python API (docs/design.md, "The API"; README, "Bring your own model"):
 
 - `Task`, built by `nnx_task`, `linen_task` or `pytree_task`: what a replica trains;
 - `fit(task, config)`: train it, standalone or as one replica of a job;
-- `FaultTolerance`: the step protocol for a script that owns its training loop;
+- `FaultTolerance`: the step protocol for a script that owns its training loop (`Finished`, `Left`:
+  how its loop ends; `BatchStream`: a source's batches of each step, the ones ftjax trains);
 - `load_config`, `Config`: the run configuration (YAML + overrides, validated);
 - `constrain_rows(x)`: in a model, an activation split by rows like the batch (docs/design.md, "Rows").
 
@@ -32,6 +33,9 @@ _EXPORTS = {
     "FaultTolerance": "ftjax.runtime.manager",
     "StepInfo": "ftjax.runtime.manager",
     "RunArgs": "ftjax.runtime.manager",
+    "Finished": "ftjax.runtime.manager",
+    "Left": "ftjax.runtime.manager",
+    "BatchStream": "ftjax.program.data",
     "Config": "ftjax.config",
     "ConfigError": "ftjax.config",
     "load_config": "ftjax.config",
@@ -39,10 +43,13 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "BatchStream",
     "Config",
     "ConfigError",
     "FaultTolerance",
+    "Finished",
     "FitResult",
+    "Left",
     "RunArgs",
     "StepInfo",
     "Task",

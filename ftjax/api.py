@@ -56,9 +56,10 @@ def fit(
     Standalone unless `coordinator` (HOST:PORT of a job's `ftjax coordinator`; the job token in
     $FTJAX_TOKEN) is given. JAX runs on whatever this process has already set up: `platform` and
     `mesh.devices_per_host` are checked against it, not applied (see `ftjax train` for a process
-    that sets them). A replica of several hosts calls `jax.distributed.initialize` first."""
+    that sets them). A replica of several hosts calls `jax.distributed.initialize` first.
+    Standalone, an `out` that already holds a run raises FileExistsError unless `resume`."""
     from ftjax.base.env import check_platform
-    from ftjax.runtime.args import RunOptions
+    from ftjax.runtime.args import RunOptions, held_run
     from ftjax.runtime.metrics import read_metrics
     from ftjax.runtime.replica import run_member, run_standalone
 
@@ -67,6 +68,8 @@ def fit(
         cfg = load_config_dict({**cfg.model_dump(), "task": _path_of(task)})
     check_platform(cfg.platform, cfg.mesh.devices_per_host)
     run_dir = Path(out)
+    if not coordinator and not resume and (held := held_run(run_dir)):  # (as `ftjax train`)
+        raise FileExistsError(f"out={str(run_dir)!r} already holds a run ({held}): resume=True continues it")
     options = RunOptions(replica_id=replica_id, coordinator=coordinator, resume=resume)
     if coordinator:
         code = run_member(cfg, options, run_dir, task)

@@ -122,7 +122,9 @@ def check_platform(platform: str, devices_per_host: int) -> None:
     local = jax.local_device_count()
     if local < devices_per_host:
         hint = (
-            "set platform: cpu to simulate CPU devices, or lower mesh.devices_per_host"
+            "CPU devices are simulated only when set before JAX starts: `ftjax train` does it for "
+            "platform: cpu; a process of your own sets XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{devices_per_host} before it imports jax. Or lower mesh.devices_per_host"
             if found == "cpu"
             else "lower mesh.devices_per_host"
         )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ftjax.base.env import check_platform, configure_run
 from ftjax.config import Config, ConfigError
-from ftjax.runtime.args import RunOptions, build_parser, dist_bind_address, parse_config
+from ftjax.runtime.args import RunOptions, build_parser, dist_bind_address, held_run, parse_config
 
 
 def init_distributed(cfg: Config, args: argparse.Namespace) -> None:
@@ -64,6 +64,7 @@ def main(argv: list[str]) -> int:
     from ftjax.program.tokens import TokenFileError
     from ftjax.runtime.checkpoint import CheckpointError
     from ftjax.runtime.replay import SpillError
+    from ftjax.runtime.trainer import NotFinite
 
     try:
         check_task(cfg)  # a task that cannot train fails here, named, before any peer waits for it
@@ -74,10 +75,12 @@ def main(argv: list[str]) -> int:
         if args.coordinator:
             return run_member(cfg, args, out)
         return run_standalone(cfg, args, out)
-    except (CheckpointError, SpillError, CoordinatorError, DoesNotFit, TokenFileError) as e:
+    except (CheckpointError, SpillError, CoordinatorError, DoesNotFit, TokenFileError, TaskError, NotFinite) as e:
         # another job's checkpoint or none intact, a step that does not fit the device, token files
-        # that do not match their index (2); a full disk, the coordinator unreachable (1): one line
-        code = 2 if isinstance(e, (CheckpointError, DoesNotFit, TokenFileError)) else 1
+        # that do not match their index, a task the mesh cannot hold, a loss gone NaN (2); a full
+        # disk, the coordinator unreachable (1): one line, no traceback
+        refused = (CheckpointError, DoesNotFit, TokenFileError, TaskError, NotFinite)
+        code = 2 if isinstance(e, refused) else 1
         print(f"ftjax train: error: {e}", file=sys.stderr, flush=True)
         if cfg.mesh.hosts > 1:
             os._exit(code)  # (as below: not into jax.distributed's shutdown barrier)
@@ -91,14 +94,6 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
-
-
-def held_run(out: Path) -> str:
-    """What of a run `out` holds ("" if none). A standalone run that started from the seed into it
-    would append a second history to its metrics and mix its checkpoints with the old ones (a later
-    --resume would restore the old run's newest). A job's member is exempt: a restarted replica
-    reuses its directory and heals from its peers."""
-    return ", ".join(name for name in ("metrics.jsonl", "checkpoints", "summary.json") if (out / name).exists())
 
 
 def run_standalone(cfg: Config, args: argparse.Namespace, out: Path) -> int:

@@ -395,7 +395,8 @@ def _raise_on_signal(signum, frame):
 
 
 def main(argv: list[str]) -> int:
-    console = Console()
+    # (a log file or a pipe: no wrapping at rich's default 80 columns, which broke figures in two)
+    console = Console() if sys.stdout.isatty() else Console(soft_wrap=True)
     try:
         args = build_parser().parse_intermixed_args(argv)
         launch = prepare(args)

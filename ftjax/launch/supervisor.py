@@ -304,11 +304,16 @@ class MetricsTail:
 
 
 def last_line(text: str, limit: int = 300) -> str | None:
-    """The last non-empty line of a log's tail (None: none), cut to `limit` characters."""
-    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    """The last non-empty line of a log's tail (None: none), cut to `limit` characters; past JAX's
+    note on the frames it filtered, which it prints after the exception."""
+    lines = [x.strip() for x in text.splitlines() if x.strip() and not _boilerplate(x)]
     if not lines:
         return None
     return lines[-1] if len(lines[-1]) <= limit else lines[-1][: limit - 3] + "..."
+
+
+def _boilerplate(line: str) -> bool:
+    return line.startswith("For simplicity, JAX has removed its internal frames") or set(line.strip()) == {"-"}
 
 
 # --- per-replica status ---------------------------------------------------------------------------

@@ -344,7 +344,13 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
         f"max healthy stall {num('max_healthy_stall_s', '.3f')} s   final loss {num('final_loss', '.4f')}"
     )
     equal = digests_verdict(summary)
-    once = "[green]yes[/]" if summary["exactly_once"] else "[red]NO[/]"
+    once = (
+        "[red]NO[/]"
+        if not summary["exactly_once"]
+        else "[green]yes[/]"
+        if summary["committed_steps"]
+        else "- (none committed)"
+    )
     console.print(f"replica digests {equal}   every batch exactly once {once}")
     if summary.get("split_history"):
         split = summary["split_history"]

@@ -241,3 +241,15 @@ def state_checksum(state: dict) -> str:
     """The per-step digest replicas compare: `tree_checksum` of what `state_digest` covers
     (parameters, optimizer state, model state; not the step counter)."""
     return tree_checksum({k: state[k] for k in ("params", "opt", "model_state") if k in state})
+
+
+def all_finite(tree: Any) -> bool:
+    """Whether every floating-point element of `tree` is finite: one compiled reduction on the
+    devices, one boolean to the host (collective when a leaf is sharded across processes)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return bool(_all_finite(leaves)) if leaves else True
+
+
+@jax.jit
+def _all_finite(leaves: list) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))

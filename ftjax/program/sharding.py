@@ -13,6 +13,7 @@ are the activations the models constrain (`constrain_rows`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -86,14 +87,32 @@ def param_shardings(logical_specs: Any, mesh: Mesh, shapes: Any) -> Any:
     must divide what it splits)."""
     axes = tuple(mesh.axis_names)
 
-    def one(spec: P, shape: Any) -> NamedSharding:
-        split = logical_to_mesh(spec, axes)
+    def one(path, spec: P, shape: Any) -> NamedSharding:
+        unknown = [n for n in spec if isinstance(n, str) and n not in LOGICAL_AXIS_RULES]
+        if unknown:  # (a misspelt name would leave the parameter whole on every device, silently)
+            raise Indivisible(
+                f"parameter {jax.tree_util.keystr(path)}: logical axis {unknown[0]!r} is not one of "
+                f"{', '.join(LOGICAL_AXIS_RULES)} (ftjax/program/sharding.py; None: not split)"
+            )
+        split, dims = logical_to_mesh(spec, axes), shape.shape
         if TENSOR in axes:
-            t, dims = mesh.shape[TENSOR], shape.shape
+            t = mesh.shape[TENSOR]
             split = P(*(None if a == TENSOR and i < len(dims) and dims[i] % t else a for i, a in enumerate(split)))
+        for i, a in enumerate(split[: len(dims)]):
+            ways = math.prod(mesh.shape[n] for n in ((a,) if isinstance(a, str) else a or ()))
+            if dims[i] % ways:  # (jax would say so only when the step is compiled, in a traceback)
+                raise Indivisible(
+                    f"parameter {jax.tree_util.keystr(path)} {tuple(dims)}: its dimension {i} ({dims[i]}, logical "
+                    f"axis {spec[i]!r}) is split {ways} ways over mesh axis {a!r}, which does not divide it"
+                )
         return NamedSharding(mesh, split)
 
-    return jax.tree.map(one, logical_specs, shapes, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree_util.tree_map_with_path(one, logical_specs, shapes, is_leaf=lambda x: isinstance(x, P))
+
+
+class Indivisible(ValueError):
+    """A parameter the mesh cannot split as its logical axes ask: a dimension the mesh axes it is
+    split over do not divide, or a logical axis name that is not in LOGICAL_AXIS_RULES."""
 
 
 def follow_params(tree_shape: Any, params_sharding: Any, mesh: Mesh) -> Any:

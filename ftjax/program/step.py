@@ -218,6 +218,8 @@ def _layout(cfg: Config, mesh: jax.sharding.Mesh, task: Task) -> _Layout:
     logical = task.param_axes if task.param_axes is not None else replicated_axes(params_shape)
     try:
         p_shard = shd.param_shardings(logical, mesh, params_shape)
+    except shd.Indivisible as e:
+        raise TaskError(f"task {task.name}: {e} (mesh {dict(mesh.shape)})") from None
     except ValueError as e:
         raise TaskError(f"task {task.name}: its parameter axes do not match its parameters: {e}") from None
     ms_shard = jax.tree.map(lambda _: shd.replicated(mesh), ms_shape)

@@ -41,6 +41,8 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
+from ftjax.config import ConfigError
+
 PyTree = Any
 Batch = Any  # a pytree of arrays, leading axis = examples
 # loss(params, model_state, batch, key) -> (per_example[B], aux {name: [B] or scalar}, new model_state)
@@ -369,8 +371,15 @@ def load_task(path: str, cfg: Any, args: dict | None = None, search: Sequence[st
     _check_task_args(path, factory, args or {})
     try:
         task = factory(cfg, **(args or {}))
-    except TypeError as e:
-        raise TaskError(f"task {path!r}: {attr}(cfg, **task_args) failed: {e}") from e
+    except ConfigError:  # (a built-in factory's word on a setting: it names the field)
+        raise
+    except TaskError as e:  # (ours, from an adapter or a built-in factory: it says what is wrong)
+        said = str(e)
+        if path not in said:  # named by the adapter's default name ("task nnx: ..."): named by its path
+            said = f"task {path!r}: " + (said.split(": ", 1)[1] if said.startswith("task ") else said)
+        raise TaskError(said) from e
+    except Exception as e:  # (the user's factory: named, not a traceback)
+        raise TaskError(f"task {path!r}: {attr}(cfg, **task_args) failed: {type(e).__name__}: {e}") from e
     if not isinstance(task, Task):
         raise TaskError(f"task {path!r}: {attr} returned {type(task).__name__}, not an ftjax.Task")
     try:

@@ -158,6 +158,20 @@ def task_of(cfg) -> Task:
     return _loaded[key]
 
 
+def _check_float_params(name: str, params) -> None:
+    """Gradients are taken of every parameter, and FTAR sums them as floats: an integer one would
+    fail inside the first step's jax.grad, after the replica joined its job."""
+    import jax
+    import numpy as np
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not np.issubdtype(leaf.dtype, np.inexact):
+            raise TaskError(
+                f"task {name}: parameter {jax.tree_util.keystr(path)} is {leaf.dtype}: every parameter is "
+                "differentiated, so it must be floating point (or not a parameter)"
+            )
+
+
 def check_task(cfg) -> Task:
     """Load the config's task and run its loss once on a batch (shapes only, nothing computed):
     a task that does not import, a source whose examples do not batch, a loss of the wrong shape
@@ -185,6 +199,7 @@ def check_task(cfg) -> Task:
             f"task {task.name}: its init or loss failed on a batch of the source's first examples: "
             f"{type(e).__name__}: {e}"
         ) from e
+    _check_float_params(task.name, params)
     if cfg.ft.sync != "every_step" and jax.tree.leaves(state):
         raise TaskError(
             f"ft.sync={cfg.ft.sync}: task {task.name} has model state (batch statistics ...), which DiLoCo "

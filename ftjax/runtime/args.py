@@ -162,3 +162,11 @@ class RunOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunOptions:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def held_run(out: Path) -> str:
+    """What of a run `out` holds ("" if none). A standalone run that started from the seed into it
+    would append a second history to its metrics and mix its checkpoints with the old ones (a later
+    --resume would restore the old run's newest). A job's member is exempt: a restarted replica
+    reuses its directory and heals from its peers."""
+    return ", ".join(name for name in ("metrics.jsonl", "checkpoints", "summary.json") if (out / name).exists())

@@ -238,11 +238,15 @@ class DurableCheckpoints:
         """The checkpoint directory."""
         return str(self.manager.directory)
 
-    def maybe_save(self, step: int, state: dict, meta: dict[str, Any], *, force: bool = False) -> bool:
-        """Save at multiples of `every` (or when forced). Returns whether a save started."""
+    def due(self, step: int, *, force: bool = False) -> bool:
+        """Whether `maybe_save(step, ..., force=force)` would save."""
         if not force and (self.every <= 0 or step % self.every):
             return False
-        if step == self.latest_step():  # already saved (a forced final save after a periodic one)
+        return step != self.latest_step()  # (not saved already: a forced final save after a periodic one)
+
+    def maybe_save(self, step: int, state: dict, meta: dict[str, Any], *, force: bool = False) -> bool:
+        """Save at multiples of `every` (or when forced). Returns whether a save started."""
+        if not self.due(step, force=force):
             return False
         if self.identity is not None:
             meta = {**meta, "identity": self.identity}

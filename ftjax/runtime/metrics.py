@@ -66,7 +66,7 @@ class PlainLines:
             return
         now = time.monotonic()
         rate = ""
-        if self._last_tokens is not None and now > self._last_tokens[0]:
+        if self._last_tokens is not None and now > self._last_tokens[0] and self._tokens:  # (none: not a token task)
             rate = f"  {(self._tokens - self._last_tokens[1]) / (now - self._last_tokens[0]):,.0f} tokens/s"
         self._last_tokens = (now, self._tokens)
         loss = r.get("loss")

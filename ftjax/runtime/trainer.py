@@ -25,7 +25,7 @@ from ftjax.base.batches import RowSpan, assign, chunk_sizes, row_count, share_ro
 from ftjax.config import Config
 from ftjax.coordinator.types import QuorumResult
 from ftjax.program.data import eval_share, heldout_batch, make_stream
-from ftjax.program.digest import params_digest
+from ftjax.program.digest import all_finite, params_digest
 from ftjax.program.optim import schedule
 from ftjax.program.step import device_batch, model_state, param_count, topology_fingerprint, where
 from ftjax.program.task import concat_rows, slice_rows
@@ -53,6 +53,11 @@ def lr_scale(policy: str, live: int, total: int) -> float:
     """Learning-rate response to missing replicas (FT-HSDP paper: sqrt beat linear beat none)."""
     frac = min(live, total) / total
     return {"none": 1.0, "linear": frac, "sqrt": math.sqrt(frac)}[policy]
+
+
+class NotFinite(RuntimeError):
+    """A step's loss, or the state about to be checkpointed, holds a NaN or an infinity: the run
+    stops (`ftjax train`: one line, exit 2; docs/design.md, "A loss that is not finite")."""
 
 
 @dataclass
@@ -360,7 +365,20 @@ class Trainer:
             self._mine = None
         batch_id = self.stream.batch_id(position) if applied and contributes else None
         digest = (self.ft.last_digest, self.ft.last_digest_s)
-        if self.ckpt is not None and applied:
+        if computed is not None and not math.isfinite(loss := float(computed.loss)):
+            self._record(q, applied, computed, batch_id, scale, timing, digest)
+            raise NotFinite(
+                f"replica {self.replica_id}: step {q.step + 1}: the loss of its rows is {loss} (data position "
+                f'{position}): stopping before it is checkpointed or trained on (docs/design.md, "A loss that is '
+                'not finite")'
+            )
+        if self.ckpt is not None and applied and self.ckpt.due(self.step, force=self.step == self.stop):
+            if not all_finite(self.state["params"]):  # (a peer's NaN, averaged in: not into a checkpoint)
+                raise NotFinite(
+                    f"replica {self.replica_id}: step {q.step + 1}: its parameters hold a NaN or an infinity "
+                    "after the update (the average of a replica whose loss was not finite?): stopping before "
+                    "they are checkpointed"
+                )
             with self.watchdog.exempt("checkpoint save"):  # its length depends on the model, like a restore
                 self.ckpt.maybe_save(self.step, self.state, self._meta(), force=self.step == self.stop)
         every = self.cfg.eval.every

@@ -81,6 +81,11 @@ def test_fit_gives_the_losses_of_a_plain_jax_optax_loop(tmp_path):
         params = optax.apply_updates(params, updates)
         want.append(float(loss))
     np.testing.assert_allclose(result.losses, want, rtol=1e-6)
+    # into the same directory again: refused (as `ftjax train` does), the run untouched
+    before = (tmp_path / "fit" / "metrics.jsonl").read_bytes()
+    with pytest.raises(FileExistsError, match="already holds a run .*resume=True continues it"):
+        ftjax.fit(task, config, out=tmp_path / "fit")
+    assert (tmp_path / "fit" / "metrics.jsonl").read_bytes() == before
 
 
 def test_a_user_loss_weighs_every_row_own_and_covered(tmp_path):
@@ -128,6 +133,8 @@ def test_a_user_loss_weighs_every_row_own_and_covered(tmp_path):
         ("nonexistent_module:task", "cannot import 'nonexistent_module'"),
         ("scaled_ce:broken_shape", "one loss per example"),
         ("scaled_ce:ragged", "do not batch"),
+        ("scaled_ce:raises", "raises(cfg, **task_args) failed: RuntimeError: could not open /data/shards"),
+        ("scaled_ce:int_params", "parameter ['table'] is int32: every parameter is differentiated"),
     ],
 )
 def test_a_bad_task_is_one_clear_error_before_anything_starts(tmp_path, task, says):
@@ -183,3 +190,48 @@ def test_each_example_survives_a_kill_with_equal_digests_and_every_batch_once(tm
     if example == "nnx_dropout.yaml":  # the auxiliary metrics are logged with each step
         rec = next(r for r in run.metrics(0) if r.get("committed") and "event" not in r)
         assert set(rec["aux"]) == {"cross_entropy", "z_loss"}
+
+
+def test_a_parameter_the_mesh_cannot_split_is_one_line_naming_it(tmp_path):
+    """A user's model whose width (34) the fsdp axis of 4 devices does not divide: named at the
+    program's layout, not a traceback from the step's compile."""
+    train = subprocess.run(
+        [*FTJAX, "train", USER, "task=scaled_ce:odd_width", "steps=2", "platform=cpu", "mesh.devices_per_host=4"]
+        + ["--out", str(tmp_path / "t")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert train.returncode == 2, train.stderr[-2000:]
+    says = "parameter ['embed']['embedding'] (256, 34): its dimension 1 (34, logical axis 'embed') is split 4 ways"
+    assert says in train.stderr and "Traceback" not in train.stderr, train.stderr[-2000:]
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_before_it_is_checkpointed(tmp_path):
+    run = tmp_path / "nan"
+    train = subprocess.run(
+        [*FTJAX, "train", USER, "task_args.scale=.nan", "steps=3", "checkpoint.every=1", "--out", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert train.returncode == 2, train.stderr[-2000:]
+    assert "replica 0: step 1: the loss of its rows is nan" in train.stderr, train.stderr[-2000:]
+    assert "Traceback" not in train.stderr
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "step" in r and "event" not in r]
+    assert [r["step"] for r in steps] == [1] and steps[0]["loss"] != steps[0]["loss"]  # (NaN)
+    assert not list((run / "checkpoints").glob("[0-9]*")), "a NaN state was checkpointed"
+
+
+def test_a_logical_axis_name_not_in_the_rules_is_refused_naming_the_parameter():
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from ftjax.program.sharding import Indivisible, param_shardings
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    shapes = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+    assert param_shardings({"w": P("embed", None)}, mesh, shapes)["w"].spec == P("fsdp", None)
+    with pytest.raises(Indivisible, match=r"parameter \['w'\]: logical axis 'embd' is not one of embed, vocab"):
+        param_shardings({"w": P("embd", None)}, mesh, shapes)

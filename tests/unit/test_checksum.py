@@ -148,3 +148,14 @@ def test_the_checksum_moves_no_leaf_between_devices():
         r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", text
     )
     assert collectives == [(f"u32[{len(leaves)},2]{{1,0}}", "all-reduce")], collectives
+
+
+def test_all_finite_finds_one_nan_or_infinity_in_any_float_leaf_of_any_sharding():
+    from ftjax.program.digest import all_finite
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    w = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("fsdp")))
+    tree = {"w": w, "b": jnp.zeros(3, jnp.bfloat16), "count": jnp.array(7, jnp.int32)}
+    assert all_finite(tree) and all_finite({"count": jnp.array(1)}) and all_finite({})
+    assert not all_finite({**tree, "w": w.at[7, 3].set(jnp.nan)})
+    assert not all_finite({**tree, "b": tree["b"].at[1].set(-jnp.inf)})

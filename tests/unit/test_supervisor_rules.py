@@ -286,3 +286,15 @@ def test_a_crashed_replica_is_down_with_the_last_line_its_host_wrote(tmp_path):
     assert down["error"] == "ftjax train: error: no quorum within 120 s (last error: none)"
     assert describe(down).endswith("(last step 0): ftjax train: error: no quorum within 120 s (last error: none)")
     assert last_line("x" * 400, limit=300) == "x" * 297 + "..." and last_line("\n \n") is None
+
+
+def test_a_crash_is_told_by_its_last_line_past_jaxs_note_on_filtered_frames():
+    from ftjax.launch.supervisor import last_line
+
+    tail = (
+        "Traceback (most recent call last):\n  ...\nTypeError: grad requires real-valued inputs, got int32\n"
+        "--------------------\nFor simplicity, JAX has removed its internal frames from the traceback of the "
+        "following exception. Set JAX_TRACEBACK_FILTERING=off to include these.\n"
+    )
+    assert last_line(tail) == "TypeError: grad requires real-valued inputs, got int32"
+    assert last_line("ok\n\n") == "ok" and last_line("") is None

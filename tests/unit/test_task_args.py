@@ -32,7 +32,9 @@ def test_a_factory_that_takes_any_keyword_gets_them():
 
     sys.modules["_any_kw_task"] = types.SimpleNamespace(factory=factory)
     try:
-        with pytest.raises(RuntimeError, match=r"called with \['a', 'b'\]"):
+        with pytest.raises(
+            TaskError, match=r"factory\(cfg, \*\*task_args\) failed: RuntimeError: called with \['a', 'b'\]"
+        ):
             load_task("_any_kw_task:factory", None, {"a": 1, "b": 2})
     finally:
         del sys.modules["_any_kw_task"]

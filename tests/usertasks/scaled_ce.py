@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import optax
+from flax import nnx
 
 import ftjax
 from ftjax.program import models
@@ -48,3 +50,47 @@ class _Ragged:
 
 def ragged(cfg, **_) -> ftjax.Task:
     return dataclasses.replace(task(cfg), source=_Ragged())
+
+
+def raises(cfg, **_) -> ftjax.Task:
+    """A factory that fails the way a user's does: an exception of its own, not a TypeError."""
+    raise RuntimeError("could not open /data/shards: no such file")
+
+
+class _IntParam(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.table = nnx.Param(jnp.zeros((256, 4), jnp.int32))
+        self.head = nnx.Linear(4, 256, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.head(self.table[tokens].astype(jnp.float32))
+
+
+def int_params(cfg, **_) -> ftjax.Task:
+    """A model with an integer parameter: no gradient can be taken of it."""
+
+    def loss(model, tokens):
+        return optax.softmax_cross_entropy_with_integer_labels(model(tokens[:, :-1]), tokens[:, 1:]).mean(axis=1)
+
+    source = token_source(cfg.data.source, cfg.seed, cfg.model.seq_len, cfg.model.vocab_size)
+    return ftjax.nnx_task(_IntParam, loss, source)
+
+
+class _Odd(nnx.Module):
+    """A width of 34, split over the `embed` axis: 4 devices do not divide it."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        self.embed = nnx.Embed(256, 34, embedding_init=nnx.with_partitioning(init, ("vocab", "embed")), rngs=rngs)
+        self.head = nnx.Linear(34, 256, kernel_init=nnx.with_partitioning(init, ("embed", "vocab")), rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+def odd_width(cfg, **_) -> ftjax.Task:
+    def loss(model, tokens):
+        return optax.softmax_cross_entropy_with_integer_labels(model(tokens[:, :-1]), tokens[:, 1:]).mean(axis=1)
+
+    source = token_source(cfg.data.source, cfg.seed, cfg.model.seq_len, cfg.model.vocab_size)
+    return ftjax.nnx_task(_Odd, loss, source)
