@@ -282,6 +282,8 @@ def split_address(address: str) -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     digits = port.isascii() and port.isdigit() and len(port) <= 5
-    if not sep or not host or not digits or not 1 <= int(port) <= 65535:
+    if not sep or not host or not digits:
         raise ValueError(f"{address!r} is not host:port")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"{address!r}: port {int(port)} is not in 1-65535")
     return host, int(port)

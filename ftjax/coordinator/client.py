@@ -20,6 +20,7 @@ import logging
 import queue
 import random
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -52,6 +53,7 @@ CALLER_FAULT = frozenset(
 # final: a predecessor that was just killed may not have been seen to die yet (its heartbeat stream's
 # end reaches the coordinator within milliseconds; a silent one is dead after the heartbeat timeout).
 DUPLICATE_GRACE_S = 5.0
+UNREACHABLE_SAY_S = 10.0  # a request unanswered this long is said on stderr (once), long before its timeout
 _STREAM_LIFETIME_S = 3600.0  # streams are renewed this often (every call has a deadline)
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -171,6 +173,7 @@ class CoordinatorClient:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.rpc_timeout_s = rpc_timeout_s
         self.quorum_timeout_s = quorum_timeout_s
+        self._said_unreachable = False
         self._metadata = ((TOKEN_METADATA_KEY, token),)
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -322,6 +325,7 @@ class CoordinatorClient:
         backoff = _Backoff()
         last_error = "none"
         duplicate_until = None  # refused as a duplicate replica id: until when that may still pass
+        failing_since = None  # (since when this request's calls fail)
         while True:
             if self._closed.is_set():
                 raise CoordinatorError(grpc.StatusCode.CANCELLED, "the client was closed")
@@ -350,8 +354,12 @@ class CoordinatorClient:
                 if code in CALLER_FAULT and (duplicate_until is None or time.monotonic() >= duplicate_until):
                     raise CoordinatorError(code, details) from None
                 last_error = f"{code.name}: {details}"
+                failing_since = failing_since or time.monotonic()
+                if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - failing_since >= UNREACHABLE_SAY_S:
+                    self._say_unreachable(last_error, deadline)
                 self._closed.wait(min(backoff.next(), max(0.0, deadline - time.monotonic())))
                 continue
+            self._said_unreachable = False  # (answered: a later outage is said again)
             if response.finished_step:
                 raise JobFinished(response.finished_step, self.member.replica_id, step)
             if response.members:
@@ -365,6 +373,21 @@ class CoordinatorClient:
                 return result_from_proto(response, members)
             except ValueError as e:
                 raise CoordinatorError(grpc.StatusCode.INTERNAL, str(e)) from None
+
+    def _say_unreachable(self, last_error: str, deadline: float) -> None:
+        """One stderr line per request that the coordinator has not answered for UNREACHABLE_SAY_S:
+        a wrong --coordinator or a coordinator not (yet, again) running would otherwise be silence
+        until ft.quorum_timeout_s (120 s by default) ends it."""
+        if self._said_unreachable:
+            return
+        self._said_unreachable = True
+        left = max(0.0, deadline - time.monotonic())
+        print(
+            f"ftjax: replica {self.member.replica_id}: the coordinator at {self.address} (--coordinator) has not "
+            f"answered for {UNREACHABLE_SAY_S:g} s ({last_error}); trying {left:.0f} s more (ft.quorum_timeout_s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _timeout_message(self, last_error: str) -> str:
         try:  # (a dropped packet and a refusal both fail this; a coordinator with no quorum does not)

@@ -273,7 +273,7 @@ class CoordinatorState:
             raise Rejected(
                 "FAILED_PRECONDITION",
                 f"replica {report.replica_id!r} has topology fingerprint {report.topology_fingerprint!r} but "
-                f"the job's is {self.fingerprint!r}: its model, mesh or shard layout differs from the job's"
+                f"the job's is {self.fingerprint!r}: its model, mesh, shard layout or settings differ from the job's"
                 + layout_difference(self.layouts.get(self.fingerprint), self.layouts.get(report.topology_fingerprint)),
             )
         m = self.members.get(report.replica_id)

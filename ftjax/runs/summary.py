@@ -474,7 +474,9 @@ def _replica_summary(
         # the step of its state: its last commit, or a catch-up after it (one at the job's end commits none)
         "final_step": max([c[StepField.STEP] for c in committed] + [e.get("at_step") or 0 for e in catchups] + [0]),
         "restarts": sum(1 for e in run.events if e[EVENT] == LauncherEvent.REPLICA_STARTED and e[REPLICA] == r) - 1,
-        "failures": sum(1 for e in run.events if e[EVENT] == LauncherEvent.REPLICA_DOWN and e[REPLICA] == r),
+        "failures": sum(
+            1 for e in run.events if _failed(e) and e[EVENT] == LauncherEvent.REPLICA_DOWN and e[REPLICA] == r
+        ),
         "catchup_s": round(sum(e.get("catchup_s") or 0.0 for e in catchups), 3),
         "catchups": len(catchups),
         "param_digest": final.get("param_digest"),  # (not a step record's: another function of the state)
@@ -513,8 +515,14 @@ def _failure_events(run: Run) -> list[dict[str, Any]]:
             "recovery_s": _recovery(run, e),
         }
         for e in run.events
-        if e[EVENT] in (LauncherEvent.REPLICA_DOWN, LauncherEvent.COORDINATOR_DOWN)
+        if e[EVENT] in (LauncherEvent.REPLICA_DOWN, LauncherEvent.COORDINATOR_DOWN) and _failed(e)
     ]
+
+
+def _failed(e: dict) -> bool:
+    """A down event that is a failure: not a reduced-degree replica leaving, as asked, to come back
+    whole once its host is repaired (cause "left")."""
+    return e.get("cause") != "left"
 
 
 def _rejoins(run: Run) -> list[dict[str, Any]]:

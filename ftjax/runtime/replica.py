@@ -8,6 +8,7 @@ loop with a quorum of one and the identity reducer.
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from functools import partial
@@ -31,7 +32,7 @@ from ftjax.program.step import ReplicaProgram, build_program
 from ftjax.program.task import Task
 from ftjax.runtime.args import RunOptions
 from ftjax.runtime.catchup import ReceiveArena, ShardTransport
-from ftjax.runtime.checkpoint import DurableCheckpoints
+from ftjax.runtime.checkpoint import DurableCheckpoints, job_identity
 from ftjax.runtime.diloco import FragmentReducer, Piece, fragment_cut, piece_templates
 from ftjax.runtime.faults import InjectedFaults, parse_die_at, parse_flip_at
 from ftjax.runtime.host_group import JaxHostGroup
@@ -176,13 +177,20 @@ def _ftar_reducer_of(cfg: Config, endpoints, served, update_template: Any, updat
     return FTARReducer(endpoints, flat, divisor=_divisor(cfg), pipelined=pipelined, pinned=pinned)
 
 
-def _topology(cfg: Config, program: ReplicaProgram) -> str:
-    """What replicas must agree on to average together: the program's layout, and with DiLoCo how
-    the rounds go (another inner step count or fragment cut would average other things)."""
+def _topology(cfg: Config, program: ReplicaProgram, data_fingerprint: str) -> str:
+    """What replicas must agree on to average together: the program's layout, the job's identity
+    (the settings that change the run's numbers: seed, data, model, optimizer, ...; a replica with
+    another learning rate would train the job with it, and heal its peers to its own state when the
+    digests tie), and with DiLoCo how the rounds go (another inner step count or fragment cut would
+    average other things). One `key: value` line each, so that a refusal names what differs."""
+    identity = job_identity(cfg, data_fingerprint, locations=program.task.locations)
+    identity.pop("checkpoint.init_from", None)  # (a path: each machine's copy of the weights may be elsewhere)
+    job = "\n".join(f"job {k}: {json.dumps(v, sort_keys=True, default=str)}" for k, v in identity.items())
+    layout = f"{program.topology()}\n{job}"
     if cfg.ft.sync == "every_step":
-        return program.topology()
+        return layout
     sync = f"sync: {cfg.ft.sync} inner_steps={cfg.ft.inner_steps} fragments={cfg.sync_fragments}"
-    return f"{program.topology()}\n{sync}" + (f" warmup={cfg.warmup_sync_steps}" if cfg.warmup_sync_steps else "")
+    return f"{layout}\n{sync}" + (f" warmup={cfg.warmup_sync_steps}" if cfg.warmup_sync_steps else "")
 
 
 def _ftar_endpoints(cfg: Config, token: str, addrs: net.Addresses, served) -> list[FTAREndpoint]:
@@ -307,7 +315,7 @@ def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Add
         log,
         update_template=program.abstract_update(),
         update_shardings=program.grad_shardings,
-        topology=_topology(cfg, program),
+        topology=_topology(cfg, program, stream.fingerprint),
         arena=arena,
     )
     trainer = Trainer(

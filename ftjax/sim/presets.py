@@ -164,8 +164,11 @@ def launch_inputs(summary_path: str | Path) -> dict[str, Any]:
     - ``ft_stall_min``: detection + quorum + one retried step (``detection_s + quorum_s +
       median_step_s``) when the summary has ``detection_s`` and ``quorum_s``, else the longest stall
       of a healthy replica around a failure (``max_healthy_stall_s``), which contains all three.
-    - ``replica_restart_min``: mean ``catchup_s`` of the replicas that restarted (``restarts > 0``).
-    - ``step_s``: ``median_step_s``.
+    - ``replica_restart_min``: the mean ``recovery_s`` of the summary's ``failure_events`` (a
+      replica's death to its rejoin: restart, start-up and catch-up), else the mean ``catchup_s`` of
+      the replicas that restarted (``restarts > 0``).
+    The step time stays the preset's (the 100K job's 10 s): a small model's step on this machine
+    says nothing of it, and with it the job would train in no time.
     ``failures`` must be at least 1 (a count, or a list of failure records): without a failure the
     stall measures nothing. These are costs on one machine with a small model: a lower bound for a
     cluster, where detection timeouts, allocation and state transfer are longer.
@@ -210,11 +213,13 @@ def launch_inputs(summary_path: str | Path) -> dict[str, Any]:
     if not catchups:
         raise PresetError(f"{where}: no replica has 'restarts' > 0, so no 'catchup_s' was measured")
 
-    return {
-        "ft_stall_min": stall_s / 60.0,
-        "replica_restart_min": sum(catchups) / len(catchups) / 60.0,
-        "step_s": step_s,
-    }
+    recoveries = [
+        e["recovery_s"]
+        for e in (data.get("failure_events") if isinstance(data.get("failure_events"), list) else [])
+        if isinstance(e, dict) and isinstance(e.get("recovery_s"), (int, float)) and e.get("replica") is not None
+    ]
+    restart_s = sum(recoveries) / len(recoveries) if recoveries else sum(catchups) / len(catchups)
+    return {"ft_stall_min": stall_s / 60.0, "replica_restart_min": restart_s / 60.0}
 
 
 def preset_inputs(name: str, overrides: dict[str, Any], summary: str | None = None) -> dict[str, Any]:

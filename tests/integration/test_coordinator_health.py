@@ -10,6 +10,7 @@ import pytest
 from conftest import FTJAX
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ftjax.base.procs import free_port
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator.client import CoordinatorClient
 from ftjax.coordinator.lifetime import EXIT_DONE, EXIT_IDLE, JobEnd
@@ -148,3 +149,17 @@ def test_bad_lifetime_flags_exit_2(tmp_path):
             timeout=60,
         )
         assert r.returncode == 2 and "ftjax coordinator:" in r.stderr, (flags, r.stderr)
+
+
+def test_a_coordinator_that_does_not_answer_is_said_long_before_the_quorum_timeout(monkeypatch, capsys):
+    from ftjax.coordinator import client as client_module
+    from ftjax.coordinator.types import CoordinatorError
+
+    monkeypatch.setattr(client_module, "UNREACHABLE_SAY_S", 0.5)
+    address = f"127.0.0.1:{free_port()}"  # nobody listens there
+    client = CoordinatorClient(address, TOKEN, _member("0"), heartbeat_interval_s=0.05, quorum_timeout_s=2.0)
+    with client, pytest.raises(CoordinatorError, match="cannot reach the coordinator"):
+        client.quorum(1, 0, True)
+    said = [line for line in capsys.readouterr().err.splitlines() if "has not answered" in line]
+    assert len(said) == 1 and f"the coordinator at {address} (--coordinator) has not answered for 0.5 s" in said[0]
+    assert "UNAVAILABLE" in said[0] and "s more (ft.quorum_timeout_s)" in said[0], said

@@ -208,3 +208,21 @@ def test_another_model_size_has_another_fingerprint_and_the_difference_names_its
     why = layout_difference(small.topology(), big.topology())
     assert "items differ" in why and "(64," in why and "(128," in why and "['params']" in why, why
     assert layout_difference(small.topology(), build_program(load_config("tiny", [])).topology()) == ""
+
+
+def test_a_replica_of_another_job_identity_has_another_topology_naming_the_setting():
+    # A replica started with another learning rate was admitted (the layout had only shapes), trained
+    # the job with it, and on a tie of digests healed its peers to its own state.
+    from ftjax.runtime.replica import _topology
+
+    def topology(*overrides):
+        cfg = load_config("tiny", list(overrides))
+        return _topology(cfg, build_program(cfg), "data-fp")
+
+    base = topology()
+    why = layout_difference(base, topology("optim.lr=0.1"))
+    assert why.startswith("; 1 items differ: job optim.lr (job: 0.003; this replica: 0.1)"), why
+    assert "job seed" in layout_difference(base, topology("seed=1"))
+    # where the weights to start from lie is not the job's identity (each machine has its copy)
+    assert layout_difference(topology("checkpoint.init_from=/a/w"), topology("checkpoint.init_from=/b/w")) == ""
+    assert "job checkpoint.init_opt" in layout_difference(base, topology("checkpoint.init_from=/a/w"))

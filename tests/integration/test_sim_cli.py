@@ -177,14 +177,20 @@ def test_launch_preset_takes_the_measured_costs(tmp_path, capsys):
     cfg = resolve(["--preset", "launch", "--summary", str(path)])
     assert cfg.ft_stall_min == pytest.approx(4.0 / 60)  # max_healthy_stall_s
     assert cfg.replica_restart_min == pytest.approx(4.0 / 60)  # mean catch-up of restarted replicas
-    assert cfg.step_s == 0.5
+    assert cfg.step_s == 10.0  # the 100K job's, not the small run's
+    # with its failure events: a replica's death to its rejoin (restart and start-up included)
+    events = [{"replica": 1, "recovery_s": 9.0}, {"replica": 2, "recovery_s": 15.0}, {"replica": None}]
+    path.write_text(json.dumps(_summary(failure_events=events)))
+    assert resolve(["--preset", "launch", "--summary", str(path)]).replica_restart_min == pytest.approx(12.0 / 60)
+    path.write_text(json.dumps(_summary()))
     assert (cfg.gpus, cfg.replicas, cfg.mtbf_min, cfg.sync_stall_min) == (98_304, 12, 18.0, 10.0)
 
     path.write_text(json.dumps(_summary(detection_s=1.0, quorum_s=0.25)))
     assert resolve(["--preset", "launch", "--summary", str(path)]).ft_stall_min == pytest.approx(1.75 / 60)
 
     # 200,000 steps of 0.5 s: about 90 failures at the preset's 18-minute MTBF.
-    assert main(["--preset", "launch", "--summary", str(path), "--json", "--steps", "200000", "--seeds", "2"]) == 0
+    args = ["--preset", "launch", "--summary", str(path), "--json", "--steps", "200000", "--step-s", "0.5"]
+    assert main([*args, "--seeds", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     # Seconds of stall instead of minutes: FT-HSDP loses far less than sync.
     assert out["ft-hsdp"]["ettr"] > 0.95 > out["sync"]["ettr"]

@@ -181,6 +181,20 @@ def test_a_replica_that_caught_up_and_committed_nothing_after_ends_at_the_step_i
     assert s["replicas"]["0"]["final_step"] == 10
 
 
+def test_a_replica_leaving_as_asked_to_come_back_whole_is_no_failure(tmp_path):
+    # ft.on_host_loss: reduce: a reduced-degree replica leaves (exit 76, cause "left") once its host
+    # is back, and restarts at full degree: a restart, not a failure
+    make_run(tmp_path)
+    events = [json.loads(line) for line in (tmp_path / "launcher.jsonl").read_text().splitlines()]
+    left = {"time": 111.27, "event": "replica_down", "replica": 1, "incarnation": 2, "cause": "left", "step": 7}
+    back = {"time": 111.28, "event": "replica_started", "replica": 1, "incarnation": 3}
+    at = next(i for i, e in enumerate(events) if e["event"] == "replica_done")
+    _write(tmp_path / "launcher.jsonl", events[:at] + [left, back] + events[at:])
+    s = build_summary(tmp_path)
+    assert s["failures"] == 1 and [e["cause"] for e in s["failure_events"]] == ["kill"]
+    assert s["replicas"]["1"]["failures"] == 1 and s["replicas"]["1"]["restarts"] == 2
+
+
 def test_different_digests_are_reported(tmp_path):
     make_run(tmp_path)
     (tmp_path / "replica-1" / "summary.json").write_text(json.dumps({"param_digest": "xyz", "data_position": 7}))

@@ -626,12 +626,16 @@ def test_may_form_is_never_false_when_a_quorum_would_form(events, min_replicas):
         ("node-3.cluster:29400", ("node-3.cluster", 29400)),
         ("[::1]:8080", ("::1", 8080)),  # brackets removed: socket calls take the bare host
         ("::1:8080", ("::1", 8080)),  # the port is after the last colon
-        *[(bad, None) for bad in ("h", "h:", ":80", "[]:80", "h:0", "h:65536", "h:+80", "h:8 ", "h:\u0663")],
+        *[(bad, None) for bad in ("h", "h:", ":80", "[]:80", "h:+80", "h:8 ", "h:\u0663")],
+        *[(bad, "range") for bad in ("h:0", "h:65536", "127.0.0.1:99999")],
     ],
 )
 def test_split_address(address, expected):
     if expected is None:
         with pytest.raises(ValueError, match="is not host:port"):
+            split_address(address)
+    elif expected == "range":
+        with pytest.raises(ValueError, match=r": port \d+ is not in 1-65535"):
             split_address(address)
     else:
         assert split_address(address) == expected
