@@ -548,9 +548,13 @@ def main(argv: list[str]) -> int:
     train, held = index["splits"]["train"], index["splits"]["heldout"]
     total = train["tokens"] + held["tokens"]
     print(
-        f"ftjax data prepare: {args.out}: {index['documents']:,} documents, {total:,} tokens ({index['dtype']}, "
-        f"EOS {index['eos_token']!r} = {index['eos_id']}); train {train['documents']:,} documents / "
+        f"ftjax data prepare: {args.out}: {_documents(index['documents'])}, {total:,} tokens ({index['dtype']}, "
+        f"EOS {index['eos_token']!r} = {index['eos_id']}); train {_documents(train['documents'])} / "
         f"{train['tokens']:,} tokens, heldout {held['documents']:,} / {held['tokens']:,}; "
         f"{total / index['seconds']:,.0f} tokens/s; fingerprint {index['fingerprint']}"
     )
     return 0
+
+
+def _documents(n: int) -> str:
+    return f"{n:,} document" + ("" if n == 1 else "s")

@@ -200,6 +200,12 @@ def launch_inputs(summary_path: str | Path) -> dict[str, Any]:
     else:
         stall_s = _number(data, "max_healthy_stall_s", where)
 
+    return {"ft_stall_min": stall_s / 60.0, "replica_restart_min": _restart_s(data, where) / 60.0}
+
+
+def _restart_s(data: dict, where: str) -> float:
+    """A replica's restart in a launch summary: the mean death-to-rejoin of its failure events, else
+    the mean catch-up of the replicas that restarted."""
     replicas = data.get("replicas")
     if not isinstance(replicas, dict):
         raise PresetError(f"{where}: missing key 'replicas' (an object: replica id -> record)")
@@ -212,14 +218,13 @@ def launch_inputs(summary_path: str | Path) -> dict[str, Any]:
             catchups.append(_number(rec, "catchup_s", rwhere))
     if not catchups:
         raise PresetError(f"{where}: no replica has 'restarts' > 0, so no 'catchup_s' was measured")
-
+    events = data.get("failure_events")
     recoveries = [
         e["recovery_s"]
-        for e in (data.get("failure_events") if isinstance(data.get("failure_events"), list) else [])
+        for e in (events if isinstance(events, list) else [])
         if isinstance(e, dict) and isinstance(e.get("recovery_s"), (int, float)) and e.get("replica") is not None
     ]
-    restart_s = sum(recoveries) / len(recoveries) if recoveries else sum(catchups) / len(catchups)
-    return {"ft_stall_min": stall_s / 60.0, "replica_restart_min": restart_s / 60.0}
+    return sum(recoveries) / len(recoveries) if recoveries else sum(catchups) / len(catchups)
 
 
 def preset_inputs(name: str, overrides: dict[str, Any], summary: str | None = None) -> dict[str, Any]:
