@@ -372,15 +372,9 @@ class Trainer:
                 f'{position}): stopping before it is checkpointed or trained on (docs/design.md, "A loss that is '
                 'not finite")'
             )
-        if self.ckpt is not None and applied and self.ckpt.due(self.step, force=self.step == self.stop):
-            if not all_finite(self.state["params"]):  # (a peer's NaN, averaged in: not into a checkpoint)
-                raise NotFinite(
-                    f"replica {self.replica_id}: step {q.step + 1}: its parameters hold a NaN or an infinity "
-                    "after the update (the average of a replica whose loss was not finite?): stopping before "
-                    "they are checkpointed"
-                )
+        if self.ckpt is not None and applied:
             with self.watchdog.exempt("checkpoint save"):  # its length depends on the model, like a restore
-                self.ckpt.maybe_save(self.step, self.state, self._meta(), force=self.step == self.stop)
+                self._save(force=self.step == self.stop)
         every = self.cfg.eval.every
         evaluated = {}
         if applied and contributes and every and self.step % every == 0:
@@ -518,10 +512,22 @@ class Trainer:
         )
         print(f"ftjax train: {e}; moved to {e.moved_to}, trying an older checkpoint", file=sys.stderr, flush=True)
 
+    def _save(self, force: bool) -> None:
+        """A durable checkpoint when one is due, of a finite state only: a peer whose own loss was
+        finite has applied the average of one that was not (docs/design.md, "A loss that is not finite")."""
+        if not self.ckpt.due(self.step, force=force):
+            return
+        if not all_finite(self.state):
+            raise NotFinite(
+                f"replica {self.replica_id}: step {self.step}: its state holds a NaN or an infinity after the "
+                "update (the average of a replica whose loss was not finite?): stopping before it is checkpointed"
+            )
+        self.ckpt.maybe_save(self.step, self.state, self._meta(), force=force)
+
     # --- the end ----------------------------------------------------------------------------------
     def _finish(self) -> int:
         if self.ckpt is not None:
-            self.ckpt.maybe_save(self.step, self.state, self._meta(), force=True)
+            self._save(force=True)
             self.ckpt.close()
         self.log.summary(
             final_step=self.step,  # the state's step: a replica that caught up at the end logged no step of its own

@@ -235,3 +235,21 @@ def test_a_logical_axis_name_not_in_the_rules_is_refused_naming_the_parameter():
     assert param_shardings({"w": P("embed", None)}, mesh, shapes)["w"].spec == P("fsdp", None)
     with pytest.raises(Indivisible, match=r"parameter \['w'\]: logical axis 'embd' is not one of embed, vocab"):
         param_shardings({"w": P("embd", None)}, mesh, shapes)
+
+
+def test_a_state_gone_nan_under_a_finite_loss_is_never_checkpointed(tmp_path):
+    """A loss whose value is finite and whose gradient is not (sqrt at 0): step 1's loss is 0, its
+    update makes the parameters NaN. The checkpoint due at step 1 is refused, the run stops."""
+    import ftjax
+    from ftjax.runtime.trainer import NotFinite
+
+    def loss(params, batch, key=None):
+        return jnp.sqrt(jnp.sum(params["w"] * 0.0) * batch["x"][:, 0] ** 2) + 0.0 * params["w"].sum()
+
+    task = ftjax.pytree_task(lambda key: {"w": jnp.ones(3)}, loss, Pairs(), optimizer=optax.sgd(0.1), name="sqrt0")
+    config = {"steps": 3, "data": {"batch_size": 4}, "checkpoint": {"every": 1}}
+    with pytest.raises(NotFinite, match=r"replica 0: step 1: its state holds a NaN or an infinity"):
+        ftjax.fit(task, config, out=tmp_path / "run")
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in steps if "step" in r and "event" not in r], "step 1 was recorded as done"
+    assert not list((tmp_path / "run" / "checkpoints").glob("[0-9]*")), "a NaN state was checkpointed"
