@@ -79,8 +79,7 @@ def main(argv: list[str]) -> int:
         # another job's checkpoint or none intact, a step that does not fit the device, token files
         # that do not match their index, a task the mesh cannot hold, a loss gone NaN (2); a full
         # disk, the coordinator unreachable (1): one line, no traceback
-        refused = (CheckpointError, DoesNotFit, TokenFileError, TaskError, NotFinite)
-        code = 2 if isinstance(e, refused) else 1
+        code = 1 if isinstance(e, (SpillError, CoordinatorError)) else 2
         print(f"ftjax train: error: {e}", file=sys.stderr, flush=True)
         if cfg.mesh.hosts > 1:
             os._exit(code)  # (as below: not into jax.distributed's shutdown barrier)

@@ -53,7 +53,8 @@ CALLER_FAULT = frozenset(
 # final: a predecessor that was just killed may not have been seen to die yet (its heartbeat stream's
 # end reaches the coordinator within milliseconds; a silent one is dead after the heartbeat timeout).
 DUPLICATE_GRACE_S = 5.0
-UNREACHABLE_SAY_S = 10.0  # a request unanswered this long is said on stderr (once), long before its timeout
+# A coordinator that has not answered this long is said on stderr, once an outage, long before a timeout.
+UNREACHABLE_SAY_S = 10.0
 _STREAM_LIFETIME_S = 3600.0  # streams are renewed this often (every call has a deadline)
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -375,9 +376,10 @@ class CoordinatorClient:
                 raise CoordinatorError(grpc.StatusCode.INTERNAL, str(e)) from None
 
     def _say_unreachable(self, last_error: str, deadline: float) -> None:
-        """One stderr line per request that the coordinator has not answered for UNREACHABLE_SAY_S:
-        a wrong --coordinator or a coordinator not (yet, again) running would otherwise be silence
-        until ft.quorum_timeout_s (120 s by default) ends it."""
+        """One stderr line once a quorum request has gone unanswered for UNREACHABLE_SAY_S, said again
+        only after the coordinator has answered since: a wrong --coordinator or a coordinator not
+        (yet, again) running would otherwise be silence until ft.quorum_timeout_s (120 s by default)
+        ends it."""
         if self._said_unreachable:
             return
         self._said_unreachable = True

@@ -234,14 +234,20 @@ def _rng_placeholders(a_rngs: PyTree) -> PyTree:
     return jax.tree.map(leaf, a_rngs)
 
 
+def first_leaf_not(tree: PyTree, kind: Any) -> tuple[str, Any] | None:
+    """(path, dtype) of the first leaf of `tree` whose dtype is not of `kind` (jnp.floating, ...), or None."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not jnp.issubdtype(leaf.dtype, kind):
+            return jax.tree_util.keystr(path), leaf.dtype
+    return None
+
+
 def _check_float_state(state: PyTree, task: str) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if not jnp.issubdtype(leaf.dtype, jnp.floating):
-            raise TaskError(
-                f"task {task}: non-parameter variable {jax.tree_util.keystr(path)} has dtype "
-                f"{leaf.dtype}: model state is averaged over replicas with the gradients, so it "
-                "must be floating point"
-            )
+    if found := first_leaf_not(state, jnp.floating):
+        raise TaskError(
+            f"task {task}: non-parameter variable {found[0]} has dtype {found[1]}: model state is averaged "
+            "over replicas with the gradients, so it must be floating point"
+        )
 
 
 # --- Flax Linen -------------------------------------------------------------------------------------

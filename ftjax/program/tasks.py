@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ftjax.program.task import Task, TaskError, batch_rows, load_task, nnx_task, normalize_loss
+from ftjax.program.task import Task, TaskError, batch_rows, first_leaf_not, load_task, nnx_task, normalize_loss
 
 BUILTIN = "ftjax.program.tasks:language_model"
 
@@ -161,15 +161,13 @@ def task_of(cfg) -> Task:
 def _check_float_params(name: str, params) -> None:
     """Gradients are taken of every parameter, and FTAR sums them as floats: an integer one would
     fail inside the first step's jax.grad, after the replica joined its job."""
-    import jax
-    import numpy as np
+    import jax.numpy as jnp
 
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not np.issubdtype(leaf.dtype, np.inexact):
-            raise TaskError(
-                f"task {name}: parameter {jax.tree_util.keystr(path)} is {leaf.dtype}: every parameter is "
-                "differentiated, so it must be floating point (or not a parameter)"
-            )
+    if found := first_leaf_not(params, jnp.inexact):
+        raise TaskError(
+            f"task {name}: parameter {found[0]} is {found[1]}: every parameter is differentiated, so it "
+            "must be floating point (or not a parameter)"
+        )
 
 
 def check_task(cfg) -> Task:
