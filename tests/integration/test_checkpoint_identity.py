@@ -163,6 +163,23 @@ def test_where_token_files_are_is_not_the_job_but_how_they_are_read_is(tmp_path)
     ck.close()
 
 
+def test_a_custom_task_checkpoint_is_not_the_builtin_models(tmp_path):
+    """A custom task's `--resume` with `model.d_model=128` was refused ("belongs to another job:
+    model.d_model") though the task never reads `model:`: its identity now holds its task, task_args
+    and the settings it declares (Task.reads), also against a checkpoint that recorded the built-in ones."""
+    from ftjax.config import load_config
+
+    custom, reads = ["task=linen_batchnorm:task"], ("model.seq_len",)
+    ours = checkpoint.job_identity(load_config("tiny", [*custom, "model.d_model=128"]), "fp", reads=reads)
+    ck = checkpoint.DurableCheckpoints(tmp_path, every=1, keep=1, identity=ours)
+    ck._check(3, {"identity": checkpoint.job_identity(load_config("tiny", custom), "fp", reads=reads)})  # accepted
+    older = {**ours, "model.kind": "gpt", "model.d_model": 64, "data.source": "stdlib"}  # recorded them
+    ck._check(3, {"identity": older})  # accepted
+    with pytest.raises(checkpoint.CheckpointMismatch, match="model.seq_len: checkpoint 32, this job 64"):
+        ck._check(3, {"identity": {**older, "model.seq_len": 32}})  # what it reads is its job
+    ck.close()
+
+
 def member(procs, address, out, rid, *overrides):
     """`ftjax train` of the tiny config, replica `rid` of a 2-replica job at the coordinator `address`."""
     argv = ["train", "configs/tiny.yaml", "--replica-id", str(rid), "--coordinator", address, "--out", str(out)]
