@@ -8,6 +8,8 @@ state, averaged over the step's contributors with the gradients, so every replic
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import optax
 
@@ -39,4 +41,5 @@ def loss(apply, tokens):
 def task(cfg, *, d_model: int = 64) -> ftjax.Task:
     corpus = stdlib_corpus()
     source = Windows(corpus.tokens, cfg.model.seq_len + 1, corpus.fingerprint)
-    return ftjax.linen_task(BatchNormLM(d_model=d_model), loss, source, tokens_per_example=cfg.model.seq_len)
+    task = ftjax.linen_task(BatchNormLM(d_model=d_model), loss, source, tokens_per_example=cfg.model.seq_len)
+    return dataclasses.replace(task, reads=("model.seq_len",))  # (its windows' length: in the job identity)

@@ -9,6 +9,8 @@ auxiliary metrics. `task(cfg, ...)` is what the config names (`task: nnx_dropout
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -44,9 +46,10 @@ def loss(model: DropoutLM, tokens: jax.Array):
 def task(cfg, *, d_model: int = 64, d_ff: int = 256, dropout: float = 0.1) -> ftjax.Task:
     corpus = stdlib_corpus()  # bytes of Python's own sources (any random-access source works)
     source = Windows(corpus.tokens, cfg.model.seq_len + 1, corpus.fingerprint)
-    return ftjax.nnx_task(
+    task = ftjax.nnx_task(
         lambda rngs: DropoutLM(vocab=256, d_model=d_model, d_ff=d_ff, dropout=dropout, rngs=rngs),
         loss,
         source,
         tokens_per_example=cfg.model.seq_len,
     )
+    return dataclasses.replace(task, reads=("model.seq_len",))  # (its windows' length: in the job identity)

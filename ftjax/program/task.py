@@ -81,6 +81,10 @@ class Task:
     # what): left out of the job identity, so that a run resumes from its data moved or named by
     # another path (ftjax/runtime/checkpoint.py, job_identity)
     locations: tuple[str, ...] = ()
+    # config settings (`section.field`, e.g. `model.seq_len`) a custom task's factory reads besides its
+    # task_args: recorded in the job identity with their values, which has none of the built-in model's
+    # `model:` section and `data.source` otherwise (ftjax/runtime/checkpoint.py, job_identity)
+    reads: tuple[str, ...] = ()
 
     def data_fingerprint(self) -> str:
         """The source's own `fingerprint` attribute, else a hash of its type, length and first example."""
@@ -99,6 +103,17 @@ class Task:
         """The first `rows` examples of the source, stacked: what a batch of this task looks like (a
         source shorter than `rows` repeats, as its epochs do in training)."""
         return stack([self.source[i % len(self.source)] for i in range(rows)], self.name)
+
+
+def config_setting(cfg, key: str) -> Any:
+    """The value of the config setting `key` (`section.field`, one of a task's `reads`), as JSON;
+    TaskError naming it if the config has no such setting."""
+    node = cfg
+    for part in key.split("."):
+        if part not in getattr(type(node), "model_fields", {}):
+            raise TaskError(f"Task.reads: {key!r} is not a config setting (`section.field`, e.g. model.seq_len)")
+        node = getattr(node, part)
+    return node.model_dump(mode="json") if hasattr(node, "model_dump") else node
 
 
 def stack(examples: Sequence[Any], task: str = "") -> Batch:

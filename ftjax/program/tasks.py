@@ -15,7 +15,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ftjax.program.task import Task, TaskError, batch_rows, first_leaf_not, load_task, nnx_task, normalize_loss
+from ftjax.program.task import (
+    Task,
+    TaskError,
+    batch_rows,
+    config_setting,
+    first_leaf_not,
+    load_task,
+    nnx_task,
+    normalize_loss,
+)
 
 BUILTIN = "ftjax.program.tasks:language_model"
 
@@ -183,6 +192,8 @@ def check_task(cfg) -> Task:
             "language_model has none; token files' heldout split, from `ftjax data prepare`, is used by "
             "ftjax.program.tasks:token_lm; a task of yours sets Task.heldout): set eval.every=0"
         )
+    for key in task.reads:  # (named now, not when the job identity is first taken)
+        config_setting(cfg, key)
     batch = task.example_batch(min(cfg.data.batch_size, 2))
     try:
         params, state = jax.eval_shape(task.init, jax.random.key(0))

@@ -33,6 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ftjax.program.digest import params_digest
+from ftjax.program.task import config_setting
 
 CHECKSUMS = "ftjax_checksums.json"  # in each step's directory: {relative path: [size, sha256]}
 
@@ -124,35 +125,36 @@ def params_structure(params: Any) -> str:
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
 
 
-def job_identity(cfg, data_fingerprint: str, params: Any = None, locations: tuple[str, ...] = ()) -> dict[str, Any]:
+def job_identity(
+    cfg, data_fingerprint: str, params: Any = None, locations: tuple[str, ...] = (), reads: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """What makes a checkpoint this job's: every setting that changes the numbers of the run, as a
     flat {"section.field": value} record (JSON scalars, so that it survives the meta's round trip).
 
-    In: `seed` (initial parameters and the data shuffle); the data (`data.source`, the corpus's
-    content fingerprint `data.fingerprint`, `data.batch_size`, and `ft.replicas`, which splits the
-    stream among replicas: the stream position of a checkpoint means other batches under another
-    split); the whole `model` section (the architecture; a shape change would otherwise surface as an
-    orbax shape error; the llama's fields only when not at their defaults, so that checkpoints
-    older than them keep their identity); the whole `optim` section (learning rate and its schedule,
-    AdamW, clipping) and `ft.lr_scaling`. Whole sections, so that a field added to them later is
-    checked by default.
+    In: `seed` (initial parameters and the data shuffle); the data (the corpus's content fingerprint
+    `data.fingerprint`, `data.batch_size`, and `ft.replicas`, which splits the stream among replicas:
+    the stream position of a checkpoint means other batches under another split); the whole `optim`
+    section (learning rate and its schedule, AdamW, clipping) and `ft.lr_scaling`. Whole sections,
+    so that a field added to them later is checked by default.
     The task: its import path and arguments (`task`, `task_args`, less the `locations` that only say
     where its data is: `token_lm`'s `dir`, whose content `data.fingerprint` names), and the structure
-    of its parameter tree (`params` given: paths, shapes, dtypes).
+    of its parameter tree (`params` given: paths, shapes, dtypes). A built-in task (the model of the
+    `model:` section) adds `data.source` and the whole `model` section (see :func:`_model_identity`);
+    a custom task reads neither, only the settings it declares (`reads`, `Task.reads`), with their values.
 
     The run's starting point when it is not the seed's (`checkpoint.init_from`, `checkpoint.init_opt`).
 
-    Out, because the same job may change them between restarts: `model.compute_dtype`,
-    `model.remat`, `model.attention`, `model.attention_chunk` and `model.logits_chunk` (how the
-    model is computed, not what; a checkpoint from before the chunk settings existed restores too),
+    Out, because the same job may change them between restarts: how the model is computed (`_HOW`),
     `data.micro_batches`,
     `steps` (a run may be extended; with no `optim.decay_steps` the cosine decay then stretches from the resume on,
     which is what extending means), the mesh (a checkpoint is resharded onto another device count), the
-    checkpoint cadence and directory, logging, the coordinator and every fault-tolerance timeout or transport knob.
+    checkpoint cadence and directory, logging, the coordinator and every fault-tolerance timeout or transport knob
+    (live replicas must agree on more: :func:`replica_identity`).
     """
+    builtin = builtin_task(cfg)
     identity: dict[str, Any] = {
         "seed": cfg.seed,
-        "data.source": cfg.data.source,
+        **({"data.source": cfg.data.source} if builtin else {}),
         "data.fingerprint": data_fingerprint,
         "data.batch_size": cfg.data.batch_size,
         "ft.replicas": cfg.ft.replicas,
@@ -168,14 +170,63 @@ def job_identity(cfg, data_fingerprint: str, params: Any = None, locations: tupl
         identity["checkpoint.init_opt"] = cfg.checkpoint.init_opt
     if params is not None:
         identity["params.structure"] = params_structure(params)
-    for section in ("model", "optim"):
-        identity.update({f"{section}.{k}": v for k, v in getattr(cfg, section).model_dump().items()})
-    for k in _HOW:
-        del identity[k]
-    defaults = type(cfg.model)()
-    for k in _LATER:  # recorded only when set (like init_from): older checkpoints keep their identity
-        if getattr(cfg.model, k) == getattr(defaults, k):
-            del identity[f"model.{k}"]
+    if builtin:
+        identity.update(_model_identity(cfg.model))
+    identity.update({f"optim.{k}": v for k, v in cfg.optim.model_dump().items()})
+    identity.update({key: config_setting(cfg, key) for key in reads})
+    return identity
+
+
+def builtin_task(cfg) -> bool:
+    """Whether the job trains a built-in task (`ftjax.program.tasks`: the model of the `model:`
+    section on `data.source` or token files), the same rule as the config's mesh checks."""
+    return cfg.task is None or cfg.task.startswith("ftjax.program.tasks:")
+
+
+def _model_identity(model) -> dict[str, Any]:
+    """The `model` section less how it is computed (`_HOW`); the llama's fields only when not at
+    their defaults, so that checkpoints older than them keep their identity."""
+    defaults = type(model)()
+    return {
+        f"model.{k}": v
+        for k, v in model.model_dump().items()
+        if f"model.{k}" not in _HOW and not (k in _LATER and v == getattr(defaults, k))
+    }
+
+
+def replica_identity(
+    cfg, data_fingerprint: str, locations: tuple[str, ...] = (), reads: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """What the live replicas of one job must agree on, beyond their layout: the coordinator refuses a
+    member whose record differs, naming the setting (`replica._topology`, coordinator/layout.py).
+    The job identity (:func:`job_identity`) less `checkpoint.init_from` (a path: each machine may hold
+    its copy of the weights elsewhere), plus what a checkpoint leaves out because a job may change it
+    between restarts, but not between replicas that train together:
+    `steps` (the job's end) and `optim.decay_steps` resolved (its default is the job's optimizer steps:
+    two replicas of other `steps` would apply one average with two learning rates);
+    `ft.grad_dtype`, `ft.wire_dtype`, `ft.link_streams` (FTAR's call fingerprint: a peer that frames
+    otherwise fails every average) and `ft.commit_decision` (who commits a step);
+    `ft.global_batch` (the divisor of the average; constant: who computes a missing batch, in
+    micro-batches of `ft.micro_batch_rows`, resolved); DiLoCo's outer optimizer (its rounds:
+    `replica._topology`'s sync line)."""
+    identity = job_identity(cfg, data_fingerprint, locations=locations, reads=reads)
+    identity.pop("checkpoint.init_from", None)
+    ft = cfg.ft
+    identity["optim.decay_steps"] = cfg.optim.decay_steps or cfg.train_steps
+    identity.update(
+        {
+            "steps": cfg.steps,
+            "ft.grad_dtype": ft.grad_dtype,
+            "ft.wire_dtype": ft.wire_dtype,
+            "ft.link_streams": ft.link_streams,
+            "ft.commit_decision": ft.commit_decision,
+            "ft.global_batch": ft.global_batch,
+        }
+    )
+    if ft.global_batch == "constant":
+        identity["ft.micro_batch_rows"] = cfg.micro_rows
+    if ft.sync != "every_step":
+        identity.update({f"ft.{k}": getattr(ft, k) for k in ("outer_optimizer", "outer_lr", "outer_momentum")})
     return identity
 
 
@@ -186,6 +237,18 @@ def task_args_identity(task_args: dict[str, Any] | str, locations: tuple[str, ..
         task_args = json.loads(task_args)
     kept = {k: v for k, v in task_args.items() if k not in locations}
     return json.dumps(kept, sort_keys=True, default=str)
+
+
+def recorded_identity(theirs: dict[str, Any], ours: dict[str, Any], locations: tuple[str, ...]) -> dict[str, Any]:
+    """A checkpoint's recorded identity as this job compares it with its own (`ours`): its `task_args`
+    less `locations` (it may hold one, written before they were left out), and for a custom task
+    (no `data.source` in ours) less the built-in model's settings that ours does not read (a custom
+    task's checkpoint recorded them before its identity left them out)."""
+    if isinstance(theirs.get("task_args"), str):
+        theirs = {**theirs, "task_args": task_args_identity(theirs["task_args"], locations)}
+    if "data.source" not in ours:
+        theirs = {k: v for k, v in theirs.items() if k in ours or not (k == "data.source" or k.startswith("model."))}
+    return theirs
 
 
 # How the model is computed, not what: a job may change them between restarts, like its mesh.
@@ -218,18 +281,25 @@ class DurableCheckpoints:
 
     @classmethod
     def from_config(
-        cls, cfg, run_dir: str | Path, *, data_fingerprint: str, params: Any = None, locations: tuple[str, ...] = ()
+        cls,
+        cfg,
+        run_dir: str | Path,
+        *,
+        data_fingerprint: str,
+        params: Any = None,
+        locations: tuple[str, ...] = (),
+        reads: tuple[str, ...] = (),
     ) -> DurableCheckpoints:
         """The checkpoints a run's config asks for (`checkpoint:` section; default dir RUN/checkpoints),
         holding and accepting only this job's (`data_fingerprint`: the data stream's; `locations`:
-        the task's, see job_identity)."""
+        `reads`: the task's, see job_identity)."""
         c = cfg.checkpoint
         return cls(
             c.dir or Path(run_dir) / "checkpoints",
             every=c.every,
             keep=c.keep,
             async_save=c.async_save,
-            identity=job_identity(cfg, data_fingerprint, params, locations),
+            identity=job_identity(cfg, data_fingerprint, params, locations, reads),
             locations=locations,
         )
 
@@ -323,8 +393,7 @@ class DurableCheckpoints:
                 f"nothing shows that it belongs to this job.\n{todo}"
             )
 
-        if isinstance(theirs.get("task_args"), str):  # (one written before its locations were left out)
-            theirs = {**theirs, "task_args": task_args_identity(theirs["task_args"], self.locations)}
+        theirs = recorded_identity(theirs, self.identity, self.locations)
 
         def show(identity: dict[str, Any], key: str) -> str:
             return json.dumps(identity[key]) if key in identity else "(not recorded)"

@@ -32,7 +32,7 @@ from ftjax.program.step import ReplicaProgram, build_program
 from ftjax.program.task import Task
 from ftjax.runtime.args import RunOptions
 from ftjax.runtime.catchup import ReceiveArena, ShardTransport
-from ftjax.runtime.checkpoint import DurableCheckpoints, job_identity
+from ftjax.runtime.checkpoint import DurableCheckpoints, replica_identity
 from ftjax.runtime.diloco import FragmentReducer, Piece, fragment_cut, piece_templates
 from ftjax.runtime.faults import InjectedFaults, parse_die_at, parse_flip_at
 from ftjax.runtime.host_group import JaxHostGroup
@@ -54,6 +54,7 @@ def _checkpoints(cfg: Config, args: RunOptions, out: Path, stream, program) -> D
             data_fingerprint=stream.fingerprint,
             params=program.abstract_state()["params"],
             locations=program.task.locations,
+            reads=program.task.reads,
         )
     return None
 
@@ -179,12 +180,12 @@ def _ftar_reducer_of(cfg: Config, endpoints, served, update_template: Any, updat
 
 def _topology(cfg: Config, program: ReplicaProgram, data_fingerprint: str) -> str:
     """What replicas must agree on to average together: the program's layout, the job's identity
-    (the settings that change the run's numbers: seed, data, model, optimizer, ...; a replica with
-    another learning rate would train the job with it, and heal its peers to its own state when the
-    digests tie), and with DiLoCo how the rounds go (another inner step count or fragment cut would
-    average other things). One `key: value` line each, so that a refusal names what differs."""
-    identity = job_identity(cfg, data_fingerprint, locations=program.task.locations)
-    identity.pop("checkpoint.init_from", None)  # (a path: each machine's copy of the weights may be elsewhere)
+    (the settings that change the run's numbers or FTAR's frames: seed, data, model, optimizer, steps,
+    wire dtypes, ...: `replica_identity`; a replica with another learning rate would train the job
+    with it, and heal its peers to its own state when the digests tie), and with DiLoCo how the
+    rounds go (another inner step count or fragment cut would average other things). One
+    `key: value` line each, so that a refusal names what differs."""
+    identity = replica_identity(cfg, data_fingerprint, program.task.locations, program.task.reads)
     job = "\n".join(f"job {k}: {json.dumps(v, sort_keys=True, default=str)}" for k, v in identity.items())
     layout = f"{program.topology()}\n{job}"
     if cfg.ft.sync == "every_step":

@@ -1,8 +1,11 @@
 """A durable checkpoint is restored only by the job that wrote it (same seed, data, model, optimizer)."""
 
 import json
+import os
 import shutil
 import subprocess
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -158,3 +161,73 @@ def test_where_token_files_are_is_not_the_job_but_how_they_are_read_is(tmp_path)
     with pytest.raises(checkpoint.CheckpointMismatch, match="task_args"):
         ck._check(3, {"identity": packed})
     ck.close()
+
+
+def test_a_custom_task_checkpoint_is_not_the_builtin_models(tmp_path):
+    """A custom task's `--resume` with `model.d_model=128` was refused ("belongs to another job:
+    model.d_model") though the task never reads `model:`: its identity now holds its task, task_args
+    and the settings it declares (Task.reads), also against a checkpoint that recorded the built-in ones."""
+    from ftjax.config import load_config
+
+    custom, reads = ["task=linen_batchnorm:task"], ("model.seq_len",)
+    ours = checkpoint.job_identity(load_config("tiny", [*custom, "model.d_model=128"]), "fp", reads=reads)
+    ck = checkpoint.DurableCheckpoints(tmp_path, every=1, keep=1, identity=ours)
+    ck._check(3, {"identity": checkpoint.job_identity(load_config("tiny", custom), "fp", reads=reads)})  # accepted
+    older = {**ours, "model.kind": "gpt", "model.d_model": 64, "data.source": "stdlib"}  # recorded them
+    ck._check(3, {"identity": older})  # accepted
+    with pytest.raises(checkpoint.CheckpointMismatch, match="model.seq_len: checkpoint 32, this job 64"):
+        ck._check(3, {"identity": {**older, "model.seq_len": 32}})  # what it reads is its job
+    ck.close()
+
+
+def member(procs, address, out, rid, *overrides):
+    """`ftjax train` of the tiny config, replica `rid` of a 2-replica job at the coordinator `address`."""
+    argv = ["train", "configs/tiny.yaml", "--replica-id", str(rid), "--coordinator", address, "--out", str(out)]
+    return procs.start(
+        [*FTJAX, *argv, "ft.replicas=2", *overrides],
+        env={"FTJAX_TOKEN": "identity-t0ken"},
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_replica_of_other_steps_or_wire_dtype_is_refused_naming_the_setting(procs, tmp_path):
+    """Replicas of other `steps` (another learning-rate schedule: decay_steps defaults to it) or another
+    `ft.wire_dtype` (FTAR frames the peer cannot read: the job stalled at step 0) were admitted. Now the
+    coordinator refuses the second one, naming the setting, and it exits 2; the first one is untouched."""
+    (tmp_path / "token").write_text("identity-t0ken")
+    ready = tmp_path / "ready.json"
+    coordinator = ["coordinator", "--port", "0", "--http-port", "0", "--min-replicas", "2"]
+    procs.start([*FTJAX, *coordinator, "--token-file", str(tmp_path / "token"), "--ready-file", str(ready)])
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert time.monotonic() < deadline, "the coordinator did not start"
+        time.sleep(0.05)
+    addresses = json.loads(ready.read_text())
+    first = member(procs, addresses["grpc"], tmp_path / "r0", 0)  # waits for its peer: a quorum needs 2
+
+    def status():
+        with urllib.request.urlopen(f"http://{addresses['http']}/status", timeout=10) as r:
+            return json.loads(r.read())
+
+    deadline = time.monotonic() + 240
+    while not status()["topology_fingerprint"]:  # its layout fixes the job's
+        assert first.poll() is None, first.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "replica 0 did not join"
+        time.sleep(0.2)
+    fingerprint = status()["topology_fingerprint"]
+    others = {
+        "steps=43": ["job optim.decay_steps (job: 30; this replica: 43)", "job steps (job: 30; this replica: 43)"],
+        "ft.wire_dtype=bfloat16": ['job ft.wire_dtype (job: "float32"; this replica: "bfloat16")'],
+    }
+    refused = {o: member(procs, addresses["grpc"], tmp_path / o, 1, o) for o in others}
+    for override, proc in refused.items():
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 2, (override, proc.returncode, err[-3000:])
+        (line,) = [ln for ln in err.splitlines() if "the coordinator refused replica 1" in ln]
+        assert f"{len(others[override])} items differ: " + ", ".join(others[override]) in line, line
+        assert "Traceback" not in err, err[-3000:]
+    assert first.poll() is None and status()["topology_fingerprint"] == fingerprint  # the job is still replica 0's
+    assert not os.path.exists(tmp_path / "r0" / "summary.json")
