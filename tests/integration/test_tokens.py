@@ -407,3 +407,44 @@ def test_a_job_on_token_files_with_random_kills_ends_equal_exactly_once(prepared
     assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
     assert [e for e in s["failure_events"] if e["cause"] == "random_kill"], s["failure_events"]
     assert s["committed_steps"] == 400
+
+
+def test_damaged_array_record_offsets_are_refused_naming_the_file(corpus, tmp_path):
+    """The offsets say which records hold a window: swapped ones read other documents' tokens, every
+    id in the vocabulary. Their recorded sha256 is checked at open (training) and by verify (check)."""
+    from ftjax.config import load_config
+    from ftjax.program.task import TaskError, load_task
+    from ftjax.program.tokens import TokenFileError, TokenWindows
+
+    done = prepare(corpus, tmp_path / "ar", "--workers", "1", "--format", "array_record")
+    assert done.returncode == 0, done.stderr
+    good = TokenWindows(tmp_path / "ar", "train", 33)
+    path = tmp_path / "ar" / "train" / "offsets.npy"
+    offsets = np.load(path)
+    offsets[1:-1] = offsets[1:-1] + 1  # (still increasing, from 0 to the token count)
+    np.save(path, offsets)
+    with pytest.raises(TokenFileError, match=rf"^{path}: does not hash to the offsets_sha256"):
+        TokenWindows(tmp_path / "ar", "train", 33)
+    with pytest.raises(TokenFileError, match=rf"^{path}: does not hash"):
+        good.verify()
+    cfg = load_config("tiny", [f"model.vocab_size={VOCAB}", "model.seq_len=32"])
+    with pytest.raises(TaskError, match=rf"task_args.dir: {path}: does not hash"):
+        load_task("ftjax.program.tasks:token_lm", cfg, {"dir": str(tmp_path / "ar")})
+
+
+def test_a_token_file_that_cannot_be_read_is_not_called_a_source_that_is_not_random_access(prepared, tmp_path):
+    from ftjax.config import load_config
+    from ftjax.program.task import TaskError, load_task
+
+    changed = shutil.copytree(prepared[0], tmp_path / "changed")
+    index = json.loads((changed / "index.json").read_text())
+    tokens = np.memmap(changed / "train" / "tokens.bin", dtype=index["dtype"], mode="r+")
+    tokens[3] = index["vocab_size"]  # in window 0: the one load_task reads
+    tokens.flush()
+    del tokens
+    cfg = load_config("tiny", [f"model.vocab_size={VOCAB + 20}", "model.seq_len=32"])
+    with pytest.raises(TaskError) as e:
+        load_task("ftjax.program.tasks:token_lm", cfg, {"dir": str(changed)})
+    said = str(e.value)
+    assert "not random access" not in said and "cannot read its first example: TokenFileError" in said, said
+    assert f"token 3 (window 0) is {index['vocab_size']}, not below" in said, said
