@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import fcntl
 import glob
 import hashlib
 import json
@@ -371,6 +372,7 @@ def prepare(
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    lock = _claim(out, force)  # (held to the rename: a second run into `out` is refused, not interleaved)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -401,6 +403,7 @@ def prepare(
         _move_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        _release(out, lock)
     return {**index, "seconds": time.perf_counter() - t0}
 
 
@@ -463,6 +466,43 @@ def _tokenize(files, chunk_bytes, workers, tokenizer, eos_id, field, vocab_size,
 def _tokenizer_record(tokenizer: str | Path) -> dict:
     """The index's record of the tokenizer: its file name and the SHA-256 of its bytes."""
     return {"name": Path(tokenizer).name, "sha256": hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()}
+
+
+def _lock_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.lock"
+
+
+def _claim(out: Path, force: bool) -> int:
+    """An exclusive lock on `out` (flock of a lock file next to it, so a crashed run's lock goes with
+    its process): a second `ftjax data prepare` into the same directory is refused while one runs,
+    and `out` is checked again under the lock. Returns the lock's file descriptor."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = _lock_path(out)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise PrepareError(
+                f"--out {out}: another `ftjax data prepare` is writing it now ({path} is locked)"
+            ) from None
+        try:  # (the holder unlinks the file as it finishes: a lock on that old file claims nothing)
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    if out.exists() and not force:  # (written by a run that finished since the first check)
+        _release(out, fd)
+        raise PrepareError(f"--out {out}: exists (--force replaces it)")
+    return fd
+
+
+def _release(out: Path, fd: int) -> None:
+    """Unlink the lock file while still holding it (a run that opened it sees it gone, and retries)."""
+    _lock_path(out).unlink(missing_ok=True)
+    os.close(fd)
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:

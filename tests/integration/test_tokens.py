@@ -448,3 +448,35 @@ def test_a_token_file_that_cannot_be_read_is_not_called_a_source_that_is_not_ran
     said = str(e.value)
     assert "not random access" not in said and "cannot read its first example: TokenFileError" in said, said
     assert f"token 3 (window 0) is {index['vocab_size']}, not below" in said, said
+
+
+def test_two_concurrent_prepares_into_one_out_one_is_refused_naming_out(corpus, tmp_path, procs):
+    """The first run holds `out` from its start to its rename: a second one started meanwhile exits
+    2 naming --out, and the first one's files are what `out` holds. The first is stopped (SIGSTOP)
+    while the second runs, so the two overlap whatever the machine's load."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    args = [*FTJAX, "data", "prepare", *corpus["inputs"], "--field", "body", "--tokenizer", corpus["tokenizer"]]
+    first = procs.start([*args, "--out", str(out), "--workers", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.tmp-*")):  # (its temporary directory: made once it holds `out`)
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.005)
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = subprocess.run(
+            [*args, "--out", str(out), "--workers", "1"], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"--out {out}: another `ftjax data prepare` is writing it" in second.stderr
+    assert second.stderr.count("\n") == 1 and not out.exists()
+    stdout, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0, stderr.decode()
+    fingerprint = json.loads((out / "index.json").read_text())["fingerprint"]
+    assert f"fingerprint {fingerprint}" in stdout.decode()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # (no lock file, no temporary left)
