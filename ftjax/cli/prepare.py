@@ -242,8 +242,23 @@ def read_documents(chunk: Chunk, field: str) -> list[str]:
             raise PrepareError(
                 f"{path}:{_line_number(path, where)}: field {field!r} is a {type(record[field]).__name__}, not a string"
             )
+        if b"\\ud" in line.lower():  # (only a \uD800-\uDFFF escape can make a lone surrogate)
+            _check_surrogates(record[field], path, where, field)
         texts.append(record[field])
     return texts
+
+
+def _check_surrogates(text: str, path: str, where: int, field: str) -> None:
+    """Refuse a text with a lone surrogate (an escape like \\udcff without its pair): it is not
+    Unicode, so no tokenizer encodes it; replacing it would change the corpus behind the user's back
+    (text files that are not UTF-8 are refused alike)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PrepareError(
+            f"{path}:{_line_number(path, where)}: field {field!r} holds a lone surrogate "
+            f"(\\u{ord(text[e.start]):04x} at character {e.start}), not Unicode text: fix the line's escapes"
+        ) from None
 
 
 def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:

@@ -480,3 +480,25 @@ def test_two_concurrent_prepares_into_one_out_one_is_refused_naming_out(corpus, 
     fingerprint = json.loads((out / "index.json").read_text())["fingerprint"]
     assert f"fingerprint {fingerprint}" in stdout.decode()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # (no lock file, no temporary left)
+
+
+def test_a_jsonl_lone_surrogate_escape_exits_2_naming_path_and_line(corpus, tmp_path):
+    """`\\udcff` alone is valid JSON but not Unicode (no tokenizer encodes it): refused naming the
+    file and line, not a worker's traceback; a pair (an emoji) is text like any other."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "one \\ud83d\\ude00"}\n{"body": "two"}\n{"body": "three \\udcff"}\n')
+    args = [str(bad), "--field", "body", "--tokenizer", corpus["tokenizer"], "--out", str(tmp_path / "out")]
+    done = subprocess.run(
+        [*FTJAX, "data", "prepare", *args, "--workers", "1"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"{bad}:3: field 'body' holds a lone surrogate (\\udcff at character 6)" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+    bad.write_text('{"body": "one \\ud83d\\ude00"}\n{"body": "two"}\n')
+    done = subprocess.run(
+        [*FTJAX, "data", "prepare", *args, "--workers", "1", "--heldout-fraction", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
