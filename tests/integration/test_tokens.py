@@ -502,3 +502,27 @@ def test_a_jsonl_lone_surrogate_escape_exits_2_naming_path_and_line(corpus, tmp_
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_document_longer_than_a_chunk_is_encoded_in_pieces_to_the_same_tokens(corpus, tmp_path):
+    """~30 KB as one document, with chunks of 1 KiB: encoded ~30 pieces at a time, cut before a
+    space between words, its tokens are the tokenizer's of the whole text (and a text without such
+    a space stays whole)."""
+    from ftjax.cli.prepare import text_pieces
+
+    text = "".join(t + ("\n" if i % 4 == 0 else " ") for i, t in enumerate(corpus["texts"])) + "end,  two  spaces"
+    pieces = text_pieces(text, 1000)
+    assert len(pieces) > 20 and "".join(pieces) == text and all(p.startswith(" ") for p in pieces[1:])
+    assert text_pieces("x" * 5000, 1000) == ["x" * 5000]
+    (tmp_path / "long").mkdir()
+    (tmp_path / "long" / "one.txt").write_text(text)
+    args = [str(tmp_path / "long"), "--tokenizer", corpus["tokenizer"], "--out", str(tmp_path / "out")]
+    done = subprocess.run(
+        [*FTJAX, "data", "prepare", *args, "--chunk-mib", "0.001", "--heldout-fraction", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    [doc] = split_documents(tmp_path / "out", "train")
+    assert doc.tolist() == corpus["tok"].encode(text).ids + [corpus["eos"]]
