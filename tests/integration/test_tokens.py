@@ -526,3 +526,41 @@ def test_a_document_longer_than_a_chunk_is_encoded_in_pieces_to_the_same_tokens(
     assert done.returncode == 0, done.stderr
     [doc] = split_documents(tmp_path / "out", "train")
     assert doc.tolist() == corpus["tok"].encode(text).ids + [corpus["eos"]]
+
+
+USER_TASK = """
+import jax, jax.numpy as jnp, ftjax
+
+
+def task(cfg, dir):
+    source = ftjax.TokenWindows(dir, "train", cfg.model.seq_len + 1)  # the public API only
+
+    def init(key):
+        return {"embed": 0.02 * jax.random.normal(key, (source.vocab_size, 8))}
+
+    def loss(params, tokens, key):
+        logits = params["embed"][tokens[:, :-1]] @ params["embed"].T
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0].mean(1)
+
+    return ftjax.pytree_task(init, loss, source)
+"""
+
+
+def test_a_users_task_reads_token_files_through_the_public_api(prepared, tmp_path):
+    """A task of the user's own (not token_lm) on token files, through `ftjax.TokenWindows` alone:
+    it loads and checks like any task, and its examples are the files' windows, bit for bit."""
+    import ftjax
+    from ftjax.config import load_config
+    from ftjax.program.tasks import check_task
+
+    (tmp_path / "mytokens.py").write_text(USER_TASK)
+    args = ["task=mytokens:task", f"task_path={json.dumps([str(tmp_path)])}", "model.seq_len=32"]
+    cfg = load_config("tiny", [*args, f"task_args={json.dumps({'dir': str(prepared[0])})}"])
+    task = check_task(cfg)
+    assert isinstance(task.source, ftjax.TokenWindows)
+    tokens = np.fromfile(prepared[0] / "train" / "tokens.bin", np.uint16)
+    assert len(task.source) == len(tokens) // 33
+    for i in (0, 7, len(task.source) - 1):
+        assert np.array_equal(task.source[i], tokens[33 * i : 33 * (i + 1)].astype(np.int32)), i
+    with pytest.raises(ftjax.TokenFileError, match="index.json: no such file"):
+        ftjax.TokenWindows(tmp_path / "nowhere")
