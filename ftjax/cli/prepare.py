@@ -412,11 +412,9 @@ def prepare(
         raise PrepareError(f"--out {out}: exists (--force replaces it)")
     tok = load_tokenizer(tokenizer)
     eos_token, eos_id = eos_of(tok, eos_token)
-    vocab_size = tok.vocab_size
-    dtype = token_dtype(vocab_size)
+    vocab_size, dtype = tok.vocab_size, token_dtype(tok.vocab_size)
     files = list_inputs(inputs)
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     lock = _claim(out, force)  # (held to the rename: a second run into `out` is refused, not interleaved)
     shutil.rmtree(tmp, ignore_errors=True)
