@@ -14,7 +14,6 @@ import flax.linen as nn
 import optax
 
 import ftjax
-from ftjax.program.data import Windows, stdlib_corpus
 
 
 class BatchNormLM(nn.Module):
@@ -39,7 +38,7 @@ def loss(apply, tokens):
 
 
 def task(cfg, *, d_model: int = 64) -> ftjax.Task:
-    corpus = stdlib_corpus()
-    source = Windows(corpus.tokens, cfg.model.seq_len + 1, corpus.fingerprint)
+    corpus = ftjax.stdlib_corpus()
+    source = ftjax.Windows(corpus.tokens, cfg.model.seq_len + 1, corpus.fingerprint)
     task = ftjax.linen_task(BatchNormLM(d_model=d_model), loss, source, tokens_per_example=cfg.model.seq_len)
     return dataclasses.replace(task, reads=("model.seq_len",))  # (its windows' length: in the job identity)

@@ -17,7 +17,6 @@ import optax
 from flax import nnx
 
 import ftjax
-from ftjax.program.data import Windows, stdlib_corpus
 
 
 class DropoutLM(nnx.Module):
@@ -44,8 +43,8 @@ def loss(model: DropoutLM, tokens: jax.Array):
 
 
 def task(cfg, *, d_model: int = 64, d_ff: int = 256, dropout: float = 0.1) -> ftjax.Task:
-    corpus = stdlib_corpus()  # bytes of Python's own sources (any random-access source works)
-    source = Windows(corpus.tokens, cfg.model.seq_len + 1, corpus.fingerprint)
+    corpus = ftjax.stdlib_corpus()  # bytes of Python's own sources (any random-access source works)
+    source = ftjax.Windows(corpus.tokens, cfg.model.seq_len + 1, corpus.fingerprint)
     task = ftjax.nnx_task(
         lambda rngs: DropoutLM(vocab=256, d_model=d_model, d_ff=d_ff, dropout=dropout, rngs=rngs),
         loss,

@@ -22,12 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import optax
 
-    from ftjax.program.data import Windows, stdlib_corpus
-
     cfg, rid = run.cfg, run.options.replica_id
-    corpus = stdlib_corpus()
+    corpus = ftjax.stdlib_corpus()
     stream = ftjax.BatchStream(
-        Windows(corpus.tokens, cfg.model.seq_len + 1),
+        ftjax.Windows(corpus.tokens, cfg.model.seq_len + 1),
         seed=cfg.seed,
         batch_size=cfg.data.batch_size,
         replica=rid,

@@ -11,7 +11,10 @@ The Python API (docs/design.md, "The API"; README, "Bring your own model"):
 - `FaultTolerance`: the step protocol for a script that owns its training loop (`Finished`, `Left`:
   how its loop ends; `BatchStream`: a source's batches of each step, the ones ftjax trains);
 - `load_config`, `Config`: the run configuration (YAML + overrides, validated);
-- `constrain_rows(x)`: in a model, an activation split by rows like the batch (docs/design.md, "Rows").
+- `constrain_rows(x)`: in a model, an activation split by rows like the batch (docs/design.md, "Rows");
+- `TokenWindows(dir, split, window)`: a task's source of windows of token files (`ftjax data
+  prepare`), `TokenFileError` what it raises; `Windows`, `stdlib_corpus()`: windows of a token array,
+  and the toy corpus of Python's own sources (the examples' data).
 
 Names are imported on first use, so that `ftjax coordinator` and `ftjax launch` never import JAX.
 """
@@ -40,6 +43,10 @@ _EXPORTS = {
     "ConfigError": "ftjax.config",
     "load_config": "ftjax.config",
     "constrain_rows": "ftjax.program.sharding",
+    "TokenWindows": "ftjax.program.tokens",
+    "TokenFileError": "ftjax.program.tokens",
+    "Windows": "ftjax.program.data",
+    "stdlib_corpus": "ftjax.program.data",
 }
 
 __all__ = [
@@ -54,12 +61,16 @@ __all__ = [
     "StepInfo",
     "Task",
     "TaskError",
+    "TokenFileError",
+    "TokenWindows",
+    "Windows",
     "constrain_rows",
     "fit",
     "linen_task",
     "load_config",
     "nnx_task",
     "pytree_task",
+    "stdlib_corpus",
 ]
 
 

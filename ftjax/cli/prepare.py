@@ -15,17 +15,22 @@ into place when complete, so a crashed run never leaves something that looks don
 The work is spread over processes (`--workers`, default: every core) in chunks of documents
 (`--chunk-mib` of input each; a Parquet file is cut between row groups); results are written in
 input order, so the files are the same bytes whatever the number of workers or the chunk size.
+A document longer than a chunk (or than PIECE_CHARS) is encoded a piece at a time, cut before a space
+between words (`text_pieces` says for which tokenizers the tokens are the same), so memory stays
+bounded however long one document is.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import fcntl
 import glob
 import hashlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import time
@@ -40,6 +45,9 @@ from ftjax.program.tokens import SPLITS, STORAGES, SplitWriter, TokenFileError, 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 DEFAULT_EOS = ("</s>", "<|endoftext|>")
+# A longer document is encoded in pieces of this size (or of the chunk, if smaller): encoding one
+# text, a tokenizer holds ~170 bytes a character at its peak; ~35 once it is encoded.
+PIECE_CHARS = 1 << 16
 
 
 class PrepareError(ValueError):
@@ -183,10 +191,10 @@ def _parquet_documents(chunk: Chunk, field: str) -> list[str]:
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_path: str, eos_id: int, field: str) -> None:
+def _init_worker(tokenizer_path: str, eos_id: int, field: str, piece_chars: int = 1 << 20) -> None:
     # The workers are the parallelism: the tokenizer's own threads would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(tokenizer=load_tokenizer(tokenizer_path), eos_id=eos_id, field=field)
+    _worker.update(tokenizer=load_tokenizer(tokenizer_path), eos_id=eos_id, field=field, piece_chars=piece_chars)
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -241,25 +249,64 @@ def read_documents(chunk: Chunk, field: str) -> list[str]:
             raise PrepareError(
                 f"{path}:{_line_number(path, where)}: field {field!r} is a {type(record[field]).__name__}, not a string"
             )
+        if b"\\ud" in line.lower():  # (only a \uD800-\uDFFF escape can make a lone surrogate)
+            _check_surrogates(record[field], path, where, field)
         texts.append(record[field])
     return texts
 
 
+def _check_surrogates(text: str, path: str, where: int, field: str) -> None:
+    """Refuse a text with a lone surrogate (an escape like \\udcff without its pair): it is not
+    Unicode, so no tokenizer encodes it; replacing it would change the corpus behind the user's back
+    (text files that are not UTF-8 are refused alike)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PrepareError(
+            f"{path}:{_line_number(path, where)}: field {field!r} holds a lone surrogate "
+            f"(\\u{ord(text[e.start]):04x} at character {e.start}), not Unicode text: fix the line's escapes"
+        ) from None
+
+
 def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, lengths) of a chunk: each document's ids followed by EOS, end to end (uint32), and
-    each document's length with its EOS (0 for an empty document, which is left out)."""
-    eos = _worker["eos_id"]
+    each document's length with its EOS (0 for an empty document, which is left out). A document
+    longer than a chunk is encoded in pieces (`text_pieces`), so that memory stays bounded."""
+    eos, limit, tokenizer = _worker["eos_id"], _worker["piece_chars"], _worker["tokenizer"]
     texts = read_documents(chunk, _worker["field"])
     # No special tokens of the tokenizer's own (BOS, CLS): a document is its text, then EOS.
-    encodings = _worker["tokenizer"].encode(texts)
-    ids: list[int] = []
+    short = [k for k, text in enumerate(texts) if len(text) <= limit]
+    encoded = dict(zip(short, tokenizer.encode([texts[k] for k in short])))
+    parts: list[np.ndarray] = []
     lengths = np.zeros(len(texts), np.int64)
-    for k, enc in enumerate(encodings):
-        if enc:
-            ids += enc
-            ids.append(eos)
-            lengths[k] = len(enc) + 1
-    return np.asarray(ids, np.uint32), lengths
+    for k, text in enumerate(texts):
+        if k in encoded:
+            ids = np.asarray(encoded.pop(k), np.uint32)
+        else:  # (a piece's encoding dropped before the next: a tokenizer keeps ~100x its text)
+            ids = np.concatenate([np.asarray(tokenizer.encode([p])[0], np.uint32) for p in text_pieces(text, limit)])
+        if len(ids):
+            parts += [ids, np.asarray([eos], np.uint32)]
+            lengths[k] = len(ids) + 1
+    return (np.concatenate(parts) if parts else np.zeros(0, np.uint32)), lengths
+
+
+_CUT = re.compile(r"(?<=\S)(?= \S)")
+
+
+def text_pieces(text: str, size: int) -> list[str]:
+    """`text` cut into pieces of at least `size` characters (the last one: the rest), each cut just
+    before a space between two non-space characters. Tokenizers pre-split a text there (a word
+    and the space before the next: byte-level BPE, GPT-2's or Llama 3's; Metaspace; SentencePiece
+    models that remove extra whitespace), so the pieces' tokens, end to end, are the text's. A model
+    that prepends a marker to each text it encodes and keeps whitespace (Llama 2's SentencePiece)
+    gets one at each cut: a different token or two per `size` characters of a long document. A text
+    with no such space after `size` characters stays one piece."""
+    pieces, start = [], 0
+    while len(text) - start > size and (cut := _CUT.search(text, start + size)) is not None:
+        pieces.append(text[start : cut.start()])
+        start = cut.start()
+    pieces.append(text[start:])
+    return pieces
 
 
 # --- the held-out split ------------------------------------------------------------------------------
@@ -365,12 +412,11 @@ def prepare(
         raise PrepareError(f"--out {out}: exists (--force replaces it)")
     tok = load_tokenizer(tokenizer)
     eos_token, eos_id = eos_of(tok, eos_token)
-    vocab_size = tok.vocab_size
-    dtype = token_dtype(vocab_size)
+    vocab_size, dtype = tok.vocab_size, token_dtype(tok.vocab_size)
     files = list_inputs(inputs)
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    lock = _claim(out, force)  # (held to the rename: a second run into `out` is refused, not interleaved)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -401,6 +447,7 @@ def prepare(
         _move_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        _release(out, lock)
     return {**index, "seconds": time.perf_counter() - t0}
 
 
@@ -428,7 +475,7 @@ def _tokenize(files, chunk_bytes, workers, tokenizer, eos_id, field, vocab_size,
         workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(tokenizer, eos_id, field),
+        initargs=(tokenizer, eos_id, field, min(chunk_bytes, PIECE_CHARS)),
     )
     pending: collections.deque = collections.deque()
     try:
@@ -463,6 +510,43 @@ def _tokenize(files, chunk_bytes, workers, tokenizer, eos_id, field, vocab_size,
 def _tokenizer_record(tokenizer: str | Path) -> dict:
     """The index's record of the tokenizer: its file name and the SHA-256 of its bytes."""
     return {"name": Path(tokenizer).name, "sha256": hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()}
+
+
+def _lock_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.lock"
+
+
+def _claim(out: Path, force: bool) -> int:
+    """An exclusive lock on `out` (flock of a lock file next to it, so a crashed run's lock goes with
+    its process): a second `ftjax data prepare` into the same directory is refused while one runs,
+    and `out` is checked again under the lock. Returns the lock's file descriptor."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = _lock_path(out)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise PrepareError(
+                f"--out {out}: another `ftjax data prepare` is writing it now ({path} is locked)"
+            ) from None
+        try:  # (the holder unlinks the file as it finishes: a lock on that old file claims nothing)
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    if out.exists() and not force:  # (written by a run that finished since the first check)
+        _release(out, fd)
+        raise PrepareError(f"--out {out}: exists (--force replaces it)")
+    return fd
+
+
+def _release(out: Path, fd: int) -> None:
+    """Unlink the lock file while still holding it (a run that opened it sees it gone, and retries)."""
+    _lock_path(out).unlink(missing_ok=True)
+    os.close(fd)
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:

@@ -59,7 +59,9 @@ def stdlib_corpus() -> Corpus:
 
 
 class Windows:
-    """Random-access source of non-overlapping (seq_len + 1)-token windows of a corpus."""
+    """Random-access source of the non-overlapping `window`-token windows of a token array (int32
+    arrays; the tail shorter than a window is left out), e.g. `Windows(stdlib_corpus().tokens,
+    seq_len + 1, stdlib_corpus().fingerprint)`. `fingerprint` names the data in the job identity."""
 
     def __init__(self, tokens: np.ndarray, window: int, fingerprint: str = ""):
         self.tokens, self.window, self.fingerprint = tokens, window, fingerprint

@@ -403,11 +403,13 @@ def load_task(path: str, cfg: Any, args: dict | None = None, search: Sequence[st
         raise TaskError(f"task {path!r}: {attr}(cfg, **task_args) failed: {type(e).__name__}: {e}") from e
     if not isinstance(task, Task):
         raise TaskError(f"task {path!r}: {attr} returned {type(task).__name__}, not an ftjax.Task")
-    try:
+    if not (hasattr(task.source, "__len__") and hasattr(task.source, "__getitem__")):
+        raise TaskError(f"task {path!r}: its source is not random access (len, [i]): {type(task.source).__name__}")
+    try:  # (a source that is random access but cannot read: its own message names the file at fault)
         n = len(task.source)
         task.source[0]
     except Exception as e:
-        raise TaskError(f"task {path!r}: its source is not random access (len, [i]): {type(e).__name__}: {e}") from e
+        raise TaskError(f"task {path!r}: its source cannot read its first example: {type(e).__name__}: {e}") from e
     if n < 1:
         raise TaskError(f"task {path!r}: its source is empty")
     return dataclasses.replace(task, name=path)

@@ -97,6 +97,30 @@ def open_tokens(directory: str | Path, split: str, index: dict | None = None) ->
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+def check_offsets(directory: str | Path, index: dict, split: str) -> None:
+    """Hash a split's offsets.npy against the `offsets_sha256` of the index (8 bytes a document: cheap)
+    and check their bounds. Raises TokenFileError naming the file."""
+    directory = Path(directory)
+    info, path = _split_info(directory, index, split), directory / split / OFFSETS
+    try:
+        offsets = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise TokenFileError(f"{path}: no such file") from None
+    except (OSError, ValueError) as e:
+        raise TokenFileError(f"{path}: not a .npy array: {e}") from None
+    recorded = info.get("offsets_sha256")
+    digest = hashlib.sha256(np.ascontiguousarray(offsets, "<i8").tobytes()).hexdigest()
+    if recorded is not None and (offsets.dtype.kind != "i" or digest != recorded):
+        raise TokenFileError(
+            f"{path}: does not hash to the offsets_sha256 that {directory / INDEX} recorded "
+            f"({str(recorded)[:12]}...): the file changed after `ftjax data prepare` (prepare them again)"
+        )
+    if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != info["tokens"]:
+        raise TokenFileError(
+            f"{path}: not int64[documents + 1] from 0 to the {info['tokens']} tokens that {directory / INDEX} says"
+        )
+
+
 PACKINGS = ("none", "segments")
 
 
@@ -138,6 +162,8 @@ class TokenWindows:
             self.tokens = None
             if not (self.directory / split / ARRAY_RECORD).is_file():
                 raise TokenFileError(f"{self.directory / split / ARRAY_RECORD}: no such file")
+            # (the records of a window are found through the offsets: damaged ones read other tokens)
+            check_offsets(self.directory, self.index, split)
         else:
             raise TokenFileError(f"{self.directory / INDEX}: storage: expected one of {STORAGES}, got {self.storage!r}")
         self.n = self.count // self.window
@@ -173,6 +199,7 @@ class TokenWindows:
         h, step = hashlib.sha256(), 1 << 24
         for start in range(0, self.count, step):
             h.update(self._read(start, min(step, self.count - start)).tobytes())
+        check_offsets(self.directory, self.index, self.split)
         recorded = _split_info(self.directory, self.index, self.split)["sha256"]
         if h.hexdigest() != recorded:
             raise TokenFileError(

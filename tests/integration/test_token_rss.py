@@ -74,3 +74,60 @@ def test_reading_a_2_gib_token_file_end_to_end_grows_rss_by_less_than_200_mb(tmp
     assert result["windows"] == GIB // WINDOW and result["checksum"] == 0
     grown_mb = (result["after_kib"] - result["before_kib"]) * 1024 / 1e6
     assert grown_mb < 200, result
+
+
+PREPARE = textwrap.dedent(
+    """
+    import resource, sys
+    from ftjax.cli import prepare
+
+    code = prepare.main(["prepare", *sys.argv[1:]])
+    # (the largest of this process and its waited-for descendants: the pool's workers)
+    print(max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+    sys.exit(code)
+    """
+)
+
+
+def _prepare_peak_mb(inputs: list[str], tokenizer: str, out) -> float:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PREPARE,
+            *inputs,
+            "--tokenizer",
+            tokenizer,
+            "--out",
+            str(out),
+            "--workers",
+            "1",
+            "--heldout-fraction",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(done.stdout.splitlines()[-1]) / 1e3
+
+
+def test_one_large_document_is_tokenized_in_pieces_of_the_chunk_size(tmp_path):
+    """6 MB of text as one document, and the same bytes as 1,500 documents: about the same peak
+    memory (--chunk-mib 1: the document is encoded a piece of ~1 MiB at a time). Encoded whole, the
+    one document took ~1 GB (a tokenizer keeps ~170 bytes a character of its encoding)."""
+    from corpora import documents, train_tokenizer
+
+    texts = documents(1500, seed=1)
+    tokenizer = str(tmp_path / "tokenizer.json")
+    train_tokenizer(texts[:300], tmp_path / "tokenizer.json")
+    text = (" ".join(texts) + " ") * 40  # ~6 MB
+    (tmp_path / "many").mkdir()
+    step = -(-len(text) // 1500)
+    for k in range(1500):
+        (tmp_path / "many" / f"{k:04d}.txt").write_text(text[k * step : (k + 1) * step])
+    (tmp_path / "one.txt").write_text(text)
+    many = _prepare_peak_mb([str(tmp_path / "many")], tokenizer, tmp_path / "out_many")
+    one = _prepare_peak_mb([str(tmp_path / "one.txt")], tokenizer, tmp_path / "out_one")
+    assert one < many + 150, (one, many)

@@ -407,3 +407,160 @@ def test_a_job_on_token_files_with_random_kills_ends_equal_exactly_once(prepared
     assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
     assert [e for e in s["failure_events"] if e["cause"] == "random_kill"], s["failure_events"]
     assert s["committed_steps"] == 400
+
+
+def test_damaged_array_record_offsets_are_refused_naming_the_file(corpus, tmp_path):
+    """The offsets say which records hold a window: swapped ones read other documents' tokens, every
+    id in the vocabulary. Their recorded sha256 is checked at open (training) and by verify (check)."""
+    from ftjax.config import load_config
+    from ftjax.program.task import TaskError, load_task
+    from ftjax.program.tokens import TokenFileError, TokenWindows
+
+    done = prepare(corpus, tmp_path / "ar", "--workers", "1", "--format", "array_record")
+    assert done.returncode == 0, done.stderr
+    good = TokenWindows(tmp_path / "ar", "train", 33)
+    path = tmp_path / "ar" / "train" / "offsets.npy"
+    offsets = np.load(path)
+    offsets[1:-1] = offsets[1:-1] + 1  # (still increasing, from 0 to the token count)
+    np.save(path, offsets)
+    with pytest.raises(TokenFileError, match=rf"^{path}: does not hash to the offsets_sha256"):
+        TokenWindows(tmp_path / "ar", "train", 33)
+    with pytest.raises(TokenFileError, match=rf"^{path}: does not hash"):
+        good.verify()
+    cfg = load_config("tiny", [f"model.vocab_size={VOCAB}", "model.seq_len=32"])
+    with pytest.raises(TaskError, match=rf"task_args.dir: {path}: does not hash"):
+        load_task("ftjax.program.tasks:token_lm", cfg, {"dir": str(tmp_path / "ar")})
+
+
+def test_a_token_file_that_cannot_be_read_is_not_called_a_source_that_is_not_random_access(prepared, tmp_path):
+    from ftjax.config import load_config
+    from ftjax.program.task import TaskError, load_task
+
+    changed = shutil.copytree(prepared[0], tmp_path / "changed")
+    index = json.loads((changed / "index.json").read_text())
+    tokens = np.memmap(changed / "train" / "tokens.bin", dtype=index["dtype"], mode="r+")
+    tokens[3] = index["vocab_size"]  # in window 0: the one load_task reads
+    tokens.flush()
+    del tokens
+    cfg = load_config("tiny", [f"model.vocab_size={VOCAB + 20}", "model.seq_len=32"])
+    with pytest.raises(TaskError) as e:
+        load_task("ftjax.program.tasks:token_lm", cfg, {"dir": str(changed)})
+    said = str(e.value)
+    assert "not random access" not in said and "cannot read its first example: TokenFileError" in said, said
+    assert f"token 3 (window 0) is {index['vocab_size']}, not below" in said, said
+
+
+def test_two_concurrent_prepares_into_one_out_one_is_refused_naming_out(corpus, tmp_path, procs):
+    """The first run holds `out` from its start to its rename: a second one started meanwhile exits
+    2 naming --out, and the first one's files are what `out` holds. The first is stopped (SIGSTOP)
+    while the second runs, so the two overlap whatever the machine's load."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    args = [*FTJAX, "data", "prepare", *corpus["inputs"], "--field", "body", "--tokenizer", corpus["tokenizer"]]
+    first = procs.start([*args, "--out", str(out), "--workers", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.tmp-*")):  # (its temporary directory: made once it holds `out`)
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.005)
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = subprocess.run(
+            [*args, "--out", str(out), "--workers", "1"], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"--out {out}: another `ftjax data prepare` is writing it" in second.stderr
+    assert second.stderr.count("\n") == 1 and not out.exists()
+    stdout, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0, stderr.decode()
+    fingerprint = json.loads((out / "index.json").read_text())["fingerprint"]
+    assert f"fingerprint {fingerprint}" in stdout.decode()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # (no lock file, no temporary left)
+
+
+def test_a_jsonl_lone_surrogate_escape_exits_2_naming_path_and_line(corpus, tmp_path):
+    """`\\udcff` alone is valid JSON but not Unicode (no tokenizer encodes it): refused naming the
+    file and line, not a worker's traceback; a pair (an emoji) is text like any other."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "one \\ud83d\\ude00"}\n{"body": "two"}\n{"body": "three \\udcff"}\n')
+    args = [str(bad), "--field", "body", "--tokenizer", corpus["tokenizer"], "--out", str(tmp_path / "out")]
+    done = subprocess.run(
+        [*FTJAX, "data", "prepare", *args, "--workers", "1"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"{bad}:3: field 'body' holds a lone surrogate (\\udcff at character 6)" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+    bad.write_text('{"body": "one \\ud83d\\ude00"}\n{"body": "two"}\n')
+    done = subprocess.run(
+        [*FTJAX, "data", "prepare", *args, "--workers", "1", "--heldout-fraction", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_document_longer_than_a_chunk_is_encoded_in_pieces_to_the_same_tokens(corpus, tmp_path):
+    """~30 KB as one document, with chunks of 1 KiB: encoded ~30 pieces at a time, cut before a
+    space between words, its tokens are the tokenizer's of the whole text (and a text without such
+    a space stays whole)."""
+    from ftjax.cli.prepare import text_pieces
+
+    text = "".join(t + ("\n" if i % 4 == 0 else " ") for i, t in enumerate(corpus["texts"])) + "end,  two  spaces"
+    pieces = text_pieces(text, 1000)
+    assert len(pieces) > 20 and "".join(pieces) == text and all(p.startswith(" ") for p in pieces[1:])
+    assert text_pieces("x" * 5000, 1000) == ["x" * 5000]
+    (tmp_path / "long").mkdir()
+    (tmp_path / "long" / "one.txt").write_text(text)
+    args = [str(tmp_path / "long"), "--tokenizer", corpus["tokenizer"], "--out", str(tmp_path / "out")]
+    done = subprocess.run(
+        [*FTJAX, "data", "prepare", *args, "--chunk-mib", "0.001", "--heldout-fraction", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    [doc] = split_documents(tmp_path / "out", "train")
+    assert doc.tolist() == corpus["tok"].encode(text).ids + [corpus["eos"]]
+
+
+USER_TASK = """
+import jax, jax.numpy as jnp, ftjax
+
+
+def task(cfg, dir):
+    source = ftjax.TokenWindows(dir, "train", cfg.model.seq_len + 1)  # the public API only
+
+    def init(key):
+        return {"embed": 0.02 * jax.random.normal(key, (source.vocab_size, 8))}
+
+    def loss(params, tokens, key):
+        logits = params["embed"][tokens[:, :-1]] @ params["embed"].T
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0].mean(1)
+
+    return ftjax.pytree_task(init, loss, source)
+"""
+
+
+def test_a_users_task_reads_token_files_through_the_public_api(prepared, tmp_path):
+    """A task of the user's own (not token_lm) on token files, through `ftjax.TokenWindows` alone:
+    it loads and checks like any task, and its examples are the files' windows, bit for bit."""
+    import ftjax
+    from ftjax.config import load_config
+    from ftjax.program.tasks import check_task
+
+    (tmp_path / "mytokens.py").write_text(USER_TASK)
+    args = ["task=mytokens:task", f"task_path={json.dumps([str(tmp_path)])}", "model.seq_len=32"]
+    cfg = load_config("tiny", [*args, f"task_args={json.dumps({'dir': str(prepared[0])})}"])
+    task = check_task(cfg)
+    assert isinstance(task.source, ftjax.TokenWindows)
+    tokens = np.fromfile(prepared[0] / "train" / "tokens.bin", np.uint16)
+    assert len(task.source) == len(tokens) // 33
+    for i in (0, 7, len(task.source) - 1):
+        assert np.array_equal(task.source[i], tokens[33 * i : 33 * (i + 1)].astype(np.int32)), i
+    with pytest.raises(ftjax.TokenFileError, match="index.json: no such file"):
+        ftjax.TokenWindows(tmp_path / "nowhere")

@@ -1,0 +1,42 @@
+"""The public API (`ftjax/__init__.py`): what the examples, and a user's own task, may import."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ftjax
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _private_uses(path: Path) -> list[str]:
+    """`import ftjax.x`, `from ftjax.x import ...` and `ftjax.NAME` for a NAME not in ftjax.__all__."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if a.name.startswith("ftjax.")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ftjax."):
+            found.append(f"from {node.module} import ...")
+        elif isinstance(node, ast.ImportFrom) and node.module == "ftjax":
+            found += [f"from ftjax import {a.name}" for a in node.names if a.name not in ftjax.__all__]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ftjax":
+            found += [f"ftjax.{node.attr}"] if node.attr not in ftjax.__all__ else []
+    return [f"{path.name}:{use}" for use in found]
+
+
+def test_the_examples_use_public_names_only():
+    examples = sorted(EXAMPLES.glob("*.py"))
+    assert len(examples) >= 3
+    assert [use for path in examples for use in _private_uses(path)] == []
+
+
+def test_the_scan_finds_a_private_import(tmp_path):
+    (tmp_path / "x.py").write_text("import ftjax\nfrom ftjax.program.data import Windows\nftjax.program.data\n")
+    assert _private_uses(tmp_path / "x.py") == ["x.py:from ftjax.program.data import ...", "x.py:ftjax.program"]
+
+
+def test_the_token_file_names_resolve_and_are_documented():
+    for name in ("TokenWindows", "TokenFileError", "Windows", "stdlib_corpus"):
+        assert name in ftjax.__all__ and (getattr(ftjax, name).__doc__ or "").strip(), name
+    assert ftjax.TokenWindows.__module__ == "ftjax.program.tokens" and issubclass(ftjax.TokenFileError, ValueError)
