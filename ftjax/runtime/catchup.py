@@ -33,6 +33,7 @@ import json
 import math
 import mmap
 import os
+import ssl
 import threading
 import time
 from collections import defaultdict
@@ -45,7 +46,7 @@ import numpy as np
 
 from ftjax.base import net
 from ftjax.base.net import split_address
-from ftjax.coordinator.http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPServer
+from ftjax.coordinator.http import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS, MAX_PENDING, BoundedHTTPServer
 from ftjax.runtime.regions import HOST_ALIGN, LayoutMismatch, Piece, Region, assemble, region_of, size
 
 TOKEN_HEADER = "X-Ftjax-Token"
@@ -193,6 +194,9 @@ class SnapshotServer:
         wait_offer_s: float = 30.0,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        max_pending: int = MAX_PENDING,
+        ssl_context: ssl.SSLContext | None = None,
     ):
         self.token = token
         self.rate_limit_mbps = rate_limit_mbps
@@ -204,11 +208,17 @@ class SnapshotServer:
         self._cv = threading.Condition()
         listen = listen or net.Listen()  # default: loopback, a port the OS picks
         self._advertise = listen.advertised_host()
-        # Idle connections time out and surplus ones are refused (a peer stalled or flooding the
-        # port cannot pin threads in the training process); a slow transfer that keeps moving, and
-        # the wait for an offer, are not cut.
+        # Idle and slow connections time out and surplus ones are refused (a peer stalled, dripping
+        # or flooding the port cannot pin threads in the training process); a slow transfer that
+        # keeps moving, and the wait for an offer, are not cut.
         self._httpd = BoundedHTTPServer(
-            (listen.host, listen.port), self._handler(), idle_timeout_s=idle_timeout_s, max_connections=max_connections
+            (listen.host, listen.port),
+            self._handler(),
+            idle_timeout_s=idle_timeout_s,
+            max_connections=max_connections,
+            header_timeout_s=header_timeout_s,
+            max_pending=max_pending,
+            ssl_context=ssl_context,
         )
         threading.Thread(target=self._httpd.serve_forever, name="snapshot-server", daemon=True).start()
 
