@@ -46,6 +46,7 @@ import numpy as np
 
 from ftjax.base import net
 from ftjax.base.net import split_address
+from ftjax.base.tls import TLS
 from ftjax.coordinator.http import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS, MAX_PENDING, BoundedHTTPServer
 from ftjax.runtime.regions import HOST_ALIGN, LayoutMismatch, Piece, Region, assemble, region_of, size
 
@@ -523,6 +524,7 @@ class SnapshotFetch:
         timeout_s: float = 120.0,
         streams: int = 1,
         arena: ReceiveArena | None = None,
+        tls: TLS | None = None,
     ):
         if streams < 1:
             raise ValueError(f"streams must be at least 1, not {streams}")
@@ -537,6 +539,7 @@ class SnapshotFetch:
         self._lock = threading.Lock()
         self._args = (token, min_step, timeout_s)
         self._arena = arena
+        self._tls = tls  # HTTPS, the source's certificate checked against tls.ca
         threading.Thread(target=self._run, name="snapshot-fetch", daemon=True).start()
 
     def progress(self) -> dict:
@@ -573,7 +576,10 @@ class SnapshotFetch:
 
     def _get(self, address: str, path: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         token, _, timeout_s = self._args
-        conn = http.client.HTTPConnection(*split_address(address), timeout=timeout_s)
+        if self._tls is None:
+            conn = http.client.HTTPConnection(*split_address(address), timeout=timeout_s)
+        else:
+            conn = _HTTPSConnection(self._tls, *split_address(address), timeout=timeout_s)
         conn.request("GET", path, headers={TOKEN_HEADER: token})
         resp = conn.getresponse()
         if resp.status != 200:
@@ -629,6 +635,19 @@ class SnapshotFetch:
                         self.bytes_done += k
 
 
+class _HTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS to a catch-up server, its certificate checked against the job's CA, for the name that
+    `tls.server_name` gives, else the host dialed."""
+
+    def __init__(self, tls: TLS, host: str, port: int, *, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout, context=tls.client_context())
+        self._tls = tls
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._tls.wrap_client(self.sock, self.host)
+
+
 class CatchupTransport(Protocol):
     """How a replica's state travels from a live source to a healing peer, host by host: what the
     step protocol needs of catch-up, and nothing about how."""
@@ -658,10 +677,14 @@ class ShardTransport:
         advertise: str | None = None,
         streams: int = 1,
         arena: ReceiveArena | None = None,
+        tls: TLS | None = None,
     ):
-        self.token, self.timeout_s, self.streams = token, timeout_s, streams
+        self.token, self.timeout_s, self.streams, self.tls = token, timeout_s, streams, tls
         self.server = SnapshotServer(
-            token, listen=net.Listen(host, advertise=advertise), rate_limit_mbps=rate_limit_mbps
+            token,
+            listen=net.Listen(host, advertise=advertise),
+            rate_limit_mbps=rate_limit_mbps,
+            ssl_context=None if tls is None else tls.server_context(),
         )
         self.address = self.server.address
         self.arena = arena  # (the next fetch lands in it: see ReceiveArena)
@@ -690,6 +713,7 @@ class ShardTransport:
             timeout_s=self.timeout_s,
             streams=self.streams,
             arena=arena,
+            tls=self.tls,
         )
 
     def load(self, fetched: FetchResult, abstract_state: Any) -> Any:
