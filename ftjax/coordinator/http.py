@@ -209,6 +209,7 @@ class _Pending:
         self.head = b""
         self.handshaken = not isinstance(sock, ssl.SSLSocket)
         self.events = selectors.EVENT_READ
+        self.gone = False  # dropped or handed over: no longer the reader's (its socket may be closed)
 
 
 class _HeadReader:
@@ -282,7 +283,7 @@ class _HeadReader:
                 self._advance(key.data)
         now = time.monotonic()
         for p in pending:
-            if p.expires <= now and self._selector.get_map().get(p.sock) is not None:
+            if p.expires <= now and not p.gone:
                 self._drop(p)  # idle, or its head did not arrive in time however often it sent a byte
         return True
 
@@ -316,6 +317,7 @@ class _HeadReader:
             self._selector.modify(p.sock, events, p)
 
     def _forget(self, p: _Pending) -> None:
+        p.gone = True
         self._selector.unregister(p.sock)
         with self._lock:
             self._count -= 1

@@ -302,7 +302,7 @@ def test_slow_drip_clients_cannot_starve_a_normal_request(make_server):
     # once its head has not arrived within the header timeout in all.
     make, stack = make_server
     header_s = 6.0
-    server = make(idle_timeout_s=1.0, header_timeout_s=header_s)
+    server = make(idle_timeout_s=3.0, header_timeout_s=header_s)  # (a byte every 0.1 s: never idle)
     conns = [socket.create_connection(split_address(server.address), timeout=10) for _ in range(N_DRIP)]
     for s in conns:
         stack.callback(s.close)
