@@ -193,7 +193,9 @@ class Catchup:
     """A replica host's catch-up server offering a two-leaf snapshot, and a real fetch of it."""
 
     def __init__(self, **bounds) -> None:
-        self.server = SnapshotServer(TOKEN, wait_offer_s=5.0, **bounds)
+        # (a lease outlives 60 s without a request: a fetch's first `import jax` between its manifest
+        # and its ranges took over 5 s on a busy machine, and the range was answered 410)
+        self.server = SnapshotServer(TOKEN, wait_offer_s=60.0, **bounds)
         self.address = self.server.address
 
     def offer(self, leaves: dict[str, np.ndarray], step: int = 7) -> None:
@@ -351,3 +353,48 @@ def test_slow_catchup_transfer_outlives_the_idle_timeout():
         later.cancel()
         later.join()
         server.close()
+
+
+def test_head_reader_outlives_a_head_completed_as_its_deadline_passed(monkeypatch):
+    # A connection handed over (and closed by its worker) in the very turn in which its deadline
+    # passed was then looked up by its closed socket: ValueError, and the reading thread was gone,
+    # every later connection unserved. The reader's clock stands still until the first head is
+    # handed over, then jumps past its deadline: the turn's deadline check comes next.
+    from types import SimpleNamespace
+
+    from ftjax.coordinator import http
+
+    served = []
+    monkeypatch.setattr(http, "time", SimpleNamespace(monotonic=lambda: 1000.0 + (200.0 if served else 0.0)))
+
+    def ready(sock, address, head):  # a worker that answers at once: the socket is closed in the turn
+        served.append(head)
+        sock.close()
+
+    reader = http._HeadReader(ready, timeout_s=100.0, idle_s=100.0, max_pending=8)
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        client = socket.create_connection(listener.getsockname(), timeout=10)
+        conn, address = listener.accept()
+        conn.setblocking(False)
+        assert reader.add(conn, address)
+        client.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        deadline = time.monotonic() + 10
+        while not served:
+            assert time.monotonic() < deadline, "the head was never handed over"
+            time.sleep(0.01)
+        client.close()
+        client = socket.create_connection(listener.getsockname(), timeout=10)  # a later connection
+        client.sendall(b"GET /later HTTP/1.0\r\n\r\n")
+        conn, address = listener.accept()
+        conn.setblocking(False)
+        assert reader.add(conn, address)
+        while len(served) < 2:
+            assert reader._thread.is_alive(), "the reading thread died"
+            assert time.monotonic() < deadline, "the later head was never handed over"
+            time.sleep(0.01)
+        assert served[1].startswith(b"GET /later")
+        client.close()
+    finally:
+        reader.close()
+        listener.close()
