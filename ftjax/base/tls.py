@@ -10,6 +10,7 @@ token, as without TLS. FTAR is not encrypted (docs/design.md, "TLS").
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 from dataclasses import dataclass
@@ -42,8 +43,10 @@ class TLS:
         return tls
 
     def flags(self) -> list[str]:
-        """The flags that give a child process this TLS (what `from_flags` reads)."""
-        out = [*FLAGS[:1], self.cert, FLAGS[1], self.key, FLAGS[2], self.ca]
+        """The flags that give a child process this TLS (what `from_flags` reads; absolute paths: a
+        child may start in another directory)."""
+        cert, key, ca = (os.path.abspath(p) for p in (self.cert, self.key, self.ca))
+        out = [FLAGS[0], cert, FLAGS[1], key, FLAGS[2], ca]
         return out + (["--tls-server-name", self.server_name] if self.server_name else [])
 
     def pem(self) -> tuple[bytes, bytes, bytes]:
