@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from ftjax.base.net import split_address
+from ftjax.base.tls import TLS, speaks_tls
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
@@ -167,8 +168,12 @@ class CoordinatorClient:
         rpc_timeout_s: float = 2.0,
         quorum_timeout_s: float = 60.0,
         duplicate_grace_s: float = DUPLICATE_GRACE_S,
+        tls: TLS | None = None,
     ) -> None:
         self.address = address
+        self.tls = tls
+        self._credentials = None if tls is None else grpc.ssl_channel_credentials(tls.pem()[2])
+        self._tls_probed = False  # (a plain client asks once whether the coordinator speaks TLS)
         self.duplicate_grace_s = duplicate_grace_s
         self.member = member
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -195,7 +200,36 @@ class CoordinatorClient:
         self._catchup: dict | None = None  # a fetch under way (its latest catchup_progress event)
 
     def _channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        if self._credentials is None:
+            return grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        name = [("grpc.ssl_target_name_override", self.tls.server_name)] if self.tls.server_name else []
+        return grpc.secure_channel(self.address, self._credentials, options=[*_CHANNEL_OPTIONS, *name])
+
+    def _tls_refusal(self, details: str) -> str | None:
+        """Why TLS keeps this member out, once a call failed UNAVAILABLE with `details`: no retry mends
+        it. A TLS client names a failed handshake (gRPC's details say so); a plain one asks once whether
+        the coordinator speaks TLS."""
+        if self.tls is not None:
+            if "handshake" in details.lower() or "certificate" in details.lower():
+                return (
+                    f"TLS: the handshake with the coordinator at {self.address} failed: its certificate must be "
+                    f"signed by --tls-ca {self.tls.ca} and name {self.tls.server_name or 'that address'} "
+                    f"(gRPC: {details.splitlines()[0] if details else '-'})"
+                )
+            return None
+        if self._tls_probed:
+            return None
+        self._tls_probed = True
+        try:
+            host, port = split_address(self.address)
+        except ValueError:
+            return None
+        if speaks_tls(host, port, self.rpc_timeout_s):
+            return (
+                f"TLS: the coordinator at {self.address} serves TLS, and this member dials it without: "
+                "give it --tls-cert, --tls-key and --tls-ca"
+            )
+        return None
 
     # -- heartbeats ---------------------------------------------------------------------------
 
@@ -355,6 +389,8 @@ class CoordinatorClient:
                 if code in CALLER_FAULT and (duplicate_until is None or time.monotonic() >= duplicate_until):
                     raise CoordinatorError(code, details) from None
                 last_error = f"{code.name}: {details}"
+                if code == grpc.StatusCode.UNAVAILABLE and (refusal := self._tls_refusal(details)):
+                    raise CoordinatorError(code, refusal) from None
                 failing_since = failing_since or time.monotonic()
                 if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - failing_since >= UNREACHABLE_SAY_S:
                     self._say_unreachable(last_error, deadline)

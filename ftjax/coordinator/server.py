@@ -34,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ftjax.base import net
 from ftjax.base.env import TOKEN_ENV, read_token
 from ftjax.base.net import ADVERTISE_ENV, BIND_ENV
+from ftjax.base.tls import TLS, add_tls_arguments, tls_of
 from ftjax.config import CoordinatorConfig, flag_name
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
@@ -526,8 +527,10 @@ class CoordinatorServer:
         startup_grace: float | None = None,
         advertise: str | None = None,
         tensorboard_dir: str | Path | None = None,
+        tls: TLS | None = None,
     ) -> None:
-        """`tensorboard_dir`: where the job view's TensorBoard event files go (None: none)."""
+        """`tensorboard_dir`: where the job view's TensorBoard event files go (None: none). `tls`: gRPC
+        over TLS with its certificate (the HTTP status pages stay plain: read-only, no token)."""
         if not token:
             raise ValueError("the job token must not be empty")
         self.settings = settings
@@ -536,6 +539,7 @@ class CoordinatorServer:
             self.state.job_view = JobView(tensorboard_dir)
         self.metrics = Metrics(self.state)
         self._token = token
+        self._tls = tls
         self._host = net.bind_value(host)  # "" binds every interface
         self._advertise = net.advertised(self._host, advertise or None)
         self._port = port
@@ -618,7 +622,7 @@ class CoordinatorServer:
         )
         probes = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(probes, server)
-        port = server.add_insecure_port(net.grpc_bind(self._host, self._port))
+        port = self._add_port(server)
         await server.start()
         for name in ("", SERVICE):
             await probes.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -627,6 +631,13 @@ class CoordinatorServer:
         await self._stop.wait()
         await probes.enter_graceful_shutdown()  # NOT_SERVING to anyone watching
         await server.stop(grace=None)
+
+    def _add_port(self, server: grpc.aio.Server) -> int:
+        bind = net.grpc_bind(self._host, self._port)
+        if self._tls is None:
+            return server.add_insecure_port(bind)
+        cert, key, _ = self._tls.pem()  # (no client certificates: a member proves itself with the token)
+        return server.add_secure_port(bind, grpc.ssl_server_credentials([(key, cert)]))
 
     def stop(self) -> None:
         """Stop serving (pending calls end with CANCELLED/UNAVAILABLE)."""
@@ -739,6 +750,7 @@ def _parser() -> argparse.ArgumentParser:
         f"a client's longest reconnect wait, {RECONNECT_WINDOW_S:g} s)",
     )
     p.add_argument("--token-file", default=None, help=f"file holding the job token (default: ${TOKEN_ENV})")
+    add_tls_arguments(p)
     p.add_argument("--ready-file", default=None, help="write the bound addresses here as JSON once serving")
     p.add_argument(
         "--tensorboard-dir",
@@ -770,6 +782,7 @@ def main(argv: list[str]) -> int:
             **{name: getattr(args, name) for name in CoordinatorConfig.model_fields},
             expected_replicas=args.expected_replicas,
         )
+        tls = tls_of(args)
     except (OSError, ValueError) as e:  # the config's checks raise ConfigError, a ValueError
         print(f"ftjax coordinator: {e}", file=sys.stderr)
         return 2
@@ -784,6 +797,7 @@ def main(argv: list[str]) -> int:
         http_port=None if args.http_port < 0 else args.http_port,
         startup_grace=args.startup_grace_s,
         tensorboard_dir=args.tensorboard_dir,
+        tls=tls,
     )
     if args.final_step is not None and (args.final_step < 1 or args.expected_replicas < 1):
         print("ftjax coordinator: --final-step needs a step >= 1 and --expected-replicas", file=sys.stderr)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from ftjax.base.tls import add_tls_arguments, tls_of
 from ftjax.config import Config, ConfigError, load_config
 from ftjax.launch import emit as cluster
 from ftjax.launch.supervisor import (
@@ -102,6 +103,7 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
         "launcher's interpreter",
     )
     add_init_from(p, "every replica starts", ", passed on to the replicas")
+    add_tls_arguments(p)  # passed on to the coordinator and the replicas
 
 
 def _add_fault_arguments(p: argparse.ArgumentParser) -> None:
@@ -314,6 +316,12 @@ def prepare(args: argparse.Namespace) -> Launch:
         if args.emit is None and not Path(args.init_from).is_dir():  # (a cluster's path may exist only there)
             raise UsageError(f"--init-from {args.init_from}: not a directory")
         overrides.append(init_from_override(args.init_from))
+    try:
+        args.tls = tls_of(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.tls is not None and args.emit is not None:
+        raise UsageError("--tls-cert: not with --emit (the cluster files have no TLS flags yet)")
     cfg = load_config(args.config, overrides)
     replicas = cfg.ft.replicas if args.replicas is None else args.replicas
     cfg = load_config(args.config, [*overrides, f"ft.replicas={replicas}"])
@@ -452,6 +460,7 @@ def run(launch: Launch, console: Console) -> int:
                 extra_env=compile_cache_env(args.compile_cache, out),
                 cluster=cluster,
                 entry=entry_command(args.entry),
+                tls=getattr(args, "tls", None),
             )
             log = RunLog(out / "launcher.jsonl", listener=view.event)
             _log_launch(log, launch, cluster)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from ftjax.base.env import TOKEN_ENV
 from ftjax.base.net import format_address, split_address
 from ftjax.base.procs import ProcessGroup, free_port
+from ftjax.base.tls import TLS
 from ftjax.config import Config, load_config
 
 if TYPE_CHECKING:
@@ -69,8 +70,10 @@ class LocalJob:
         extra_env: dict[str, str] | None = None,
         cluster: VirtualCluster | None = None,
         entry: list[str] | None = None,
+        tls: TLS | None = None,
     ):
         self.config_path = str(config_path)
+        self.tls_flags = tls.flags() if tls is not None else []  # the coordinator's and every replica's
         self.entry = entry or [*FTJAX, "train"]  # what runs each replica host
         self.overrides = [*overrides, f"ft.replicas={replicas}"]
         self.cfg: Config = load_config(self.config_path, self.overrides)  # validated before anything starts
@@ -129,6 +132,7 @@ class LocalJob:
                     "--ready-file",
                     str(ready),
                     *self._job_view_flags(),
+                    *self.tls_flags,
                 ],
             ),
             env=self.env,
@@ -210,6 +214,7 @@ class LocalJob:
                 "--process-id",
                 str(i),
                 *dist,
+                *self.tls_flags,
                 *(extra_args or []),
             ]
             if die_at and i == die_host:

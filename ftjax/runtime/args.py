@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ftjax.base import net
 from ftjax.base.net import split_address
+from ftjax.base.tls import TLS, add_tls_arguments, tls_of
 from ftjax.config import Config, ConfigError, load_config
 
 
@@ -43,6 +44,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     )
     _run_arguments(p)
     _process_arguments(p)
+    add_tls_arguments(p)
     _fault_arguments(p)
     option(
         p,
@@ -127,6 +129,10 @@ def parse_config(args: argparse.Namespace) -> Config:
         raise ConfigError(f"--log-every: must be >= 1 (got {args.log_every})")
     if not 0 <= args.replica_id < cfg.ft.replicas:
         raise ConfigError(f"--replica-id: {args.replica_id} is not in [0, ft.replicas={cfg.ft.replicas})")
+    try:
+        args.tls = tls_of(args)  # (RunOptions.tls)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return cfg
 
 
@@ -158,6 +164,7 @@ class RunOptions:
     hang_at: str | None = None
     flip_bit_at: str | None = None
     log_every: int | None = None
+    tls: TLS | None = None  # the coordinator's gRPC and catch-up over TLS (ftjax/base/tls.py)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunOptions:

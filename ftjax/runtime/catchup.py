@@ -33,6 +33,7 @@ import json
 import math
 import mmap
 import os
+import ssl
 import threading
 import time
 from collections import defaultdict
@@ -45,7 +46,8 @@ import numpy as np
 
 from ftjax.base import net
 from ftjax.base.net import split_address
-from ftjax.coordinator.http import IDLE_TIMEOUT_S, MAX_CONNECTIONS, BoundedHTTPServer
+from ftjax.base.tls import TLS
+from ftjax.coordinator.http import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS, MAX_PENDING, BoundedHTTPServer
 from ftjax.runtime.regions import HOST_ALIGN, LayoutMismatch, Piece, Region, assemble, region_of, size
 
 TOKEN_HEADER = "X-Ftjax-Token"
@@ -193,6 +195,9 @@ class SnapshotServer:
         wait_offer_s: float = 30.0,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        max_pending: int = MAX_PENDING,
+        ssl_context: ssl.SSLContext | None = None,
     ):
         self.token = token
         self.rate_limit_mbps = rate_limit_mbps
@@ -204,11 +209,17 @@ class SnapshotServer:
         self._cv = threading.Condition()
         listen = listen or net.Listen()  # default: loopback, a port the OS picks
         self._advertise = listen.advertised_host()
-        # Idle connections time out and surplus ones are refused (a peer stalled or flooding the
-        # port cannot pin threads in the training process); a slow transfer that keeps moving, and
-        # the wait for an offer, are not cut.
+        # Idle and slow connections time out and surplus ones are refused (a peer stalled, dripping
+        # or flooding the port cannot pin threads in the training process); a slow transfer that
+        # keeps moving, and the wait for an offer, are not cut.
         self._httpd = BoundedHTTPServer(
-            (listen.host, listen.port), self._handler(), idle_timeout_s=idle_timeout_s, max_connections=max_connections
+            (listen.host, listen.port),
+            self._handler(),
+            idle_timeout_s=idle_timeout_s,
+            max_connections=max_connections,
+            header_timeout_s=header_timeout_s,
+            max_pending=max_pending,
+            ssl_context=ssl_context,
         )
         threading.Thread(target=self._httpd.serve_forever, name="snapshot-server", daemon=True).start()
 
@@ -513,6 +524,7 @@ class SnapshotFetch:
         timeout_s: float = 120.0,
         streams: int = 1,
         arena: ReceiveArena | None = None,
+        tls: TLS | None = None,
     ):
         if streams < 1:
             raise ValueError(f"streams must be at least 1, not {streams}")
@@ -527,6 +539,7 @@ class SnapshotFetch:
         self._lock = threading.Lock()
         self._args = (token, min_step, timeout_s)
         self._arena = arena
+        self._tls = tls  # HTTPS, the source's certificate checked against tls.ca
         threading.Thread(target=self._run, name="snapshot-fetch", daemon=True).start()
 
     def progress(self) -> dict:
@@ -563,7 +576,10 @@ class SnapshotFetch:
 
     def _get(self, address: str, path: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         token, _, timeout_s = self._args
-        conn = http.client.HTTPConnection(*split_address(address), timeout=timeout_s)
+        if self._tls is None:
+            conn = http.client.HTTPConnection(*split_address(address), timeout=timeout_s)
+        else:
+            conn = _HTTPSConnection(self._tls, *split_address(address), timeout=timeout_s)
         conn.request("GET", path, headers={TOKEN_HEADER: token})
         resp = conn.getresponse()
         if resp.status != 200:
@@ -619,6 +635,19 @@ class SnapshotFetch:
                         self.bytes_done += k
 
 
+class _HTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS to a catch-up server, its certificate checked against the job's CA, for the name that
+    `tls.server_name` gives, else the host dialed."""
+
+    def __init__(self, tls: TLS, host: str, port: int, *, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout, context=tls.client_context())
+        self._tls = tls
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._tls.wrap_client(self.sock, self.host)
+
+
 class CatchupTransport(Protocol):
     """How a replica's state travels from a live source to a healing peer, host by host: what the
     step protocol needs of catch-up, and nothing about how."""
@@ -648,10 +677,14 @@ class ShardTransport:
         advertise: str | None = None,
         streams: int = 1,
         arena: ReceiveArena | None = None,
+        tls: TLS | None = None,
     ):
-        self.token, self.timeout_s, self.streams = token, timeout_s, streams
+        self.token, self.timeout_s, self.streams, self.tls = token, timeout_s, streams, tls
         self.server = SnapshotServer(
-            token, listen=net.Listen(host, advertise=advertise), rate_limit_mbps=rate_limit_mbps
+            token,
+            listen=net.Listen(host, advertise=advertise),
+            rate_limit_mbps=rate_limit_mbps,
+            ssl_context=None if tls is None else tls.server_context(),
         )
         self.address = self.server.address
         self.arena = arena  # (the next fetch lands in it: see ReceiveArena)
@@ -680,6 +713,7 @@ class ShardTransport:
             timeout_s=self.timeout_s,
             streams=self.streams,
             arena=arena,
+            tls=self.tls,
         )
 
     def load(self, fetched: FetchResult, abstract_state: Any) -> Any:

@@ -21,6 +21,7 @@ import jax
 from ftjax.base import net
 from ftjax.base.env import read_token
 from ftjax.base.net import split_address
+from ftjax.base.tls import TLS
 from ftjax.config import Config
 from ftjax.coordinator.client import CoordinatorClient, CoordinatorError
 from ftjax.coordinator.layout import fingerprint
@@ -119,7 +120,7 @@ def member_protocol(
     served = served_lanes(group.rank, cfg.mesh.live, cfg.mesh.hosts)
     endpoints = _ftar_endpoints(cfg, token, addrs, served)
     ftar_addresses = [a for host in group.allgather([e.address for e in endpoints]) for a in host]  # lane order
-    transport = _catchup_transport(cfg, token, addrs, arena)
+    transport = _catchup_transport(cfg, token, addrs, arena, args.tls)
     catchup_addresses = group.allgather(transport.address)
     _announce(args, group, addrs, endpoints, transport)
     incarnation = group.broadcast(new_incarnation() if leader else None)
@@ -210,8 +211,10 @@ def _ftar_endpoints(cfg: Config, token: str, addrs: net.Addresses, served) -> li
     ]
 
 
-def _catchup_transport(cfg: Config, token: str, addrs: net.Addresses, arena: ReceiveArena | None) -> ShardTransport:
-    """What serves and fetches catch-up snapshots."""
+def _catchup_transport(
+    cfg: Config, token: str, addrs: net.Addresses, arena: ReceiveArena | None, tls: TLS | None
+) -> ShardTransport:
+    """What serves and fetches catch-up snapshots (over HTTPS with `tls`)."""
     return ShardTransport(
         token,
         rate_limit_mbps=cfg.ft.catchup_rate_limit_mbps,
@@ -220,6 +223,7 @@ def _catchup_transport(cfg: Config, token: str, addrs: net.Addresses, arena: Rec
         host=addrs.bind,
         advertise=addrs.advertise,
         arena=arena,
+        tls=tls,
     )
 
 
@@ -239,7 +243,7 @@ def _coordinator_client(
     cfg: Config, args: RunOptions, token: str, info: MemberInfo, log: MetricsLog
 ) -> CoordinatorClient:
     """The leader's client of the job's coordinator, started."""
-    client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s)
+    client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s, tls=args.tls)
     client.start()
     # each step's figures travel to the coordinator with the next quorum request (status page, /metrics)
     log.listeners.append(

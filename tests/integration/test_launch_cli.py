@@ -110,6 +110,8 @@ BAD_OPTIONS = [
     (["--emit", "k8s", "{file}"], "--emit"),
     (["--emit", "k8s", ""], "--emit"),
     (["--image", ""], "--image"),
+    (["--tls-cert", "{file}", "--tls-ca", "{file}"], "--tls-key"),
+    (["--tls-cert", "{file}", "--tls-key", "{file}", "--tls-ca", "{file}"], "--tls-cert"),  # not PEM
 ]
 
 

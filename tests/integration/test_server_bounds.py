@@ -193,7 +193,9 @@ class Catchup:
     """A replica host's catch-up server offering a two-leaf snapshot, and a real fetch of it."""
 
     def __init__(self, **bounds) -> None:
-        self.server = SnapshotServer(TOKEN, wait_offer_s=5.0, **bounds)
+        # (a lease outlives 60 s without a request: a fetch's first `import jax` between its manifest
+        # and its ranges took over 5 s on a busy machine, and the range was answered 410)
+        self.server = SnapshotServer(TOKEN, wait_offer_s=60.0, **bounds)
         self.address = self.server.address
 
     def offer(self, leaves: dict[str, np.ndarray], step: int = 7) -> None:
@@ -251,20 +253,86 @@ def test_idle_half_sent_connections_time_out(make_server):
 
 
 def test_connections_beyond_the_cap_are_refused_without_a_thread(make_server):
+    # Half-sent requests wait for their heads without a thread (no thread at all now), at most
+    # `max_pending` of them: the surplus is refused at once.
     make, stack = make_server
     cap = 20
-    server = make(idle_timeout_s=60.0, max_connections=cap)  # nothing times out during this test
+    server = make(idle_timeout_s=60.0, header_timeout_s=60.0, max_pending=cap)  # nothing times out here
     baseline = threading.active_count()
     conns = half_sent(server.address, N_IDLE)
     for s in conns:
         stack.callback(s.close)
     most = thread_count_over(baseline, seconds=1.0)
-    assert most <= cap + 2, f"{most} threads for {N_IDLE} connections with a cap of {cap}"
+    assert most <= 2, f"{most} threads for {N_IDLE} half-sent connections"
     refused = sum(closed_by_server(s, wait_s=0.2) for s in conns)
     assert refused >= N_IDLE - cap, f"only {refused} of the {N_IDLE - cap} surplus connections were refused"
-    for s in conns:  # the held ones end: their slots free up for a normal request
+    for s in conns:  # the held ones end: their places free up for a normal request
         s.close()
     assert wait_threads_back(baseline, timeout=20) <= 2
+    server.normal_request()
+
+
+def test_complete_requests_beyond_the_cap_are_refused_without_a_thread():
+    # `max_connections` bounds the requests served at once: with its one slot held by a fetch
+    # waiting for an offer, a second complete request is answered 503 at once, without a thread.
+    server = Catchup(max_connections=1)
+    try:
+        server.offer({"a": np.full(1000, ord("a"), np.uint8)}, step=1)
+        waiting = SnapshotFetch(server.address, "peer", TOKEN, source="test", min_step=5, timeout_s=30)
+        deadline = time.monotonic() + 20
+        while server.server.offered("peer"):  # until its request, in a handler, asks for a fresher one
+            assert time.monotonic() < deadline, "the fetch's request was never served"
+            time.sleep(0.01)
+        baseline = threading.active_count()
+        with socket.create_connection(split_address(server.address), timeout=10) as s:
+            s.sendall(b"GET /snapshot/manifest?key=peer HTTP/1.0\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.0 503")
+        assert threading.active_count() <= baseline
+        server.offer({"a": np.full(1000, ord("a"), np.uint8)})
+        assert waiting.done.wait(30) and waiting.error is None, waiting.error
+    finally:
+        server.close()
+
+
+N_DRIP = 72  # more than the default 64 connections served at once
+
+
+def test_slow_drip_clients_cannot_starve_a_normal_request(make_server):
+    # Clients that send their request a byte at a time, each byte well within the idle timeout, held
+    # all 64 slots as long as they dripped (the status page and /metrics answered 503): now their
+    # heads are read without a thread, the normal request is served beside them, and each is dropped
+    # once its head has not arrived within the header timeout in all.
+    make, stack = make_server
+    header_s = 6.0
+    server = make(idle_timeout_s=3.0, header_timeout_s=header_s)  # (a byte every 0.1 s: never idle)
+    conns = [socket.create_connection(split_address(server.address), timeout=10) for _ in range(N_DRIP)]
+    for s in conns:
+        stack.callback(s.close)
+    request = b"GET /snapshot/manifest?key=peer HTTP/1.0\r\n" + b"X-Pad: " + b"x" * 10_000
+    dropped: dict[int, float] = {}  # conn index -> when a send or the server's EOF showed it closed
+    stop = threading.Event()
+
+    def drip() -> None:
+        for k in range(len(request)):
+            for i, s in enumerate(conns):
+                if i not in dropped:
+                    try:
+                        s.send(request[k : k + 1])
+                    except OSError:
+                        dropped[i] = time.monotonic()
+            if stop.wait(0.1) or len(dropped) == N_DRIP:
+                return
+
+    t0 = time.monotonic()
+    dripper = threading.Thread(target=drip, daemon=True)
+    dripper.start()
+    stack.callback(dripper.join, 10)
+    stack.callback(stop.set)
+    server.normal_request()  # (its connection is accepted after theirs)
+    assert not dropped, f"{len(dropped)} drippers dropped before the normal request was served"
+    still_open = sum(not closed_by_server(s, wait_s=header_s + 20) for s in conns)
+    assert still_open == 0, f"{still_open} of {N_DRIP} dripping connections not closed by the server"
+    assert time.monotonic() - t0 >= header_s  # dropped by the header deadline, not sooner
     server.normal_request()
 
 
@@ -285,3 +353,48 @@ def test_slow_catchup_transfer_outlives_the_idle_timeout():
         later.cancel()
         later.join()
         server.close()
+
+
+def test_head_reader_outlives_a_head_completed_as_its_deadline_passed(monkeypatch):
+    # A connection handed over (and closed by its worker) in the very turn in which its deadline
+    # passed was then looked up by its closed socket: ValueError, and the reading thread was gone,
+    # every later connection unserved. The reader's clock stands still until the first head is
+    # handed over, then jumps past its deadline: the turn's deadline check comes next.
+    from types import SimpleNamespace
+
+    from ftjax.coordinator import http
+
+    served = []
+    monkeypatch.setattr(http, "time", SimpleNamespace(monotonic=lambda: 1000.0 + (200.0 if served else 0.0)))
+
+    def ready(sock, address, head):  # a worker that answers at once: the socket is closed in the turn
+        served.append(head)
+        sock.close()
+
+    reader = http._HeadReader(ready, timeout_s=100.0, idle_s=100.0, max_pending=8)
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        client = socket.create_connection(listener.getsockname(), timeout=10)
+        conn, address = listener.accept()
+        conn.setblocking(False)
+        assert reader.add(conn, address)
+        client.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        deadline = time.monotonic() + 10
+        while not served:
+            assert time.monotonic() < deadline, "the head was never handed over"
+            time.sleep(0.01)
+        client.close()
+        client = socket.create_connection(listener.getsockname(), timeout=10)  # a later connection
+        client.sendall(b"GET /later HTTP/1.0\r\n\r\n")
+        conn, address = listener.accept()
+        conn.setblocking(False)
+        assert reader.add(conn, address)
+        while len(served) < 2:
+            assert reader._thread.is_alive(), "the reading thread died"
+            assert time.monotonic() < deadline, "the later head was never handed over"
+            time.sleep(0.01)
+        assert served[1].startswith(b"GET /later")
+        client.close()
+    finally:
+        reader.close()
+        listener.close()
