@@ -200,6 +200,8 @@ def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_
         assert (1, "4:forward") in downs and (2, "8:ftar") in downs, (downs, run.output())
         kinds = [e["replica"] for e in run.events() if e["event"] == "fault" and e.get("kind") == "kill_catchup"]
         assert kinds == [1], run.output()
+        # no replica was refused by the coordinator (exit 2: a healed replica's report was, every heal)
+        assert all(2 not in (e.get("codes") or []) for e in run.events() if e["event"] == "replica_down")
         assert s["digests_equal"] and s["exactly_once"], {
             r: v.get("exactly_once_error") for r, v in s["replicas"].items()
         }
@@ -313,3 +315,40 @@ def test_a_streaming_job_stopped_and_resumed_from_its_checkpoint_ends_bitwise_eq
     whole, split = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "split"))
     assert split["param_digest"] == whole["param_digest"] and split["params_digest"] == whole["params_digest"]
     assert "restore" in (tmp_path / "split" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["diloco", "streaming_diloco"])
+def test_a_restarted_replica_contributes_again_within_two_rounds_of_its_heal(procs, tmp_path, sync):
+    """2 replicas, both needed for a quorum (coordinator.min_replicas=2, so each kill is healed
+    before the job goes on): replica 1 dies in its inner steps of round 3, replica 0 at the outer
+    all-reduce of round 8. Each restarted replica heals from the other and contributes again within
+    two rounds of its heal (its healing round's report is a valid one: it was refused, inner_steps
+    0, and the replica exited 2 after every heal), no replica exits with a refusal, each restarts
+    once (--max-restarts 1: a second failure would end the job), and the summary counts each
+    replica's contributed rounds: every round of the job, less the one it died in and the one it
+    healed in."""
+    args = [f"{REPO}/ftjax/configs/llama_tiny.yaml", "--replicas", "2", "--restart-delay-s", "0.5"]
+    args += ["--max-restarts", "1", "steps=12", f"ft.sync={sync}", "ft.inner_steps=2", "ft.fragments=2"]
+    args += ["coordinator.min_replicas=2", "--kill", "1@3:forward", "--kill", "0@8:ftar"]
+    run = Launch(procs, args, tmp_path / sync)
+    try:
+        assert run.wait(timeout=420) == 0, run.output()
+        s = run.summary()
+        downs = [e for e in run.events() if e["event"] == "replica_down"]
+        assert sorted((e["replica"], e["cause"]) for e in downs) == [(0, "kill"), (1, "kill")], downs
+        assert all(2 not in (e.get("codes") or []) for e in downs), downs
+        assert s["digests_equal"] and s["exactly_once"], s
+        for r, died in ((1, 3), (0, 8)):
+            assert s["replicas"][str(r)]["restarts"] == 1
+            steps = [m for m in run.metrics(r) if "step" in m and m.get("event") is None and m.get("committed")]
+            healed = [m["step"] for m in steps if m["healing"]]
+            assert healed and min(healed) >= died, (r, healed)
+            back = [m["step"] for m in steps if not m["healing"] and m["step"] > min(healed)]
+            assert back and back[0] <= min(healed) + 2, (r, healed, back)  # contributes again within two rounds
+            assert back == list(range(back[0], 13)), (r, back)  # and every round after
+            own = [m for m in steps if not m["healing"]]
+            assert s["replicas"][str(r)]["steps_contributed"] == len(own) >= 12 - 3, (r, s["replicas"][str(r)])
+            assert all(m["inner_steps"] == 2 // (2 if sync == "streaming_diloco" else 1) for m in own)
+    finally:
+        run.close()
