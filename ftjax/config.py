@@ -385,6 +385,20 @@ class FTConfig(_Strict):
     fragments: int = Field(
         4, gt=0, description="streaming_diloco: parts of the parameters (equal sizes; fragments - 1 arrays cut at most)"
     )
+    fragment_sync_delay: int = Field(
+        0,
+        ge=0,
+        description="streaming_diloco: tau, inner steps between a fragment's pseudo-gradient and its outer step "
+        "(torchft's fragment_sync_delay): the delta is taken tau steps before the round's end, the outer step "
+        "applied at its end; less than inner_steps / fragments (0: at the end)",
+    )
+    fragment_update_alpha: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="streaming_diloco: a fragment's local parameters after its outer step are "
+        "alpha * local + (1 - alpha) * the new global ones (torchft's fragment_update_alpha; 0: the global)",
+    )
     outer_optimizer: Literal["nesterov", "sgd", "adam"] = Field(
         "nesterov",
         description="diloco: the optimizer of the averaged parameter deltas (a task's `outer_optimizer`, any optax "
@@ -581,6 +595,8 @@ class Config(_Strict):
             )
         if self.ft.sync != "every_step":
             self._check_diloco()
+        elif name := next((n for n in ("fragment_sync_delay", "fragment_update_alpha") if getattr(self.ft, n)), None):
+            raise ValueError(f"ft.{name}: only with ft.sync=streaming_diloco")
         elif self.ft.global_batch != "constant":
             # Rows a reduced replica does not compute go to the others, exactly once; elastic mode
             # has nobody to give them to (its batch n of stream r is trained by replica r or never).
@@ -612,6 +628,15 @@ class Config(_Strict):
             raise ValueError(
                 f"ft.fragments ({ft.fragments}) must divide ft.inner_steps ({ft.inner_steps}): "
                 "a fragment is averaged every inner_steps / fragments steps"
+            )
+        streaming = ft.sync == "streaming_diloco" and ft.fragments > 1  # (local parameters of their own)
+        for name in ("fragment_sync_delay", "fragment_update_alpha"):
+            if getattr(ft, name) and not streaming:
+                raise ValueError(f"ft.{name}: only with ft.sync=streaming_diloco and ft.fragments > 1")
+        if ft.fragment_sync_delay >= max(1, self.inner_per_step):
+            raise ValueError(
+                f"ft.fragment_sync_delay ({ft.fragment_sync_delay}) must be less than a round's "
+                f"{self.inner_per_step} inner steps (ft.inner_steps / ft.fragments)"
             )
         if self.data.batch_size % self.mesh.live_devices:
             raise ValueError(

@@ -315,6 +315,9 @@ class CoordinatorClient:
         if "step" not in record or event is not None:
             return
         loss = record.get("loss")
+        # a round's fields describe the replica's own inner steps: a healing round has none (0
+        # inner steps, which the coordinator rightly refuses), so its report leaves them out
+        diloco = "inner_steps" in record and not record.get("healing")
         self._report = pb.StepReport(
             step=int(record["step"]),
             committed=bool(record.get("committed")),
@@ -326,10 +329,10 @@ class CoordinatorClient:
             replicas=replicas,
             mfu=record.get("mfu"),
             eval_loss=record.get("eval_loss"),
-            inner_steps=record.get("inner_steps"),
-            fragment=record.get("fragment"),
-            sync_bytes=record.get("sync_bytes"),
-            warmup_steps=warmup_steps if warmup_steps and "inner_steps" in record else None,
+            inner_steps=record["inner_steps"] if diloco else None,
+            fragment=record.get("fragment") if diloco else None,
+            sync_bytes=record.get("sync_bytes") if diloco else None,
+            warmup_steps=warmup_steps if warmup_steps and diloco else None,
         )
 
     def quorum(

@@ -317,15 +317,18 @@ def digests_verdict(summary: dict) -> str:
 
 
 def print_summary(console: Console, summary: dict, run_dir: str) -> None:
-    """The end-of-run table: per replica steps, restarts, catch-up time, digest; then the job's figures."""
+    """The end-of-run table: per replica steps committed and contributed (trained with its own
+    batches: a replica that only heals contributes none), restarts, catch-up time, digest; then the
+    job's figures."""
     table = Table(title="ftjax launch: summary", title_justify="left")
-    for col in ("replica", "steps", "restarts", "catch-up s", "exactly once"):
+    for col in ("replica", "steps", "contributed", "restarts", "catch-up s", "exactly once"):
         table.add_column(col, justify="right")
     table.add_column("param digest", no_wrap=True, min_width=16)
     for rid, rec in summary["replicas"].items():
         table.add_row(
             rid,
             str(rec["steps_committed"]),
+            str(rec["steps_contributed"]),
             str(rec["restarts"]),
             f"{rec['catchup_s']:.2f}",
             "yes" if rec["exactly_once"] else "[red]NO[/]",

@@ -5,8 +5,11 @@ batches from the job's global parameters, then the replicas average their pseudo
 (global - local parameters) through FTAR and an outer optimizer (Nesterov SGD by default) applies
 the average to the global parameters (Douillard et al. 2023). Streaming DiLoCo cuts the parameters
 into `fragments` and averages one fragment per round, in turn, so that the bytes of one round are
-a fragment's (Douillard et al. 2025; the overlap of a fragment's exchange with the next inner
-steps is not built: docs/design.md, "Training across slow links").
+a fragment's (Douillard et al. 2025). With torchft's `ft.fragment_sync_delay` tau the fragment's
+pseudo-gradient is taken tau inner steps before the round's end, and with `ft.fragment_update_alpha`
+alpha its local parameters after the outer step are alpha x local + (1 - alpha) x global (the
+overlap of the exchange with those tau steps is not built: docs/design.md, "Training across slow
+links").
 
 With `ft.sync_warmup_steps` W, the job's first W steps are synchronous, as the paper's runs
 start from a model trained with every-step sync: each averages the replicas' gradients of one
@@ -191,6 +194,8 @@ class OuterSync:
                 "which DiLoCo does not average; use ft.sync=every_step"
             )
         self.fragments, self.inner, self.warmup = cfg.sync_fragments, cfg.inner_per_step, cfg.warmup_sync_steps
+        # streaming: tau (the pseudo-gradient taken tau inner steps before the outer step) and alpha
+        self.delay, restart = ft.fragment_sync_delay, _restart(float(ft.fragment_update_alpha))
         self.tx = outer_tx or program.task.outer_optimizer or outer_optimizer(ft)
         self.program = program
         abstract = program.abstract_state()
@@ -200,17 +205,7 @@ class OuterSync:
         self.touched = [sorted({p.leaf for p in ps}) for ps in self.pieces]
         self._bytes = [4 * sum(p.size for p in ps) for ps in self.pieces]
         self.shardings = [a.sharding for a in leaves]
-        mesh = program.mesh
-        self.outer_abstract = []
-        piece_shardings = []
-        for ps in self.pieces:
-            templates, sh = piece_templates(leaves, self.shardings, ps)
-            piece_shardings.append(sh)
-            shapes = jax.eval_shape(self.tx.init, templates)
-            osh = shd.follow_params(shapes, sh, mesh)
-            self.outer_abstract.append(
-                jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, osh)
-            )
+        self.outer_abstract, piece_shardings = _outer_shapes(self.tx, leaves, self.shardings, self.pieces, program.mesh)
         self._grads32 = _float32_leaves(self.shardings)  # (a warm-up step's gradient: whole leaves, in order)
         copy = lambda t: jax.tree.map(jnp.copy, t)  # (new buffers: the program's apply donates its state)
         st = program.state_shardings
@@ -238,9 +233,13 @@ class OuterSync:
             )
             # per fragment, its shardings fixed: the results are state that peers fetch and checkpoints save
             self._outer.append(jax.jit(outer, out_shardings=(touched, osh)))
-            # a fragment's local parameters start again from the new global ones (copies: new buffers)
+
+            # a fragment's local parameters start again from the new global ones, or mix with them (alpha)
             self._reset.append(
-                jax.jit(lambda loc, g, take=take, put=put: put(loc, copy(take(g))), out_shardings=touched)
+                jax.jit(
+                    lambda loc, g, take=take, put=put: put(loc, [restart(a, b) for a, b in zip(take(loc), take(g))]),
+                    out_shardings=touched,
+                )
             )
 
     # --- the fragments ----------------------------------------------------------------------------
@@ -335,13 +334,18 @@ class OuterSync:
         inner = self._copy_inner({"params": self.local_params(state), "opt": state["opt"], "step": state["step"]})
         losses, aux = [], None
         one = np.float32(1.0)
-        for batch, w in zip(batches, wheres):
+        g = self.part(jax.tree.leaves(state["params"]), f)
+        # tau: the pseudo-gradient of the local parameters tau steps before the round's end (at its
+        # start in a shorter round: one inner step at a position a lagging replica left in a warm-up)
+        take = max(0, len(batches) - self.delay)
+        delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f)) if take == 0 else None
+        for h, (batch, w) in enumerate(zip(batches, wheres)):
             beat()
             loss, aux, grads = program.grads_of(inner, batch, w)
-            inner = program.apply(inner, grads, one)  # (donates the copy)
+            inner = program.apply(inner, grads, one)  # (donates the copy: the delta is taken before the next)
             losses.append(loss)
-        g = self.part(jax.tree.leaves(state["params"]), f)
-        delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f))
+            if h + 1 == take:
+                delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f))
         loss = float(np.mean([float(x) for x in losses]))
         return InnerResult(loss, aux, delta, inner["params"], inner["opt"], inner["step"])
 
@@ -381,6 +385,32 @@ class OuterSync:
                 self._reset[f](zeros, g)
         if self.warmup:
             self._grads32(self.program.zeros())
+
+
+def _outer_shapes(tx: Any, leaves: list, shardings: list, pieces: Any, mesh: Any) -> tuple[list, list]:
+    """Each fragment's outer optimizer state (shapes, dtypes, shardings following its pieces') and
+    its pieces' shardings."""
+    outer, piece_shardings = [], []
+    for ps in pieces:
+        templates, sh = piece_templates(leaves, shardings, ps)
+        piece_shardings.append(sh)
+        shapes = jax.eval_shape(tx.init, templates)
+        osh = shd.follow_params(shapes, sh, mesh)
+        outer.append(jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, osh))
+    return outer, piece_shardings
+
+
+def _restart(alpha: float):
+    """A fragment's piece of local parameters after its outer step, from (local, new global):
+    torchft's lerp, alpha x local + (1 - alpha) x global in float32; at alpha 0 a copy of the
+    global one (new buffers), bitwise, as before alpha existed."""
+    if alpha == 0:
+        return lambda local, g: jnp.copy(g)
+
+    def mix(local, g):
+        return (local.astype(jnp.float32) * alpha + g.astype(jnp.float32) * (1 - alpha)).astype(local.dtype)
+
+    return mix
 
 
 def _float32_leaves(shardings: list):

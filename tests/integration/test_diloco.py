@@ -200,6 +200,8 @@ def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_
         assert (1, "4:forward") in downs and (2, "8:ftar") in downs, (downs, run.output())
         kinds = [e["replica"] for e in run.events() if e["event"] == "fault" and e.get("kind") == "kill_catchup"]
         assert kinds == [1], run.output()
+        # no replica was refused by the coordinator (exit 2: a healed replica's report was, every heal)
+        assert all(2 not in (e.get("codes") or []) for e in run.events() if e["event"] == "replica_down")
         assert s["digests_equal"] and s["exactly_once"], {
             r: v.get("exactly_once_error") for r, v in s["replicas"].items()
         }
@@ -313,3 +315,118 @@ def test_a_streaming_job_stopped_and_resumed_from_its_checkpoint_ends_bitwise_eq
     whole, split = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "split"))
     assert split["param_digest"] == whole["param_digest"] and split["params_digest"] == whole["params_digest"]
     assert "restore" in (tmp_path / "split" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["diloco", "streaming_diloco"])
+def test_a_restarted_replica_contributes_again_within_two_rounds_of_its_heal(procs, tmp_path, sync):
+    """2 replicas, both needed for a quorum (coordinator.min_replicas=2, so each kill is healed
+    before the job goes on): replica 1 dies in its inner steps of round 3, replica 0 at the outer
+    all-reduce of round 8. Each restarted replica heals from the other and contributes again within
+    two rounds of its heal (its healing round's report is a valid one: it was refused, inner_steps
+    0, and the replica exited 2 after every heal), no replica exits with a refusal, each restarts
+    once (--max-restarts 1: a second failure would end the job), and the summary counts each
+    replica's contributed rounds: every round of the job, less the one it died in and the one it
+    healed in."""
+    args = [f"{REPO}/ftjax/configs/llama_tiny.yaml", "--replicas", "2", "--restart-delay-s", "0.5"]
+    args += ["--max-restarts", "1", "steps=12", f"ft.sync={sync}", "ft.inner_steps=2", "ft.fragments=2"]
+    args += ["coordinator.min_replicas=2", "--kill", "1@3:forward", "--kill", "0@8:ftar"]
+    run = Launch(procs, args, tmp_path / sync)
+    try:
+        assert run.wait(timeout=420) == 0, run.output()
+        s = run.summary()
+        downs = [e for e in run.events() if e["event"] == "replica_down"]
+        assert sorted((e["replica"], e["cause"]) for e in downs) == [(0, "kill"), (1, "kill")], downs
+        assert all(2 not in (e.get("codes") or []) for e in downs), downs
+        assert s["digests_equal"] and s["exactly_once"], s
+        for r, died in ((1, 3), (0, 8)):
+            assert s["replicas"][str(r)]["restarts"] == 1
+            steps = [m for m in run.metrics(r) if "step" in m and m.get("event") is None and m.get("committed")]
+            healed = [m["step"] for m in steps if m["healing"]]
+            assert healed and min(healed) >= died, (r, healed)
+            back = [m["step"] for m in steps if not m["healing"] and m["step"] > min(healed)]
+            assert back and back[0] <= min(healed) + 2, (r, healed, back)  # contributes again within two rounds
+            assert back == list(range(back[0], 13)), (r, back)  # and every round after
+            own = [m for m in steps if not m["healing"]]
+            assert s["replicas"][str(r)]["steps_contributed"] == len(own) >= 12 - 3, (r, s["replicas"][str(r)])
+            assert all(m["inner_steps"] == 2 // (2 if sync == "streaming_diloco" else 1) for m in own)
+    finally:
+        run.close()
+
+
+def _linear_loss(params, batch, key=None):
+    """Per example x[:4] . a + x[4:] . b: the gradient of a batch's mean is its mean x whatever the
+    parameters (a constant gradient), so SGD's inner steps are computable by hand."""
+    return batch["x"][:, :4] @ params["a"] + batch["x"][:, 4:] @ params["b"]
+
+
+@pytest.mark.parametrize("tau", [0, 1])
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_fragment_sync_delay_and_update_alpha_follow_the_history_computed_by_hand(tau, alpha):
+    """Streaming DiLoCo with ft.fragment_sync_delay tau and ft.fragment_update_alpha alpha, 2
+    replicas, 2 fragments (a and b), rounds of 2 SGD inner steps with constant gradients and an
+    outer SGD at rate 1, against the history computed by hand in numpy: each contributor's
+    pseudo-gradient global - local taken tau inner steps before the round's end, the outer step
+    applied at its end, then every replica's local fragment alpha * local + (1 - alpha) * the new
+    global. Round 2 is a failure: replica 1 dies in its inner steps (the round averages replica 0's
+    delta alone) and heals from replica 0's state before the round, the round replayed on it."""
+    import jax.numpy as jnp
+
+    import ftjax
+    from ftjax.api import as_config
+
+    sys.path.insert(0, f"{REPO}/tests/integration")
+    from test_api import Pairs
+
+    lr, n, rounds, dead = 0.1, 2, 5, 2
+    config = {
+        "seed": 0,
+        "steps": rounds,
+        "data": {"batch_size": 4},
+        "ft": {"replicas": 2, "digest_every": 0, "sync": "streaming_diloco", "inner_steps": 2 * n, "fragments": 2},
+    }
+    config["ft"].update(outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
+    config["ft"].update(fragment_sync_delay=tau, fragment_update_alpha=alpha)
+    init = lambda key: {"a": jax.random.normal(key, (4,)), "b": jnp.arange(4.0) / 3}
+    task = ftjax.pytree_task(init, _linear_loss, Pairs(), optimizer=optax.sgd(lr), name="linear")
+    cfg = as_config(config)
+    program = build_program(cfg, task=task)
+    sync = OuterSync(cfg, program)
+    assert [[p.leaf for p in ps] for ps in sync.pieces] == [[0], [1]]  # fragment 0 is a, fragment 1 is b
+    streams = [make_stream(cfg, replica=r, task=task) for r in (0, 1)]
+    states = [sync.init(program.init(np.int32(0)))] * 2
+    grad = lambda r, k: np.asarray(streams[r].batch(k)["x"], np.float32).mean(axis=0)  # (a's 4, then b's)
+    # the reference: float32 numpy, the same order of operations
+    g = {k: np.asarray(v) for k, v in states[0]["params"].items()}
+    local = [dict(g), dict(g)]
+    positions = [0, 0]
+    for r in range(rounds):
+        f, key = r % 2, "ab"[r % 2]
+        contributors = [0] if r == dead else [0, 1]
+        before, before_local = states[0], dict(local[0])
+        results, deltas = {}, []
+        for i in contributors:
+            k0 = positions[i] * n
+            batches = [device_batch(program, streams[i].batch(k0 + h)) for h in range(n)]
+            results[i] = sync.run_inner(states[i], batches, [where(k0 + h, i, 0) for h in range(n)], f)
+            for h in range(n):
+                x = grad(i, k0 + h)
+                local[i] = {"a": local[i]["a"] - np.float32(lr) * x[:4], "b": local[i]["b"] - np.float32(lr) * x[4:]}
+                if h + 1 == n - tau:
+                    deltas.append(g[key] - local[i][key])
+            positions[i] += 1
+        avg = deltas[0] if len(deltas) == 1 else (deltas[0] + deltas[1]) / np.float32(2)
+        got = [np.asarray(results[i].delta[0]) for i in contributors]
+        mean = got[0] if len(got) == 1 else (got[0] + got[1]) / np.float32(2)
+        np.testing.assert_allclose(mean, avg, rtol=1e-6, atol=1e-7)
+        if r == dead:  # replica 1 takes replica 0's state before the round and replays its average
+            states[1], local[1] = before, before_local
+        states = [sync.apply(states[i], (f, [mean]), 1.0, results.get(i)) for i in (0, 1)]
+        g[key] = g[key] - avg
+        for i in (0, 1):
+            local[i][key] = local[i][key] * np.float32(alpha) + g[key] * np.float32(1 - alpha)
+        for i in (0, 1):
+            for k in "ab":
+                np.testing.assert_allclose(np.asarray(states[i]["params"][k]), g[k], rtol=1e-6, atol=1e-6)
+                np.testing.assert_allclose(np.asarray(states[i]["local"][k]), local[i][k], rtol=1e-6, atol=1e-6)
+        assert np.array_equal(states[0]["params"]["a"], states[1]["params"]["a"])  # (the shared state: bitwise)

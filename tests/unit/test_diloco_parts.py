@@ -241,3 +241,19 @@ def test_config_rules_name_the_field_at_fault():
     # a reduced-degree replica trains its whole batch with DiLoCo (nobody else computes its rows)
     cfg = load_config("llama_tiny", ["ft.sync=diloco", "mesh.hosts=2", "mesh.live_hosts=1", "ft.on_host_loss=reduce"])
     assert cfg.own_rows == cfg.data.batch_size
+
+
+def test_fragment_sync_delay_and_update_alpha_are_streamings_and_bounded_naming_the_field():
+    streaming = ["ft.sync=streaming_diloco", "ft.inner_steps=4", "ft.fragments=2"]
+    cfg = load_config("llama_tiny", [*streaming, "ft.fragment_sync_delay=1", "ft.fragment_update_alpha=0.5"])
+    assert (cfg.ft.fragment_sync_delay, cfg.ft.fragment_update_alpha) == (1, 0.5)
+    for overrides, message in (
+        (["ft.fragment_sync_delay=1"], "ft.fragment_sync_delay: only with ft.sync=streaming_diloco"),
+        (["ft.sync=diloco", "ft.fragment_update_alpha=0.5"], "ft.fragment_update_alpha: only with"),
+        (["ft.sync=streaming_diloco", "ft.inner_steps=4", "ft.fragments=1", "ft.fragment_sync_delay=1"], "ft.frag"),
+        ([*streaming, "ft.fragment_sync_delay=2"], r"ft.fragment_sync_delay \(2\) must be less than a round's 2"),
+        ([*streaming, "ft.fragment_update_alpha=1.5"], "ft.fragment_update_alpha"),
+        ([*streaming, "ft.fragment_sync_delay=-1"], "ft.fragment_sync_delay"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config("llama_tiny", overrides)

@@ -261,6 +261,31 @@ def test_a_replica_without_a_digest_is_no_difference(tmp_path):
     assert "no digest for replica 1" in text and "DIFFER" not in text, text
 
 
+def test_the_printed_summary_counts_each_replicas_contributed_steps(tmp_path):
+    """The table names what each replica trained with its own batches, apart from the steps it
+    committed: a replica refused after every heal committed steps (healing) and contributed none,
+    which "digests equal, exactly once" alone did not show."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from ftjax.launch.view import print_summary
+
+    make_run(tmp_path)
+    metrics = tmp_path / "replica-1" / "metrics.jsonl"  # replica 1 commits its healing steps 6-7
+    metrics.write_text(
+        metrics.read_text().replace('"committed": false, "healing": true', '"committed": true, "healing": true')
+    )
+    out = StringIO()
+    print_summary(Console(file=out, width=200), build_summary(tmp_path), str(tmp_path))
+    lines = out.getvalue().splitlines()
+    header = [c.strip() for c in next(x for x in lines if "┃" in x).split("┃")[1:-1]]
+    assert header[:4] == ["replica", "steps", "contributed", "restarts"], header
+    rows = [[c.strip() for c in x.split("│")[1:-1]] for x in lines if "│" in x]
+    # replica 0 trained all 10 steps; replica 1 committed 8, its own batches in 1-3 and 8-10 (6-7 healing)
+    assert {r[0]: tuple(r[1:4]) for r in rows} == {"0": ("10", "10", "0"), "1": ("8", "6", "1")}, rows
+
+
 def test_not_a_run_directory(tmp_path):
     with pytest.raises(ValueError, match="not a run directory"):
         build_summary(tmp_path)

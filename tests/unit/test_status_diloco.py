@@ -72,6 +72,22 @@ def test_the_step_report_carries_a_rounds_fields_or_nothing():
         assert e.value.field == f"report.{field}"
 
 
+def test_a_healing_rounds_report_is_valid_and_leaves_the_rounds_fields_to_its_peers():
+    """A replica's healing round (the trainer's record: it trained nothing, 0 inner steps) is
+    reported without the round's fields: with them the coordinator refused the report
+    (inner_steps 0) and the healed replica exited 2 after every heal."""
+    healing = {**_record(3, diloco=True), "healing": True, "loss": None, "tokens": 0, "inner_steps": 0}
+    for warmup in (0, 6):
+        wire = _wire(healing, warmup)
+        assert not any(wire.report.HasField(f) for f in ("inner_steps", "fragment", "sync_bytes", "warmup_steps"))
+        figures = _step_figures(wire)  # (validated: it raised InvalidField report.inner_steps)
+        assert (figures.contributed, figures.inner_steps) == (False, None)
+    state = _state(diloco=True)
+    b = MemberReport("b", "b-inc", step=3, data_position=3, ftar_addresses=("h:b",))
+    state.request(b, 0.5, _step_figures(_wire(healing)))
+    assert state.progress.inner_steps == 20  # the job's rounds are still its contributors'
+
+
 def test_a_diloco_job_shows_outer_rounds_inner_steps_and_bytes_averaged():
     state = _state(diloco=True)
     snap = state.snapshot(0.5)
