@@ -277,3 +277,45 @@ def test_an_own_loop_compiles_before_it_rejoins_so_its_peer_does_not_wait(tmp_pa
     assert len(back) >= 10, "the restarted replica contributed to too few steps to measure its rejoin"
     print(f"own loop: healthy stall {s['max_healthy_stall_s']} s, median step {s['median_step_s']} s")
     assert s["max_healthy_stall_s"] <= 1.5 * s["median_step_s"] + 0.5, s
+
+
+def test_batch_statistics_are_detected_as_rows_that_interact():
+    """Linen's `batch_stats` and NNX's BatchStat make a task's rows interact (a constant global
+    batch then deals missing batches out whole: ReplicaProgram.unit_rows); other model state, or
+    none, does not; a task says so itself through `rows_independent`."""
+    import flax.linen as nn
+    from flax import nnx
+
+    import ftjax
+
+    class Linen(nn.Module):
+        norm: bool
+
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(4)(x)
+            return nn.BatchNorm(use_running_average=False)(h) if self.norm else nn.Dropout(0.1, deterministic=False)(h)
+
+    class Nnx(nnx.Module):
+        def __init__(self, norm, rngs):
+            self.dense = nnx.Linear(8, 4, rngs=rngs)
+            self.norm = nnx.BatchNorm(4, rngs=rngs) if norm else None
+
+        def __call__(self, x):
+            h = self.dense(x)
+            return self.norm(h) if self.norm is not None else h
+
+    def linen_loss(apply, batch):
+        return jnp.sum(apply(batch["x"]) ** 2, axis=1)
+
+    def nnx_loss(module, batch):
+        return jnp.sum(module(batch["x"]) ** 2, axis=1)
+
+    src = Pairs()
+    assert not ftjax.linen_task(Linen(True), linen_loss, src).rows_independent
+    assert ftjax.linen_task(Linen(False), linen_loss, src).rows_independent
+    assert not ftjax.nnx_task(lambda rngs: Nnx(True, rngs), nnx_loss, src).rows_independent
+    assert ftjax.nnx_task(lambda rngs: Nnx(False, rngs), nnx_loss, src).rows_independent
+    assert ftjax.linen_task(Linen(True), linen_loss, src, rows_independent=True).rows_independent  # declared
+    assert ftjax.pytree_task(mlp_init, mlp_loss, src).rows_independent
+    assert not ftjax.pytree_task(mlp_init, mlp_loss, src, rows_independent=False).rows_independent
