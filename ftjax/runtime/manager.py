@@ -504,10 +504,12 @@ def _warm_up(abstract: Any, template: Any, apply: Callable, step: Callable | Non
     running job would otherwise compile them inside its first steps, which every peer waits for at
     FTAR (the built-in loop's `ReplicaProgram.warm_up`). The results are dropped."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
-    def zeros(a):
-        return jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
+    def zeros(a):  # (numpy has no PRNG key dtype)
+        typed_key = jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+        return jax.device_put((jnp if typed_key else np).zeros(a.shape, a.dtype), a.sharding)
 
     state = jax.tree.map(zeros, abstract)
     if step is not None:
