@@ -193,7 +193,7 @@ def nnx_task(
     per-example losses (or `(per_example, aux)`). Parameters are the `nnx.Param` variables (with
     their `sharding` metadata as logical axes); RNG streams are reseeded per computation; every
     other variable is model state, averaged over the step's contributors. `rows_independent`
-    (`Task.rows_independent`): None, unless the module has `nnx.BatchStat` variables."""
+    (`Task.rows_independent`), when None: False if the module has `nnx.BatchStat` variables."""
     from flax import nnx
 
     def split(module):
@@ -281,7 +281,7 @@ def linen_task(
     ...), updated by the call and averaged over the step's contributors. The first call of `apply`
     on an example batch initializes the module (`module.init`), so one function serves both.
     Parameters boxed with `nn.with_logical_partitioning` are sharded by their logical names.
-    `rows_independent` (`Task.rows_independent`): None, unless there is a `batch_stats` collection."""
+    `rows_independent` (`Task.rows_independent`), when None: False if it has a `batch_stats` collection."""
     import flax.linen as nn
 
     run = _linen_runner(module, loss, rng_streams)

@@ -216,4 +216,5 @@ def _check_whole_batches(cfg, name: str) -> None:
     if m is not None and m != b:
         raise TaskError(f"ft.micro_batch_rows={m}: {why}: leave it unset or set it to data.batch_size ({b})")
     if cfg.ft.on_host_loss == "reduce" or cfg.mesh.live < cfg.mesh.hosts:
-        raise TaskError(f"ft.on_host_loss=reduce: {why} (a reduced-degree replica computes part of its batch)")
+        key = "ft.on_host_loss=reduce" if cfg.ft.on_host_loss == "reduce" else f"mesh.live_hosts={cfg.mesh.live}"
+        raise TaskError(f"{key}: {why} (a reduced-degree replica computes part of its batch)")
