@@ -2,6 +2,8 @@
 
 ftjax calls the module through `apply`, with `mutable=["batch_stats"]`; the new statistics are model
 state, averaged over the step's contributors with the gradients, so every replica keeps the same.
+BatchNorm makes a batch's rows interact (detected from `batch_stats`): under `ft.global_batch=constant`
+a missing replica's batch is computed whole by one peer, so its statistics are the failure-free ones.
 
     ftjax launch examples/linen_batchnorm.yaml --replicas 2 --kill 1@15:ftar
 """

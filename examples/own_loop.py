@@ -51,8 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}
 
     template = jax.eval_shape(init)  # shapes and dtypes: what a healing peer receives
+    # join compiles the step (`warm_up`, on a state of zeros) and `apply` before the replica joins:
+    # a replica restarted into a running job must not compile inside a step its peers wait for
     ft = ftjax.FaultTolerance.join(
-        run, state=template, update_template=template["params"], apply=apply, batch_id=stream.batch_id
+        run,
+        state=template,
+        update_template=template["params"],
+        apply=apply,
+        batch_id=stream.batch_id,
+        warm_up=lambda state: grads_of(state["params"], stream.batch(0)),
     )
     try:
         while ft.step < cfg.steps:

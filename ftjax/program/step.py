@@ -74,11 +74,18 @@ class ReplicaProgram:
         return "model_state" in self.state_shardings
 
     @property
+    def unit_rows(self) -> int:
+        """The unit a constant global batch deals missing rows out in: `cfg.micro_rows`, or the
+        whole batch for a task whose rows interact (batch statistics of a split batch would not be
+        the failure-free run's)."""
+        return self.cfg.micro_rows if self.task.rows_independent else self.cfg.data.batch_size
+
+    @property
     def chunk_rows(self) -> tuple[int, ...]:
         """The micro-batch sizes a share of rows is computed in: whole batches, then micro-batches
         (fewer calls than micro-batches alone: each call of a multi-host replica all-gathers the
         parameters)."""
-        return tuple(sorted({self.cfg.data.batch_size, self.cfg.micro_rows}, reverse=True))
+        return tuple(sorted({self.cfg.data.batch_size, self.unit_rows}, reverse=True))
 
     @property
     def grad_shardings(self):

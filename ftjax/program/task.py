@@ -85,6 +85,10 @@ class Task:
     # task_args: recorded in the job identity with their values, which has none of the built-in model's
     # `model:` section and `data.source` otherwise (ftjax/runtime/checkpoint.py, job_identity)
     reads: tuple[str, ...] = ()
+    # False when a row's loss depends on the other rows of its batch (batch statistics: Linen's
+    # `batch_stats`, NNX's BatchStat, which the adapters detect; in-batch negatives, ...): a constant
+    # global batch then computes a missing replica's batch whole, never split between contributors
+    rows_independent: bool = True
 
     def data_fingerprint(self) -> str:
         """The source's own `fingerprint` attribute, else a hash of its type, length and first example."""
@@ -198,11 +202,13 @@ def nnx_task(
     optimizer: optax.GradientTransformation | None = None,
     name: str = "nnx",
     tokens_per_example: int = 0,
+    rows_independent: bool | None = None,
 ) -> Task:
     """A task of a Flax NNX module. `model(rngs)` builds it; `loss(module, batch)` returns the
     per-example losses (or `(per_example, aux)`). Parameters are the `nnx.Param` variables (with
     their `sharding` metadata as logical axes); RNG streams are reseeded per computation; every
-    other variable is model state, averaged over the step's contributors."""
+    other variable is model state, averaged over the step's contributors. `rows_independent`
+    (`Task.rows_independent`), when None: False if the module has `nnx.BatchStat` variables."""
     from flax import nnx
 
     def split(module):
@@ -234,7 +240,11 @@ def nnx_task(
         _, _, _, new_rest = split(module)
         return per_example, aux, nnx.to_pure_dict(new_rest)
 
-    return Task(name, init, wrapped, source, axes, optimizer, tokens_per_example)  # (the fields in order)
+    if rows_independent is None:
+        rows_independent = not jax.tree.leaves(nnx.to_pure_dict(nnx.state(abstract, nnx.BatchStat)))
+    return Task(
+        name, init, wrapped, source, axes, optimizer, tokens_per_example, rows_independent=rows_independent
+    )  # (the fields in order)
 
 
 def _rng_placeholders(a_rngs: PyTree) -> PyTree:
@@ -277,6 +287,7 @@ def linen_task(
     name: str = "linen",
     rng_streams: Sequence[str] = ("dropout",),
     tokens_per_example: int = 0,
+    rows_independent: bool | None = None,
 ) -> Task:
     """A task of a Flax Linen module. `loss(apply, batch)` calls `apply(*args, **kwargs)` where it
     would call `module.apply(variables, *args, **kwargs)`, and returns the per-example losses (or
@@ -284,7 +295,8 @@ def linen_task(
     per computation) and `mutable`: every collection but `params` is model state (batch statistics,
     ...), updated by the call and averaged over the step's contributors. The first call of `apply`
     on an example batch initializes the module (`module.init`), so one function serves both.
-    Parameters boxed with `nn.with_logical_partitioning` are sharded by their logical names."""
+    Parameters boxed with `nn.with_logical_partitioning` are sharded by their logical names.
+    `rows_independent` (`Task.rows_independent`), when None: False if it has a `batch_stats` collection."""
     import flax.linen as nn
 
     run = _linen_runner(module, loss, rng_streams)
@@ -307,7 +319,11 @@ def linen_task(
         per_example, aux = split_output(out)
         return per_example, aux, {c: new.get(c, v) for c, v in state.items()}
 
-    return Task(name, init, wrapped, source, axes, optimizer, tokens_per_example)  # (the fields in order)
+    if rows_independent is None:
+        rows_independent = not jax.tree.leaves(abstract.get("batch_stats", {}))
+    return Task(
+        name, init, wrapped, source, axes, optimizer, tokens_per_example, rows_independent=rows_independent
+    )  # (the fields in order)
 
 
 def _linen_runner(module: Any, loss: Callable[[Callable, Batch], Any], rng_streams: Sequence[str]) -> Callable:
@@ -348,9 +364,11 @@ def pytree_task(
     optimizer: optax.GradientTransformation | None = None,
     name: str = "pytree",
     tokens_per_example: int = 0,
+    rows_independent: bool = True,
 ) -> Task:
     """A task of a parameter pytree: `init(key) -> params`, `loss(params, batch, key) -> per_example`
-    (or `(per_example, aux)`). `param_axes`: a logical PartitionSpec per parameter (None: replicated)."""
+    (or `(per_example, aux)`). `param_axes`: a logical PartitionSpec per parameter (None: replicated).
+    `rows_independent`: False when a row's loss depends on the batch's other rows (`Task`)."""
 
     def wrapped(params, state, batch, key):
         per_example, aux = split_output(loss(params, batch, key))
@@ -364,6 +382,7 @@ def pytree_task(
         param_axes=param_axes,
         optimizer=optimizer,
         tokens_per_example=tokens_per_example,
+        rows_independent=rows_independent,
     )
 
 

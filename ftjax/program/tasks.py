@@ -214,4 +214,18 @@ def check_task(cfg) -> Task:
             f"ft.sync={cfg.ft.sync}: task {task.name} has model state (batch statistics ...), which DiLoCo "
             "does not average: use ft.sync=every_step"
         )
+    if cfg.ft.global_batch == "constant" and not task.rows_independent:
+        _check_whole_batches(cfg, task.name)
     return task
+
+
+def _check_whole_batches(cfg, name: str) -> None:
+    """A constant global batch of a task whose rows interact (batch statistics) deals missing
+    batches out whole (ReplicaProgram.unit_rows): what would split a batch is refused, named."""
+    b, m = cfg.data.batch_size, cfg.ft.micro_batch_rows
+    why = f"task {name}'s rows interact (batch statistics), so a batch is computed whole, never split"
+    if m is not None and m != b:
+        raise TaskError(f"ft.micro_batch_rows={m}: {why}: leave it unset or set it to data.batch_size ({b})")
+    if cfg.ft.on_host_loss == "reduce" or cfg.mesh.live < cfg.mesh.hosts:
+        key = "ft.on_host_loss=reduce" if cfg.ft.on_host_loss == "reduce" else f"mesh.live_hosts={cfg.mesh.live}"
+        raise TaskError(f"{key}: {why} (a reduced-degree replica computes part of its batch)")

@@ -14,7 +14,9 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   nor killed, yet the gap it leaves is the replica's own freeze, not a wait for a peer.
   `median_step_s` is the median of the gaps of the replicas that never failed (of all replicas
   when every one failed); `max_healthy_stall_s` the largest stall of a replica that never failed
-  (null when every one failed): how long a failure elsewhere made a healthy replica wait. A stall
+  (null when every one failed): how long a failure elsewhere made a healthy replica wait, at the
+  failure or at the failed replica's return (a step that replica compiled in: a loop without
+  `warm_up`, worst with a cold compile cache). A stall
   is a gap, less the time its step spent computing rows of other replicas' batches (a constant
   global batch: the survivors compute an absent peer's rows, `work`), counted at the median rate
   of one batch (median_step_s / the batch's rows): that is work, not waiting. In an elastic run

@@ -447,13 +447,16 @@ def join(
     update_template: Any,
     apply: Callable[[Any, Any, float], Any],
     batch_id: Callable[[int], int] | None = None,
+    warm_up: Callable[[Any], Any] | None = None,
 ) -> ScriptFaultTolerance:
     """The fault-tolerance object of a script's replica: a member of the job at
     `run.options.coordinator` (the token in $FTJAX_TOKEN), or alone. `state`: the state's pytree of
     arrays (an initial one, or ShapeDtypeStructs with shardings), what a healing peer receives;
     `update_template`: what is averaged (the gradients' pytree, arrays or ShapeDtypeStructs with
     shardings); `apply(state, update, scale)`. The stream of replica r of R trains global batches
-    r, R + r, ... (`batch_id`, default that)."""
+    r, R + r, ... (`batch_id`, default that). `warm_up(state)`: the loop's gradient computation on
+    a state of zeros, which join runs, with `apply` and the digest, before the replica asks for a
+    quorum (`_warm_up`)."""
     import signal
 
     from ftjax.runtime import replica as rp
@@ -464,6 +467,7 @@ def join(
     if cfg.ft.sync != "every_step":  # (its rounds, outer state and fragments are the built-in loop's)
         raise ValueError(f"ft.sync={cfg.ft.sync}: DiLoCo runs in the built-in loop (ftjax.fit, ftjax train), not join")
     abstract, template = _placed(cfg, state, update_template)
+    _warm_up(abstract, template, apply, warm_up, cfg.ft.digest_every)
     group = JaxHostGroup()
     log = MetricsLog(
         out,
@@ -493,6 +497,26 @@ def join(
     )
     signal.signal(signal.SIGTERM, lambda *_: ft.request_leave("SIGTERM"))
     return ft
+
+
+def _warm_up(abstract: Any, template: Any, apply: Callable, step: Callable | None, digest: bool) -> None:
+    """Run the loop's programs once on zeros before the replica joins: a replica that (re)joins a
+    running job would otherwise compile them inside its first steps, which every peer waits for at
+    FTAR (the built-in loop's `ReplicaProgram.warm_up`). The results are dropped."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def zeros(a):  # (numpy has no PRNG key dtype)
+        typed_key = jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+        return jax.device_put((jnp if typed_key else np).zeros(a.shape, a.dtype), a.sharding)
+
+    state = jax.tree.map(zeros, abstract)
+    if step is not None:
+        jax.block_until_ready(step(state))
+    state = jax.block_until_ready(apply(state, jax.tree.map(zeros, template), 1.0))
+    if digest:  # the per-step digest's program compiles on first use too
+        state_checksum(state)
 
 
 def _placed(cfg: Any, *trees: Any) -> tuple:

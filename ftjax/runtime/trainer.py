@@ -264,7 +264,7 @@ class Trainer:
         shares = assign(
             self.cfg.ft.replicas,
             b,
-            self.cfg.micro_rows,
+            self.program.unit_rows,
             [int(p.replica_id) for p in contributors],
             own_rows={int(p.replica_id): share_rows(b, len(p.catchup_addresses) or hosts, hosts) for p in contributors},
         )

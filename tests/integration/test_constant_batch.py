@@ -9,7 +9,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-from conftest import FTJAX
+from conftest import FTJAX, REPO
 
 from ftjax.base.batches import assign, check_tiling, chunk_sizes, for_others
 from ftjax.config import ConfigError, load_config
@@ -278,3 +278,56 @@ def test_kills_at_three_steps_and_phases_change_the_time_not_the_math(launch, tm
     p_ref = final_params(free.run_dir / "replica-0", job)
     p_floor = np.abs(final_params(tmp_path / "alone", job) - p_ref).max()
     np.testing.assert_allclose(final_params(chaos.run_dir / "replica-0", job), p_ref, rtol=0, atol=4 * p_floor)
+
+
+@pytest.mark.slow
+def test_a_batchnorm_model_gets_the_failure_free_losses_a_missing_batch_computed_whole(tmp_path, procs):
+    """examples/linen_batchnorm.py normalizes over its batch: a missing replica's batch split between
+    two survivors would be normalized in halves (losses ~5% off, nothing else says so). Its rows
+    interact (a `batch_stats` collection), so the batch is computed whole by one contributor. Floor:
+    the failure-free job in one process (the R batches summed in one accumulation)."""
+    from launchrun import Launch
+
+    from ftjax.program.tasks import task_of
+
+    example = f"{REPO}/examples/linen_batchnorm.yaml"
+    assert not task_of(load_config(example, [])).rows_independent  # detected, not declared
+    job = ["steps=12", "ft.global_batch=constant"]
+
+    def launch(name, *extra):
+        run = Launch(procs, [example, "--replicas", "3", "--restart-delay-s", "0.5", *job, *extra], tmp_path / name)
+        assert run.wait(600) == 0, run.output()
+        return run
+
+    free, chaos = launch("free"), launch("chaos", "--kill", "1@5:forward")
+    alone = procs.start(
+        [*FTJAX, "train", example, *job, "ft.replicas=3", "--out", str(tmp_path / "alone")],
+        stdout=open(tmp_path / "alone.out", "w"),
+        stderr=subprocess.STDOUT,
+    )
+    assert alone.wait(600) == 0, (tmp_path / "alone.out").read_text()[-3000:]
+    assert chaos.summary()["constant_batch"]["steps_with_reassigned_rows"] >= 1, chaos.output()
+    ref = job_losses([free.run_dir / f"replica-{r}" / "metrics.jsonl" for r in range(3)], 3, 8)
+    floor_run = job_losses([tmp_path / "alone" / "metrics.jsonl"], 3, 8)
+    got = job_losses([chaos.run_dir / f"replica-{r}" / "metrics.jsonl" for r in range(3)], 3, 8)
+    floor, diff = largest_relative_difference(floor_run, ref), largest_relative_difference(got, ref)
+    print(f"batchnorm: largest relative loss difference {diff:.3g} with a kill, floor {floor:.3g}")
+    assert len(got) >= 10 and 0 < floor < 1e-4, (len(got), floor)
+    assert diff <= 4 * floor, (diff, floor)
+    work = [r["work"] for r in _committed(chaos.metrics(0)) if r["step"] > 5 and r.get("work")]
+    assert any(len(w) > 2 for w in work)
+    for w in work:  # every batch a contributor computes is a whole one
+        assert all((a, b) == (0, 8) for _, _, a, b in w), w
+
+
+def test_a_batchnorm_model_refuses_what_would_split_its_batch(tmp_path):
+    example, why = f"{REPO}/examples/linen_batchnorm.yaml", "task linen_batchnorm:task's rows interact"
+    for arg in ("ft.micro_batch_rows=4", "ft.on_host_loss=reduce"):
+        train = subprocess.run(
+            [*FTJAX, "train", example, "ft.global_batch=constant", "ft.replicas=2", arg, "--out", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        says = f"{arg}: {why} (batch statistics)"
+        assert train.returncode == 2 and says in train.stderr and "Traceback" not in train.stderr, train.stderr[-2000:]
