@@ -2,6 +2,7 @@
 
 import json
 import signal
+import socket
 import time
 
 import pytest
@@ -147,3 +148,24 @@ def test_a_reduced_degree_replica_updates_with_the_full_replicas_bits(launch):
     d = digests()
     assert len(both()) >= 10 and [n for n in both() if d[0][n] != d[1][n]] == []
     assert run.summary()["divergences"] == []
+
+
+def test_a_sigkilled_launcher_takes_its_coordinator_and_replicas_with_it(launch):
+    """SIGKILL runs no `finally`: the children die because each asked the kernel to kill it when its
+    parent dies (PR_SET_PDEATHSIG), and the coordinator's ports are free again."""
+    run = launch("--replicas", "2", "--hosts-per-replica", "2", "steps=100000")
+    coordinator = run.wait_for(lambda e: e["event"] == "coordinator_started", timeout=60)
+    run.wait_for(lambda e: e["event"] == "replica_started" and e["replica"] == 1, timeout=60)
+    pids = run.pids()
+    assert len(pids) == 5  # the coordinator and 2 x 2 hosts
+    run.proc.kill()
+    assert run.proc.wait(10) == -signal.SIGKILL
+    deadline = time.monotonic() + 20
+    while run.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert run.leftovers() == [], run.output()
+    for address in filter(None, (coordinator["grpc"], coordinator["http"])):
+        host, port = address.rsplit(":", 1)
+        with socket.socket() as s:  # nobody listens there: it can be bound again
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host.strip("[]"), int(port)))
