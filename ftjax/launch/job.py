@@ -20,6 +20,7 @@ Layout of the run directory:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -226,7 +227,9 @@ class LocalJob:
             log.flush()
         except OSError as e:  # a full disk: the process may still run (and say so itself); start it
             print(f"ftjax launch: cannot write {log.name} ({e.strerror}); starting it anyway", file=sys.stderr)
-            log = open(log.name, "a")  # (a fresh buffer: the failed line would be retried at every flush)
+            with contextlib.suppress(OSError):  # (closed even when its flush fails again)
+                log.close()
+            log = open(log.name, "a")  # a fresh buffer: the failed line would be retried at every flush
         return self.procs.start(
             self._on(host_name(r, h), args),
             env=self.env,

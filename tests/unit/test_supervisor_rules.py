@@ -398,3 +398,28 @@ def test_the_run_log_survives_a_full_disk_and_is_whole_once_written_again(tmp_pa
     log.event("end", ok=True)
     log.close()
     assert read_jsonl(tmp_path / "launcher.jsonl") == heard  # ... are back, once the disk has room
+
+
+def test_a_host_log_that_cannot_be_written_does_not_stop_the_replicas_start(tmp_path, capsys):
+    """The launcher's header line of a host log hits a full disk (/dev/full: every write fails with
+    ENOSPC): one line names the log, and the host's process is started all the same."""
+    import sys
+
+    from conftest import REPO
+
+    from ftjax.base.procs import ProcessGroup
+    from ftjax.launch.job import LocalJob
+
+    with ProcessGroup() as procs:
+        sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+        job = LocalJob(f"{REPO}/configs/tiny.yaml", [], tmp_path, replicas=1, procs=procs, entry=sleeper)
+        job.coordinator_address = "127.0.0.1:1"  # (never dialled: the entry only sleeps)
+        job.replica_dir(0).mkdir(parents=True)
+        (job.replica_dir(0) / "host-0.log").symlink_to("/dev/full")
+        (proc,) = job.start_replica(0)
+        assert proc.poll() is None
+        path = job.replica_dir(0) / "host-0.log"
+        assert (
+            capsys.readouterr().err
+            == f"ftjax launch: cannot write {path} (No space left on device); starting it anyway\n"
+        )
