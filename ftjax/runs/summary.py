@@ -408,10 +408,10 @@ def divergences(run: Run) -> list[dict[str, Any]]:
 
 def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
     """The launcher's exit code given the supervisor's `code` (0: every replica finished), and why
-    it is not 0: replicas that finished with different digests hold different models, a step
-    committed in two lineages is two histories, and a job the launcher stopped (its `error`)
-    failed, whatever else went right. (A replica that ended
-    behind a finished job holds an older state by design: it is left out.)"""
+    it is not 0: replicas that finished with different digests hold different models, a job the
+    launcher stopped (its `error`) failed, and a step committed in two lineages is two histories,
+    whatever else went right. (A replica that ended behind a finished job holds an older state by
+    design: it is left out.)"""
     final = {
         rid: rec["param_digest"]
         for rid, rec in summary["replicas"].items()
@@ -518,14 +518,10 @@ def _replica_summary(
 
 def incarnations(run: Run, r: int) -> list[dict[str, Any]]:
     """Replica r's incarnations: how each ended and what it trained (see the module docstring)."""
-    ends = [
-        e
-        for e in run.events
-        if e.get(REPLICA) == r and e[EVENT] in (*DOWN_EVENTS, LauncherEvent.REPLICA_DONE, LauncherEvent.REPLICA_STARTED)
-    ]
+    ends = [e for e in run.events if e.get(REPLICA) == r and e[EVENT] in (*DOWN_EVENTS, LauncherEvent.REPLICA_DONE)]
     out = []
     for number, inc in enumerate(run.incarnations(r), start=1):
-        end = next((e for e in ends if e[EVENT] != LauncherEvent.REPLICA_STARTED and e[TIME] == inc.end), None)
+        end = next((e for e in ends if e[TIME] == inc.end), None)  # (the event that ended it, if any)
         cause = {LauncherEvent.REPLICA_DONE: "done", "end": "running at the end"}.get(inc.ended_by, inc.ended_by)
         if end is not None and end[EVENT] == LauncherEvent.REPLICA_DOWN:
             cause = end.get("cause") or cause
