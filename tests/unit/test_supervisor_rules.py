@@ -423,3 +423,14 @@ def test_a_host_log_that_cannot_be_written_does_not_stop_the_replicas_start(tmp_
             capsys.readouterr().err
             == f"ftjax launch: cannot write {path} (No space left on device); starting it anyway\n"
         )
+
+
+def test_a_crash_loop_ends_the_run_naming_the_last_crash(tmp_path):
+    """A replica that crashes every time (not a refusal: exit 1) is restarted up to --max-restarts
+    (10), then the run fails with how it last died."""
+    why = "RuntimeError: the device is gone"
+    assert len(_ended(tmp_path / "ten", 1, why, times=10)) == 10
+    with pytest.raises(
+        LaunchError, match=r"failed 11 times \(--max-restarts 10\); last: crash \(host 0 exit 1\): " + why
+    ):
+        _ended(tmp_path / "eleven", 1, why, times=11)
