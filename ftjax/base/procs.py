@@ -2,17 +2,21 @@
 
 Used by the launcher and by every multi-process test: each child gets a thread-limited environment,
 is tracked, and is SIGKILLed (with its own children: each child leads a process group) when the
-group is closed, on normal exit, on an exception, and at interpreter exit.
+group is closed, on normal exit, on an exception, and at interpreter exit. None of that runs when
+the owner is SIGKILLed, so on Linux each child also asks the kernel for SIGKILL when its parent dies
+(`prctl(PR_SET_PDEATHSIG)`): a SIGKILLed launcher takes its coordinator and replicas with it.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Collection, Mapping, Sequence
@@ -20,6 +24,36 @@ from collections.abc import Collection, Mapping, Sequence
 from ftjax.base.env import limited_env
 
 _LIVE_GROUPS: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
+
+
+def _child_setup(parent: int | None, cpus: Collection[int] | None):
+    """The `preexec_fn` of a child (None: nothing to do): SIGKILL it when `parent` dies (None: don't),
+    pin it to `cpus` (None: any core)."""
+    if parent is None and cpus is None:
+        return None
+
+    def setup() -> None:
+        if parent is not None:
+            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:  # the parent died before the prctl: the signal will never come
+                os._exit(1)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
+def _death_parent() -> int | None:
+    """This process's pid when its children should die with it, else None. The kernel sends the
+    signal when the *thread* that forked exits, not the process: only children started from the main
+    thread (which lives as long as the process) get it, or a helper thread's end would kill them. The
+    signal survives exec (the virtual cluster's `ip netns exec` and `unshare` wrappers exec) but not a
+    set-user-ID binary: none is in the launcher's chain."""
+    if _LIBC is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return os.getpid()
 
 
 def free_port() -> int:
@@ -67,7 +101,7 @@ class ProcessGroup:
             cwd=cwd,
             text=text,
             start_new_session=True,  # its own process group: kill() reaches its children too
-            preexec_fn=None if cpus is None else (lambda: os.sched_setaffinity(0, cpus)),
+            preexec_fn=_child_setup(_death_parent(), cpus),
         )
         self.procs.append(proc)
         return proc

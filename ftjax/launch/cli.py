@@ -558,15 +558,23 @@ def _supervisor(
 def _report(out: Path, console: Console, code: int, plots: bool = True) -> int:
     """Write summary.json and (unless --no-plots) the plots, print the summary table."""
     from ftjax.launch.view import print_summary
-    from ftjax.runs.summary import exit_code, load_run, write_summary
+    from ftjax.runs.summary import build_summary, exit_code, load_run, write_summary
 
-    summary = write_summary(out)
+    try:
+        summary = write_summary(out)
+    except OSError as e:  # a full disk: say so in one line, print what can be printed
+        console.print(f"[red]ftjax launch: cannot write {e.filename or out / 'summary.json'} ({e.strerror})[/]")
+        summary = build_summary(out)
+        code = code or 1
     if plots:
         from ftjax.launch.plots import write_loss, write_timeline
 
-        run = load_run(out)
-        write_loss(run, out / "loss.png")
-        write_timeline(run, out / "timeline.png", summary["median_step_s"] or 0.0)
+        try:
+            run = load_run(out)
+            write_loss(run, out / "loss.png")
+            write_timeline(run, out / "timeline.png", summary["median_step_s"] or 0.0)
+        except OSError as e:
+            console.print(f"[yellow]ftjax launch: cannot write the plots ({e.strerror})[/]")
     print_summary(console, summary, str(out))
     code, why = exit_code(summary, code)
     if why:

@@ -20,6 +20,7 @@ Layout of the run directory:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -226,8 +227,14 @@ class LocalJob:
     def _start_host(self, r: int, h: int, i: int, n: int, args: list[str]) -> subprocess.Popen:
         """Start `args`, process i of n, on host h of replica r; its output goes to the host's log."""
         log = open(self.replica_dir(r) / f"host-{h}.log", "a")
-        log.write(f"--- incarnation {self.incarnations[r]} host {h} (process {i} of {n}) at {time.time():.3f}\n")
-        log.flush()
+        try:
+            log.write(f"--- incarnation {self.incarnations[r]} host {h} (process {i} of {n}) at {time.time():.3f}\n")
+            log.flush()
+        except OSError as e:  # a full disk: the process may still run (and say so itself); start it
+            print(f"ftjax launch: cannot write {log.name} ({e.strerror}); starting it anyway", file=sys.stderr)
+            with contextlib.suppress(OSError):  # (closed even when its flush fails again)
+                log.close()
+            log = open(log.name, "a")  # a fresh buffer: the failed line would be retried at every flush
         return self.procs.start(
             self._on(host_name(r, h), args),
             env=self.env,

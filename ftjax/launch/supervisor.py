@@ -52,9 +52,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import signal
 import statistics
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -67,6 +69,7 @@ from ftjax.launch.job import LocalJob
 from ftjax.runs.events import (
     EVENT,
     EXIT_LEFT,
+    EXIT_NO_PROGRESS,
     REPLICA,
     TIME,
     LauncherEvent,
@@ -264,22 +267,50 @@ def parse_hang(text: str) -> Hang:
 
 # --- the run log ----------------------------------------------------------------------------------
 class RunLog:
-    """`RUN/launcher.jsonl`: one JSON object per supervisor decision, each with `time` and `event`."""
+    """`RUN/launcher.jsonl`: one JSON object per supervisor decision, each with `time` and `event`.
+
+    A write that fails (a full disk) must not take the launcher down: it would leave the job
+    unsupervised and write no summary. The failure is said in one line (once), the records are
+    kept in memory, and `close()` writes the whole log again, whole lines only, if a write failed."""
 
     def __init__(self, path: str | Path, listener: Callable[[dict], None] | None = None):
         self.path = Path(path)
-        self._file = open(self.path, "a", buffering=1)
+        # unbuffered: a failed write is lost alone, not retried (and failed again) by every later one
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.listener = listener
+        self.records: list[dict] = []
+        self.failed: OSError | None = None  # the first write that failed (None: none did)
 
     def event(self, name: str, /, **fields: Any) -> dict:
         record = {TIME: round(time.time(), 6), EVENT: name, **fields}
-        self._file.write(json.dumps(record) + "\n")
+        self.records.append(record)
+        self._write((json.dumps(record) + "\n").encode())
         if self.listener is not None:
             self.listener(record)
         return record
 
+    def _write(self, data: bytes) -> None:
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError as e:
+            if self.failed is None:
+                print(f"ftjax launch: cannot write {self.path} ({e.strerror}); supervising on", file=sys.stderr)
+            self.failed = e
+
     def close(self) -> None:
-        self._file.close()
+        """Close the log; if a write failed, write it again whole (it may have lost lines, or cut one)."""
+        os.close(self._fd)
+        if self.failed is None:
+            return
+        try:
+            text = "".join(json.dumps(r) + "\n" for r in self.records)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(text)
+            tmp.replace(self.path)
+            self.failed = None
+        except OSError as e:
+            print(f"ftjax launch: cannot write {self.path} again whole ({e.strerror})", file=sys.stderr)
 
 
 class MetricsTail:
@@ -348,6 +379,7 @@ class ReplicaStatus:
     hosts_down: dict[int, float] = field(default_factory=dict)  # host -> when it is back (--host-repair-s)
     own_steps: int = 0  # steps its incarnation committed with its own batch (--host-repair-steps)
     leaving_since: float | None = None  # SIGTERMed to come back at full degree: it leaves at a step boundary
+    refused: str | None = None  # why its last incarnation was refused (None: it was not; see `repeats`)
 
     @property
     def alive(self) -> bool:
@@ -371,6 +403,32 @@ def reduced_degree(hosts: int, up: int, min_fraction: float) -> int | None:
     if it is at least `min_fraction` of `hosts`; else None (the replica waits to restart whole)."""
     fits = [d for d in range(1, up + 1) if hosts % d == 0 and d >= min_fraction * hosts - 1e-9]
     return max(fits) if fits and up < hosts else None
+
+
+# An incarnation's exit code that says more than "crash": the progress watchdog ended it
+# (ftjax/runtime/watchdog.py), or it refused to run (bad input, a task or token files that cannot
+# train, a loss gone NaN, the coordinator's refusal: `ftjax train` exits 2 with one line why).
+EXIT_REFUSED = 2
+EXIT_KINDS = {EXIT_NO_PROGRESS: "watchdog", EXIT_REFUSED: "refused"}
+# A refusal that may pass by itself: another live process still held the replica's id (its
+# predecessor, not yet seen to die). `ftjax train` names the coordinator's status code.
+TRANSIENT_REFUSALS = ("(ALREADY_EXISTS)",)
+
+
+def refusal(cause: str, error: str | None) -> str | None:
+    """The reason an incarnation that ended of `cause` was refused (`error`: the last line its
+    process wrote), or None: it was not."""
+    if not cause.startswith(EXIT_KINDS[EXIT_REFUSED]):
+        return None
+    return error or f"{cause} with no reason written"
+
+
+def repeats(previous: str | None, reason: str | None) -> bool:
+    """The restart rule for refusals: a replica whose incarnation is refused for the same reason as
+    the one before it is refused deterministically (a bad task, token files, a NaN loss, a layout the
+    job refuses): a restart would only be refused again. A refusal that may pass by itself (the id
+    still held by a predecessor) is a failure like any other, counted against --max-restarts."""
+    return reason is not None and reason == previous and not any(t in reason for t in TRANSIENT_REFUSALS)
 
 
 def is_hung(now: float, last: float | None, peers_steps: list[Sequence[float]], timeout_s: float) -> bool:
@@ -555,22 +613,7 @@ class Supervisor:
         self._consume(r, self.tails[r].read(), now)  # what the incarnation wrote before it died
         codes = [p.returncode for p in self.job.hosts.get(r, [])]
         placement = self.job.placement.get(r, list(range(len(codes))))
-        inj, cause, dead_host, error = s.injection, s.killed_as, None, None
-        if cause is None and s.leaving_since is not None and all(c in (0, EXIT_LEFT) for c in codes):
-            cause = "left"  # asked to (the host it lacked is back): it returns at full degree
-        elif cause is None:
-            dead = [h for h, c in enumerate(codes) if c not in (0, -signal.SIGKILL)]
-            if inj is not None and codes[inj.host] == -signal.SIGKILL:
-                cause = inj.kind
-                self.pending[r].pop(0)
-                s.kill_on_catchup = inj.phase == "catchup"
-                dead_host = placement[inj.host] if inj.kind == "kill_host" else None
-            elif dead:
-                cause = f"crash (host {placement[dead[0]]} exit {codes[dead[0]]})"
-                dead_host = placement[dead[0]] if len(dead) < len(codes) else None
-                error = last_line(self.job.log_tail(r, placement[dead[0]]))
-            else:
-                cause = "killed (SIGKILL from outside)"
+        cause, dead_host, error = self._cause(s, codes, placement)
         if cause != "left":
             s.restarts += 1
         self._log(
@@ -580,20 +623,47 @@ class Supervisor:
             cause=cause,
             codes=codes,
             step=s.step,
-            at=inj.die_at if cause in ("kill", "kill_host") and inj else None,
+            at=s.injection.die_at if cause in ("kill", "kill_host") and s.injection else None,
             host=dead_host,
             error=error,  # a crash: the last line its host wrote (what it died of, in the launcher's output)
         )
+        refused, s.refused = s.refused, refusal(cause, error)
+        if repeats(refused, s.refused):
+            raise LaunchError(
+                f"replica {r} was refused twice in a row for the same reason, so it is not restarted: {s.refused}"
+            )
         if s.restarts > self.max_restarts:
             raise LaunchError(
                 f"replica {r} failed {s.restarts} times (--max-restarts {self.max_restarts}); "
-                f"see {self.job.replica_dir(r)}"
+                f"last: {cause}{f': {error}' if error else ''}; see {self.job.replica_dir(r)}"
             )
         if dead_host is not None and self.host_repair_s is not None:
             s.hosts_down[dead_host] = now + self.host_repair_s
         elif dead_host is not None and self.host_repair_steps is not None:
             s.hosts_down[dead_host] = math.inf  # back after the reduced steps (`_hosts_back`)
         self._plan_restart(s, now, left=cause == "left")
+
+    def _cause(self, s: ReplicaStatus, codes: list, placement: list[int]) -> tuple[str, int | None, str | None]:
+        """Why an incarnation of replica `s` ended with exit `codes`: (cause, the host that died
+        alone or None, the last line its dead host wrote or None)."""
+        inj, cause = s.injection, s.killed_as
+        if cause is None and s.leaving_since is not None and all(c in (0, EXIT_LEFT) for c in codes):
+            return "left", None, None  # asked to (the host it lacked is back): it returns at full degree
+        if cause is not None:
+            return cause, None, None
+        dead = [h for h, c in enumerate(codes) if c not in (0, -signal.SIGKILL)]
+        if inj is not None and codes[inj.host] == -signal.SIGKILL:
+            self.pending[s.replica].pop(0)
+            s.kill_on_catchup = inj.phase == "catchup"
+            return inj.kind, placement[inj.host] if inj.kind == "kill_host" else None, None
+        if not dead:
+            return "killed (SIGKILL from outside)", None, None
+        host, code = placement[dead[0]], codes[dead[0]]
+        return (
+            f"{EXIT_KINDS.get(code, 'crash')} (host {host} exit {code})",
+            host if len(dead) < len(codes) else None,
+            last_line(self.job.log_tail(s.replica, host)),
+        )
 
     def _plan_restart(self, s: ReplicaStatus, now: float, left: bool = False) -> None:
         """When and on which hosts replica `s` starts again: at once on the hosts that are up, at a

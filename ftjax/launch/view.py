@@ -316,6 +316,19 @@ def digests_verdict(summary: dict) -> str:
     return "[green]equal[/]" if summary["digests_equal"] else "[red]DIFFER[/]"
 
 
+def print_ends(console: Console, summary: dict) -> None:
+    """One line per incarnation that did not finish: how it ended, what it contributed, its last words."""
+    for rid, rec in summary["replicas"].items():
+        for inc in rec.get("incarnations") or []:
+            if inc["cause"] not in ("done", "running at the end"):
+                console.print(
+                    f"replica {rid} incarnation {inc['incarnation']}: {inc['cause']} after contributing "
+                    f"{inc['steps_contributed']} steps" + (f": {inc['error']}" if inc.get("error") else ""),
+                    highlight=False,
+                    markup=False,
+                )
+
+
 def print_summary(console: Console, summary: dict, run_dir: str) -> None:
     """The end-of-run table: per replica steps committed and contributed (trained with its own
     batches: a replica that only heals contributes none), restarts, catch-up time, digest; then the
@@ -341,9 +354,10 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
         v = summary.get(key)
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
+    ettr = num("ettr", ".3f") if summary.get("ettr") is not None else f"n/a ({summary.get('ettr_why') or 'unknown'})"
     console.print(
         f"committed steps {summary['committed_steps']}/{summary['steps']}   failures {summary['failures']}   "
-        f"wall {num('wall_s', '.1f')} s   ETTR {num('ettr', '.3f')}   median step {num('median_step_s', '.3f')} s   "
+        f"wall {num('wall_s', '.1f')} s   ETTR {ettr}   median step {num('median_step_s', '.3f')} s   "
         f"max healthy stall {num('max_healthy_stall_s', '.3f')} s   final loss {num('final_loss', '.4f')}"
     )
     equal = digests_verdict(summary)
@@ -355,6 +369,7 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
         else "- (none committed)"
     )
     console.print(f"replica digests {equal}   every batch exactly once {once}")
+    print_ends(console, summary)  # (a run the launcher stopped: `exit_code` says why, last)
     if summary.get("split_history"):
         split = summary["split_history"]
         console.print(

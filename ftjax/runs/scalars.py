@@ -3,8 +3,9 @@ files (tensorboardX), a W&B run. A replica's records (ftjax/runtime/tensorboard.
 coordinator's job view (ftjax/coordinator/jobview.py) both go through it, so it sits low enough for
 both to import.
 
-The caller never waits: items go into an unbounded queue that one daemon thread hands to every sink,
-flushing them every `flush_s` seconds and at the end. A sink is opened on that thread too (a W&B run
+The caller never waits (unless it asks to, `flush`): items go into an unbounded queue that one
+daemon thread hands to every sink, flushing them whenever it has caught up with the queue, every
+`flush_s` seconds and at the end. A sink is opened on that thread too (a W&B run
 can take seconds to start), from a factory; one that cannot be opened, or that fails later, is left
 out with one line on stderr, and the others go on.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,26 +29,40 @@ class Sink(Protocol):
 
 
 class TensorBoardSink:
-    """TensorBoard event files under `directory` (tensorboardX: no TensorFlow)."""
+    """TensorBoard event files under `directory` (tensorboardX: no TensorFlow), written on the
+    caller's thread (ScalarWriter's). Not through tensorboardX's SummaryWriter: it hands events to a
+    queue of its own, written every `flush_secs`, and its flush() does not drain that queue, so what
+    a process wrote in its last seconds was lost when it ended (a replica's file held its first
+    evaluation only). EventsWriter writes each event to the file at once; flush() puts it on disk.
+    (`flush_s`: kept for the factory's signature; ScalarWriter decides when to flush.)"""
 
     def __init__(self, directory: str | Path, flush_s: float = 5.0) -> None:
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
 
-        self.writer = SummaryWriter(str(directory), flush_secs=flush_s)
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.events = EventsWriter(str(Path(directory) / "events"))
+
+    def _write(self, summary: Any, step: int) -> None:
+        from tensorboardX.proto import event_pb2
+
+        self.events.write_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
 
     def scalars(self, values: dict[str, float], step: int) -> None:
+        from tensorboardX.summary import scalar
+
         for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
+            self._write(scalar(tag, value), step)
 
     def text(self, tag: str, text: str, step: int) -> None:
-        self.writer.add_text(tag, text, step)
+        from tensorboardX.summary import text as text_summary
+
+        self._write(text_summary(tag, text), step)
 
     def flush(self) -> None:
-        self.writer.flush()
+        self.events.flush()
 
     def close(self) -> None:
-        self.writer.flush()
-        self.writer.close()
+        self.events.close()
 
 
 def tensorboard_sink(directory: str | Path, flush_s: float = 5.0) -> Callable[[], Sink]:
@@ -70,6 +86,17 @@ class ScalarWriter:
     def text(self, tag: str, text: str, step: int) -> None:
         self._queue.put(("text", (tag, text, int(step))))
 
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Write what is queued and flush every sink; wait for it at most `timeout_s` (False: not
+        done by then, or the writer has stopped)."""
+        done = threading.Event()
+        self._queue.put(("sync", done))
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(0.05):
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                return False
+        return True
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued, flush and close the sinks (waits at most `timeout_s`)."""
         self._queue.put(None)
@@ -86,7 +113,13 @@ class ScalarWriter:
                     continue
                 if item is None:
                     break
+                if item[0] == "sync":
+                    sinks = _each(sinks, "flush")
+                    item[1].set()
+                    continue
                 sinks = _each(sinks, item[0], *item[1])
+                if self._queue.empty():  # caught up: on disk, what a process that dies next handed over
+                    sinks = _each(sinks, "flush")
         finally:
             _each(sinks, "close")
 

@@ -32,7 +32,16 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   ettr = sum over replicas of productive time / (R x |W|). Productive time is the replica's
   `training` time, plus one median step for each `stalled` gap (the step itself was productive,
   the wait was not). Down, starting, catching-up time is not productive; neither is a replica that
-  finished early (its share of the window after its end counts as idle).
+  finished early (its share of the window after its end counts as idle). A job that did not commit
+  its last step (abandoned, out of restarts or time) has no ETTR: null, and `ettr_why` says why (its
+  window would end at its last commit, and time lost after it would not count).
+- **error**: the launcher's reason when it stopped the job (the `end` event's error: a replica out
+  of restarts, refused twice for the same reason, the timeout), null when it did not.
+- **incarnations** (per replica): each incarnation's number, how it ended (`cause`: done, a
+  replica_down's cause such as crash, watchdog or refused, abandoned, not_restarted, running at
+  the end), the last line its dead host wrote (`error`), and the steps it contributed (its own
+  batch) and committed; **refusals** (per replica): the incarnations refused (`ftjax train` exit 2)
+  with the reason.
 - **exactly_once**: for every replica r of R, the batches trained for its stream are exactly
   {k*R + r : k < its final data position}, none twice. A batch counts as trained when r committed
   a step with it (`batch_id`), or when peers committed the step r contributed it to while r did not
@@ -312,6 +321,16 @@ def ettr(
     return productive / (run.replicas * (t_end - t_warm))
 
 
+def ettr_missing(run: Run, t_warm: float | None, committed_steps: int) -> str | None:
+    """Why the run has no ETTR (None: it has one): a job that did not commit its last step did not
+    finish, and its window would end at its last commit, hiding the time lost after it."""
+    if committed_steps < run.steps:
+        return f"the job did not finish ({committed_steps} of {run.steps} steps committed)"
+    if t_warm is None:
+        return "no warm-up: some replica never committed a step with its own batch"
+    return None
+
+
 def _recovery(run: Run, down: dict) -> float | None:
     """Seconds from a replica's death to its next rejoin (None: it never rejoined, or not a replica)."""
     if down[EVENT] != LauncherEvent.REPLICA_DOWN:
@@ -391,9 +410,10 @@ def divergences(run: Run) -> list[dict[str, Any]]:
 
 def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
     """The launcher's exit code given the supervisor's `code` (0: every replica finished), and why
-    it is not 0: replicas that finished with different digests hold different models, and a step
-    committed in two lineages is two histories, whatever else went right. (A replica that ended
-    behind a finished job holds an older state by design: it is left out.)"""
+    it is not 0: replicas that finished with different digests hold different models, a job the
+    launcher stopped (its `error`) failed, and a step committed in two lineages is two histories,
+    whatever else went right. (A replica that ended behind a finished job holds an older state by
+    design: it is left out.)"""
     final = {
         rid: rec["param_digest"]
         for rid, rec in summary["replicas"].items()
@@ -403,6 +423,8 @@ def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
         return code or 1, "the replicas ended with different states: " + ", ".join(
             f"replica {rid} {d}" for rid, d in sorted(final.items())
         )
+    if summary.get("error"):
+        return code or 1, f"the run failed: {summary['error']}"
     if summary.get("split_history"):
         return code or 1, f"a split history: steps {summary['split_history']['steps'][:10]} were committed twice"
     return code, ""
@@ -489,9 +511,34 @@ def _replica_summary(
         "exactly_once": once,
         **({"exactly_once_error": why} if why else {}),
         "seconds_in_state": {k: round(v, 3) for k, v in in_state.items()},
+        "incarnations": (lives := incarnations(run, r)),
+        "refusals": [{"incarnation": i["incarnation"], "reason": i["error"]} for i in lives if i["refused"]],
         "median_mfu": median_mfu(committed),
         "last_eval_loss": last_eval_loss(committed),
     }
+
+
+def incarnations(run: Run, r: int) -> list[dict[str, Any]]:
+    """Replica r's incarnations: how each ended and what it trained (see the module docstring)."""
+    ends = [e for e in run.events if e.get(REPLICA) == r and e[EVENT] in (*DOWN_EVENTS, LauncherEvent.REPLICA_DONE)]
+    out = []
+    for number, inc in enumerate(run.incarnations(r), start=1):
+        end = next((e for e in ends if e[TIME] == inc.end), None)  # (the event that ended it, if any)
+        cause = {LauncherEvent.REPLICA_DONE: "done", "end": "running at the end"}.get(inc.ended_by, inc.ended_by)
+        if end is not None and end[EVENT] == LauncherEvent.REPLICA_DOWN:
+            cause = end.get("cause") or cause
+        steps = _steps(inc.records)
+        out.append(
+            {
+                "incarnation": number,
+                "cause": cause,
+                "error": (end or {}).get("error") or (end or {}).get("reason"),
+                "refused": str(cause).startswith("refused"),
+                "steps_contributed": sum(is_own_step(x) for x in steps),
+                "steps_committed": sum(bool(x.get(StepField.COMMITTED)) for x in steps),
+            }
+        )
+    return out
 
 
 def last_eval_loss(steps: list[dict]) -> float | None:
@@ -558,7 +605,9 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
     failure_events = _failure_events(run)
     digests = [rec["param_digest"] for rec in replicas.values() if not rec["ended_behind"]]
     split = split_history(run)
-    ettr_value = ettr(run, segments, t_warm, t_end, median_s or 0.0) if t_warm is not None else None
+    committed_steps = max((rec["final_step"] for rec in replicas.values()), default=0)
+    ettr_why = ettr_missing(run, t_warm, committed_steps)
+    ettr_value = ettr(run, segments, t_warm, t_end, median_s or 0.0) if ettr_why is None else None
     loss = final_loss(run)
     end_event = next((e for e in reversed(run.events) if e[EVENT] == LauncherEvent.END), None)
     return {
@@ -573,12 +622,14 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "split_history": split,
         "wall_s": round((end_event or {TIME: run.end})[TIME] - run.start, 3),
         "warmup_s": round(t_warm - run.start, 3) if t_warm is not None else None,
-        "committed_steps": max((rec["final_step"] for rec in replicas.values()), default=0),
+        "committed_steps": committed_steps,
+        "error": (end_event or {}).get("error"),
         "failures": len(failure_events),
         "failure_events": failure_events,
         "rejoins": _rejoins(run),
         "partitions": partitions(run),
         "ettr": round(ettr_value, 4) if ettr_value is not None else None,
+        **({"ettr_why": ettr_why} if ettr_why else {}),
         "median_step_s": round(median_s, 4) if median_s is not None else None,
         "max_healthy_stall_s": round(max(stall for _, _, stall in healthy), 4) if healthy else None,
         "max_healthy_gap_s": round(max(gap for _, gap, _ in healthy), 4) if healthy else None,

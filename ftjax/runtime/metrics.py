@@ -164,9 +164,9 @@ class MetricsLog:
         self.records.append(record)
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
-        if self._tensorboard is not None:
+        if self._tensorboard is not None:  # first: an evaluation in metrics.jsonl is in the event files
             self._tensorboard.step(record)
+        self._file.write(json.dumps(record) + "\n")
         for listener in self.listeners:
             listener(record)
         if self._plain is not None:

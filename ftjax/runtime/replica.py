@@ -441,7 +441,11 @@ def run_member(cfg: Config, args: RunOptions, out: Path, task: Task | None = Non
     except CoordinatorError as e:
         if e.code not in REFUSED:
             raise
-        print(f"ftjax train: the coordinator refused replica {args.replica_id}: {e.details}", file=sys.stderr)
+        # (its status code named: the launcher tells a refusal that may pass, ALREADY_EXISTS, from one that repeats)
+        print(
+            f"ftjax train: the coordinator refused replica {args.replica_id} ({e.code.name}): {e.details}",
+            file=sys.stderr,
+        )
         return 2
 
 

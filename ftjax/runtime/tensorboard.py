@@ -2,11 +2,12 @@
 record and event that goes to `metrics.jsonl` goes here too (ftjax/runtime/metrics.py `MetricsLog`),
 as scalars and text markers.
 
-The step never waits for it: ftjax/runs/scalars.py's ScalarWriter queues the records for one daemon
-thread that writes every sink. W&B shares that thread rather than getting its own: both sinks get
-the same scalars at the same steps, and a slow W&B upload can only delay the event files, never a
-step (the queue is unbounded). Without tensorboardX the run goes on without event files (one line on
-stderr says so).
+The step never waits for it, but at an evaluation (its scalars are on disk before metrics.jsonl's
+line is written): ftjax/runs/scalars.py's ScalarWriter queues the records for one daemon thread
+that writes every sink, and flushes whenever it has caught up. W&B shares that thread rather than
+getting its own: both sinks get the same scalars at the same steps, and a slow W&B upload can only
+delay the event files, never a step (the queue is unbounded). Without tensorboardX the run goes on
+without event files (one line on stderr says so).
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def wandb_init(project: str, run_dir: Path, replica_id: int) -> dict[str, Any]:
     }
 
 
+EVAL_FLUSH_S = 5.0  # the longest a step with an evaluation waits for its scalars to be on disk
+
+
 class TensorBoardWriter:
     """One replica leader's event files under `directory` (None: none) and its W&B run (`wandb`:
     wandb.init's arguments; None: none), written off the training thread."""
@@ -89,8 +93,13 @@ class TensorBoardWriter:
         self._step = 0  # the latest step record's: where an event is marked
 
     def step(self, record: dict[str, Any]) -> None:
+        """A step record's scalars. An evaluation's are on disk when this returns (it waits for the
+        writer, at most `EVAL_FLUSH_S`): evaluations are rare and each is worth keeping, however
+        the process ends right after (`MetricsLog` writes metrics.jsonl's line after this)."""
         self._step = int(record.get("step") or self._step)
         self._writer.scalars(scalars(record), self._step)
+        if record.get("eval_loss") is not None:
+            self._writer.flush(EVAL_FLUSH_S)
 
     def event(self, kind: str, fields: dict[str, Any]) -> None:
         """An event: a text marker `events/KIND` (its fields) and the scalar `events/KIND` = 1."""

@@ -557,4 +557,5 @@ class Trainer:
         )
         print(f"ftjax train: {why}", file=sys.stderr, flush=True)
         self.ft.leave_now(why)
+        self.log.close()  # (os._exit runs no `finally`: the event files would lose their unflushed tail)
         os._exit(EXIT_NO_PROGRESS)

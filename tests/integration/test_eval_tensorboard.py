@@ -133,3 +133,34 @@ def test_a_replica_killed_during_an_evaluation_changes_neither_digests_nor_exact
         assert tb == pytest.approx({step: evaluated[step]["eval_loss"] for step in tb}, rel=1e-6)
         assert max(tb) == 1000 and (r == 1 or set(tb) == set(evaluated))
     assert 200 not in {m["step"] for m in run.metrics(1) if "step" in m and "event" not in m}
+
+
+def test_a_process_killed_right_after_an_evaluation_keeps_every_evaluation_in_its_event_files(tokens, tmp_path):
+    """SIGKILL (no `finally`, nothing closed) as soon as metrics.jsonl holds its third evaluation:
+    the event files hold every evaluation that metrics.jsonl does (each is on disk before its line
+    is written), not just the first, which tensorboardX's own writer flushed at once."""
+    import os
+    import signal
+    import time
+
+    from ftjax.base.procs import ProcessGroup
+
+    run = tmp_path / "killed"
+    evals: list[dict] = []
+    with ProcessGroup() as procs, open(tmp_path / "train.log", "w") as log:
+        proc = procs.start(
+            [*FTJAX, "train", "tiny", *token_args(tokens, "steps=100000", "eval.every=1", "eval.batches=1")]
+            + ["--out", str(run)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 240
+        while len(evals) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+            evals = [r for r in read_jsonl(run / "metrics.jsonl") if "eval_loss" in r] if run.exists() else []
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(10) == -signal.SIGKILL, (tmp_path / "train.log").read_text()[-3000:]
+    evals = [r for r in read_jsonl(run / "metrics.jsonl") if "eval_loss" in r]  # (more may have come)
+    assert len(evals) >= 3
+    tb = scalars(run / "tensorboard")["eval/loss"]
+    assert tb == pytest.approx({r["step"]: r["eval_loss"] for r in evals}, rel=1e-6)

@@ -2,6 +2,7 @@
 
 import json
 import signal
+import socket
 import time
 
 import pytest
@@ -147,3 +148,51 @@ def test_a_reduced_degree_replica_updates_with_the_full_replicas_bits(launch):
     d = digests()
     assert len(both()) >= 10 and [n for n in both() if d[0][n] != d[1][n]] == []
     assert run.summary()["divergences"] == []
+
+
+def test_a_sigkilled_launcher_takes_its_coordinator_and_replicas_with_it(launch):
+    """SIGKILL runs no `finally`: the children die because each asked the kernel to kill it when its
+    parent dies (PR_SET_PDEATHSIG), and the coordinator's ports are free again."""
+    run = launch("--replicas", "2", "--hosts-per-replica", "2", "steps=100000")
+    coordinator = run.wait_for(lambda e: e["event"] == "coordinator_started", timeout=60)
+    run.wait_for(lambda e: e["event"] == "replica_started" and e["replica"] == 1, timeout=60)
+    pids = run.pids()
+    assert len(pids) == 5  # the coordinator and 2 x 2 hosts
+    run.proc.kill()
+    assert run.proc.wait(10) == -signal.SIGKILL
+    deadline = time.monotonic() + 20
+    while run.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert run.leftovers() == [], run.output()
+    for address in filter(None, (coordinator["grpc"], coordinator["http"])):
+        host, port = address.rsplit(":", 1)
+        with socket.socket() as s:  # nobody listens there: it can be bound again
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host.strip("[]"), int(port)))
+
+
+@pytest.mark.slow
+def test_a_replica_refused_every_time_fails_the_run_with_the_reason_after_two_tries(launch, tmp_path):
+    """Replica 1's task cannot train (eval.every without held-out data: `ftjax train` exits 2 with one
+    line why, every time). The launcher does not restart it up to --max-restarts: the second refusal
+    for the same reason ends the run, with that reason in summary.json and on the console."""
+    entry = tmp_path / "refused_entry.py"
+    entry.write_text(
+        "import os, sys\n"
+        "argv = sys.argv[1:]\n"
+        "if argv[argv.index('--replica-id') + 1] == '1':\n"
+        "    argv.insert(1, 'eval.every=2')\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'ftjax', 'train', *argv])\n"
+    )
+    run = launch("--replicas", "2", "--entry", f"python {entry}", "steps=100000")
+    assert run.wait(timeout=180) == 1, run.output()
+    downs = _events(run, "replica_down", replica=1)
+    assert [d["cause"] for d in downs] == ["refused (host 0 exit 2)"] * 2, downs
+    assert len(_events(run, "replica_started", replica=1)) == 2
+    reason = downs[0]["error"]
+    assert "eval.every=2" in reason and "held-out" in reason, reason
+    summary = run.summary()
+    assert not summary["ok"] and reason in summary["error"] and summary["ettr"] is None
+    assert [r["reason"] for r in summary["replicas"]["1"]["refusals"]] == [reason] * 2
+    assert "refused twice in a row for the same reason" in run.output() and reason in run.output()
+    assert run.leftovers() == []

@@ -610,3 +610,84 @@ def test_a_host_logs_tail_is_its_last_characters_read_from_the_end(tmp_path):
         assert job.log_tail(0, 0, 60) == text[-60:]
         assert job.log_tail(0, 0, 10**7) == text  # (more than it holds: all of it)
         assert job.log_tail(0, 1) == ""
+
+
+def make_refused_run(tmp_path):
+    """`make_run`, until replica 1's restart after its kill: that incarnation and the next are refused
+    (exit 2, the same reason), and the launcher stops the job at step 6, before its end."""
+    out = make_run(tmp_path)
+    events = [e for e in load_run(out).events if e["time"] <= 110.45]
+    why = "ftjax train: error: token files do not match their index"
+    refused = {"event": "replica_down", "replica": 1, "cause": "refused (host 0 exit 2)", "codes": [2], "error": why}
+    events += [
+        {**refused, "time": 110.9, "incarnation": 2, "step": 0},
+        {"time": 111.0, "event": "replica_started", "replica": 1, "incarnation": 3},
+        {**refused, "time": 111.12, "incarnation": 3, "step": 0},
+        {"time": 111.15, "event": "end", "ok": False, "error": f"replica 1 was refused twice: {why}"},
+    ]
+    _write(out / "launcher.jsonl", events)
+    for r in range(2):
+        metrics = [m for m in load_run(out).metrics[r] if m["time"] <= 111.1]
+        _write(out / f"replica-{r}" / "metrics.jsonl", metrics)
+        (out / f"replica-{r}" / "summary.json").unlink()
+    return out, why
+
+
+def test_the_summary_tells_each_incarnations_end_and_contribution(tmp_path):
+    s = build_summary(make_run(tmp_path))
+    assert s["error"] is None and s["replicas"]["1"]["refusals"] == []
+    ends = [(i["cause"], i["steps_contributed"], i["steps_committed"]) for i in s["replicas"]["1"]["incarnations"]]
+    assert ends == [("kill", 3, 3), ("done", 3, 3)]  # steps 6, 7 healed: committed by peers, not by it
+    assert [i["cause"] for i in s["replicas"]["0"]["incarnations"]] == ["done"]
+
+
+def test_a_stopped_job_fails_with_its_reason_its_refusals_and_no_ettr(tmp_path):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from ftjax.launch.cli import _report
+    from ftjax.runs.summary import exit_code
+
+    out, why = make_refused_run(tmp_path)
+    s = build_summary(out)
+    assert not s["ok"] and s["error"] == f"replica 1 was refused twice: {why}"
+    assert s["replicas"]["1"]["refusals"] == [{"incarnation": 2, "reason": why}, {"incarnation": 3, "reason": why}]
+    assert [i["steps_contributed"] for i in s["replicas"]["1"]["incarnations"]] == [3, 0, 0]
+    assert s["committed_steps"] == 6 and s["ettr"] is None
+    assert s["ettr_why"] == "the job did not finish (6 of 10 steps committed)"
+    assert exit_code(s, 0) == (1, f"the run failed: replica 1 was refused twice: {why}")
+    console = Console(file=StringIO(), width=300)
+    assert _report(out, console, 1, plots=False) == 1
+    shown = console.file.getvalue()
+    assert "ETTR n/a (the job did not finish (6 of 10 steps committed))" in shown, shown
+    assert f"replica 1 incarnation 3: refused (host 0 exit 2) after contributing 0 steps: {why}" in shown, shown
+    assert shown.splitlines()[-1] == f"ftjax launch: the run failed: replica 1 was refused twice: {why}", shown
+
+
+def test_a_summary_that_cannot_be_written_is_one_line_and_a_failed_launch(tmp_path, monkeypatch):
+    """The disk is full when the launcher writes summary.json: it says so in one line naming the
+    file, still prints the summary, and exits non-zero even though the job itself went well."""
+    import errno
+    import os
+    from io import StringIO
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from ftjax.launch.cli import _report
+
+    out = make_run(tmp_path / "run")
+    write_text = Path.write_text
+
+    def full(self, *args, **kw):
+        if self.name == "summary.json" and self.parent == out:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        return write_text(self, *args, **kw)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    console = Console(file=StringIO(), width=300)
+    assert _report(out, console, 0, plots=False) == 1
+    shown = console.file.getvalue()
+    assert f"ftjax launch: cannot write {out / 'summary.json'} (No space left on device)" in shown, shown
+    assert "committed steps 10/10" in shown and not (out / "summary.json").exists()

@@ -7,7 +7,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from ftjax.launch.supervisor import FaultPlan, Partition, RunLog, Supervisor, is_hung, last_line
+from ftjax.launch.supervisor import (
+    FaultPlan,
+    LaunchError,
+    Partition,
+    RunLog,
+    Supervisor,
+    is_hung,
+    last_line,
+    refusal,
+    repeats,
+)
+from ftjax.runs.events import EXIT_NO_PROGRESS
+from ftjax.runs.jsonl import read_jsonl
 
 T = 20.0  # --hang-timeout-s of every case
 
@@ -298,3 +310,127 @@ def test_a_crash_is_told_by_its_last_line_past_jaxs_note_on_filtered_frames():
     )
     assert last_line(tail) == "TypeError: grad requires real-valued inputs, got int32"
     assert last_line("ok\n\n") == "ok" and last_line("") is None
+
+
+# The restart rule for refusals: (the previous incarnation's refusal, this one's, stop restarting?)
+REFUSALS = {
+    "the same deterministic refusal twice": ("ftjax train: error: bad task", "ftjax train: error: bad task", True),
+    "a first refusal": (None, "ftjax train: error: bad task", False),
+    "another reason than the last": ("ftjax train: error: bad task", "ftjax train: error: token files", False),
+    "not refused (a crash, a kill)": ("ftjax train: error: bad task", None, False),
+    "the id still held by a predecessor may pass": (
+        "ftjax train: the coordinator refused replica 1 (ALREADY_EXISTS): held",
+        "ftjax train: the coordinator refused replica 1 (ALREADY_EXISTS): held",
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("previous,reason,stop", REFUSALS.values(), ids=REFUSALS.keys())
+def test_refusal_rule(previous, reason, stop):
+    assert repeats(previous, reason) is stop
+
+
+def test_a_refusal_is_an_exit_2_and_its_reason_the_last_line():
+    assert refusal("refused (host 0 exit 2)", "ftjax train: error: x") == "ftjax train: error: x"
+    assert refusal("refused (host 0 exit 2)", None) == "refused (host 0 exit 2) with no reason written"
+    assert refusal("crash (host 0 exit 1)", "Traceback") is None
+    assert refusal("watchdog (host 0 exit 75)", "no progress") is None
+
+
+def _ended(tmp_path, code, last_words, times=1):
+    """The supervisor's replica_down events after replica 0's process exits `code` `times` times in a
+    row, its host log ending with `last_words` (a LaunchError is raised through)."""
+    job = _Job(tmp_path, 2)
+    job.hosts = {0: [SimpleNamespace(returncode=code, wait=lambda t: code)]}
+    job.placement = {0: [0]}
+    job.replica_dir(0).mkdir(parents=True)
+    (job.replica_dir(0) / "host-0.log").write_text(f"--- incarnation 1 host 0\n{last_words}\n")
+    job.log_tail = lambda r, host=0: (job.replica_dir(r) / f"host-{host}.log").read_text()
+    events = []
+    supervisor = Supervisor(job, FaultPlan(), RunLog(tmp_path / "launcher.jsonl", listener=events.append))
+    supervisor.tails[0].read = list
+    for _ in range(times):
+        supervisor._down(0, now=100.0)
+    return [e for e in events if e["event"] == "replica_down"]
+
+
+def test_a_replica_refused_twice_for_the_same_reason_is_not_restarted(tmp_path):
+    why = "ftjax train: error: token files do not match their index"
+    (first,) = _ended(tmp_path / "once", 2, why)
+    assert first["cause"] == "refused (host 0 exit 2)" and first["error"] == why
+    with pytest.raises(LaunchError, match="refused twice in a row for the same reason.*" + why):
+        _ended(tmp_path / "twice", 2, why, times=2)
+    held = "ftjax train: the coordinator refused replica 0 (ALREADY_EXISTS): replica id '0' is held"
+    assert len(_ended(tmp_path / "held", 2, held, times=3)) == 3  # (counted against --max-restarts instead)
+
+
+def test_a_watchdog_exit_is_labelled_the_watchdog_not_a_crash(tmp_path):
+    (down,) = _ended(tmp_path, EXIT_NO_PROGRESS, "ftjax train: replica 0 host 0: no progress for 30.0 s")
+    assert down["cause"] == f"watchdog (host 0 exit {EXIT_NO_PROGRESS})"
+    assert down["error"] == "ftjax train: replica 0 host 0: no progress for 30.0 s"
+
+
+def test_the_run_log_survives_a_full_disk_and_is_whole_once_written_again(tmp_path, monkeypatch, capsys):
+    """Writes of launcher.jsonl fail with ENOSPC: no exception reaches the supervisor, the listener
+    still hears every event, one line names the file, and closing writes the log again whole."""
+    import errno
+    import os
+
+    import ftjax.launch.supervisor as supervisor_module
+
+    heard = []
+    log = RunLog(tmp_path / "launcher.jsonl", listener=heard.append)
+    log.event("launch", replicas=2)
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as m:
+        m.setattr(supervisor_module.os, "write", full)
+        for r in range(3):
+            log.event("replica_down", replica=r)
+    assert [e["event"] for e in heard] == ["launch", *["replica_down"] * 3]
+    lines = capsys.readouterr().err.splitlines()
+    path = tmp_path / "launcher.jsonl"
+    assert lines == [f"ftjax launch: cannot write {path} (No space left on device); supervising on"]
+    assert len(read_jsonl(tmp_path / "launcher.jsonl")) == 1  # the lost lines ...
+    log.event("end", ok=True)
+    log.close()
+    assert read_jsonl(tmp_path / "launcher.jsonl") == heard  # ... are back, once the disk has room
+
+
+def test_a_host_log_that_cannot_be_written_does_not_stop_the_replicas_start(tmp_path, capsys):
+    """The launcher's header line of a host log hits a full disk (/dev/full: every write fails with
+    ENOSPC): one line names the log, and the host's process is started all the same."""
+    import sys
+
+    from conftest import REPO
+
+    from ftjax.base.procs import ProcessGroup
+    from ftjax.launch.job import LocalJob
+
+    with ProcessGroup() as procs:
+        sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+        job = LocalJob(f"{REPO}/configs/tiny.yaml", [], tmp_path, replicas=1, procs=procs, entry=sleeper)
+        job.coordinator_address = "127.0.0.1:1"  # (never dialled: the entry only sleeps)
+        job.replica_dir(0).mkdir(parents=True)
+        (job.replica_dir(0) / "host-0.log").symlink_to("/dev/full")
+        (proc,) = job.start_replica(0)
+        assert proc.poll() is None
+        path = job.replica_dir(0) / "host-0.log"
+        assert (
+            capsys.readouterr().err
+            == f"ftjax launch: cannot write {path} (No space left on device); starting it anyway\n"
+        )
+
+
+def test_a_crash_loop_ends_the_run_naming_the_last_crash(tmp_path):
+    """A replica that crashes every time (not a refusal: exit 1) is restarted up to --max-restarts
+    (10), then the run fails with how it last died."""
+    why = "RuntimeError: the device is gone"
+    assert len(_ended(tmp_path / "ten", 1, why, times=10)) == 10
+    with pytest.raises(
+        LaunchError, match=r"failed 11 times \(--max-restarts 10\); last: crash \(host 0 exit 1\): " + why
+    ):
+        _ended(tmp_path / "eleven", 1, why, times=11)
