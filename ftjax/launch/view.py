@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -348,7 +349,16 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
             (rec["param_digest"] or "no digest")
             + (" (ended behind: the job finished without it)" if rec.get("ended_behind") else ""),
         )
-    console.print(table)
+    # In a log file or a pipe the console is 80 columns wide, and rich would squash the headers to
+    # "…" to fit: there the table takes the width it needs (a terminal keeps its own width).
+    # (print's own width= is capped at the console's: the console is widened for the table alone)
+    width, wide = console.width, Measurement.get(console, console.options.update(max_width=1000), table).maximum
+    try:
+        if not console.is_terminal and wide > width:
+            console.width = wide
+        console.print(table)
+    finally:
+        console.width = width
 
     def num(key: str, fmt: str) -> str:
         v = summary.get(key)

@@ -286,6 +286,28 @@ def test_the_printed_summary_counts_each_replicas_contributed_steps(tmp_path):
     assert {r[0]: tuple(r[1:4]) for r in rows} == {"0": ("10", "10", "0"), "1": ("8", "6", "1")}, rows
 
 
+def test_the_printed_summary_in_a_log_file_keeps_every_header_whole(tmp_path):
+    """In a file (not a terminal: 80 columns) the table takes the width it needs: rich would squash
+    every header to "…" to fit 80 columns once a digest carries its note (`ftjax launch ... > log`)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from ftjax.launch.view import print_summary
+
+    make_run(tmp_path)
+    summary = build_summary(tmp_path)
+    for rec in summary["replicas"].values():
+        rec["ended_behind"], rec["param_digest"] = True, "0123456789abcdef"
+    out = StringIO()
+    console = Console(file=out, soft_wrap=True)  # what ftjax launch uses when stdout is not a terminal
+    print_summary(console, summary, str(tmp_path))
+    header = next(x for x in out.getvalue().splitlines() if "┃" in x)
+    assert "…" not in header
+    assert [c.strip() for c in header.split("┃")[1:-1]][:3] == ["replica", "steps", "contributed"]
+    assert console.width == 80  # the console itself is left as it was
+
+
 def test_not_a_run_directory(tmp_path):
     with pytest.raises(ValueError, match="not a run directory"):
         build_summary(tmp_path)
