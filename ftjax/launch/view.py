@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console, Group
-from rich.measure import Measurement
 from rich.live import Live
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
