@@ -63,11 +63,18 @@ class InitCheckpointError(CheckpointError):
     message names every leaf at fault)."""
 
 
+def _files(step_dir: Path) -> dict[str, Path]:
+    """{relative path: path} of a step's files, its seal apart."""
+    return {
+        str(p.relative_to(step_dir)): p for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != CHECKSUMS
+    }
+
+
 def _checksums(step_dir: Path) -> dict[str, list]:
     out = {}
-    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS):
+    for name, path in _files(step_dir).items():
         with open(path, "rb") as f:
-            out[str(path.relative_to(step_dir))] = [path.stat().st_size, hashlib.file_digest(f, "sha256").hexdigest()]
+            out[name] = [path.stat().st_size, hashlib.file_digest(f, "sha256").hexdigest()]
     return out
 
 
@@ -91,6 +98,13 @@ def verify(step_dir: Path, step: int) -> None:
         recorded = {str(name): (int(size), str(digest)) for name, (size, digest) in json.loads(text).items()}
     except (ValueError, TypeError, AttributeError) as e:
         raise CorruptCheckpoint(step, str(step_dir / CHECKSUMS), f"unreadable ({e})") from None
+    # A seal vouches only for the files it lists: one that lists none (`{}`) or leaves a file out
+    # would pass an unchecked file as intact. The seal is written once every file is final, so an
+    # unlisted file is damage (or an edit), never a save still in progress.
+    unlisted = sorted(set(_files(step_dir)) - set(recorded))
+    if not recorded or unlisted:
+        what = "lists no file" if not recorded else f"does not list {unlisted[0]} ({len(unlisted)} unlisted)"
+        raise CorruptCheckpoint(step, str(step_dir / CHECKSUMS), f"{what}: the seal is damaged")
     for name, (size, digest) in recorded.items():
         path = step_dir / name
         if not path.is_file():
