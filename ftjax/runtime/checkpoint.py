@@ -232,14 +232,25 @@ class DurableCheckpoints:
 
     @classmethod
     def from_config(
-        cls, cfg, run_dir: str | Path, *, data_fingerprint: str, params: Any = None, locations: tuple[str, ...] = ()
+        cls,
+        cfg,
+        run_dir: str | Path,
+        *,
+        data_fingerprint: str,
+        params: Any = None,
+        locations: tuple[str, ...] = (),
+        replica: int | None = None,
     ) -> DurableCheckpoints:
         """The checkpoints a run's config asks for (`checkpoint:` section; default dir RUN/checkpoints),
         holding and accepting only this job's (`data_fingerprint`: the data stream's; `locations`:
-        the task's, see job_identity)."""
+        the task's, see job_identity). `replica`: a job member's id. Its checkpoints go to
+        `checkpoint.dir`/replica-R when that is given: one path given to every replica of a job (the
+        launcher passes the same overrides to all) must not make them save into, and delete from, one
+        orbax root; each replica's state and data position are its own."""
         c = cfg.checkpoint
+        given = c.dir and (Path(c.dir) / f"replica-{replica}" if replica is not None else Path(c.dir))
         return cls(
-            c.dir or Path(run_dir) / "checkpoints",
+            given or Path(run_dir) / "checkpoints",
             every=c.every,
             keep=c.keep,
             async_save=c.async_save,

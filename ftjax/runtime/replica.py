@@ -54,6 +54,7 @@ def _checkpoints(cfg: Config, args: RunOptions, out: Path, stream, program) -> D
             data_fingerprint=stream.fingerprint,
             params=program.abstract_state()["params"],
             locations=program.task.locations,
+            replica=args.replica_id if args.coordinator else None,  # (a job member: its own subdirectory)
         )
     return None
 
