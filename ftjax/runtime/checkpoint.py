@@ -65,9 +65,7 @@ class InitCheckpointError(CheckpointError):
 
 def _files(step_dir: Path) -> dict[str, Path]:
     """{relative path: path} of a step's files, its seal apart."""
-    return {
-        str(p.relative_to(step_dir)): p for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != CHECKSUMS
-    }
+    return {str(p.relative_to(step_dir)): p for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != CHECKSUMS}
 
 
 def _checksums(step_dir: Path) -> dict[str, list]:
