@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ftjax.base.env import check_platform, configure_run
 from ftjax.config import Config, ConfigError
-from ftjax.runtime.args import RunOptions, build_parser, dist_bind_address, held_run, parse_config
+from ftjax.runtime.args import RunOptions, build_parser, dist_bind_address, held_run, parse_config, resume_refusal
 
 
 def init_distributed(cfg: Config, args: argparse.Namespace) -> None:
@@ -34,6 +34,16 @@ def init_distributed(cfg: Config, args: argparse.Namespace) -> None:
         )
 
 
+def out_refusal(cfg: Config, args: argparse.Namespace, out: Path) -> str:
+    """Why a standalone run must not start in `out` ("" if it may): a run there already, unless
+    resumed; resumed, a run there with no checkpoint to resume from (resume_refusal)."""
+    if args.coordinator:
+        return ""
+    if not args.resume and (held := held_run(out)):
+        return f"--out {out} already holds a run ({held}): --resume continues it; another --out starts a new one"
+    return resume_refusal(cfg, out) if args.resume else ""
+
+
 def main(argv: list[str]) -> int:
     args = build_parser(__doc__).parse_intermixed_args(argv)
     try:
@@ -43,13 +53,9 @@ def main(argv: list[str]) -> int:
         return 2
     configure_run(cfg.platform, device_count=cfg.mesh.devices_per_host)
     out = Path(args.out or Path("runs") / Path(args.config).stem)
-    if not args.coordinator and not args.resume and (held := held_run(out)):
+    if why := out_refusal(cfg, args, out):
         # (checked before jax.distributed connects the replica's processes: none has written yet)
-        print(
-            f"ftjax train: error: --out {out} already holds a run ({held}): --resume continues it; "
-            "another --out starts a new one",
-            file=sys.stderr,
-        )
+        print(f"ftjax train: error: {why}", file=sys.stderr)
         return 2
     init_distributed(cfg, args)
     try:

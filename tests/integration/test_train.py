@@ -9,7 +9,7 @@ import pytest
 from conftest import FTJAX, REPO
 
 from ftjax.base.procs import free_port
-from ftjax.cli.train import build_parser, parse_config, run_standalone
+from ftjax.cli.train import build_parser, main, parse_config, run_standalone
 from ftjax.runtime.args import process_flags
 from ftjax.runtime.metrics import read_metrics
 
@@ -130,6 +130,19 @@ def test_resume_with_no_checkpoint_starts_from_the_seed_and_says_where_it_looked
     events = [json.loads(line) for line in (tmp_path / "fresh" / "metrics.jsonl").read_text().splitlines()]
     (init,) = [e for e in events if e.get("event") == "init"]
     assert init["no_checkpoint_in"] == str((tmp_path / "fresh" / "checkpoints").absolute()), init
+
+
+def test_resume_of_a_run_with_no_checkpoint_is_refused_and_says_where_it_looked(tmp_path, capsys):
+    """A run with trained steps and no checkpoint (checkpoint.every=0): --resume would start from the
+    seed and log step 1 a second time. Refused (exit 2, one line naming both places), nothing written."""
+    out = tmp_path / "run"
+    run_inprocess(out, "steps=2")
+    before = (out / "metrics.jsonl").read_bytes()
+    assert main([TINY, "--out", str(out), "steps=4", "--resume"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert str(out / "metrics.jsonl") in line and str(out / "checkpoints") in line, line
+    assert "checkpoint.dir" in line and "step 2" in line, line
+    assert (out / "metrics.jsonl").read_bytes() == before  # nothing trained, nothing appended
 
 
 def test_a_wrong_coordinator_address_is_one_clear_error(tmp_path):
