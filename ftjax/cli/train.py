@@ -44,6 +44,23 @@ def out_refusal(cfg: Config, args: argparse.Namespace, out: Path) -> str:
     return resume_refusal(cfg, out) if args.resume else ""
 
 
+def _reported() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(the errors `ftjax train` reports in one line, without a traceback; those of them that are the
+    machine's or the network's, exit 1: a full disk, the coordinator unreachable; the others exit 2).
+    Imported here: they import JAX."""
+    from ftjax.coordinator.client import CoordinatorError
+    from ftjax.program.plan import DoesNotFit
+    from ftjax.program.task import TaskError
+    from ftjax.program.tokens import TokenFileError
+    from ftjax.runtime.checkpoint import CheckpointError, CheckpointWriteError
+    from ftjax.runtime.metrics import RecordsWriteError
+    from ftjax.runtime.replay import SpillError
+    from ftjax.runtime.trainer import NotFinite
+
+    environment = (SpillError, CoordinatorError, CheckpointWriteError, RecordsWriteError)
+    return (CheckpointError, DoesNotFit, TokenFileError, TaskError, NotFinite, *environment), environment
+
+
 def main(argv: list[str]) -> int:
     args = build_parser(__doc__).parse_intermixed_args(argv)
     try:
@@ -63,15 +80,10 @@ def main(argv: list[str]) -> int:
     except RuntimeError as e:
         print(f"ftjax train: {e}", file=sys.stderr)
         return 2
-    from ftjax.coordinator.client import CoordinatorError
-    from ftjax.program.plan import DoesNotFit
     from ftjax.program.task import TaskError
     from ftjax.program.tasks import check_task
-    from ftjax.program.tokens import TokenFileError
-    from ftjax.runtime.checkpoint import CheckpointError
-    from ftjax.runtime.replay import SpillError
-    from ftjax.runtime.trainer import NotFinite
 
+    reported, environment = _reported()
     try:
         check_task(cfg)  # a task that cannot train fails here, named, before any peer waits for it
     except (TaskError, ConfigError) as e:  # (ConfigError: a setting this platform cannot run)
@@ -81,11 +93,11 @@ def main(argv: list[str]) -> int:
         if args.coordinator:
             return run_member(cfg, args, out)
         return run_standalone(cfg, args, out)
-    except (CheckpointError, SpillError, CoordinatorError, DoesNotFit, TokenFileError, TaskError, NotFinite) as e:
+    except reported as e:
         # another job's checkpoint or none intact, a step that does not fit the device, token files
         # that do not match their index, a task the mesh cannot hold, a loss gone NaN (2); a full
         # disk, the coordinator unreachable (1): one line, no traceback
-        code = 1 if isinstance(e, (SpillError, CoordinatorError)) else 2
+        code = 1 if isinstance(e, environment) else 2
         print(f"ftjax train: error: {e}", file=sys.stderr, flush=True)
         if cfg.mesh.hosts > 1:
             os._exit(code)  # (as below: not into jax.distributed's shutdown barrier)

@@ -21,9 +21,15 @@ parameters (`checkpoint.init_from`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
+import os
+import re
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,6 +62,68 @@ class CorruptCheckpoint(CheckpointError):
 
 class NoIntactCheckpoint(CheckpointError):
     """Every checkpoint in the directory is corrupt or incomplete."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a file size limit, a read-only directory)."""
+
+
+def write_failure(where: str, step: int | None, e: BaseException) -> CheckpointWriteError:
+    """One line for a failed save: the step, the directory, the file and the OS's reason. Orbax
+    reports a failed write as tensorstore's ValueError, whose text names the file and the errno
+    ("Failed writing: "PATH" ... [os_error_code='28']"), or as an OSError."""
+    text, cause = str(e), e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError) and cause.errno:
+        why = f"{cause.filename or where}: {os.strerror(cause.errno)}"
+    elif code := re.search(r"os_error_code='(\d+)'", text):
+        files = re.findall(r'Failed writing: "([^"]+)"', text)
+        why = f"{files[-1] if files else where}: {os.strerror(int(code.group(1)))}"
+    else:
+        why = text.splitlines()[0][:300] if text else type(e).__name__
+    when = f"; seen at step {step}" if step is not None else ""  # (a background save fails at a later one)
+    return CheckpointWriteError(
+        f"cannot save checkpoints in {where} (checkpoint.dir{when}): {why}"
+        + (f" (orbax's tracebacks: {_ORBAX_ERRORS.log})" if _ORBAX_ERRORS.log is not None else "")
+    )
+
+
+class _OrbaxErrors(logging.Filter):
+    """Keeps orbax's ERROR records off the terminal: it logs one failed background save with its
+    traceback once per thread that saw it (~470 lines for one full disk), and the failure is
+    reported in one line (CheckpointWriteError). They are appended, best effort (that disk may be
+    the full one), to `log`, beside the checkpoint directory."""
+
+    log: Path | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # (orbax's own, and asyncio's about a task of orbax's that failed: "never retrieved")
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname + record.getMessage():
+            return True
+        if self.log is not None:
+            with contextlib.suppress(OSError), open(self.log, "a") as f:
+                f.write(logging.Formatter("%(asctime)s %(levelname)s %(message)s").format(record) + "\n")
+        return False
+
+
+_ORBAX_ERRORS = _OrbaxErrors()
+
+
+def _closed_loop_hook(previous: Callable) -> Callable:
+    """sys.unraisablehook, less tensorstore's reports of a write that finished after orbax closed the
+    event loop of its failed save (`RuntimeError: Event loop is closed`, from its threads, tens of
+    them): appended, best effort, to the orbax errors' log."""
+
+    def hook(u) -> None:
+        if u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed" and _ORBAX_ERRORS.log:
+            with contextlib.suppress(OSError), open(_ORBAX_ERRORS.log, "a") as f:
+                f.write("".join(traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback)))
+            return
+        previous(u)
+
+    hook.closed_loop = True
+    return hook
 
 
 class InitCheckpointError(CheckpointError):
@@ -227,6 +295,12 @@ class DurableCheckpoints:
             max_to_keep=keep, save_interval_steps=max(every, 1), enable_async_checkpointing=async_save, create=True
         )
         self.manager = _SealingManager(Path(directory).absolute(), options=options)
+        if identity is not None:  # (a job's own checkpoints, not a reader's)
+            _ORBAX_ERRORS.log = Path(directory).absolute().parent / "checkpoint-errors.log"
+            for name in ("absl", "asyncio"):
+                logging.getLogger(name).addFilter(_ORBAX_ERRORS)  # (once: a logger keeps a filter once)
+            if not getattr(sys.unraisablehook, "closed_loop", False):
+                sys.unraisablehook = _closed_loop_hook(sys.unraisablehook)
 
     @classmethod
     def from_config(
@@ -275,13 +349,16 @@ class DurableCheckpoints:
             meta = {**meta, "identity": self.identity}
         # what a reader without ftjax can check the restored parameters against (collective)
         meta = {**meta, "params_digest": params_digest(state)}
-        return bool(
-            self.manager.save(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                force=force,
+        try:  # (a failed background save of an earlier step surfaces here too)
+            return bool(
+                self.manager.save(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                    force=force,
+                )
             )
-        )
+        except Exception as e:
+            raise write_failure(self.where, step, e) from e
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -362,7 +439,12 @@ class DurableCheckpoints:
             raise CheckpointMismatch(f"{where} belongs to another job:\n" + "\n".join(differ) + f"\n{todo}")
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            with contextlib.suppress(Exception):  # (the save's failure is the one to report)
+                self.manager.close()
+            raise write_failure(self.where, None, e) from e
         self.manager.close()
 
 
