@@ -5,6 +5,7 @@ job whose replicas all die resumes from them (docs/design.md, "Checkpoint layout
 from conftest import REPO
 from ftjob import records
 
+from ftjax.launch import LocalJob
 from ftjax.runs.jsonl import read_jsonl
 
 TINY = f"{REPO}/configs/tiny.yaml"
@@ -49,3 +50,24 @@ def test_a_launch_given_one_checkpoint_dir_saves_per_replica_and_resumes(launch,
     history = _one_history([run.run_dir / "replica-0", run.run_dir / "replica-1"])
     assert sorted(history) == list(range(1, 21)), history
     assert run.summary()["digests_equal"], run.output()
+
+
+def test_hand_started_members_all_killed_resume_from_one_given_checkpoint_dir(tmp_path, procs):
+    """A job with no launcher: a coordinator and two `ftjax train --coordinator` members started by
+    hand, given one checkpoint.dir, all killed at step 13 and started again by hand (no --resume):
+    each restores its own step 10, nobody starts again from the seed, one history."""
+    ckpt = tmp_path / "shared-ckpt"
+    over = ["steps=16", *SAVES, f"checkpoint.dir={ckpt}", "coordinator.min_replicas=2"]
+    job = LocalJob(TINY, over, tmp_path, replicas=2, procs=procs)
+    job.start_coordinator()
+    for r in (0, 1):
+        job.start_replica(r, die_at="13:forward")
+    for r in (0, 1):
+        job.hosts[r][0].wait(300)
+        assert job.replica_exit_codes(r) == [-9], job.log_tail(r)
+    for r in (0, 1):
+        job.start_replica(r)
+    assert job.wait(timeout=400) == {0: [0], 1: [0]}, job.log_tail(0)
+    for r in (0, 1):
+        _resumed_from_own_checkpoints(job.replica_dir(r), ckpt, r, 10)
+    assert sorted(_one_history([job.replica_dir(0), job.replica_dir(1)])) == list(range(1, 17))
