@@ -223,7 +223,7 @@ class CheckpointConfig(_Strict):
     every: int = Field(0, ge=0, description="save a durable checkpoint every N steps (0: never)")
     keep: int = Field(3, gt=0)
     async_save: bool = True
-    dir: str | None = Field(None, description="default: RUN_DIR/checkpoints")
+    dir: str | None = Field(None, description="default: RUN_DIR/checkpoints; a job's replica R saves to DIR/replica-R")
     init_from: str | None = Field(
         None,
         description="start the run's parameters from this orbax checkpoint "

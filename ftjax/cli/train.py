@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ftjax.base.env import check_platform, configure_run
 from ftjax.config import Config, ConfigError
-from ftjax.runtime.args import RunOptions, build_parser, dist_bind_address, held_run, parse_config
+from ftjax.runtime.args import RunOptions, build_parser, dist_bind_address, held_run, parse_config, resume_refusal
 
 
 def init_distributed(cfg: Config, args: argparse.Namespace) -> None:
@@ -34,6 +34,33 @@ def init_distributed(cfg: Config, args: argparse.Namespace) -> None:
         )
 
 
+def out_refusal(cfg: Config, args: argparse.Namespace, out: Path) -> str:
+    """Why a standalone run must not start in `out` ("" if it may): a run there already, unless
+    resumed; resumed, a run there with no checkpoint to resume from (resume_refusal)."""
+    if args.coordinator:
+        return ""
+    if not args.resume and (held := held_run(out)):
+        return f"--out {out} already holds a run ({held}): --resume continues it; another --out starts a new one"
+    return resume_refusal(cfg, out) if args.resume else ""
+
+
+def _reported() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(the errors `ftjax train` reports in one line, without a traceback; those of them that are the
+    machine's or the network's, exit 1: a full disk, the coordinator unreachable; the others exit 2).
+    Imported here: they import JAX."""
+    from ftjax.coordinator.client import CoordinatorError
+    from ftjax.program.plan import DoesNotFit
+    from ftjax.program.task import TaskError
+    from ftjax.program.tokens import TokenFileError
+    from ftjax.runtime.checkpoint import CheckpointError, CheckpointWriteError
+    from ftjax.runtime.metrics import RecordsWriteError
+    from ftjax.runtime.replay import SpillError
+    from ftjax.runtime.trainer import NotFinite
+
+    environment = (SpillError, CoordinatorError, CheckpointWriteError, RecordsWriteError)
+    return (CheckpointError, DoesNotFit, TokenFileError, TaskError, NotFinite, *environment), environment
+
+
 def main(argv: list[str]) -> int:
     args = build_parser(__doc__).parse_intermixed_args(argv)
     try:
@@ -43,13 +70,9 @@ def main(argv: list[str]) -> int:
         return 2
     configure_run(cfg.platform, device_count=cfg.mesh.devices_per_host)
     out = Path(args.out or Path("runs") / Path(args.config).stem)
-    if not args.coordinator and not args.resume and (held := held_run(out)):
+    if why := out_refusal(cfg, args, out):
         # (checked before jax.distributed connects the replica's processes: none has written yet)
-        print(
-            f"ftjax train: error: --out {out} already holds a run ({held}): --resume continues it; "
-            "another --out starts a new one",
-            file=sys.stderr,
-        )
+        print(f"ftjax train: error: {why}", file=sys.stderr)
         return 2
     init_distributed(cfg, args)
     try:
@@ -57,15 +80,10 @@ def main(argv: list[str]) -> int:
     except RuntimeError as e:
         print(f"ftjax train: {e}", file=sys.stderr)
         return 2
-    from ftjax.coordinator.client import CoordinatorError
-    from ftjax.program.plan import DoesNotFit
     from ftjax.program.task import TaskError
     from ftjax.program.tasks import check_task
-    from ftjax.program.tokens import TokenFileError
-    from ftjax.runtime.checkpoint import CheckpointError
-    from ftjax.runtime.replay import SpillError
-    from ftjax.runtime.trainer import NotFinite
 
+    reported, environment = _reported()
     try:
         check_task(cfg)  # a task that cannot train fails here, named, before any peer waits for it
     except (TaskError, ConfigError) as e:  # (ConfigError: a setting this platform cannot run)
@@ -75,11 +93,11 @@ def main(argv: list[str]) -> int:
         if args.coordinator:
             return run_member(cfg, args, out)
         return run_standalone(cfg, args, out)
-    except (CheckpointError, SpillError, CoordinatorError, DoesNotFit, TokenFileError, TaskError, NotFinite) as e:
+    except reported as e:
         # another job's checkpoint or none intact, a step that does not fit the device, token files
         # that do not match their index, a task the mesh cannot hold, a loss gone NaN (2); a full
         # disk, the coordinator unreachable (1): one line, no traceback
-        code = 1 if isinstance(e, (SpillError, CoordinatorError)) else 2
+        code = 1 if isinstance(e, environment) else 2
         print(f"ftjax train: error: {e}", file=sys.stderr, flush=True)
         if cfg.mesh.hosts > 1:
             os._exit(code)  # (as below: not into jax.distributed's shutdown barrier)

@@ -16,6 +16,7 @@ from ftjax.base import net
 from ftjax.base.net import split_address
 from ftjax.base.tls import TLS, add_tls_arguments, tls_of
 from ftjax.config import Config, ConfigError, load_config
+from ftjax.runs.jsonl import read_jsonl
 
 
 def option(p: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, metavar: str, **kwargs) -> None:
@@ -169,6 +170,26 @@ class RunOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunOptions:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def resume_refusal(cfg: Config, out: Path) -> str:
+    """Why a standalone `--resume` into `out` must not start ("" if it may). A run's directory whose
+    metrics.jsonl holds trained steps but whose checkpoint directory holds no checkpoint (orbax's
+    step directories, named by the step) has nothing to resume from: starting from the seed there
+    would train step 1 a second time into the same history. A directory with no trained step (new,
+    empty, or a run stopped before its first step) starts from the seed: nothing is lost, and a job
+    script may pass --resume on every start (its `init` event says where it looked)."""
+    ckpts = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    if ckpts.is_dir() and any(p.name.isdigit() and p.is_dir() for p in ckpts.iterdir()):
+        return ""
+    trained = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "event" not in r and "step" in r]
+    if not trained:
+        return ""
+    return (
+        f"--resume: {out / 'metrics.jsonl'} holds a run (trained to step {max(trained)}), but there is no "
+        f"checkpoint in {ckpts} (checkpoint.dir) to resume it from; set checkpoint.every to save them, "
+        "or drop --resume and give another --out to start afresh"
+    )
 
 
 def held_run(out: Path) -> str:

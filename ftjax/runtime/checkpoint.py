@@ -21,9 +21,15 @@ parameters (`checkpoint.init_from`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
+import os
+import re
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,16 +65,83 @@ class NoIntactCheckpoint(CheckpointError):
     """Every checkpoint in the directory is corrupt or incomplete."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a file size limit, a read-only directory)."""
+
+
+def write_failure(where: str, step: int | None, e: BaseException) -> CheckpointWriteError:
+    """One line for a failed save: the step, the directory, the file and the OS's reason. Orbax
+    reports a failed write as tensorstore's ValueError, whose text names the file and the errno
+    ("Failed writing: "PATH" ... [os_error_code='28']"), or as an OSError."""
+    text, cause = str(e), e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OSError) and cause.errno:
+        why = f"{cause.filename or where}: {os.strerror(cause.errno)}"
+    elif code := re.search(r"os_error_code='(\d+)'", text):
+        files = re.findall(r'Failed writing: "([^"]+)"', text)
+        why = f"{files[-1] if files else where}: {os.strerror(int(code.group(1)))}"
+    else:
+        why = text.splitlines()[0][:300] if text else type(e).__name__
+    when = f"; seen at step {step}" if step is not None else ""  # (a background save fails at a later one)
+    return CheckpointWriteError(
+        f"cannot save checkpoints in {where} (checkpoint.dir{when}): {why}"
+        + (f" (orbax's tracebacks: {_ORBAX_ERRORS.log})" if _ORBAX_ERRORS.log is not None else "")
+    )
+
+
+class _OrbaxErrors(logging.Filter):
+    """Keeps orbax's ERROR records off the terminal: it logs one failed background save with its
+    traceback once per thread that saw it (~470 lines for one full disk), and the failure is
+    reported in one line (CheckpointWriteError). They are appended, best effort (that disk may be
+    the full one), to `log`, beside the checkpoint directory."""
+
+    log: Path | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # (orbax's own, and asyncio's about a task of orbax's that failed: "never retrieved")
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname + record.getMessage():
+            return True
+        if self.log is not None:
+            with contextlib.suppress(OSError), open(self.log, "a") as f:
+                f.write(logging.Formatter("%(asctime)s %(levelname)s %(message)s").format(record) + "\n")
+        return False
+
+
+_ORBAX_ERRORS = _OrbaxErrors()
+
+
+def _closed_loop_hook(previous: Callable) -> Callable:
+    """sys.unraisablehook, less tensorstore's reports of a write that finished after orbax closed the
+    event loop of its failed save (`RuntimeError: Event loop is closed`, from its threads, tens of
+    them): appended, best effort, to the orbax errors' log."""
+
+    def hook(u) -> None:
+        if u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed" and _ORBAX_ERRORS.log:
+            with contextlib.suppress(OSError), open(_ORBAX_ERRORS.log, "a") as f:
+                f.write("".join(traceback.format_exception(u.exc_type, u.exc_value, u.exc_traceback)))
+            return
+        previous(u)
+
+    hook.closed_loop = True
+    return hook
+
+
 class InitCheckpointError(CheckpointError):
     """`checkpoint.init_from` cannot start this run: not a checkpoint, or not of this model (the
     message names every leaf at fault)."""
 
 
+def _files(step_dir: Path) -> dict[str, Path]:
+    """{relative path: path} of a step's files, its seal apart."""
+    return {str(p.relative_to(step_dir)): p for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != CHECKSUMS}
+
+
 def _checksums(step_dir: Path) -> dict[str, list]:
     out = {}
-    for path in sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != CHECKSUMS):
+    for name, path in _files(step_dir).items():
         with open(path, "rb") as f:
-            out[str(path.relative_to(step_dir))] = [path.stat().st_size, hashlib.file_digest(f, "sha256").hexdigest()]
+            out[name] = [path.stat().st_size, hashlib.file_digest(f, "sha256").hexdigest()]
     return out
 
 
@@ -92,6 +165,13 @@ def verify(step_dir: Path, step: int) -> None:
         recorded = {str(name): (int(size), str(digest)) for name, (size, digest) in json.loads(text).items()}
     except (ValueError, TypeError, AttributeError) as e:
         raise CorruptCheckpoint(step, str(step_dir / CHECKSUMS), f"unreadable ({e})") from None
+    # A seal vouches only for the files it lists: one that lists none (`{}`) or leaves a file out
+    # would pass an unchecked file as intact. The seal is written once every file is final, so an
+    # unlisted file is damage (or an edit), never a save still in progress.
+    unlisted = sorted(set(_files(step_dir)) - set(recorded))
+    if not recorded or unlisted:
+        what = "lists no file" if not recorded else f"does not list {unlisted[0]} ({len(unlisted)} unlisted)"
+        raise CorruptCheckpoint(step, str(step_dir / CHECKSUMS), f"{what}: the seal is damaged")
     for name, (size, digest) in recorded.items():
         path = step_dir / name
         if not path.is_file():
@@ -278,6 +358,12 @@ class DurableCheckpoints:
             max_to_keep=keep, save_interval_steps=max(every, 1), enable_async_checkpointing=async_save, create=True
         )
         self.manager = _SealingManager(Path(directory).absolute(), options=options)
+        if identity is not None:  # (a job's own checkpoints, not a reader's)
+            _ORBAX_ERRORS.log = Path(directory).absolute().parent / "checkpoint-errors.log"
+            for name in ("absl", "asyncio"):
+                logging.getLogger(name).addFilter(_ORBAX_ERRORS)  # (once: a logger keeps a filter once)
+            if not getattr(sys.unraisablehook, "closed_loop", False):
+                sys.unraisablehook = _closed_loop_hook(sys.unraisablehook)
 
     @classmethod
     def from_config(
@@ -289,13 +375,18 @@ class DurableCheckpoints:
         params: Any = None,
         locations: tuple[str, ...] = (),
         reads: tuple[str, ...] = (),
+        replica: int | None = None,
     ) -> DurableCheckpoints:
         """The checkpoints a run's config asks for (`checkpoint:` section; default dir RUN/checkpoints),
-        holding and accepting only this job's (`data_fingerprint`: the data stream's; `locations`:
-        `reads`: the task's, see job_identity)."""
+        holding and accepting only this job's (`data_fingerprint`: the data stream's; `locations`,
+        `reads`: the task's, see job_identity). `replica`: a job member's id. Its checkpoints go to
+        `checkpoint.dir`/replica-R when that is given: one path given to every replica of a job (the
+        launcher passes the same overrides to all) must not make them save into, and delete from, one
+        orbax root; each replica's state and data position are its own."""
         c = cfg.checkpoint
+        given = c.dir and (Path(c.dir) / f"replica-{replica}" if replica is not None else Path(c.dir))
         return cls(
-            c.dir or Path(run_dir) / "checkpoints",
+            given or Path(run_dir) / "checkpoints",
             every=c.every,
             keep=c.keep,
             async_save=c.async_save,
@@ -322,13 +413,16 @@ class DurableCheckpoints:
             meta = {**meta, "identity": self.identity}
         # what a reader without ftjax can check the restored parameters against (collective)
         meta = {**meta, "params_digest": params_digest(state)}
-        return bool(
-            self.manager.save(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-                force=force,
+        try:  # (a failed background save of an earlier step surfaces here too)
+            return bool(
+                self.manager.save(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                    force=force,
+                )
             )
-        )
+        except Exception as e:
+            raise write_failure(self.where, step, e) from e
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -408,7 +502,12 @@ class DurableCheckpoints:
             raise CheckpointMismatch(f"{where} belongs to another job:\n" + "\n".join(differ) + f"\n{todo}")
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            with contextlib.suppress(Exception):  # (the save's failure is the one to report)
+                self.manager.close()
+            raise write_failure(self.where, None, e) from e
         self.manager.close()
 
 

@@ -5,6 +5,7 @@ devices' peak is known, its MFU (`ModelFlops`: both fixed once the step is compi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -111,6 +112,10 @@ class PlainLines:
         )
 
 
+class RecordsWriteError(RuntimeError):
+    """The run's records cannot be written (a full disk, a file size limit): one line naming the file."""
+
+
 class MetricsLog:
     """Only one process of a replica writes (its leader); the others pass `enabled=False`."""
 
@@ -133,6 +138,7 @@ class MetricsLog:
         self.records: list[dict[str, Any]] = []
         self.listeners: list[Callable[[dict[str, Any]], None]] = []  # each record (steps and events), as logged
         self._file = None
+        self._failed = False
         self._progress = None
         self._plain: PlainLines | None = None
         self._tensorboard = None
@@ -142,7 +148,8 @@ class MetricsLog:
                 from ftjax.runtime.tensorboard import TensorBoardWriter
 
                 self._tensorboard = TensorBoardWriter(tensorboard, wandb=wandb)
-            self._file = open(self.run_dir / filename, "a", buffering=1)
+            self._path = self.run_dir / filename
+            self._file = open(self._path, "a", buffering=1)
             if not _isatty(sys.stdout):
                 self._plain = PlainLines(sys.stdout, label, total_steps, log_every)
             if sys.stderr.isatty():
@@ -166,7 +173,7 @@ class MetricsLog:
             return
         if self._tensorboard is not None:  # first: an evaluation in metrics.jsonl is in the event files
             self._tensorboard.step(record)
-        self._file.write(json.dumps(record) + "\n")
+        self._write(record)
         for listener in self.listeners:
             listener(record)
         if self._plain is not None:
@@ -181,13 +188,22 @@ class MetricsLog:
         """A non-step record (restore, failure, ...): same file, `event` instead of `step`."""
         if self.enabled:
             record = {"time": round(time.time(), 6), "event": kind, **fields}
-            self._file.write(json.dumps(record) + "\n")
+            self._write(record)
             for listener in self.listeners:
                 listener(record)
             if self._tensorboard is not None:
                 self._tensorboard.event(kind, fields)
             if self._plain is not None:
                 self._plain.event(kind, fields)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        try:
+            self._file.write(json.dumps(record) + "\n")
+        except OSError as e:
+            self._failed = True
+            raise RecordsWriteError(
+                f"cannot write the run's records to {self._path} (--out {self.run_dir}): {e.strerror or e}"
+            ) from None
 
     def summary(self, **extra: Any) -> dict[str, Any]:
         steps = [r for r in self.records if "step" in r]
@@ -215,7 +231,9 @@ class MetricsLog:
             self._tensorboard.close()
             self._tensorboard = None
         if self._file is not None:
-            self._file.close()
+            # (after a failed write the line still buffered fails again: the first failure is reported)
+            with contextlib.suppress(OSError) if self._failed else contextlib.nullcontext():
+                self._file.close()
             self._file = None
 
 

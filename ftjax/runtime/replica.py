@@ -56,6 +56,7 @@ def _checkpoints(cfg: Config, args: RunOptions, out: Path, stream, program) -> D
             params=program.abstract_state()["params"],
             locations=program.task.locations,
             reads=program.task.reads,
+            replica=args.replica_id if args.coordinator else None,  # (a job member: its own subdirectory)
         )
     return None
 

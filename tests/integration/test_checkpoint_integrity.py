@@ -56,12 +56,27 @@ def delete_state(step_dir):
     return step_dir / "state"
 
 
+def empty_seal(step_dir):  # a seal that lists no file vouches for nothing
+    path = step_dir / checkpoint.CHECKSUMS
+    path.write_text("{}")
+    return path
+
+
+def partial_seal(step_dir):  # a seal that leaves the largest state file out: that file goes unchecked
+    path = step_dir / checkpoint.CHECKSUMS
+    recorded = json.loads(path.read_text())
+    del recorded[str(largest_state_file(step_dir).relative_to(step_dir))]
+    path.write_text(json.dumps(recorded))
+    flip(step_dir)  # (and damaged: only the seal can tell)
+    return path
+
+
 def events(run_dir, kind):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if r.get("event") == kind]
 
 
-@pytest.mark.parametrize("damage", [flip, truncate, garbage_metadata, delete_state])
+@pytest.mark.parametrize("damage", [flip, truncate, garbage_metadata, delete_state, empty_seal, partial_seal])
 def test_a_corrupt_checkpoint_falls_back_to_the_older_intact_one(tmp_path, saved, capsys, damage):
     ckpts = tmp_path / "checkpoints"
     shutil.copytree(saved, ckpts)

@@ -6,6 +6,7 @@ only jax and orbax restores a run's parameters and verifies them against the rec
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -109,6 +110,25 @@ def test_plain_orbax_restores_the_params_and_verifies_their_digest(run):
     assert len(set(got["computed"].values())) == 3  # the digest sees the training
     for step in got["steps"]:  # and the reader changed nothing that ftjax checks
         checkpoint.verify(run / "checkpoints" / str(step), step)
+
+
+def design_snippets(section: str) -> str:
+    """The Python blocks of docs/design.md's `section`, joined: the documented code as written."""
+    text = (Path(REPO) / "docs" / "design.md").read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(block.split("```", 1)[0] for block in body.split("```python\n")[1:])
+
+
+def test_the_documented_reader_works_with_its_relative_path(run, tmp_path):
+    """docs/design.md's reading recipe and digest, run as written from the directory where its
+    relative "RUN/checkpoints" is this run's (orbax refused it: the path must be made absolute)."""
+    (tmp_path / "RUN").symlink_to(run)
+    code = design_snippets("Checkpoint layout") + '\nprint("verified", step, meta["params_digest"])\n'
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # (the snippet asserts its digest against the meta's; the run ended at step 6 with that state)
+    summary = json.loads((run / "summary.json").read_text())
+    assert r.stdout.split() == ["verified", "6", summary["params_digest"]], r.stdout
 
 
 def test_init_from_a_plain_checkpoint_of_params(tmp_path):

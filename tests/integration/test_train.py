@@ -2,6 +2,8 @@
 
 import json
 import os
+import resource
+import signal
 import subprocess
 
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 from conftest import FTJAX, REPO
 
 from ftjax.base.procs import free_port
-from ftjax.cli.train import build_parser, parse_config, run_standalone
+from ftjax.cli.train import build_parser, main, parse_config, run_standalone
 from ftjax.runtime.args import process_flags
 from ftjax.runtime.metrics import read_metrics
 
@@ -130,6 +132,58 @@ def test_resume_with_no_checkpoint_starts_from_the_seed_and_says_where_it_looked
     events = [json.loads(line) for line in (tmp_path / "fresh" / "metrics.jsonl").read_text().splitlines()]
     (init,) = [e for e in events if e.get("event") == "init"]
     assert init["no_checkpoint_in"] == str((tmp_path / "fresh" / "checkpoints").absolute()), init
+
+
+def test_resume_of_a_run_with_no_checkpoint_is_refused_and_says_where_it_looked(tmp_path, capsys):
+    """A run with trained steps and no checkpoint (checkpoint.every=0): --resume would start from the
+    seed and log step 1 a second time. Refused (exit 2, one line naming both places), nothing written."""
+    out = tmp_path / "run"
+    run_inprocess(out, "steps=2")
+    before = (out / "metrics.jsonl").read_bytes()
+    assert main([TINY, "--out", str(out), "steps=4", "--resume"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert str(out / "metrics.jsonl") in line and str(out / "checkpoints") in line, line
+    assert "checkpoint.dir" in line and "step 2" in line, line
+    assert (out / "metrics.jsonl").read_bytes() == before  # nothing trained, nothing appended
+
+
+def _limited_files(limit: int):
+    """A child's files can grow to `limit` bytes only: a longer write fails with EFBIG ("File too
+    large"; SIGXFSZ ignored), as on a full disk, deterministically and without a mount."""
+
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+@pytest.mark.parametrize(
+    ("limit", "overrides", "names"),
+    [
+        (64 << 10, ["steps=12", "checkpoint.every=5"], ["(checkpoint.dir", "checkpoints/5.orbax-checkpoint-tmp/"]),
+        (4 << 10, ["steps=20"], ["metrics.jsonl", "(--out "]),
+    ],
+    ids=["checkpoint", "metrics"],
+)
+def test_a_write_that_fails_is_one_line_naming_the_path(tmp_path, limit, overrides, names):
+    """A checkpoint save, or the run's records, on a disk with no room: exit 1 and one line naming
+    the file and the setting at fault; orbax's tracebacks (~470 lines) and ours are off the terminal."""
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [*FTJAX, "train", TINY, "--out", str(out), *overrides],
+        preexec_fn=_limited_files(limit),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln.lower() and "compilation cache" not in ln]
+    assert len(errors) == 1 and errors[0].startswith("ftjax train: error: "), r.stderr[-3000:]
+    assert all(n in errors[0] for n in names), errors
+    assert "File too large" in errors[0] and str(out) in errors[0], errors
+    assert "ftjax/cli/train.py" not in r.stderr and "ERROR:" not in r.stderr, r.stderr[-3000:]
 
 
 def test_a_wrong_coordinator_address_is_one_clear_error(tmp_path):
