@@ -61,6 +61,16 @@ def _reported() -> tuple[tuple[type, ...], tuple[type, ...]]:
     return (CheckpointError, DoesNotFit, TokenFileError, TaskError, NotFinite, *environment), environment
 
 
+def default_out(args) -> Path:
+    """--out, else runs/<config name>; a job member's runs/<config name>/replica-R: members started by
+    hand without --out must not share one metrics.jsonl and one checkpoints/ (they would resume
+    each other's state, or none, after a restart of the whole job)."""
+    if args.out:
+        return Path(args.out)
+    base = Path("runs") / Path(args.config).stem
+    return base / f"replica-{args.replica_id}" if args.coordinator else base
+
+
 def main(argv: list[str]) -> int:
     args = build_parser(__doc__).parse_intermixed_args(argv)
     try:
@@ -69,7 +79,7 @@ def main(argv: list[str]) -> int:
         print(f"ftjax train: config error: {e}", file=sys.stderr)
         return 2
     configure_run(cfg.platform, device_count=cfg.mesh.devices_per_host)
-    out = Path(args.out or Path("runs") / Path(args.config).stem)
+    out = default_out(args)
     if why := out_refusal(cfg, args, out):
         # (checked before jax.distributed connects the replica's processes: none has written yet)
         print(f"ftjax train: error: {why}", file=sys.stderr)

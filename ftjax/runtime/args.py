@@ -62,7 +62,11 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     """What to train, where, and from what: the config, its overrides, the run directory."""
     p.add_argument("config", help="YAML config: a path, or a built-in name (tiny, gpt_small)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. steps=30 model.d_model=128")
-    p.add_argument("--out", default=None, help="run directory (default: runs/<config name>)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="run directory (default: runs/<config name>; a job member's: runs/<config name>/replica-R)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the latest durable checkpoint")
     add_init_from(p, "start", "; checkpoint.init_opt=true takes its optimizer state too")
     option(p, "--stop-after", "N", type=int, help="stop (with a checkpoint) once N steps are done, as if interrupted")

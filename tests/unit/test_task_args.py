@@ -44,3 +44,19 @@ def test_a_task_that_is_not_an_import_path_says_what_it_got_once():
     with pytest.raises(ConfigError) as e:
         load_config("tiny", ["task=token_lm"])
     assert str(e.value).count("'token_lm'") == 1, str(e.value)
+
+
+def test_job_members_started_by_hand_without_out_get_a_directory_each():
+    """Two `ftjax train --coordinator` members of one config, no --out: each its own run directory
+    (they shared runs/<config>/, its metrics.jsonl and checkpoints/, and a whole job restarted by hand
+    resumed each other's state or none); standalone and an explicit --out are as before."""
+    from ftjax.cli.train import default_out
+    from ftjax.runtime.args import build_parser
+
+    def out(*argv):
+        return str(default_out(build_parser().parse_intermixed_args(["configs/tiny.yaml", *argv])))
+
+    members = {out("--coordinator", "h:1", "--replica-id", str(r)) for r in (0, 1)}
+    assert members == {"runs/tiny/replica-0", "runs/tiny/replica-1"}
+    assert out() == "runs/tiny"
+    assert out("--coordinator", "h:1", "--out", "x") == "x"
