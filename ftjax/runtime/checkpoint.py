@@ -191,7 +191,7 @@ def task_args_identity(task_args: dict[str, Any] | str, locations: tuple[str, ..
 # How the model is computed, not what: a job may change them between restarts, like its mesh.
 _HOW = ("model.compute_dtype", "model.remat", "model.attention", "model.attention_chunk", "model.logits_chunk")
 # Model fields added after checkpoints recorded their job's identity (the llama's).
-_LATER = ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps", "scan_layers")
+_LATER = ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps", "scan_layers", "head_dim", "rope_scaling")
 
 
 class DurableCheckpoints:
