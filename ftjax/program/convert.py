@@ -19,7 +19,6 @@ import numpy as np
 from ftjax.config import ConfigError
 
 META = "ftjax_model.json"  # beside the orbax checkpoint: the model settings it was converted with
-ROPE_KEYS = ("rope_theta", "rope_scaling", "head_dim")  # what `--init-from` checks against a config
 
 # per layer: HF name -> (ftjax path below blocks/<i>, kind of transform)
 _LAYER = {

@@ -23,6 +23,7 @@ from safetensors.numpy import save_file
 from ftjax.cli.main import main as ftjax
 from ftjax.config import ModelConfig
 from ftjax.program import models
+from ftjax.runtime import checkpoint
 
 # name -> HF config.json (of a Llama small enough to run in numpy in a blink)
 CASES = {
@@ -254,3 +255,54 @@ def test_a_bias_tensor_is_refused_by_name(tmp_path, capsys):
     write_hf(tmp_path / "hf", cfg, tensors)
     assert ftjax(["convert", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 2
     assert "model.layers.0.self_attn.q_proj.bias: this tensor does not map" in capsys.readouterr().err
+
+
+def abstract_params(m: ModelConfig) -> dict:
+    """This model's parameters as a run's abstract state holds them: float32, placed on a device."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: models.build(m, nnx.Rngs(0)))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    pure = nnx.state(model, nnx.Param).to_pure_dict()
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), pure)
+
+
+def test_init_from_a_bf16_checkpoint_reads_it_and_casts_to_the_parameter_dtype(tmp_path):
+    """A checkpoint kept in bfloat16 (`--dtype bfloat16`, half the disk and host memory) starts a
+    float32 run: each leaf read as stored, widened on the device, exactly."""
+    cfg = hf_config("untied_head_dim_linear")
+    tensors = {k: v.astype(bfloat16) for k, v in random_hf(cfg, seed=5).items()}
+    write_hf(tmp_path / "hf", cfg, tensors)
+    ckpt = tmp_path / "ckpt"
+    assert ftjax(["convert", "hf", str(tmp_path / "hf"), "--out", str(ckpt), "--dtype", "bfloat16"]) == 0
+    assert ocp.PyTreeCheckpointer().restore(ckpt.absolute())["embed"].dtype == bfloat16
+    m = ModelConfig(**yaml.safe_load((tmp_path / "ckpt.yaml").read_text())["model"])
+    abstract = abstract_params(m)
+    loaded = checkpoint.load_init(ckpt, {"params": abstract}, opt=False, model=m)["params"]
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(loaded))
+    assert [x.sharding for x in jax.tree.leaves(loaded)] == [a.sharding for a in jax.tree.leaves(abstract)]
+    head = tensors["lm_head.weight"].astype(np.float32).T
+    np.testing.assert_array_equal(np.asarray(loaded["head"]), head)
+    wo = tensors["model.layers.1.self_attn.o_proj.weight"].astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(loaded["blocks"][1]["attn"]["wo"]), wo.T.reshape(4, 16, 48))
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"rope_scaling": None}, "model.rope_scaling: checkpoint rope_type='llama3'"),
+        ({"rope_theta": 500000.0}, "model.rope_theta: checkpoint 10000.0, this config 500000.0"),
+    ],
+)
+def test_init_from_a_converted_checkpoint_refuses_a_config_of_other_rope(change, says, tmp_path):
+    """The same weights under other RoPE settings are another model: refused, naming the setting."""
+    cfg = hf_config("tied_gqa_llama3")
+    write_hf(tmp_path / "hf", cfg, random_hf(cfg, seed=2))
+    ckpt = tmp_path / "ckpt"
+    assert ftjax(["convert", "hf", str(tmp_path / "hf"), "--out", str(ckpt)]) == 0
+    settings = yaml.safe_load((tmp_path / "ckpt.yaml").read_text())["model"]
+    m = ModelConfig(**settings)
+    assert checkpoint.load_init(ckpt, {"params": abstract_params(m)}, opt=False, model=m)["params"]["embed"] is not None
+    other = ModelConfig(**{**settings, **change})
+    with pytest.raises(checkpoint.InitCheckpointError, match="converted for another model") as e:
+        checkpoint.load_init(ckpt, {"params": abstract_params(other)}, opt=False, model=other)
+    assert says in str(e.value)
