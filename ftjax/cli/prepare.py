@@ -183,10 +183,10 @@ def _parquet_documents(chunk: Chunk, field: str) -> list[str]:
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_path: str, eos_id: int, field: str) -> None:
+def _init_worker(tokenizer_path: str, eos_id: int, field: str, bos_id: int | None = None) -> None:
     # The workers are the parallelism: the tokenizer's own threads would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(tokenizer=load_tokenizer(tokenizer_path), eos_id=eos_id, field=field)
+    _worker.update(tokenizer=load_tokenizer(tokenizer_path), eos_id=eos_id, field=field, bos_id=bos_id)
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -246,9 +246,11 @@ def read_documents(chunk: Chunk, field: str) -> list[str]:
 
 
 def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, lengths) of a chunk: each document's ids followed by EOS, end to end (uint32), and
-    each document's length with its EOS (0 for an empty document, which is left out)."""
-    eos = _worker["eos_id"]
+    """(tokens, lengths) of a chunk: each document's ids followed by EOS (and with `--bos` preceded
+    by BOS), end to end (uint32), and each document's length with them (0 for an empty document,
+    which is left out)."""
+    eos, bos = _worker["eos_id"], _worker.get("bos_id")
+    head = [] if bos is None else [bos]
     texts = read_documents(chunk, _worker["field"])
     # No special tokens of the tokenizer's own (BOS, CLS): a document is its text, then EOS.
     encodings = _worker["tokenizer"].encode(texts)
@@ -256,9 +258,10 @@ def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.zeros(len(texts), np.int64)
     for k, enc in enumerate(encodings):
         if enc:
+            ids += head
             ids += enc
             ids.append(eos)
-            lengths[k] = len(enc) + 1
+            lengths[k] = len(head) + len(enc) + 1
     return np.asarray(ids, np.uint32), lengths
 
 
@@ -349,6 +352,7 @@ def prepare(
     *,
     field: str = "text",
     eos_token: str | None = None,
+    bos_token: str | None = None,
     heldout_fraction: float = 0.01,
     workers: int | None = None,
     chunk_bytes: int = 1 << 20,
@@ -365,6 +369,9 @@ def prepare(
         raise PrepareError(f"--out {out}: exists (--force replaces it)")
     tok = load_tokenizer(tokenizer)
     eos_token, eos_id = eos_of(tok, eos_token)
+    bos_id = None if bos_token is None else tok.token_to_id(bos_token)
+    if bos_token is not None and bos_id is None:
+        raise PrepareError(f"--bos {bos_token!r}: not a token of the tokenizer")
     vocab_size = tok.vocab_size
     dtype = token_dtype(vocab_size)
     files = list_inputs(inputs)
@@ -376,7 +383,14 @@ def prepare(
     try:
         writers = {split: SplitWriter(tmp, split, dtype, storage) for split in SPLITS}
         docs, empty = _tokenize(
-            files, chunk_bytes, workers, str(tokenizer), eos_id, field, vocab_size, heldout_fraction, writers, progress
+            files,
+            chunk_bytes,
+            workers,
+            (str(tokenizer), eos_id, field, bos_id),
+            vocab_size,
+            heldout_fraction,
+            writers,
+            progress,
         )
         splits = {split: w.close() for split, w in writers.items()}
         if splits["train"]["tokens"] == 0:
@@ -389,6 +403,8 @@ def prepare(
                 "vocab_size": vocab_size,
                 "eos_id": eos_id,
                 "eos_token": eos_token,
+                # (recorded only when set: an index without BOS keeps the fingerprint it had)
+                **({"bos_id": bos_id, "bos_token": bos_token} if bos_token is not None else {}),
                 "tokenizer": _tokenizer_record(tokenizer),
                 "heldout_fraction": heldout_fraction,
                 "documents": docs,
@@ -404,7 +420,7 @@ def prepare(
     return {**index, "seconds": time.perf_counter() - t0}
 
 
-def _tokenize(files, chunk_bytes, workers, tokenizer, eos_id, field, vocab_size, fraction, writers, show):
+def _tokenize(files, chunk_bytes, workers, worker_args, vocab_size, fraction, writers, show):
     """Encode every chunk in the pool and write the results in input order; (documents, empty ones)."""
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -421,14 +437,14 @@ def _tokenize(files, chunk_bytes, workers, tokenizer, eos_id, field, vocab_size,
         disable=not (show and console.is_terminal),
     )
     task = bar.add_task("tokenize", total=sum(f.stat().st_size for f in files), tokens=0)
-    chunks = plan_chunks(files, chunk_bytes, field)
+    chunks = plan_chunks(files, chunk_bytes, worker_args[2])
     docs = empty = tokens = 0
     # spawn: a worker starts clean (no copy of a parent's threads: rich's refresh, JAX in a benchmark)
     pool = ProcessPoolExecutor(
         workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(tokenizer, eos_id, field),
+        initargs=worker_args,  # (tokenizer, eos_id, field, bos_id)
     )
     pending: collections.deque = collections.deque()
     try:
@@ -493,6 +509,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the token after each document (default: {' or '.join(DEFAULT_EOS)}, the first the tokenizer has)",
     )
     p.add_argument(
+        "--bos",
+        default=None,
+        metavar="TOKEN",
+        help="a token before each document, e.g. '<|begin_of_text|>' (Llama 3), '<s>'; default: none",
+    )
+    p.add_argument(
         "--heldout-fraction",
         type=float,
         default=0.01,
@@ -535,6 +557,7 @@ def main(argv: list[str]) -> int:
             args.out,
             field=args.field,
             eos_token=args.eos_token,
+            bos_token=args.bos,
             heldout_fraction=args.heldout_fraction,
             workers=args.workers,
             chunk_bytes=max(1, int(args.chunk_mib * (1 << 20))),
