@@ -306,3 +306,40 @@ def test_init_from_a_converted_checkpoint_refuses_a_config_of_other_rope(change,
     with pytest.raises(checkpoint.InitCheckpointError, match="converted for another model") as e:
         checkpoint.load_init(ckpt, {"params": abstract_params(other)}, opt=False, model=other)
     assert says in str(e.value)
+
+
+def ref_greedy(W: dict, cfg: dict, prompt: list[int], n: int) -> list[int]:
+    """The reference's greedy decode: the whole sequence through `ref_logits` for each token."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(np.argmax(ref_logits(W, cfg, np.asarray(ids))[-1])))
+    return ids[len(prompt) :]
+
+
+def generated(capsys, *argv) -> list[int]:
+    assert ftjax(["generate", *argv]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ids"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_generate_greedy_from_a_converted_checkpoint_is_the_references_greedy(case, tmp_path, capsys):
+    """`ftjax generate` (KV cache, one position a step) emits the reference's greedy 32 tokens; top-k
+    1 sampling is greedy too, and sampling from the top 5 picks each token among the reference's 5
+    most likely at that point. (Untied: a random tied model only repeats its last token, whose own
+    embedding dominates the residual stream.)"""
+    cfg = hf_config(case) | {"tie_word_embeddings": False}
+    tensors = random_hf(cfg, seed=11)
+    write_hf(tmp_path / "hf", cfg, tensors)
+    ckpt = str(tmp_path / "ckpt")
+    assert ftjax(["convert", "hf", str(tmp_path / "hf"), "--out", ckpt]) == 0
+    capsys.readouterr()
+    prompt = [5, 17, 42, 3, 60]
+    ids = ",".join(map(str, prompt))
+    want = ref_greedy(tensors, cfg, prompt, 32)
+    assert len(set(want)) > 3  # (not one token repeated: the cache's positions matter)
+    assert generated(capsys, ckpt, "--prompt-ids", ids, "--max-new-tokens", "32") == want
+    top5 = ["--temperature", "1", "--top-k", "5"]
+    sampled = generated(capsys, ckpt, "--prompt-ids", ids, "--max-new-tokens", "8", *top5)
+    for i, token in enumerate(sampled):
+        likely = np.argsort(ref_logits(tensors, cfg, np.asarray(prompt + sampled[:i]))[-1])[-5:]
+        assert token in likely, (i, token, likely)
