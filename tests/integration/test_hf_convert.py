@@ -323,8 +323,8 @@ def generated(capsys, *argv) -> list[int]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_generate_greedy_from_a_converted_checkpoint_is_the_references_greedy(case, tmp_path, capsys):
-    """`ftjax generate` (KV cache, one position a step) emits the reference's greedy 32 tokens; top-k
-    1 sampling is greedy too, and sampling from the top 5 picks each token among the reference's 5
+    """`ftjax generate` (KV cache, one position a step) emits the reference's greedy 32 tokens, and
+    sampling from the top 5 picks each token among the reference's 5
     most likely at that point. (Untied: a random tied model only repeats its last token, whose own
     embedding dominates the residual stream.)"""
     cfg = hf_config(case) | {"tie_word_embeddings": False}
@@ -343,3 +343,32 @@ def test_generate_greedy_from_a_converted_checkpoint_is_the_references_greedy(ca
     for i, token in enumerate(sampled):
         likely = np.argsort(ref_logits(tensors, cfg, np.asarray(prompt + sampled[:i]))[-1])[-5:]
         assert token in likely, (i, token, likely)
+
+
+def test_ftjax_train_init_from_a_converted_checkpoint_starts_at_the_references_loss(tmp_path):
+    """`ftjax train <the written model> --init-from <converted>`: the first step's loss is the
+    reference model's mean next-token cross-entropy on that step's batch, to 1e-5 relative."""
+    from ftjax.cli.train import build_parser, parse_config, run_standalone
+    from ftjax.program.data import make_stream
+    from ftjax.runtime.metrics import read_metrics
+
+    cfg = hf_config("tied_gqa_llama3") | {"vocab_size": 256}  # (the built-in byte corpus' vocabulary)
+    tensors = random_hf(cfg, seed=7)
+    write_hf(tmp_path / "hf", cfg, tensors)
+    ckpt = tmp_path / "ckpt"
+    assert ftjax(["convert", "hf", str(tmp_path / "hf"), "--out", str(ckpt), "--seq-len", "32"]) == 0
+    model = yaml.safe_load((tmp_path / "ckpt.yaml").read_text())["model"]
+    run_cfg = {"steps": 1, "model": model, "data": {"source": "stdlib", "batch_size": 4}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run_cfg))
+    argv = [str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run"), "--init-from", str(ckpt)]
+    args = build_parser().parse_intermixed_args(argv)
+    run = parse_config(args)
+    assert run_standalone(run, args, tmp_path / "run") == 0
+    [first] = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] == 1]
+    batch = np.asarray(make_stream(run).batch(0))
+    losses = []
+    for row in batch:
+        logits = ref_logits(tensors, cfg, row[:-1])
+        logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        losses.append(logz - logits[np.arange(len(row) - 1), row[1:]])
+    assert first["loss"] == pytest.approx(float(np.mean(losses)), rel=1e-5)
