@@ -329,6 +329,17 @@ def load_tokenizer(path: str | Path) -> HFTokenizer | SentencePieceTokenizer:
     return HFTokenizer(path) if Path(path).suffix == ".json" else SentencePieceTokenizer(path)
 
 
+def bos_of(tokenizer, bos_token: str | None) -> dict:
+    """The index's record of `--bos`: {bos_id, bos_token}, or {} without it (recorded only when set:
+    an index without BOS keeps the fingerprint it had)."""
+    if bos_token is None:
+        return {}
+    bos_id = tokenizer.token_to_id(bos_token)
+    if bos_id is None:
+        raise PrepareError(f"--bos {bos_token!r}: not a token of the tokenizer")
+    return {"bos_id": bos_id, "bos_token": bos_token}
+
+
 def eos_of(tokenizer, eos_token: str | None) -> tuple[str, int]:
     """(EOS token, its id): `--eos-token`, else the first of DEFAULT_EOS the tokenizer has."""
     for token in [eos_token] if eos_token is not None else DEFAULT_EOS:
@@ -368,12 +379,8 @@ def prepare(
     if out.exists() and not force:
         raise PrepareError(f"--out {out}: exists (--force replaces it)")
     tok = load_tokenizer(tokenizer)
-    eos_token, eos_id = eos_of(tok, eos_token)
-    bos_id = None if bos_token is None else tok.token_to_id(bos_token)
-    if bos_token is not None and bos_id is None:
-        raise PrepareError(f"--bos {bos_token!r}: not a token of the tokenizer")
-    vocab_size = tok.vocab_size
-    dtype = token_dtype(vocab_size)
+    (eos_token, eos_id), bos = eos_of(tok, eos_token), bos_of(tok, bos_token)
+    vocab_size, dtype = tok.vocab_size, token_dtype(tok.vocab_size)
     files = list_inputs(inputs)
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
@@ -382,16 +389,8 @@ def prepare(
     tmp.mkdir(parents=True)
     try:
         writers = {split: SplitWriter(tmp, split, dtype, storage) for split in SPLITS}
-        docs, empty = _tokenize(
-            files,
-            chunk_bytes,
-            workers,
-            (str(tokenizer), eos_id, field, bos_id),
-            vocab_size,
-            heldout_fraction,
-            writers,
-            progress,
-        )
+        job = (str(tokenizer), eos_id, field, bos.get("bos_id"))
+        docs, empty = _tokenize(files, chunk_bytes, workers, job, vocab_size, heldout_fraction, writers, progress)
         splits = {split: w.close() for split, w in writers.items()}
         if splits["train"]["tokens"] == 0:
             raise PrepareError(f"no tokens in the train split ({docs} documents, {empty} empty)")
@@ -403,8 +402,7 @@ def prepare(
                 "vocab_size": vocab_size,
                 "eos_id": eos_id,
                 "eos_token": eos_token,
-                # (recorded only when set: an index without BOS keeps the fingerprint it had)
-                **({"bos_id": bos_id, "bos_token": bos_token} if bos_token is not None else {}),
+                **bos,
                 "tokenizer": _tokenizer_record(tokenizer),
                 "heldout_fraction": heldout_fraction,
                 "documents": docs,
