@@ -79,6 +79,8 @@ def to_hf(ckpt: Path, config: Path | None, out: Path) -> str:
 
 
 def main(argv: list[str]) -> int:
+    from safetensors import SafetensorError
+
     args = _parser().parse_args(argv)
     try:
         if args.direction == "hf":
@@ -87,7 +89,7 @@ def main(argv: list[str]) -> int:
             print(from_hf(Path(args.src), out, config_out, args.dtype, args.seq_len))
         else:
             print(to_hf(Path(args.ckpt), Path(args.config) if args.config else None, Path(args.out)))
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, SafetensorError) as e:  # (a truncated or foreign .safetensors file)
         print(f"ftjax convert: {e}", file=sys.stderr)
         return 2
     return 0

@@ -372,3 +372,14 @@ def test_ftjax_train_init_from_a_converted_checkpoint_starts_at_the_references_l
         logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
         losses.append(logz - logits[np.arange(len(row) - 1), row[1:]])
     assert first["loss"] == pytest.approx(float(np.mean(losses)), rel=1e-5)
+
+
+def test_a_truncated_safetensors_file_is_refused_in_one_line(tmp_path, capsys):
+    cfg = hf_config("tied_gqa_llama3")
+    write_hf(tmp_path / "hf", cfg, random_hf(cfg, seed=1))
+    [file] = (tmp_path / "hf").glob("*.safetensors")
+    file.write_bytes(file.read_bytes()[:1000])
+    assert ftjax(["convert", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ftjax convert: ") and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "ckpt").exists()
