@@ -32,6 +32,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RopeScaling(_Strict):
+    """`model.rope_scaling` (llama): how RoPE's frequencies are stretched for long contexts, as a Hugging
+    Face config.json's `rope_scaling` says it (docs/design.md, "The Llama model"). llama3: Llama 3.1/3.2's
+    (frequencies whose wavelength exceeds original_max_position_embeddings / low_freq_factor divided by
+    factor, those below original / high_freq_factor kept, those between interpolated); linear: all divided."""
+
+    rope_type: Literal["llama3", "linear"] = Field(description="llama3 (Llama 3.1, 3.2) or linear")
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(1.0, gt=0, description="llama3 only")
+    high_freq_factor: float = Field(4.0, gt=0, description="llama3 only")
+    original_max_position_embeddings: int = Field(8192, gt=0, description="llama3 only")
+
+    @model_validator(mode="after")
+    def _factors_ordered(self) -> RopeScaling:
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor ({self.low_freq_factor})"
+            )
+        return self
+
+
 class ModelConfig(_Strict):
     kind: Literal["gpt", "mlp", "llama"] = "gpt"
     vocab_size: int = Field(256, gt=0, description="byte-level tokens: 256")
@@ -47,6 +68,12 @@ class ModelConfig(_Strict):
     rope_theta: float = Field(10000.0, gt=0, description="llama: the base of the rotary position embedding")
     tie_embeddings: bool = Field(False, description="llama: the output projection is the input embedding's transpose")
     norm_eps: float = Field(1e-5, gt=0, description="llama: RMSNorm's epsilon")
+    head_dim: int | None = Field(
+        None, gt=0, description="llama: the size of an attention head (even); default d_model / n_heads"
+    )
+    rope_scaling: RopeScaling | None = Field(
+        None, description="llama: Llama 3's RoPE frequency scaling ({rope_type: llama3 | linear, factor, ...}); none"
+    )
     scan_layers: bool = Field(
         False,
         description="llama: the blocks' parameters stacked along a first axis (`layers/...`, not "
@@ -88,13 +115,14 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
-        if self.kind in ("gpt", "llama") and self.d_model % self.n_heads:
+        # (a llama with its own head_dim need not divide d_model: Hugging Face's Llama allows it)
+        if self.kind in ("gpt", "llama") and self.d_model % self.n_heads and self.head_dim is None:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.kind == "llama":
-            if (self.d_model // self.n_heads) % 2:
+            if self.head_size % 2:
+                what = "head_dim" if self.head_dim is not None else "d_model / n_heads"
                 raise ValueError(
-                    f"d_model / n_heads ({self.d_model // self.n_heads}, the head size) must be even "
-                    "(RoPE rotates pairs of a head's dimensions)"
+                    f"{what} ({self.head_size}, the head size) must be even (RoPE rotates pairs of a head's dimensions)"
                 )
             if self.n_heads % self.kv_heads:
                 raise ValueError(f"n_kv_heads ({self.kv_heads}) must divide n_heads ({self.n_heads})")
@@ -116,6 +144,8 @@ class ModelConfig(_Strict):
             "rope_theta",
             "tie_embeddings",
             "norm_eps",
+            "head_dim",
+            "rope_scaling",
             "scan_layers",
             "attention",
             "attention_chunk",
@@ -129,6 +159,11 @@ class ModelConfig(_Strict):
         if self.compute_dtype == "bfloat16":
             raise ValueError(f"compute_dtype: bfloat16 is for kind llama; the {self.kind} model computes in float32")
         return self
+
+    @property
+    def head_size(self) -> int:
+        """The size of an attention head: head_dim, else d_model / n_heads."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
 
     @property
     def kv_heads(self) -> int:

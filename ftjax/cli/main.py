@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("ftjax.cli.demo:main", "the flagship demo (what `make demo` runs)"),
     "data": ("ftjax.cli.prepare:main", "token files: `ftjax data prepare` tokenizes a corpus once (train, heldout)"),
     "check": ("ftjax.cli.check:main", "load a config's task and trace its loss on its first examples"),
+    "convert": ("ftjax.cli.convert:main", "Hugging Face Llama checkpoints in (`convert hf`) and out (`convert to-hf`)"),
+    "generate": ("ftjax.cli.generate:main", "what a Llama checkpoint writes after a prompt (greedy or sampled)"),
     "plan": ("ftjax.cli.plan:main", "a config's memory per device and FLOPs per token; whether it fits a device"),
 }
 

@@ -191,10 +191,13 @@ def _parquet_documents(chunk: Chunk, field: str) -> list[str]:
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_path: str, eos_id: int, field: str, piece_chars: int = 1 << 20) -> None:
+def _init_worker(
+    tokenizer_path: str, eos_id: int, field: str, bos_id: int | None = None, piece_chars: int = 1 << 20
+) -> None:
     # The workers are the parallelism: the tokenizer's own threads would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(tokenizer=load_tokenizer(tokenizer_path), eos_id=eos_id, field=field, piece_chars=piece_chars)
+    tokenizer = load_tokenizer(tokenizer_path)
+    _worker.update(tokenizer=tokenizer, eos_id=eos_id, field=field, bos_id=bos_id, piece_chars=piece_chars)
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -269,10 +272,13 @@ def _check_surrogates(text: str, path: str, where: int, field: str) -> None:
 
 
 def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, lengths) of a chunk: each document's ids followed by EOS, end to end (uint32), and
-    each document's length with its EOS (0 for an empty document, which is left out). A document
-    longer than a chunk is encoded in pieces (`text_pieces`), so that memory stays bounded."""
+    """(tokens, lengths) of a chunk: each document's ids followed by EOS (and with `--bos` preceded
+    by BOS), end to end (uint32), and each document's length with them (0 for an empty document,
+    which is left out). A document longer than a chunk is encoded in pieces (`text_pieces`), so that
+    memory stays bounded."""
     eos, limit, tokenizer = _worker["eos_id"], _worker["piece_chars"], _worker["tokenizer"]
+    bos = _worker.get("bos_id")
+    head = np.asarray([] if bos is None else [bos], np.uint32)
     texts = read_documents(chunk, _worker["field"])
     # No special tokens of the tokenizer's own (BOS, CLS): a document is its text, then EOS.
     short = [k for k, text in enumerate(texts) if len(text) <= limit]
@@ -285,8 +291,8 @@ def encode_chunk(chunk: Chunk) -> tuple[np.ndarray, np.ndarray]:
         else:  # (a piece's encoding dropped before the next: a tokenizer keeps ~100x its text)
             ids = np.concatenate([np.asarray(tokenizer.encode([p])[0], np.uint32) for p in text_pieces(text, limit)])
         if len(ids):
-            parts += [ids, np.asarray([eos], np.uint32)]
-            lengths[k] = len(ids) + 1
+            parts += [head, ids, np.asarray([eos], np.uint32)]
+            lengths[k] = len(head) + len(ids) + 1
     return (np.concatenate(parts) if parts else np.zeros(0, np.uint32)), lengths
 
 
@@ -373,6 +379,17 @@ def load_tokenizer(path: str | Path) -> HFTokenizer | SentencePieceTokenizer:
     return HFTokenizer(path) if Path(path).suffix == ".json" else SentencePieceTokenizer(path)
 
 
+def bos_of(tokenizer, bos_token: str | None) -> dict:
+    """The index's record of `--bos`: {bos_id, bos_token}, or {} without it (recorded only when set:
+    an index without BOS keeps the fingerprint it had)."""
+    if bos_token is None:
+        return {}
+    bos_id = tokenizer.token_to_id(bos_token)
+    if bos_id is None:
+        raise PrepareError(f"--bos {bos_token!r}: not a token of the tokenizer")
+    return {"bos_id": bos_id, "bos_token": bos_token}
+
+
 def eos_of(tokenizer, eos_token: str | None) -> tuple[str, int]:
     """(EOS token, its id): `--eos-token`, else the first of DEFAULT_EOS the tokenizer has."""
     for token in [eos_token] if eos_token is not None else DEFAULT_EOS:
@@ -396,6 +413,7 @@ def prepare(
     *,
     field: str = "text",
     eos_token: str | None = None,
+    bos_token: str | None = None,
     heldout_fraction: float = 0.01,
     workers: int | None = None,
     chunk_bytes: int = 1 << 20,
@@ -411,7 +429,7 @@ def prepare(
     if out.exists() and not force:
         raise PrepareError(f"--out {out}: exists (--force replaces it)")
     tok = load_tokenizer(tokenizer)
-    eos_token, eos_id = eos_of(tok, eos_token)
+    (eos_token, eos_id), bos = eos_of(tok, eos_token), bos_of(tok, bos_token)
     vocab_size, dtype = tok.vocab_size, token_dtype(tok.vocab_size)
     files = list_inputs(inputs)
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
@@ -421,9 +439,8 @@ def prepare(
     tmp.mkdir(parents=True)
     try:
         writers = {split: SplitWriter(tmp, split, dtype, storage) for split in SPLITS}
-        docs, empty = _tokenize(
-            files, chunk_bytes, workers, str(tokenizer), eos_id, field, vocab_size, heldout_fraction, writers, progress
-        )
+        job = (str(tokenizer), eos_id, field, bos.get("bos_id"), min(chunk_bytes, PIECE_CHARS))
+        docs, empty = _tokenize(files, chunk_bytes, workers, job, vocab_size, heldout_fraction, writers, progress)
         splits = {split: w.close() for split, w in writers.items()}
         if splits["train"]["tokens"] == 0:
             raise PrepareError(f"no tokens in the train split ({docs} documents, {empty} empty)")
@@ -435,6 +452,7 @@ def prepare(
                 "vocab_size": vocab_size,
                 "eos_id": eos_id,
                 "eos_token": eos_token,
+                **bos,
                 "tokenizer": _tokenizer_record(tokenizer),
                 "heldout_fraction": heldout_fraction,
                 "documents": docs,
@@ -451,7 +469,7 @@ def prepare(
     return {**index, "seconds": time.perf_counter() - t0}
 
 
-def _tokenize(files, chunk_bytes, workers, tokenizer, eos_id, field, vocab_size, fraction, writers, show):
+def _tokenize(files, chunk_bytes, workers, worker_args, vocab_size, fraction, writers, show):
     """Encode every chunk in the pool and write the results in input order; (documents, empty ones)."""
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -468,14 +486,14 @@ def _tokenize(files, chunk_bytes, workers, tokenizer, eos_id, field, vocab_size,
         disable=not (show and console.is_terminal),
     )
     task = bar.add_task("tokenize", total=sum(f.stat().st_size for f in files), tokens=0)
-    chunks = plan_chunks(files, chunk_bytes, field)
+    chunks = plan_chunks(files, chunk_bytes, worker_args[2])
     docs = empty = tokens = 0
     # spawn: a worker starts clean (no copy of a parent's threads: rich's refresh, JAX in a benchmark)
     pool = ProcessPoolExecutor(
         workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(tokenizer, eos_id, field, min(chunk_bytes, PIECE_CHARS)),
+        initargs=worker_args,  # (tokenizer, eos_id, field, bos_id, piece_chars)
     )
     pending: collections.deque = collections.deque()
     try:
@@ -577,6 +595,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the token after each document (default: {' or '.join(DEFAULT_EOS)}, the first the tokenizer has)",
     )
     p.add_argument(
+        "--bos",
+        default=None,
+        metavar="TOKEN",
+        help="a token before each document, e.g. '<|begin_of_text|>' (Llama 3), '<s>'; default: none",
+    )
+    p.add_argument(
         "--heldout-fraction",
         type=float,
         default=0.01,
@@ -619,6 +643,7 @@ def main(argv: list[str]) -> int:
             args.out,
             field=args.field,
             eos_token=args.eos_token,
+            bos_token=args.bos,
             heldout_fraction=args.heldout_fraction,
             workers=args.workers,
             chunk_bytes=max(1, int(args.chunk_mib * (1 << 20))),

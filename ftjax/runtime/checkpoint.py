@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -334,7 +335,7 @@ def recorded_identity(theirs: dict[str, Any], ours: dict[str, Any], locations: t
 # How the model is computed, not what: a job may change them between restarts, like its mesh.
 _HOW = ("model.compute_dtype", "model.remat", "model.attention", "model.attention_chunk", "model.logits_chunk")
 # Model fields added after checkpoints recorded their job's identity (the llama's).
-_LATER = ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps", "scan_layers")
+_LATER = ("n_kv_heads", "rope_theta", "tie_embeddings", "norm_eps", "scan_layers", "head_dim", "rope_scaling")
 
 
 class DurableCheckpoints:
@@ -545,7 +546,45 @@ def _differences(want: dict[str, str], have: dict[str, str]) -> list[str]:
     return rows
 
 
-def load_init(directory: str | Path, abstract_state: dict, *, opt: bool) -> dict:
+def _as_checkpoint_floats(params: Any, have: dict[str, str]) -> Any:
+    """`params` (abstract) with each float leaf's dtype the checkpoint's where that is another float
+    of the same shape (`have`: `_leaves` of {"params": the checkpoint's}): such a leaf is restored as
+    stored (a bfloat16 checkpoint reads half the bytes) and cast on the device afterwards."""
+
+    def one(path, a):
+        found = have.get(_leaf_name(("params", *path)))
+        if found is None or not jnp.issubdtype(a.dtype, jnp.floating):
+            return a
+        dtype, shape = found.split("[", 1)
+        if shape != f"{','.join(map(str, a.shape))}]" or not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            return a
+        return jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype), sharding=a.sharding)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _check_rope(path: Path, model: Any, where: str) -> None:
+    """A checkpoint of `ftjax convert hf` records the model settings it was converted with: a
+    config whose RoPE (theta, scaling, head size) differs would load the same weights as another
+    model, silently; InitCheckpointError names each setting that differs."""
+    from ftjax.program.convert import META
+
+    meta = path / META
+    if model is None or not meta.is_file():
+        return
+    recorded = type(model)(**json.loads(meta.read_text())["model"])
+    rows = [
+        f"  model.{k}: checkpoint {getattr(recorded, k)}, this config {getattr(model, k)}"
+        for k in ("rope_theta", "rope_scaling", "head_size", "norm_eps")
+        if getattr(recorded, k) != getattr(model, k)
+    ]
+    if rows:
+        raise InitCheckpointError(
+            f"{where} was converted for another model ({META}); these settings differ:\n" + "\n".join(rows)
+        )
+
+
+def load_init(directory: str | Path, abstract_state: dict, *, opt: bool, model: Any = None) -> dict:
     """{"params": ...} (with `opt`, and "opt": ...) of the orbax checkpoint in `directory`, placed
     with `abstract_state`'s shardings.
 
@@ -553,11 +592,15 @@ def load_init(directory: str | Path, abstract_state: dict, *, opt: bool) -> dict
     the parameter tree itself or a dict holding it under "params" (and the optimizer state under
     "opt"): an ftjax run's RUN/checkpoints/STEP/state is one (its other entries are not read). The
     checkpoint's metadata is compared with this model's trees before any array is read:
-    InitCheckpointError names every leaf missing, extra, or of another shape or dtype."""
+    InitCheckpointError names every leaf missing, extra, or of another shape or dtype. A parameter
+    stored in another float dtype (bfloat16, as released weights ship) is read as stored and cast to
+    this model's on the device. `model` (a ModelConfig) is checked against the settings a converted
+    checkpoint records (`_check_rope`)."""
     where = f"checkpoint.init_from {directory}"
     path = Path(directory).absolute()
     if not path.is_dir():
         raise InitCheckpointError(f"{where}: not a directory")
+    _check_rope(path, model, where)
     checkpointer = ocp.PyTreeCheckpointer()  # (reads what StandardCheckpointer wrote; restores part of it)
     found = checkpointer.metadata(path).item_metadata  # shapes and dtypes: no array is read
     if found is None:
@@ -581,6 +624,7 @@ def load_init(directory: str | Path, abstract_state: dict, *, opt: bool) -> dict
     want = {"params": params, **({"opt": abstract_state["opt"]} if opt else {})}
     if target is not None:  # (the optimizer's moments are parameter-shaped trees: converted alike)
         want = {k: _each_layers_tree(tree, target) for k, tree in want.items()}
+    want["params"] = _as_checkpoint_floats(want["params"], _leaves({"params": have["params"]}))
     rows = _differences(_leaves(want), _leaves({k: have[k] for k in want}))
     if rows:
         raise InitCheckpointError(
@@ -598,10 +642,21 @@ def load_init(directory: str | Path, abstract_state: dict, *, opt: bool) -> dict
         ),
     )  # (what else it holds, a step counter, an unwanted "opt", is not read)
     loaded = dict(restored) if wrapped else {"params": restored}
-    if convert is not None:  # stacked or unstacked where the arrays are, placed as this model's
-        for k in loaded:
-            shardings = jax.tree.map(lambda a: a.sharding, abstract_state[k])
-            loaded[k] = jax.jit(lambda t: _each_layers_tree(t, convert), out_shardings=shardings)(loaded[k])
+    return _placed(loaded, abstract_state, convert)
+
+
+def _placed(loaded: dict, abstract_state: dict, convert: Callable | None) -> dict:
+    """`loaded` as this model's: each tree in its layout of scan_layers (`convert`) and its leaves'
+    dtypes (a checkpoint's other float), converted where the arrays are, placed as `abstract_state`."""
+    for k in loaded:
+        ours = jax.tree.leaves(abstract_state[k])
+        if convert is None and all(x.dtype == a.dtype for x, a in zip(jax.tree.leaves(loaded[k]), ours)):
+            continue
+        shardings = jax.tree.map(lambda a: a.sharding, abstract_state[k])
+        dtypes = jax.tree.map(lambda a: a.dtype, abstract_state[k])
+        relaid = (lambda t: _each_layers_tree(t, convert)) if convert is not None else (lambda t: t)
+        cast = lambda t, dtypes=dtypes, relaid=relaid: jax.tree.map(lambda y, d: y.astype(d), relaid(t), dtypes)
+        loaded[k] = jax.jit(cast, out_shardings=shardings)(loaded[k])
     return loaded
 
 

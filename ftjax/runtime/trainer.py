@@ -496,7 +496,7 @@ class Trainer:
         the checkpoint `checkpoint.init_from`; the model state and step counter stay the seed's.
         InitCheckpointError (exit 2) if it is not of this model, before any array is read."""
         c = self.cfg.checkpoint
-        loaded = load_init(c.init_from, self.abstract, opt=c.init_opt)
+        loaded = load_init(c.init_from, self.abstract, opt=c.init_opt, model=self.cfg.model)
         # a fresh optimizer state is made for the loaded parameters: an optimizer's may depend on them
         opt = loaded["opt"] if "opt" in loaded else self.program.opt_init(loaded["params"])
         self.state = {**self.state, "params": loaded["params"], "opt": opt}

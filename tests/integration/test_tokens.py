@@ -123,6 +123,26 @@ def test_documents_end_with_eos_and_the_heldout_split_is_disjoint_by_document(co
     assert 10 <= len(held) <= 50  # about --heldout-fraction 0.1 of 300
 
 
+def test_prepare_with_bos_starts_every_document_with_it(corpus, prepared, tmp_path):
+    """`--bos TOKEN`: each document is BOS, its text, EOS (the rest the same bytes as without); the
+    index records it. A token the tokenizer lacks is refused by name, exit 2."""
+    token = corpus["tok"].id_to_token(3)  # (the test tokenizer has no <s>: any of its tokens will do)
+    bos = corpus["tok"].token_to_id(token)
+    done = prepare(corpus, tmp_path / "bos", "--bos", token, "--workers", "1")
+    assert done.returncode == 0, done.stderr
+    plain = split_documents(prepared[0], "train")
+    docs = split_documents(tmp_path / "bos", "train")
+    assert len(docs) == len(plain)
+    for doc, without in zip(docs, plain):
+        assert doc[0] == bos and doc[1:].tolist() == without.tolist()
+    index = json.loads((tmp_path / "bos" / "index.json").read_text())
+    assert index["bos_id"] == bos and index["bos_token"] == token
+    assert "bos_id" not in json.loads((prepared[0] / "index.json").read_text())
+    bad = prepare(corpus, tmp_path / "bad", "--bos", "<nope>")
+    assert bad.returncode == 2 and "--bos '<nope>': not a token of the tokenizer" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def test_token_windows_are_the_encoded_documents_in_fixed_windows(corpus, prepared):
     from ftjax.program.tokens import TokenWindows
 

@@ -18,6 +18,7 @@ from ftjax.program.models.llama import (
     LAYERS,
     apply_rope,
     chunked_attention,
+    rope_frequencies,
     rope_tables,
     segment_mask,
     stacked_layers,
@@ -77,6 +78,54 @@ def test_llama_3_shapes():
 
 
 @pytest.mark.parametrize(
+    "name, hf",
+    [
+        (
+            "llama_1b",  # meta-llama/Llama-3.2-1B's config.json
+            dict(vocab=128256, d=2048, layers=16, heads=32, kv=8, hd=64, ff=8192, factor=32.0, tied=True),
+        ),
+        (
+            "llama_8b",  # meta-llama/Llama-3.1-8B's config.json
+            dict(vocab=128256, d=4096, layers=32, heads=32, kv=8, hd=128, ff=14336, factor=8.0, tied=False),
+        ),
+    ],
+)
+def test_builtin_llama_3_configs_are_the_released_models(name, hf):
+    """Shapes, tying, epsilon and RoPE (theta 500000, llama3 scaling) of the released config.json:
+    a released checkpoint converted by `ftjax convert hf` loads as the same model, not another."""
+    m = load_config(name).model
+    got = (m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.head_size, m.d_ff, m.tie_embeddings)
+    assert got == tuple(hf[k] for k in ("vocab", "d", "layers", "heads", "kv", "hd", "ff", "tied"))
+    assert m.rope_theta == 500000.0 and m.norm_eps == 1e-5
+    rs = m.rope_scaling
+    assert (rs.rope_type, rs.factor, rs.low_freq_factor, rs.high_freq_factor) == ("llama3", hf["factor"], 1.0, 4.0)
+    assert rs.original_max_position_embeddings == 8192
+
+
+def test_llama3_rope_scaling_keeps_high_divides_low_and_interpolates_between():
+    """The three cases of transformers' `_compute_llama3_parameters`, at the 1B's settings, each
+    frequency against its case's closed form in float64."""
+    rs = load_config("llama_1b").model.rope_scaling.model_dump()
+    base = 1.0 / 500000.0 ** (np.arange(0, 64, 2) / 64)
+    got = np.asarray(rope_frequencies(64, 500000.0, rs), np.float64)
+    wavelen = 2 * np.pi / base
+    high, low = wavelen < 8192 / 4, wavelen > 8192 / 1
+    smooth = (8192 / wavelen - 1) / (4 - 1)
+    want = np.where(high, base, np.where(low, base / 32, (1 - smooth) * base / 32 + smooth * base))
+    assert high.sum() and low.sum() and (~high & ~low).sum()  # every case occurs at head_dim 64
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    linear = np.asarray(rope_frequencies(64, 500000.0, {"rope_type": "linear", "factor": 4.0}), np.float64)
+    np.testing.assert_allclose(linear, base / 4, rtol=1e-6)
+
+
+def test_a_head_dim_of_its_own_shapes_the_attention():
+    model = tiny_model(head_dim=24)  # d_model 64 / 4 heads would be 16
+    assert model.blocks[0].attn.wq.shape == (64, 4, 24) and model.blocks[0].attn.wo.shape == (4, 24, 64)
+    logits = jitted(model)(jnp.zeros((1, 8), jnp.int32), None)
+    assert logits.shape == (1, 8, 256) and np.isfinite(np.asarray(logits)).all()
+
+
+@pytest.mark.parametrize(
     "overrides, says",
     [
         (["model.kind=llama", "model.n_kv_heads=3"], "model: n_kv_heads (3) must divide n_heads (4)"),
@@ -95,6 +144,14 @@ def test_llama_3_shapes():
         (["model.kind=llama", "model.attention_chunk=64"], "model: attention_chunk (64) must divide seq_len (64)"),
         (["model.attention_chunk=16"], "model: attention_chunk: only for kind llama (kind is gpt)"),
         (["model.scan_layers=true"], "model: scan_layers: only for kind llama (kind is gpt)"),
+        (["model.kind=llama", "model.head_dim=9"], "model: head_dim (9, the head size) must be even"),
+        (["model.head_dim=16"], "model: head_dim: only for kind llama (kind is gpt)"),
+        (["model.rope_scaling={rope_type: linear, factor: 2}"], "model: rope_scaling: only for kind llama"),
+        (["model.kind=llama", "model.rope_scaling={rope_type: yarn, factor: 2}"], "model.rope_scaling.rope_type"),
+        (
+            ["model.kind=llama", "model.rope_scaling={rope_type: llama3, factor: 8, high_freq_factor: 1}"],
+            "high_freq_factor (1.0) must exceed low_freq_factor (1.0)",
+        ),
         (
             ["model.kind=llama", "model.attention=cudnn", "model.attention_chunk=16"],
             "model: attention_chunk: only for attention xla or auto",

@@ -56,7 +56,7 @@ def build(cfg, rngs):
     if cfg.kind == "gpt":
         return GPT(shape, seq_len=cfg.seq_len, remat=cfg.remat, rngs=rngs)
     dtype = compute_dtype(cfg.compute_dtype)
-    attention = attention_impl(cfg.attention, dtype, cfg.d_model // cfg.n_heads)
+    attention = attention_impl(cfg.attention, dtype, cfg.head_size)
     if cfg.attention_chunk and attention == "cudnn":  # (attention: cudnn with a chunk is refused by the config)
         import warnings
 
@@ -71,6 +71,8 @@ def build(cfg, rngs):
         rope_theta=cfg.rope_theta,
         tie_embeddings=cfg.tie_embeddings,
         norm_eps=cfg.norm_eps,
+        head_dim=cfg.head_size,
+        rope_scaling=None if cfg.rope_scaling is None else cfg.rope_scaling.model_dump(),
         compute_dtype=dtype,
         attention=attention,
         remat=cfg.remat,

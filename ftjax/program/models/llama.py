@@ -75,10 +75,37 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...]).astype(dtype)
 
 
-def rope_tables(length: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [length, head_dim / 2] of RoPE's angles: position x theta^(-2i / head_dim)."""
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
+    """RoPE's inverse frequencies [head_dim / 2], float32: theta^(-2i / head_dim), stretched by
+    `scaling` (`model.rope_scaling`, a dict of its fields) as Hugging Face's Llama computes them
+    (transformers' modeling_rope_utils: `_compute_linear_scaling_rope_parameters`,
+    `_compute_llama3_parameters`), in float32 as there, so converted checkpoints see the same angles."""
     freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim)
-    angle = jnp.arange(length, dtype=F32)[:, None] * freq[None, :]
+    if scaling is None:
+        return freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return freq / factor
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * jnp.pi / freq
+    # long wavelengths (beyond the original context / low) slowed by factor, short ones (below
+    # original / high) kept, those between interpolated linearly in original / wavelength
+    scaled = jnp.where(wavelen > old / low, freq / factor, freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(
+    length: int, head_dim: int, theta: float, scaling: dict | None = None, positions: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [length, head_dim / 2] (or [B, T, head_dim / 2] of `positions` [B, T]) of RoPE's
+    angles: position x `rope_frequencies`."""
+    freq = rope_frequencies(head_dim, theta, scaling)
+    pos = jnp.arange(length, dtype=F32) if positions is None else positions.astype(F32)
+    angle = pos[..., None] * freq
     return jnp.cos(angle), jnp.sin(angle)
 
 
@@ -86,7 +113,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [B, T, heads, head_dim] rotated by position, in float32: the head's first half paired
     with its second half (the rotate-half layout)."""
     x1, x2 = jnp.split(x.astype(F32), 2, axis=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]  # (broadcast over heads: [T, 1, hd/2] or [B, T, 1, hd/2])
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
@@ -99,8 +126,8 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
 
-    def __init__(self, d: int, n_heads: int, n_kv_heads: int, n_layers: int, rngs: nnx.Rngs):
-        hd = d // n_heads
+    def __init__(self, d: int, n_heads: int, n_kv_heads: int, n_layers: int, rngs: nnx.Rngs, hd: int = 0):
+        hd = hd or d // n_heads
         self.wq = _param(rngs, (d, n_heads, hd), ("embed", "heads", "head_dim"))
         self.wk = _param(rngs, (d, n_kv_heads, hd), ("embed", "kv_heads", "head_dim"))
         self.wv = _param(rngs, (d, n_kv_heads, hd), ("embed", "kv_heads", "head_dim"))
@@ -151,9 +178,11 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, d: int, n_heads: int, n_kv_heads: int, d_ff: int, n_layers: int, eps: float, rngs: nnx.Rngs):
+    def __init__(
+        self, d: int, n_heads: int, n_kv_heads: int, d_ff: int, n_layers: int, eps: float, rngs: nnx.Rngs, hd: int = 0
+    ):
         self.attn_norm = RMSNorm(d, eps, rngs)
-        self.attn = Attention(d, n_heads, n_kv_heads, n_layers, rngs)
+        self.attn = Attention(d, n_heads, n_kv_heads, n_layers, rngs, hd)
         self.mlp_norm = RMSNorm(d, eps, rngs)
         self.mlp = SwiGLU(d, d_ff, n_layers, rngs)
 
@@ -230,6 +259,8 @@ class Llama(nnx.Module):
         rope_theta: float = 10000.0,
         tie_embeddings: bool = False,
         norm_eps: float = 1e-5,
+        head_dim: int | None = None,
+        rope_scaling: dict | None = None,
         compute_dtype=F32,
         attention: str = "xla",
         remat: str = "none",
@@ -239,13 +270,16 @@ class Llama(nnx.Module):
         rngs: nnx.Rngs,
     ):
         d, kv_heads = shape.d_model, n_kv_heads or shape.n_heads
-        self.head_dim, self.rope_theta = d // shape.n_heads, rope_theta
+        self.head_dim, self.rope_theta = head_dim or d // shape.n_heads, rope_theta
+        # (a tuple of items, not a dict: NNX keeps a module's plain attributes as static, hashable data)
+        self.rope_scaling = None if rope_scaling is None else tuple(sorted(rope_scaling.items()))
         self.compute_dtype, self.remat, self.attention = jnp.dtype(compute_dtype), remat, attention
         self.logits_chunk = logits_chunk  # positions whose logits the loss computes at once; 0: all
         self.attention_chunk = attention_chunk  # query positions XLA's attention takes at once; 0: all
         self.embed = _param(rngs, (shape.vocab_size, d), ("vocab", "embed"))
         blocks = [
-            Block(d, shape.n_heads, kv_heads, shape.d_ff, shape.n_layers, norm_eps, rngs) for _ in range(shape.n_layers)
+            Block(d, shape.n_heads, kv_heads, shape.d_ff, shape.n_layers, norm_eps, rngs, self.head_dim)
+            for _ in range(shape.n_layers)
         ]
         # unrolled: `blocks/<i>/...`, a leaf per layer; scanned: `layers/...`, stacked (stack_blocks)
         self.blocks = None if scan_layers else nnx.List(blocks)
@@ -253,12 +287,21 @@ class Llama(nnx.Module):
         self.norm = RMSNorm(d, norm_eps, rngs)
         self.head = None if tie_embeddings else _param(rngs, (d, shape.vocab_size), ("embed", "vocab"))
 
-    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        """tokens (batch, time) int32, segment_ids (batch, time) int or None -> logits (batch, time,
-        vocab) float32."""
-        return self.logits(self.features(tokens, segment_ids))
+    def __call__(
+        self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
+        """tokens (batch, time) int32, segment_ids (batch, time) int or None, positions (batch, time)
+        int or None (0, 1, ...) -> logits (batch, time, vocab) float32."""
+        return self.logits(self.features(tokens, segment_ids, positions))
 
-    def features(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def rope(self, length: int, positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """cos, sin of RoPE for positions 0..length-1 (or `positions` [B, T])."""
+        scaling = None if self.rope_scaling is None else dict(self.rope_scaling)
+        return rope_tables(length, self.head_dim, self.rope_theta, scaling, positions)
+
+    def features(
+        self, tokens: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
         """What the output projection reads: the final RMSNorm's output (batch, time, d_model) in the
         compute dtype. `logits` of any slice of its positions are those positions' logits, which is
         what lets the loss compute them a chunk at a time (`model.logits_chunk`)."""
@@ -266,7 +309,7 @@ class Llama(nnx.Module):
         # the residual stream is split by rows like the batch (constrain_rows): left to itself, XLA
         # splits it along the width like the `embed`-sharded parameters (docs/design.md, "Rows")
         x = constrain_rows(jnp.take(self.embed[...], tokens, axis=0))  # float32 rows of the master embedding
-        cos, sin = rope_tables(tokens.shape[1], self.head_dim, self.rope_theta)
+        cos, sin = self.rope(tokens.shape[1], positions)
         mask = None if segment_ids is None else segment_mask(segment_ids)
         if self.layers is not None:
             x = scan_blocks(self.layers, x, cos, sin, mask, self.remat, dtype, self.attention, self.attention_chunk)
