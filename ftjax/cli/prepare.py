@@ -430,8 +430,7 @@ def prepare(
         raise PrepareError(f"--out {out}: exists (--force replaces it)")
     tok = load_tokenizer(tokenizer)
     (eos_token, eos_id), bos = eos_of(tok, eos_token), bos_of(tok, bos_token)
-    vocab_size, dtype = tok.vocab_size, token_dtype(tok.vocab_size)
-    files = list_inputs(inputs)
+    vocab_size, dtype, files = tok.vocab_size, token_dtype(tok.vocab_size), list_inputs(inputs)
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     lock = _claim(out, force)  # (held to the rename: a second run into `out` is refused, not interleaved)
