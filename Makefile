@@ -38,10 +38,10 @@ slurm-test: venv
 
 # The docs site (mkdocs.yml): built into site/ with --strict (a broken link fails it); served on localhost:8000.
 docs: venv
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 docs-serve: venv
-	$(VENV)/bin/mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 proto: venv
 	$(VENV)/bin/python scripts/gen_proto.py

@@ -102,14 +102,31 @@ def config_markdown() -> str:
     lines = []
     for f in config_fields():
         if f.section:
-            lines += ["", f"### `{f.name}`", "", f.description, "", "| field | type | default | constraints | what it does |"]
+            lines += [
+                "",
+                f"### `{f.name}`",
+                "",
+                f.description,
+                "",
+                "| field | type | default | constraints | what it does |",
+            ]
             lines += ["|---|---|---|---|---|"]
             continue
         if "." not in f.name and not lines:
-            lines += ["### top level", "", "| field | type | default | constraints | what it does |", "|---|---|---|---|---|"]
-        lines.append(
-            f"| `{f.name}` | `{_cell(f.type)}` | `{_cell(f.default)}` | {_cell(f.constraints)} | {_cell(f.description)} |"
+            lines += [
+                "### top level",
+                "",
+                "| field | type | default | constraints | what it does |",
+                "|---|---|---|---|---|",
+            ]
+        cells = (
+            f"`{f.name}`",
+            f"`{_cell(f.type)}`",
+            f"`{_cell(f.default)}`",
+            _cell(f.constraints),
+            _cell(f.description),
         )
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -187,12 +204,20 @@ def cli_markdown() -> str:
     from ftjax.cli.main import COMMANDS
 
     lines = ["| command | what it does |", "|---|---|"]
-    lines += [f"| [`ftjax {n}`](#ftjax-{n}) | {_cell(h)} |" for n, (_, h) in COMMANDS.items()]
-    for name, parser in cli_parsers().items():
+    parsers = cli_parsers()
+    for n, (_, h) in COMMANDS.items():
+        first = next(name for name in parsers if name == n or name.startswith(n + " "))
+        lines.append(f"| [`ftjax {n}`](#ftjax-{first.replace(' ', '-')}) | {_cell(h)} |")
+    for name, parser in parsers.items():
         lines += ["", f"### `ftjax {name}`", ""]
         if parser.description:
             lines += [" ".join(parser.description.split()), ""]
-        lines += [f"```\n{parser.format_usage().strip()}\n```", "", "| argument | default | what it does |", "|---|---|---|"]
+        lines += [
+            f"```\n{parser.format_usage().strip()}\n```",
+            "",
+            "| argument | default | what it does |",
+            "|---|---|---|",
+        ]
         for a in cli_flags(parser):
             default = "" if a.default in (None, argparse.SUPPRESS, False) or a.nargs == 0 else f"`{a.default!r}`"
             lines.append(f"| {_flag_names(a)} | {_cell(default)} | {_cell(' '.join((a.help or '').split()))} |")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+
 from ftjax.base.env import limited_env
 
 ROOT = Path(REPO)
@@ -28,6 +29,7 @@ def test_the_docs_site_builds_strict(tmp_path):
     done = subprocess.run(
         [mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=REPO,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
         capture_output=True,
         text=True,
         timeout=240,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,13 @@ ROOT = Path(REPO)
 
 
 def reference():
-    spec = importlib.util.spec_from_file_location("docs_reference", ROOT / "scripts" / "docs_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """scripts/docs_reference.py, the mkdocs hook that writes the references (not a package module)."""
+    if "docs_reference" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("docs_reference", ROOT / "scripts" / "docs_reference.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["docs_reference"] = module  # (its dataclass looks its module up there)
+        spec.loader.exec_module(module)
+    return sys.modules["docs_reference"]
 
 
 def test_every_config_field_has_a_description():
