@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit lint slurm-test clean proto
+.PHONY: venv demo test test-unit lint docs docs-serve slurm-test clean proto
 
 venv: $(STAMP)
 
@@ -36,8 +36,15 @@ slurm-test: venv
 	bash scripts/local_slurm.sh up && FTJAX_SLURM_TEST=1 $(VENV)/bin/python -m pytest -q tests/cluster/test_slurm.py; \
 	  code=$$?; bash scripts/local_slurm.sh down; exit $$code
 
+# The docs site (mkdocs.yml): built into site/ with --strict (a broken link fails it); served on localhost:8000.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
 proto: venv
 	$(VENV)/bin/python scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) runs build site *.egg-info

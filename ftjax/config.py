@@ -39,7 +39,7 @@ class RopeScaling(_Strict):
     factor, those below original / high_freq_factor kept, those between interpolated); linear: all divided."""
 
     rope_type: Literal["llama3", "linear"] = Field(description="llama3 (Llama 3.1, 3.2) or linear")
-    factor: float = Field(gt=0)
+    factor: float = Field(gt=0, description="the factor the frequencies (or positions) are divided by")
     low_freq_factor: float = Field(1.0, gt=0, description="llama3 only")
     high_freq_factor: float = Field(4.0, gt=0, description="llama3 only")
     original_max_position_embeddings: int = Field(8192, gt=0, description="llama3 only")
@@ -54,13 +54,16 @@ class RopeScaling(_Strict):
 
 
 class ModelConfig(_Strict):
-    kind: Literal["gpt", "mlp", "llama"] = "gpt"
+    kind: Literal["gpt", "mlp", "llama"] = Field(
+        "gpt",
+        description="the built-in model: gpt (learned positions, GELU), llama (RoPE, SwiGLU, RMSNorm, GQA) or mlp",
+    )
     vocab_size: int = Field(256, gt=0, description="byte-level tokens: 256")
-    d_model: int = Field(64, gt=0)
-    n_layers: int = Field(2, gt=0)
-    n_heads: int = Field(4, gt=0)
-    d_ff: int = Field(256, gt=0)
-    seq_len: int = Field(64, gt=1)
+    d_model: int = Field(64, gt=0, description="the width of the residual stream")
+    n_layers: int = Field(2, gt=0, description="transformer blocks")
+    n_heads: int = Field(4, gt=0, description="attention (query) heads; must divide d_model")
+    d_ff: int = Field(256, gt=0, description="the hidden width of each block's MLP")
+    seq_len: int = Field(64, gt=1, description="tokens per training sequence (the context length)")
     # llama only (docs/design.md, "The Llama model")
     n_kv_heads: int | None = Field(
         None, gt=0, description="llama: key/value heads of grouped-query attention, dividing n_heads; default n_heads"
@@ -172,7 +175,11 @@ class ModelConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    source: Literal["stdlib", "synthetic"] = "stdlib"
+    source: Literal["stdlib", "synthetic"] = Field(
+        "stdlib",
+        description="the built-in language model's data: stdlib (byte windows of the Python standard library's "
+        "sources, deterministic and fingerprinted) or synthetic (random tokens, for benchmarks)",
+    )
     batch_size: int = Field(8, gt=0, description="sequences per step, per replica")
     micro_batches: int = Field(
         1,
@@ -243,21 +250,21 @@ class MeshConfig(_Strict):
 
 
 class OptimConfig(_Strict):
-    lr: float = Field(3e-3, gt=0)
-    warmup_steps: int = Field(10, ge=0)
+    lr: float = Field(3e-3, gt=0, description="AdamW's peak learning rate (after warmup)")
+    warmup_steps: int = Field(10, ge=0, description="linear warmup from 0 to lr over this many steps")
     decay_steps: int | None = Field(None, gt=0, description="cosine decay length; default: steps")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    b1: float = Field(0.9, ge=0, lt=1)
-    b2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
-    clip_norm: float = Field(1.0, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine decay ends at lr x this")
+    b1: float = Field(0.9, ge=0, lt=1, description="AdamW's first-moment decay")
+    b2: float = Field(0.95, ge=0, lt=1, description="AdamW's second-moment decay")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled weight decay")
+    clip_norm: float = Field(1.0, gt=0, description="the update's global norm is clipped to this (a fixed-order sum)")
 
 
 class CheckpointConfig(_Strict):
     every: int = Field(0, ge=0, description="save a durable checkpoint every N steps (0: never)")
-    keep: int = Field(3, gt=0)
-    async_save: bool = True
+    keep: int = Field(3, gt=0, description="durable checkpoints kept; older ones are deleted")
+    async_save: bool = Field(True, description="save in the background while training goes on (orbax's async save)")
     dir: str | None = Field(None, description="default: RUN_DIR/checkpoints; a job's replica R saves to DIR/replica-R")
     init_from: str | None = Field(
         None,
@@ -455,7 +462,9 @@ class FTConfig(_Strict):
         description="FTAR links between replicas on one host carry payloads "
         "through /dev/shm (frame headers stay on TCP)",
     )
-    quorum_timeout_s: float = Field(120.0, gt=0)
+    quorum_timeout_s: float = Field(
+        120.0, gt=0, description="a replica whose coordinator gives it no quorum this long leaves with an error"
+    )
     progress_timeout_s: float = Field(
         10.0,
         gt=0,
@@ -551,24 +560,48 @@ class NetConfig(_Strict):
 
 
 class Config(_Strict):
-    seed: int = 0
-    steps: int = Field(30, gt=0)
+    seed: int = Field(0, description="the seed of the initial parameters and of the data order")
+    steps: int = Field(30, gt=0, description="steps to train (with diloco: outer rounds, after sync_warmup_steps)")
     platform: Literal["auto", "cpu", "gpu", "tpu"] = Field(
         "auto",
         description="auto: what JAX finds; cpu: CPU with mesh.devices_per_host simulated devices; "
         "gpu, tpu: fail unless JAX finds one",
     )
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    mesh: MeshConfig = MeshConfig()
-    optim: OptimConfig = OptimConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    coordinator: CoordinatorConfig = CoordinatorConfig()
-    ft: FTConfig = FTConfig()
-    net: NetConfig = NetConfig()
-    hardware: HardwareConfig = HardwareConfig()
-    eval: EvalConfig = EvalConfig()
-    log: LogConfig = LogConfig()
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="the built-in model (a task's own model ignores it)"
+    )
+    data: DataConfig = Field(
+        default_factory=DataConfig,
+        description="the batch: its size per replica, micro-batches, the built-in data source",
+    )
+    mesh: MeshConfig = Field(
+        default_factory=MeshConfig,
+        description="the devices of one replica: hosts, devices per host, tensor parallelism",
+    )
+    optim: OptimConfig = Field(
+        default_factory=OptimConfig,
+        description="the optimizer: AdamW with warmup and cosine decay, global-norm clipping",
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="durable checkpoints and the weights a run starts from"
+    )
+    coordinator: CoordinatorConfig = Field(
+        default_factory=CoordinatorConfig, description="the coordinator's timeouts and quorum size"
+    )
+    ft: FTConfig = Field(
+        default_factory=FTConfig,
+        description="fault tolerance: the job's replicas, the gradient average, sync modes, timeouts",
+    )
+    net: NetConfig = Field(
+        default_factory=NetConfig, description="where a process's listeners bind and the address its peers dial"
+    )
+    hardware: HardwareConfig = Field(
+        default_factory=HardwareConfig, description="what ftjax cannot ask JAX: the devices' peak FLOP/s"
+    )
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
+    log: LogConfig = Field(
+        default_factory=LogConfig, description="where records go besides metrics.jsonl: TensorBoard, W&B"
+    )
     task: str | None = Field(
         None,
         description="what to train: 'package.module:factory', called as factory(cfg, "

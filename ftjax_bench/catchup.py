@@ -185,8 +185,8 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "--serve":
         return _serve(argv[1:])
     p = common.parser("catchup", __doc__, config_default=None)
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("overrides", nargs="*", help="config overrides, key.sub=value")
+    p.add_argument("--rounds", type=int, default=3, help="transfers timed; the JSON has their medians")
     args = p.parse_intermixed_args(argv)
     cfg = common.load("catchup", args.config, args.overrides)
     if cfg is None:

@@ -20,9 +20,9 @@ def parser(name: str, doc: str | None, config_default: str | None = "tiny") -> a
         prog=f"ftjax bench {name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     if config_default is None:
-        p.add_argument("config")
+        p.add_argument("config", help="a config file or a built-in config's name")
     else:
-        p.add_argument("config", nargs="?", default=config_default)
+        p.add_argument("config", nargs="?", default=config_default, help="a config file or a built-in config's name")
     return p
 
 

@@ -67,7 +67,7 @@ _FIRST_STEP = 100_000
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ftjax bench coordinator", description=__doc__.splitlines()[0])
-    p.add_argument("--replicas", type=int, default=100)
+    p.add_argument("--replicas", type=int, default=100, help="simulated replicas asking for each quorum")
     p.add_argument("--steps", type=int, default=22, help="quorums per replica, of which the first 2 are warm-up")
     p.add_argument("--step-ms", type=float, default=250.0, help="simulated compute between two quorums")
     p.add_argument(
@@ -76,9 +76,9 @@ def _parser() -> argparse.ArgumentParser:
         default=1000.0,
         help="per replica (1 s: a thousand heartbeats a second for a thousand replicas)",
     )
-    p.add_argument("--heartbeat-timeout-ms", type=int, default=10_000)
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=10_000, help="the coordinator's heartbeat timeout")
     p.add_argument("--procs", type=int, default=2, help="worker processes simulating the replicas")
-    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--timeout-s", type=float, default=120.0, help="limit for the whole run")
     p.add_argument(
         "--grpc-experiments",
         default=FAST_GRPC_EXPERIMENTS,

@@ -92,17 +92,17 @@ def step_rate(config: str, overrides: list[str], devices: int, out: Path, warmup
 
 def main(argv: list[str]) -> int:
     p = common.parser("data", __doc__)
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", help="config overrides, key.sub=value")
     p.add_argument("--mib", type=float, default=16.0, help="generated text to prepare, MiB (16)")
     p.add_argument("--vocab", type=int, default=4096, help="the BPE tokenizer's vocabulary (4096)")
     p.add_argument("--workers", type=int, default=None, help="prepare's processes (default: every core)")
     p.add_argument("--batches", type=int, default=200, help="loader batches timed (200)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="training steps timed")
+    p.add_argument("--warmup", type=int, default=3, help="steps before timing (compile, caches)")
     p.add_argument(
         "--out", default=None, help="keep the corpus, token files and run here (default: a temporary directory)"
     )
-    p.add_argument("--timeout", type=float, default=540.0)
+    p.add_argument("--timeout", type=float, default=540.0, help="seconds, limit for each run")
     args = p.parse_intermixed_args(argv)
     if args.steps <= args.warmup + 1:
         p.error("--steps must exceed --warmup + 1")

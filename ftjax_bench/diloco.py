@@ -69,16 +69,21 @@ def _figures(records: list[list[dict]], warmup: int, replicas: int, param_bytes:
 
 def main(argv: list[str]) -> int:
     p = common.parser("diloco", __doc__, config_default="llama_tiny")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("overrides", nargs="*", help="config overrides, key.sub=value")
+    p.add_argument("--replicas", type=int, default=2, help="replicas in each job")
     p.add_argument("--steps", type=int, default=200, help="inner steps of each job (every-step: its steps)")
     p.add_argument("--inner", type=int, default=20, help="DiLoCo's inner steps per round (ft.inner_steps)")
-    p.add_argument("--sync", choices=["diloco", "streaming_diloco"], default="diloco")
+    p.add_argument(
+        "--sync",
+        choices=["diloco", "streaming_diloco"],
+        default="diloco",
+        help="the DiLoCo mode against every-step sync",
+    )
     p.add_argument("--fragments", type=int, default=4, help="streaming_diloco's fragments")
     p.add_argument("--warmup", type=int, default=1, help="steps (rounds) of each job not timed (compiles)")
     p.add_argument("--virtual-cluster", action="store_true", help="each replica on a virtual host of its own")
     p.add_argument("--bandwidth-mbit", type=float, default=100.0, help="with --virtual-cluster: every link's cap")
-    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--timeout", type=float, default=900, help="seconds, limit for each job")
     p.add_argument("--out", default=None, help="keep the runs here")
     a = p.parse_args(argv)
     per_round = a.inner // (a.fragments if a.sync == "streaming_diloco" else 1)

@@ -51,7 +51,7 @@ def _medians(run: Path, replicas: int, skip: int, field: str) -> tuple[float, fl
 def main(argv: list[str]) -> int:
     p = common.parser("outage", __doc__)
     p.add_argument("overrides", nargs="*", help=f"config overrides (default: {' '.join(DEFAULT_OVERRIDES)})")
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=2, help="replicas in the job; one is killed and not restarted")
     p.add_argument("--kill-at", type=int, default=20, help="step at which the last replica dies (20)")
     args = p.parse_intermixed_args(argv)
     if args.replicas < 2:

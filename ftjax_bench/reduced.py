@@ -54,13 +54,13 @@ def run(config: str, overrides: list[str], out: Path, live: int | None, timeout:
 
 def main(argv: list[str]) -> int:
     p = common.parser("reduced", __doc__)
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("overrides", nargs="*", help="config overrides, key.sub=value")
     p.add_argument("--hosts", type=int, default=2, help="hosts of the full replica (2)")
     p.add_argument("--live", type=int, default=None, help="hosts of the reduced one (default: hosts / 2)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30, help="steps timed")
+    p.add_argument("--warmup", type=int, default=5, help="steps before timing")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
-    p.add_argument("--timeout", type=float, default=540.0)
+    p.add_argument("--timeout", type=float, default=540.0, help="seconds, limit for each run")
     args = p.parse_intermixed_args(argv)
     live = args.live if args.live is not None else args.hosts // 2
     if args.steps <= args.warmup + 3:

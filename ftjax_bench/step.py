@@ -181,11 +181,11 @@ def run_standalone(config: str, overrides: list[str], devices: int, out: Path, t
 
 def main(argv: list[str]) -> int:
     p = common.parser("step", __doc__, config_default=None)
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("overrides", nargs="*", help="config overrides, key.sub=value")
+    p.add_argument("--steps", type=int, default=12, help="steps timed")
+    p.add_argument("--warmup", type=int, default=3, help="steps before timing (compile, caches)")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
-    p.add_argument("--timeout", type=float, default=540.0)
+    p.add_argument("--timeout", type=float, default=540.0, help="seconds, limit for each run")
     p.add_argument("--no-sync", action="store_true", help="skip the synchronous HSDP baseline (b)")
     p.add_argument("--no-serial", action="store_true", help="skip (d), the serial gradient path")
     p.add_argument(

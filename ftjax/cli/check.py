@@ -19,8 +19,8 @@ def main(argv: list[str]) -> int:
     from ftjax.program.tasks import check_task
 
     p = argparse.ArgumentParser(prog="ftjax check", description=__doc__)
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("config", help="a config file or a built-in config's name")
+    p.add_argument("overrides", nargs="*", help="config overrides, key.sub=value")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)

@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
         prog="ftjax demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", default="runs/demo", help="run directory (an earlier demo there is replaced)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=300, help="steps of the demo job")
     p.add_argument("--kill-step", type=int, default=20, help="the step in whose FTAR replica 1 dies")
     args = p.parse_args(argv)
     if not 1 <= args.kill_step <= args.steps:

@@ -20,10 +20,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="the prompt's text (needs --tokenizer)")
     p.add_argument("--prompt-ids", help="the prompt as token ids, comma-separated")
     p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json or SentencePiece model, to encode and decode")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate after the prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0: all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the sampling key's seed (with --temperature > 0)")
     return p
 
 

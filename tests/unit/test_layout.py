@@ -1,5 +1,5 @@
-"""The package's shape (issue 31; README "Layout", docs/design.md "Package layers"): imports run
-down the layers, the runtime's types come without gRPC, functions stay short, the README names
+"""The package's shape (issue 31; docs/dev/layout.md, docs/design.md "Package layers"): imports run
+down the layers, the runtime's types come without gRPC, functions stay short, docs/dev/layout.md names
 every module, and ruff finds nothing."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def imported(module: str, path: Path) -> list[tuple[int, str]]:
 
 def test_every_module_sits_in_a_layer():
     strays = sorted({unit_of(m) for m in modules()} - set(RANK))
-    assert not strays, f"place {strays} in a layer (LAYERS here, README 'Layout', docs/design.md 'Package layers')"
+    assert not strays, f"place {strays} in a layer (LAYERS here, docs/dev/layout.md)"
 
 
 def test_imports_run_down_the_layers():
@@ -139,13 +139,11 @@ def test_no_function_is_longer_than_60_lines():
 
 
 def layout_block() -> str:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
-    return section.split("```", 2)[1]
+    return (ROOT / "docs" / "dev" / "layout.md").read_text().split("```", 2)[1]
 
 
-def test_the_readme_layout_names_every_module():
-    """Each module of the package has its line in the README's Layout, under its package."""
+def test_the_layout_page_names_every_module():
+    """Each module of the package has its line in docs/dev/layout.md, under its package."""
     named, package = set(), None
     for line in layout_block().splitlines():
         top = re.match(r"^(ftjax/[\w/]*?)(\w+\.\w+)?\s", line + " ")
@@ -162,9 +160,9 @@ def test_the_readme_layout_names_every_module():
         for p in PACKAGE.rglob("*.py")
         if p.name not in GENERATED and (p.name != "__init__.py" or p.parent == PACKAGE)
     }
-    assert not wanted - named, f"modules missing from the README's Layout: {sorted(wanted - named)}"
+    assert not wanted - named, f"modules missing from docs/dev/layout.md: {sorted(wanted - named)}"
     assert not named - wanted - {"ftjax/coordinator/coordinator.proto"}, (
-        f"the README's Layout names modules that do not exist: {sorted(named - wanted)}"
+        f"docs/dev/layout.md names modules that do not exist: {sorted(named - wanted)}"
     )
 
 
