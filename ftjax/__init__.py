@@ -2,16 +2,16 @@
 
 Each data-parallel replica is the unit of failure: a replica that dies is dropped from the
 gradient average, the others keep going, and the dead one catches up from a live peer.
-See docs/design.md for the design: processes, the step protocol, invariants and decisions.
+See docs/design/index.md for the design: processes, the step protocol, invariants and decisions.
 
-The Python API (docs/design.md, "The API"; README, "Bring your own model"):
+The Python API (docs/design/index.md, "The API"; README, "Bring your own model"):
 
 - `Task`, built by `nnx_task`, `linen_task` or `pytree_task`: what a replica trains;
 - `fit(task, config)`: train it, standalone or as one replica of a job;
 - `FaultTolerance`: the step protocol for a script that owns its training loop (`Finished`, `Left`:
   how its loop ends; `BatchStream`: a source's batches of each step, the ones ftjax trains);
 - `load_config`, `Config`: the run configuration (YAML + overrides, validated);
-- `constrain_rows(x)`: in a model, an activation split by rows like the batch (docs/design.md, "Rows");
+- `constrain_rows(x)`: in a model, an activation split by rows like the batch (docs/design/model.md, "Rows");
 - `TokenWindows(dir, split, window)`: a task's source of windows of token files (`ftjax data
   prepare`), `TokenFileError` what it raises; `Windows`, `stdlib_corpus()`: windows of a token array,
   and the toy corpus of Python's own sources (the examples' data).

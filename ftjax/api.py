@@ -1,4 +1,4 @@
-"""`ftjax.fit`: the whole runtime for the common case, from Python (docs/design.md, "The API").
+"""`ftjax.fit`: the whole runtime for the common case, from Python (docs/design/index.md, "The API").
 
 `fit(task, config)` trains a task standalone (a quorum of one) or, given a coordinator, as one
 replica of a fault-tolerant job: the same loop and step protocol as `ftjax train`, which is this

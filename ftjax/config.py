@@ -34,7 +34,7 @@ class _Strict(BaseModel):
 
 class RopeScaling(_Strict):
     """`model.rope_scaling` (llama): how RoPE's frequencies are stretched for long contexts, as a Hugging
-    Face config.json's `rope_scaling` says it (docs/design.md, "The Llama model"). llama3: Llama 3.1/3.2's
+    Face config.json's `rope_scaling` says it (docs/design/model.md, "The Llama model"). llama3: Llama 3.1/3.2's
     (frequencies whose wavelength exceeds original_max_position_embeddings / low_freq_factor divided by
     factor, those below original / high_freq_factor kept, those between interpolated); linear: all divided."""
 
@@ -64,7 +64,7 @@ class ModelConfig(_Strict):
     n_heads: int = Field(4, gt=0, description="attention (query) heads; must divide d_model")
     d_ff: int = Field(256, gt=0, description="the hidden width of each block's MLP")
     seq_len: int = Field(64, gt=1, description="tokens per training sequence (the context length)")
-    # llama only (docs/design.md, "The Llama model")
+    # llama only (docs/design/model.md, "The Llama model")
     n_kv_heads: int | None = Field(
         None, gt=0, description="llama: key/value heads of grouped-query attention, dividing n_heads; default n_heads"
     )
@@ -84,7 +84,7 @@ class ModelConfig(_Strict):
         "remat's savings show in a CPU plan; the same numbers either way, but another parameter tree "
         "(a checkpoint of the other layout is refused)",
     )
-    # how the model is computed, not what (docs/design.md, "Precision", "Rematerialization")
+    # how the model is computed, not what (docs/design/model.md, "Precision", "Rematerialization")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="llama: the dtype of the matmuls (parameters and optimizer state stay float32); "
@@ -207,7 +207,7 @@ class MeshConfig(_Strict):
         None,
         gt=0,
         description="a reduced-degree replica: the hosts it runs on now "
-        "(a divisor of hosts; set by the launcher, docs/design.md 'Reduced-degree "
+        "(a divisor of hosts; set by the launcher, docs/design/index.md 'Reduced-degree "
         "replicas'); default: hosts",
     )
     tensor: int = Field(
@@ -290,7 +290,7 @@ class CheckpointConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-    """Held-out evaluation (docs/design.md, "Evaluation"): every `every` steps, after the commit,
+    """Held-out evaluation (docs/design/data.md, "Evaluation"): every `every` steps, after the commit,
     each replica computes the loss of its share of `batches` held-out batches (no gradient, no
     state change) and writes `eval_loss` and `eval_perplexity` into its step record."""
 
@@ -373,7 +373,7 @@ class FTConfig(_Strict):
     global_batch: Literal["elastic", "constant"] = Field(
         "elastic",
         description="elastic: a step averages the batches of the replicas present; constant: every "
-        "step trains the same R batches, the contributors compute the missing ones (docs/design.md)",
+        "step trains the same R batches, the contributors compute the missing ones (docs/design/index.md)",
     )
     micro_batch_rows: int | None = Field(
         None,
@@ -403,7 +403,7 @@ class FTConfig(_Strict):
     )
     grad_path: Literal["auto", "serial", "pipelined", "pinned"] = Field(
         "auto",
-        description='how the update reaches FTAR and comes back (docs/design.md, "One step"): serial (device -> '
+        description='how the update reaches FTAR and comes back (docs/design/step.md, "One step"): serial (device -> '
         "host, the ring, host -> device, one after another); pipelined (the three overlap, buffers allocated once); "
         "pinned (pipelined, the device -> host copies through JAX's page-locked host memory); auto: pinned on "
         "accelerators that have it, pipelined on CPU (where page-locked memory is one more copy). Same bits in all",
@@ -413,7 +413,7 @@ class FTConfig(_Strict):
         description="every_step: the replicas average gradients every step; diloco: each replica takes "
         "inner_steps optimizer steps alone, then they average the parameter deltas and outer_optimizer applies "
         "the average (an outer round: one step of the protocol); streaming_diloco: the parameters in `fragments` "
-        'parts, one averaged per round, every inner_steps / fragments steps (docs/design.md, "Training across '
+        'parts, one averaged per round, every inner_steps / fragments steps (docs/design/index.md, "Training across '
         'slow links"); `steps` then counts outer rounds',
     )
     inner_steps: int = Field(20, gt=0, description="diloco: inner optimizer steps between two averages of a parameter")
@@ -422,7 +422,7 @@ class FTConfig(_Strict):
         ge=0,
         description="diloco, streaming_diloco: the job's first N steps average the whole gradient every step, as "
         "every_step does, before the outer rounds start (the DiLoCo paper's synchronous warm start; `steps` counts "
-        'them and then the rounds; docs/design.md, "Training across slow links")',
+        'them and then the rounds; docs/design/replicas.md, "Training across slow links")',
     )
     fragments: int = Field(
         4, gt=0, description="streaming_diloco: parts of the parameters (equal sizes; fragments - 1 arrays cut at most)"
@@ -451,7 +451,7 @@ class FTConfig(_Strict):
     ftar_timeout_s: float = Field(5.0, gt=0, description="a silent (hung) FTAR peer fails the step after this")
     commit_decision: Literal["ring", "coordinator"] = Field(
         "ring",
-        description='who decides that a step commits (docs/design.md, "One history"). ring: each replica, once '
+        description='who decides that a step commits (docs/design/step.md, "One history"). ring: each replica, once '
         "FTAR's confirmation ring completed on every host (no round trip; a cut inside the confirmation's last "
         "frame can let one replica commit a step its peer retries without it); coordinator: the coordinator, once "
         "every participant voted that its average succeeded (one more round trip per step, waiting at most "

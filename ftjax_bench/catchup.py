@@ -19,7 +19,7 @@ and `ratio_resident_tcp` (against the link moving the same bytes memory to memor
 connection and over as many as the fetch), `arena_s` (mapping the arena: off the transfer's path),
 and the other costs of a catch-up (the source's copy to host memory, the placement) for context.
 `orbax`: the same snapshot written and read back through orbax's `StandardCheckpointer` on this
-machine's local disk, against the copy and placement above (`vs_copy_and_place`; docs/design.md,
+machine's local disk, against the copy and placement above (`vs_copy_and_place`; docs/design/recovery.md,
 "Catch-up": why the transport's serialization is not orbax's).
 """
 

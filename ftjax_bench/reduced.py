@@ -1,5 +1,5 @@
 """`ftjax bench reduced CONFIG`: the step rate of a reduced-degree replica against the same replica
-at full degree, same machine, same rows per step (docs/design.md, "Reduced-degree replicas").
+at full degree, same machine, same rows per step (docs/design/replicas.md, "Reduced-degree replicas").
 
 Three one-replica jobs with a constant global batch, one after the other, the same rows per step:
 (a) the replica on all its `--hosts` hosts; (b) the same replica on `--live` of them

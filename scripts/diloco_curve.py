@@ -14,8 +14,8 @@ Prints the loss of each job's final parameters (DiLoCo's: the global ones) on th
 batches (far beyond any batch trained), their relative difference per seed and its mean over the
 seeds (one seed's difference moves by a percent with the seed alone); plots the training losses,
 averaged over the seeds, against inner steps (equal tokens).
-`--set key=value` adds overrides to the DiLoCo job only (e.g. ft.outer_lr=0.5), `--both` to both. docs/design.md,
-"Training across slow links", cites the figures.
+`--set key=value` adds overrides to the DiLoCo job only (e.g. ft.outer_lr=0.5), `--both` to both.
+docs/design/replicas.md, "Training across slow links", cites the figures.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ on this machine's CPU bf16 matmuls are emulated: slow, but the same numerics as 
 inputs with float32 accumulation), or with `--replicas R` (R > 1) `ftjax launch CONFIG --replicas R`
 (FTAR between them: what ft.wire_dtype changes), and prints the final loss of each (replica 0's,
 the mean of the last 10 steps: one step's loss is one batch's) and their relative difference.
-docs/design.md "Precision" and "One step" cite the figures.
+docs/design/model.md "Precision" and "One step" cite the figures.
 """
 
 from __future__ import annotations

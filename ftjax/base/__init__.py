@@ -2,5 +2,5 @@
 
 Addresses (`net`), the process environment and the job token (`env`), child processes that die
 with their owner (`procs`), and the constant global batch's row arithmetic (`batches`). No JAX,
-no gRPC (docs/design.md, "Package layers").
+no gRPC (docs/design/index.md, "Package layers").
 """

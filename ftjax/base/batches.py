@@ -5,7 +5,7 @@ batch n of stream r, for every stream r in 0..R-1 (stream r is replica r's data)
 alive. A contributor computes its own stream's batch. The batches of streams whose replica does not
 contribute to the step (missing or healing) are cut into micro-batches of `unit` rows and dealt
 out among the contributors, in stream order, as evenly as the units allow. So during an outage each
-contributor computes about R / C batches (C contributors), not two. (docs/design.md, "Constant
+contributor computes about R / C batches (C contributors), not two. (docs/design/index.md, "Constant
 global batch".)
 
 `assign` is a pure function of the quorum, so every member knows the whole step's assignment
@@ -90,7 +90,7 @@ def for_others(work: Sequence[Sequence[int]], who: int) -> str:
 
 def share_rows(batch: int, live: int, hosts: int) -> int:
     """Rows of its own batch a replica of `live` of its `hosts` hosts computes: in proportion to its
-    devices (all of them at full degree; docs/design.md, "Reduced-degree replicas")."""
+    devices (all of them at full degree; docs/design/replicas.md, "Reduced-degree replicas")."""
     return batch * live // hosts
 
 

@@ -5,7 +5,7 @@ present (the coordinator's gRPC port, a replica host's catch-up server), `ca` wh
 servers it dials against (the coordinator, a peer's catch-up server). The certificate must name
 the address that is dialed (a subjectAltName IP or DNS entry), or `server_name` gives the name to
 check instead. Servers do not ask for client certificates: a client proves itself with the job
-token, as without TLS. FTAR is not encrypted (docs/design.md, "TLS").
+token, as without TLS. FTAR is not encrypted (docs/design/index.md, "TLS").
 """
 
 from __future__ import annotations

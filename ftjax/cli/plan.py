@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
 
 
 def _remat_note(cfg: Config) -> str | None:
-    """What the temporaries of an unrolled model under remat are on CPU (docs/design.md, "Memory,
+    """What the temporaries of an unrolled model under remat are on CPU (docs/design/index.md, "Memory,
     FLOPs and MFU"): XLA:CPU keeps a block's activations whatever jax.checkpoint says."""
     model = cfg.model
     if model.kind not in ("llama", "gpt") or model.remat == "none" or model.scan_layers:
@@ -111,12 +111,12 @@ def _remat_note(cfg: Config) -> str | None:
     remedy = "; model.scan_layers=true makes the CPU compile show it" if model.kind == "llama" else ""
     return (
         f"model.remat={model.remat}: the CPU compile of unrolled blocks keeps their activations, so the "
-        f'temporaries above are remat none\'s, an upper bound{remedy} (docs/design.md, "Scanned layers")'
+        f'temporaries above are remat none\'s, an upper bound{remedy} (docs/design/model.md, "Scanned layers")'
     )
 
 
 def _bfloat16_note(cfg: Config) -> str | None:
-    """What XLA:CPU does with bfloat16 activations (docs/design.md, "What the backward pass keeps"):
+    """What XLA:CPU does with bfloat16 activations (docs/design/model.md, "What the backward pass keeps"):
     it has no bfloat16 matmul, and converts what the backward pass keeps to float32 as well."""
     if cfg.model.compute_dtype != "bfloat16":
         return None

@@ -1,4 +1,4 @@
-"""Commit decisions made by the coordinator (`ft.commit_decision: coordinator`; docs/design.md,
+"""Commit decisions made by the coordinator (`ft.commit_decision: coordinator`; docs/design/step.md,
 "One history", "A commit the coordinator decides").
 
 FTAR's confirmation ring tells a member that every member's data ring completed, but the

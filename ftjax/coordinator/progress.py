@@ -498,7 +498,7 @@ class JobProgress:
         }
 
     def _sync(self, step: int) -> dict[str, Any]:
-        """A DiLoCo job's rounds and bytes averaged (docs/design.md, "Training across slow links"). With
+        """A DiLoCo job's rounds and bytes averaged (docs/design/replicas.md, "Training across slow links"). With
         a synchronous warm-up, its steps are one optimizer step each and the rounds start after it;
         the latest report's inner steps are those of the rounds once a round was committed."""
         warm = min(step, self.warmup_steps)

@@ -148,7 +148,7 @@ class CoordinatorState:
         self.failure_epoch = 0
         self.ledger = PositionLedger()
         self.job_step: int | None = None  # the highest step of a quorum formed (None: none yet)
-        # One history (docs/design.md): the highest step a member with state reported (the job
+        # One history (docs/design/index.md): the highest step a member with state reported (the job
         # committed that many steps), and the job's configured steps (from the step reports; 0:
         # unknown). A quorum whose participants hold less than `committed_step` never forms.
         self.committed_step = 0

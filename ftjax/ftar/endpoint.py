@@ -206,7 +206,7 @@ class FTAREndpoint:
         ring. A member joins it only once its own data ring has completed, so its completion
         means every member's data ring completed. Without it a ring's last frames let a member
         finish while its neighbour, whose last frame was lost, fails: the first would commit a
-        step the second retries in another quorum (two histories of one step; docs/design.md,
+        step the second retries in another quorum (two histories of one step; docs/design/index.md,
         "Split brain"). What remains is the same window on this ring's own last frame, one small
         frame instead of a chunk of the average. The same quorum and step: an abort notice a
         failing member sent for the data ring fails this one at once (else its silence times it out)."""

@@ -25,7 +25,7 @@ step and left, and 3 when no replica has been alive for `--idle-exit-s` (ftjax/c
   replica in `DIR/replica-R.yaml` (the JobSet controller, kubernetes-sigs/jobset, must be
   installed): a failed pod fails its Job, and the JobSet recreates that replica's pods, all of them,
   up to --max-restarts times (also with `ft.on_host_loss: reduce`: a JobSet cannot shrink a
-  replica, docs/design.md "Cluster launch"). The coordinator serves `grpc.health.v1` for its readiness and
+  replica, docs/design/operations.md "Cluster launch"). The coordinator serves `grpc.health.v1` for its readiness and
   liveness probes. Apply with `kubectl apply -f DIR/`, remove with `kubectl delete -f DIR/`.
 
 The replica command is `ftjax train` exactly as `LocalJob` runs it, with the config resolved (every
@@ -565,7 +565,7 @@ watch_step() {  # watch_step PID: until the step ends
 }
 """
 
-# ft.on_host_loss: reduce (docs/design.md, "Cluster launch"). The job is --no-kill: a failed node
+# ft.on_host_loss: reduce (docs/design/operations.md, "Cluster launch"). The job is --no-kill: a failed node
 # leaves the allocation and the batch script goes on. A host is up while its node is in the job's
 # allocation and Slurm reports the node up (not down, drained or draining, failing, not responding).
 _SLURM_REDUCE = """# The hosts a replica runs on when N of its @HOSTS@ are up (index N): the largest divisor of @HOSTS@ they

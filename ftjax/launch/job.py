@@ -184,7 +184,7 @@ class LocalJob:
         on_hosts: list[int] | None = None,
     ) -> list[subprocess.Popen]:
         """Start replica r's host processes (a new incarnation): one on each of its H hosts, or on
-        `on_hosts` only, a reduced-degree replica (`mesh.live_hosts`, docs/design.md). Process i
+        `on_hosts` only, a reduced-degree replica (`mesh.live_hosts`, docs/design/index.md). Process i
         runs on host `on_hosts[i]`; `die_host` names a process."""
         if self.coordinator_address is None:
             raise RuntimeError("start the coordinator first")

@@ -1,6 +1,6 @@
 """Bitwise digests of a train state: how replicas, tests and the launcher check that they agree.
 
-Two of them (docs/design.md, "Bitwise agreement and divergence"):
+Two of them (docs/design/recovery.md, "Bitwise agreement and divergence"):
 
 - `state_checksum`, every step (`ft.digest_every`), what the coordinator compares: per leaf two
   32-bit sums over its elements of a mix of each element's bits and its global index, computed on
@@ -66,7 +66,7 @@ def params_digest(state: dict) -> str:
     """`tree_digest` of the parameters alone, every dict key made a string: the tree that a plain
     orbax restore of a checkpoint's `params` returns (orbax stores dict keys as strings; an NNX
     model's layer lists are int-keyed dicts in memory), so that a program without ftjax can
-    recompute it (docs/design.md, "Checkpoint layout"). Collective, as `tree_digest`."""
+    recompute it (docs/design/checkpoints.md, "Checkpoint layout"). Collective, as `tree_digest`."""
     return tree_digest(_string_keys(state["params"]))
 
 

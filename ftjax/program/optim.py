@@ -1,7 +1,7 @@
 """The optimizer: optax AdamW with warmup + cosine decay and global-norm clipping, from the config.
 
 The clip's norm is computed so that every mesh a replica can have (full, reduced degree) gets the
-same bits from the same averaged gradient (`block_norm`; docs/design.md, "Bitwise agreement")."""
+same bits from the same averaged gradient (`block_norm`; docs/design/index.md, "Bitwise agreement")."""
 
 from __future__ import annotations
 

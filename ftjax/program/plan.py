@@ -13,7 +13,7 @@
   backward pass reads that are not the step's arguments: what `model.remat` decides), split over
   the replica's data-parallel devices. Decided by JAX before any compiler runs, so the same for
   every platform; not the peak (a compiler adds a block's working set, and may fuse cheap
-  residuals away: docs/design.md, "What the backward pass keeps").
+  residuals away: docs/design/model.md, "What the backward pass keeps").
 - **FLOPs**: XLA's `cost_analysis()` of the same executable, per device (the partitioned program),
   times the replica's devices: the model FLOPs of one step's forward and backward pass (the
   optimizer's update is not counted, as MFU conventionally leaves it out). For the built-in
@@ -174,7 +174,7 @@ def backward_bytes(program: ReplicaProgram) -> int:
     the step's own arguments: parameters, model state, batch), at their global size over the
     replica's data-parallel devices (the batch axes; a tensor-parallel group shares its rows).
     Platform-independent: `model.remat`, `scan_layers` and the chunk settings decide it in JAX,
-    where XLA:CPU's temporaries blur it (docs/design.md, "What the backward pass keeps")."""
+    where XLA:CPU's temporaries blur it (docs/design/model.md, "What the backward pass keeps")."""
     cfg = program.cfg
     rows = cfg.data.batch_size // cfg.data.micro_batches
     where = jnp.zeros(3, jnp.int32)

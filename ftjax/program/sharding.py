@@ -161,7 +161,7 @@ def constrain_rows(x: jax.Array) -> jax.Array:
     (`rows_split`), the rest of it whole; as is elsewhere. XLA's partitioner does not carry the
     rows' split into the activations on its own: it split the built-in models' residual stream along
     the width like their `embed`-sharded parameters, and every device computed every row
-    (docs/design.md, "Rows")."""
+    (docs/design/model.md, "Rows")."""
     batch = _ROWS.get()
     if batch is None:
         return x

@@ -342,7 +342,7 @@ def _loss_functions(cfg: Config, task: Task, lay: _Layout):
 def task_losses(task: Task, seed: int, rows_sharding: jax.sharding.NamedSharding, params, ms, batch, where):
     """The task's loss of `batch` at the computation `where` (its RNG key), checked: (per-example
     losses, metrics, new model state). Traced with the batch's rows split as `rows_sharding`, which
-    the models' `constrain_rows` then keeps (docs/design.md, "Rows"): every trace of a task's loss
+    the models' `constrain_rows` then keeps (docs/design/model.md, "Rows"): every trace of a task's loss
     for a step goes through here."""
     with shd.rows_split(rows_sharding):
         per_example, aux, new_ms = task.loss(params, ms, batch, step_key(seed, where))

@@ -1,4 +1,4 @@
-"""A task: what a replica trains, in one object (docs/design.md, "Tasks").
+"""A task: what a replica trains, in one object (docs/design/index.md, "Tasks").
 
 A `Task` is the user's model init, loss, optimizer and data source. ftjax owns everything else:
 which global batch a replica trains at which step (exactly once), the average over the quorum, the

@@ -1,4 +1,4 @@
-"""Token files: a tokenized corpus on disk, read through a memory map (docs/design.md, "Token files").
+"""Token files: a tokenized corpus on disk, read through a memory map (docs/design/data.md, "Token files").
 
 `ftjax data prepare` (ftjax/cli/prepare.py) writes a directory:
 

@@ -16,7 +16,7 @@ Meanwhile the newcomer keeps taking part in FTAR with zero gradients, and the st
 what it receives and replays it on install.
 
 No directory is shared and nothing is written to disk: hosts of a cluster share nothing but the
-network (docs/design.md, "Catch-up"). That is why catch-up does not use orbax, which the durable
+network (docs/design/recovery.md, "Catch-up"). That is why catch-up does not use orbax, which the durable
 checkpoints use: orbax's multi-host save writes one checkpoint from every process into one directory
 and has process 0 commit it, which needs a file system that all hosts of a replica share. What no
 library does here is the peer-to-peer transport, its layout matching and its lifetime rules.

@@ -13,7 +13,7 @@ step. A restore verifies them first: a flipped, truncated or missing file, or a
 checkpoint whose save never finished (no CHECKSUMS), raises :class:`CorruptCheckpoint` naming the step
 and the file, and :meth:`DurableCheckpoints.restore_intact` falls back to the newest intact one.
 
-The layout is plain orbax, readable without ftjax (docs/design.md, "Checkpoint layout"): each
+The layout is plain orbax, readable without ftjax (docs/design/checkpoints.md, "Checkpoint layout"): each
 checkpoint's meta records `params_digest`, which a program with only jax and orbax can recompute.
 :func:`load_init` reads the other way: a run may start from a plain orbax checkpoint of the user's
 parameters (`checkpoint.init_from`).

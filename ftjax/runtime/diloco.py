@@ -8,7 +8,7 @@ into `fragments` and averages one fragment per round, in turn, so that the bytes
 a fragment's (Douillard et al. 2025). With torchft's `ft.fragment_sync_delay` tau the fragment's
 pseudo-gradient is taken tau inner steps before the round's end, and with `ft.fragment_update_alpha`
 alpha its local parameters after the outer step are alpha x local + (1 - alpha) x global (the
-overlap of the exchange with those tau steps is not built: docs/design.md, "Training across slow
+overlap of the exchange with those tau steps is not built: docs/design/index.md, "Training across slow
 links").
 
 With `ft.sync_warmup_steps` W, the job's first W steps are synchronous, as the paper's runs

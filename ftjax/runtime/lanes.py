@@ -13,7 +13,7 @@ devices holds a larger block of every sharded leaf, so host h' holds lanes h'k .
 puts the averaged lanes back into its shards. Replicas of any degree thus average together, and
 the result is bitwise the same on every member of a lane's ring; a replicated leaf rides in every
 lane at the same offset of buffers of one length, so every lane sums it in the same order and every
-host ends with the same bits (docs/design.md, "Reduced-degree replicas").
+host ends with the same bits (docs/design/replicas.md, "Reduced-degree replicas").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`FaultTolerance`: the one owner of a replica's step protocol, for any training loop.
 
-A training loop calls a few methods per step (docs/design.md, "The API"):
+A training loop calls a few methods per step (docs/design/index.md, "The API"):
 
     ft.ask()                                   # the next quorum is requested (once, then by commit)
     info = ft.begin()                          # the quorum: heals, installs a snapshot, serves peers

@@ -1,7 +1,7 @@
 """One host's gradient path, pipelined: device -> host, FTAR and host -> device overlap.
 
 Serial, the path is three phases end to end: copy every lane to the host, run the ring, put every
-leaf back. Here (docs/design.md, "The gradient path"):
+leaf back. Here (docs/design/index.md, "The gradient path"):
 
 - every shard's device -> host copy is started at once (`copy_to_host_async`), and a d2h thread
   moves the update into the lane buffers in the order the ring reads them: the segment this member
@@ -184,7 +184,7 @@ class Pipeline:
         # leaf out of the result buffer cost a pass over the update each step (and fresh pages to
         # fault in). Instead two result buffers take turns and the leaves alias them: the arrays of
         # step n are read by step n's apply, which step n + 1's gradients wait for, before step
-        # n + 2 writes the same buffer again (docs/design.md, "One step"). Devices copy on their own.
+        # n + 2 writes the same buffer again (docs/design/step.md, "One step"). Devices copy on their own.
         self.alias = not pinned and all(d.platform == "cpu" for s in flat.shardings for d in s.device_set)
         self._results = [self._result_buffer() for _ in range(2 if self.alias else 1)]
         self._turn = 0

@@ -1,4 +1,4 @@
-"""The fault-tolerant step of one replica host, and nothing else (docs/design.md, "One step").
+"""The fault-tolerant step of one replica host, and nothing else (docs/design/step.md, "One step").
 
 `StepProtocol` owns what happens between replicas: the quorum of each step (asked by the leader
 while the step computes, handed to the replica's other hosts as the coordinator's own protobuf

@@ -2,7 +2,7 @@
 
 A newcomer takes part in FTAR with zero gradients and keeps every averaged update it receives from
 the step its catch-up began; once the snapshot (of some step s) is installed it replays the updates
-of steps s, s+1, ... and is bitwise in step with the job (docs/design.md, "Catch-up").
+of steps s, s+1, ... and is bitwise in step with the job (docs/design/recovery.md, "Catch-up").
 
 A catch-up may take any number of steps: a slow link, a source killed mid-transfer, a second source
 whose snapshot arrives as late as the first. So the buffer never drops an update. Its RAM is bounded

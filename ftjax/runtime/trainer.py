@@ -5,7 +5,7 @@ the step is already in flight), learn the quorum (`StepProtocol.agree`), average
 its contributors, vote, and apply it, or keep it for the replay while this replica heals. The
 loop owns the training state, the data stream, durable checkpoints, metrics and fault injection;
 everything between replicas is the protocol's (ftjax/runtime/protocol.py). A standalone run is the same
-loop with a quorum of one and a reducer that returns its input (docs/design.md, "One step").
+loop with a quorum of one and a reducer that returns its input (docs/design/step.md, "One step").
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def lr_scale(policy: str, live: int, total: int) -> float:
 
 class NotFinite(RuntimeError):
     """A step's loss, or the state about to be checkpointed, holds a NaN or an infinity: the run
-    stops (`ftjax train`: one line, exit 2; docs/design.md, "A loss that is not finite")."""
+    stops (`ftjax train`: one line, exit 2; docs/design/step.md, "A loss that is not finite")."""
 
 
 @dataclass
@@ -369,7 +369,7 @@ class Trainer:
             self._record(q, applied, computed, batch_id, scale, timing, digest)
             raise NotFinite(
                 f"replica {self.replica_id}: step {q.step + 1}: the loss of its rows is {loss} (data position "
-                f'{position}): stopping before it is checkpointed or trained on (docs/design.md, "A loss that is '
+                f'{position}): stopping before it is checkpointed or trained on (docs/design/index.md, "A loss that is '
                 'not finite")'
             )
         if self.ckpt is not None and applied:
@@ -446,7 +446,7 @@ class Trainer:
 
     def _evaluate(self) -> dict:
         """The loss of this replica's share of the `eval.batches` held-out batches on the state just
-        committed (docs/design.md, "Evaluation"): a jitted loss alone, so neither the state nor the
+        committed (docs/design/data.md, "Evaluation"): a jitted loss alone, so neither the state nor the
         data position changes, and no peer takes part. {} when its share is empty."""
         share = eval_share(self.cfg.eval.batches, self.own, self.cfg.ft.replicas)
         if not share:
@@ -514,7 +514,7 @@ class Trainer:
 
     def _save(self, force: bool) -> None:
         """A durable checkpoint when one is due, of a finite state only: a peer whose own loss was
-        finite has applied the average of one that was not (docs/design.md, "A loss that is not finite")."""
+        finite has applied the average of one that was not (docs/design/step.md, "A loss that is not finite")."""
         if not self.ckpt.due(self.step, force=force):
             return
         if not all_finite(self.state):

@@ -1,4 +1,4 @@
-"""Progress, not heartbeats, decides whether a replica process is alive (docs/design.md, "Liveness").
+"""Progress, not heartbeats, decides whether a replica process is alive (docs/design/recovery.md, "Liveness").
 
 A replica's leader heartbeats from a thread of its own, so a process whose training loop is stuck
 (a hung host of its replica that it waits for in the commit vote, a training thread blocked in a

@@ -304,7 +304,7 @@ def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_wh
     assert s["replicas"]["0"]["restarts"] == 0
     # replica 0's stalls while replica 1 goes reduced and trains reduced, to the host's return. (The
     # whole incarnation's join afterwards is a restart's join, issue 14's test; on a 2-core machine
-    # its catch-up competes with replica 0 for cores and can exceed the bound: docs/design.md.)
+    # its catch-up competes with replica 0 for cores and can exceed the bound: docs/design/index.md.)
     median, gaps = median_step(load_run(run.run_dir), warm_time(load_run(run.run_dir)))
     back = _events(run, "host_back")[0]["time"]
     during = [(t, stall) for t, _, stall in gaps if down["time"] <= t <= back]

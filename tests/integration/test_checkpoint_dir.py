@@ -1,6 +1,6 @@
 """One `checkpoint.dir` given to every replica of a job: each replica saves under its own
 subdirectory (DIR/replica-R), so that no replica's save collides with or deletes another's, and a
-job whose replicas all die resumes from them (docs/design.md, "Checkpoint layout")."""
+job whose replicas all die resumes from them (docs/design/checkpoints.md, "Checkpoint layout")."""
 
 from conftest import REPO
 from ftjob import records

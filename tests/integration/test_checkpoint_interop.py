@@ -1,4 +1,4 @@
-"""ftjax checkpoints and plain orbax, both ways (docs/design.md, "Checkpoint layout"): a program with
+"""ftjax checkpoints and plain orbax, both ways (docs/design/checkpoints.md, "Checkpoint layout"): a program with
 only jax and orbax restores a run's parameters and verifies them against the recorded
 `params_digest`; a run starts from a plain orbax checkpoint of the user's parameters
 (`--init-from`), and refuses one of another model, naming every leaf that differs."""
@@ -25,7 +25,7 @@ from ftjax.runtime.metrics import read_jsonl, read_metrics
 TINY = f"{REPO}/configs/tiny.yaml"
 
 # What a user's program does to read and verify an ftjax checkpoint: jax, numpy and orbax only.
-# The recipe and the digest are docs/design.md's ("Checkpoint layout"), step by step.
+# The recipe and the digest are docs/design/index.md's ("Checkpoint layout"), step by step.
 PLAIN_READER = r"""
 import hashlib, json, sys
 import jax, numpy as np
@@ -113,14 +113,14 @@ def test_plain_orbax_restores_the_params_and_verifies_their_digest(run):
 
 
 def design_snippets(section: str) -> str:
-    """The Python blocks of docs/design.md's `section`, joined: the documented code as written."""
-    text = (Path(REPO) / "docs" / "design.md").read_text()
+    """The Python blocks of docs/design/checkpoints.md's `section`, joined: the documented code as written."""
+    text = (Path(REPO) / "docs" / "design" / "checkpoints.md").read_text()
     body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
     return "\n".join(block.split("```", 1)[0] for block in body.split("```python\n")[1:])
 
 
 def test_the_documented_reader_works_with_its_relative_path(run, tmp_path):
-    """docs/design.md's reading recipe and digest, run as written from the directory where its
+    """docs/design/checkpoints.md's reading recipe and digest, run as written from the directory where its
     relative "RUN/checkpoints" is this run's (orbax refused it: the path must be made absolute)."""
     (tmp_path / "RUN").symlink_to(run)
     code = design_snippets("Checkpoint layout") + '\nprint("verified", step, meta["params_digest"])\n'

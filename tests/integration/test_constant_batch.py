@@ -1,5 +1,5 @@
 """A failure changes the time, not the math: with `ft.global_batch: constant` every step trains the
-same R batches whoever is alive (ftjax/base/batches.py, docs/design.md "Constant global batch")."""
+same R batches whoever is alive (ftjax/base/batches.py, docs/design/step.md "Constant global batch")."""
 
 from __future__ import annotations
 

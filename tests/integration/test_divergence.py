@@ -27,7 +27,7 @@ def test_a_flipped_bit_is_detected_at_the_next_quorum_and_healed_from_the_kept_s
 
     d0, d1 = committed_digests(job.replica_dir(0)), committed_digests(job.replica_dir(1))
     assert d1[FLIP] != d0[FLIP] and all(d1[s] == d0[s] for s in range(1, FLIP))
-    # two replicas, no majority: the first replica id's state is kept (docs/design.md)
+    # two replicas, no majority: the first replica id's state is kept (docs/design/index.md)
     [incident] = [e for e in records(job.replica_dir(1))[1] if e["event"] == "diverged"]
     assert incident["step"] == FLIP and incident["source"] == "0", incident
     assert (incident["digest"], incident["majority_digest"]) == (d1[FLIP], d0[FLIP])

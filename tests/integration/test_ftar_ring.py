@@ -766,7 +766,7 @@ def test_bf16_wire_gives_every_member_the_owners_bits(shared_memory):
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "tcp"])
 @pytest.mark.parametrize("confirm", [True, False], ids=["confirmed", "unconfirmed"])
 def test_a_member_whose_neighbour_lost_its_last_frame_does_not_return_a_result(monkeypatch, confirm, shared_memory):
-    """The two generals at a ring's end (docs/design.md, "Split brain"): member 1's last frame to
+    """The two generals at a ring's end (docs/design/index.md, "Split brain"): member 1's last frame to
     member 0 is lost (a partition), so member 0 times out while member 1 holds every frame it
     needs. Unconfirmed, member 1 returns the average: its replica would commit the step that
     member 0's retries in another quorum. Confirmed (the default), member 1 fails as well."""

@@ -194,7 +194,7 @@ def test_scanned_layers_give_the_same_loss_and_update_from_one_compiled_block():
     within 1e-6 (float32), and the traced program rematerializes one block (the scan's body)
     instead of one per layer. The compiled step's temporaries are less than 0.7 of the unrolled
     step's: the scan keeps each layer's input, XLA:CPU keeps an unrolled block's whole activations
-    whatever remat says (docs/design.md, "Scanned layers"; measured 0.55, 0.53 on 2 devices FSDP)."""
+    whatever remat says (docs/design/model.md, "Scanned layers"; measured 0.55, 0.53 on 2 devices FSDP)."""
     common = (
         "model.compute_dtype=float32", "mesh.devices_per_host=4", "mesh.tensor=2", "model.n_layers=4",
         "model.seq_len=128", "data.micro_batches=2", "model.remat=full",

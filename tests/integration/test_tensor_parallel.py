@@ -1,4 +1,4 @@
-"""Tensor parallelism inside a replica (`mesh.tensor`; docs/design.md "Tensor parallelism"): the
+"""Tensor parallelism inside a replica (`mesh.tensor`; docs/design/model.md "Tensor parallelism"): the
 same training as FSDP alone, the same update bits on every replica degree, and the heads and the
 MLP's hidden dimension really split over the `tensor` axis."""
 
@@ -55,7 +55,7 @@ def test_the_heads_and_the_mlp_are_split_over_the_tensor_axis():
 def test_the_update_has_the_same_bits_on_a_full_and_a_reduced_tensor_replica():
     """2 hosts x 2 devices with tensor 2 (fsdp 2) and the same replica on 1 host (fsdp 1): the
     global-norm clip cuts leaves in the full replica's blocks along both axes, so applying the same
-    update gives the same bits (docs/design.md, "Bitwise agreement")."""
+    update gives the same bits (docs/design/index.md, "Bitwise agreement")."""
     cfg = load_config("tiny", ["mesh.hosts=2", "mesh.devices_per_host=2", "mesh.tensor=2", "optim.clip_norm=0.01"])
     digests = {}
     g = None

@@ -1,4 +1,4 @@
-"""The package's shape (issue 31; docs/dev/layout.md, docs/design.md "Package layers"): imports run
+"""The package's shape (issue 31; docs/dev/layout.md, docs/design/index.md "Package layers"): imports run
 down the layers, the runtime's types come without gRPC, functions stay short, docs/dev/layout.md names
 every module, and ruff finds nothing."""
 

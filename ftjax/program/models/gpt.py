@@ -94,7 +94,7 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens (batch, time) int32 -> logits (batch, time, vocab) float32."""
         # the residual stream split by rows like the batch, not along the width like the `embed`-sharded
-        # parameters (constrain_rows; docs/design.md, "Rows")
+        # parameters (constrain_rows; docs/design/model.md, "Rows")
         x = constrain_rows(self.wte(tokens) + self.wpe[: tokens.shape[1]])
         run = _call if self.remat == "none" else nnx.remat(_call, policy=REMAT_POLICIES[self.remat])
         for block in self.blocks:

@@ -8,14 +8,14 @@ Every parameter carries logical axis names (ftjax/program/sharding.py maps them 
 `head_dim`, `mlp` (the feed-forward's hidden width). Heads and the hidden width are named apart so
 that a tensor-parallel axis can shard them.
 
-Precision (docs/design.md, "Precision"): parameters are float32 master weights; the matmuls run
+Precision (docs/design/model.md, "Precision"): parameters are float32 master weights; the matmuls run
 in `compute_dtype` (their inputs cast); the residual stream, RMSNorm's statistics, RoPE, the
 attention softmax and the logits are float32.
 
 With `scan_layers` the blocks' parameters are stacked along a first axis named `layers` (one leaf per
 kind of parameter, not per layer) and the forward pass is a `jax.lax.scan` over them: XLA compiles
 one block instead of n_layers copies, and a rematerialized block's saved input is the scan's
-explicit per-layer residual (docs/design.md, "Scanned layers").
+explicit per-layer residual (docs/design/model.md, "Scanned layers").
 
 Attention goes through `jax.nn.dot_product_attention` (`attention`: xla, or cudnn's fused kernel on a
 GPU: `ftjax.program.models.attention_impl` picks), causal, and with `segment_ids` [B, T] (packed
@@ -307,7 +307,7 @@ class Llama(nnx.Module):
         what lets the loss compute them a chunk at a time (`model.logits_chunk`)."""
         dtype = self.compute_dtype
         # the residual stream is split by rows like the batch (constrain_rows): left to itself, XLA
-        # splits it along the width like the `embed`-sharded parameters (docs/design.md, "Rows")
+        # splits it along the width like the `embed`-sharded parameters (docs/design/model.md, "Rows")
         x = constrain_rows(jnp.take(self.embed[...], tokens, axis=0))  # float32 rows of the master embedding
         cos, sin = self.rope(tokens.shape[1], positions)
         mask = None if segment_ids is None else segment_mask(segment_ids)

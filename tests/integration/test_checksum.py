@@ -1,4 +1,4 @@
-"""The per-step digest (`state_checksum`, ftjax/program/digest.py; docs/design.md "Bitwise agreement
+"""The per-step digest (`state_checksum`, ftjax/program/digest.py; docs/design/index.md "Bitwise agreement
 and divergence"): any flipped bit of any element changes it, it is the same whatever the replica's
 degree and the leaves' shardings, and computing it moves only per-leaf sums between devices."""
 
@@ -94,7 +94,7 @@ def _placed(tree, specs, devices):
 
 def test_the_same_state_has_the_same_checksum_on_a_full_and_a_reduced_degree_replica():
     """The built-in model's state on 4, 2 and 1 devices (a full replica and its reduced degrees, as
-    tests/unit/test_update_bits.py builds them), and its host copy: one checksum."""
+    tests/integration/test_update_bits.py builds them), and its host copy: one checksum."""
     cfg = load_config("tiny", ["mesh.hosts=4", "mesh.devices_per_host=1"])
     sums = {}
     for devices in (4, 2, 1):

@@ -1,5 +1,5 @@
 """A replica's devices split a step's rows, and each computes and keeps its own rows only
-(`constrain_rows`, ftjax/program/sharding.py; docs/design.md, "Rows"). Left to itself XLA split the
+(`constrain_rows`, ftjax/program/sharding.py; docs/design/model.md, "Rows"). Left to itself XLA split the
 built-in models' residual stream along the width like their `embed`-sharded parameters: a 4-device
 replica then computed the whole batch's logits on every device and summed them, and a scanned
 Llama ran its layers on every row everywhere (1.7x the FLOPs, 3x the temporaries)."""
