@@ -40,9 +40,9 @@ class Field:
 def _type_name(annotation) -> str:
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
-        return " | ".join(repr(a) for a in typing.get_args(annotation))
+        return ", ".join(repr(a) for a in typing.get_args(annotation))  # (no "|": the table's separator)
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
     if origin is not None:
         args = ", ".join(_type_name(a) for a in typing.get_args(annotation))
         return f"{getattr(origin, '__name__', str(origin))}[{args}]"
