@@ -200,22 +200,30 @@ def plan_hf(files: list[Path], m: Any) -> list[tuple]:
     return plan
 
 
-def read_tensor(file: Path, start: int, entry: dict) -> np.ndarray:
-    """One tensor of a safetensors file, read into memory of its own. Not `safe_open`'s memory map:
-    the pages it touches stay resident while the file is open (the whole file's, by the last
-    tensor), and a copy out of them holds the tensor twice."""
+def read_tensor(file: Path, start: int, entry: dict, dtype) -> np.ndarray:
+    """One tensor of a safetensors file in `dtype`, read into memory of its own: another dtype is
+    cast 4 MiB at a time into the result, so the host holds the result, not the source as well. Not
+    `safe_open`'s memory map: the pages it touches stay resident while the file is open (the whole
+    file's, by the last tensor), and a copy out of them holds the tensor twice."""
     begin, end = entry["data_offsets"]
-    dtype = np.dtype(_FLOATS[entry["dtype"]])
-    x = np.fromfile(file, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=start + begin)
-    return x.reshape(entry["shape"])
+    stored = np.dtype(_FLOATS[entry["dtype"]])
+    count = (end - begin) // stored.itemsize
+    if stored == dtype:
+        return np.fromfile(file, dtype=stored, count=count, offset=start + begin).reshape(entry["shape"])
+    out = np.empty(count, dtype)
+    step = (4 << 20) // stored.itemsize
+    with open(file, "rb") as f:
+        f.seek(start + begin)
+        for i in range(0, count, step):
+            out[i : i + step] = np.fromfile(f, dtype=stored, count=min(step, count - i))
+    return out.reshape(entry["shape"])
 
 
 def hf_params(files: list[Path], m: Any, dtype) -> Iterator[tuple[tuple, np.ndarray]]:
     """(ftjax path, tensor in `dtype` and ftjax's layout) of each tensor of HF safetensors `files`,
-    one at a time: a tensor is read, cast (the only copy) and laid out as a view when asked for, so
-    the host holds one tensor (and, while casting, its source too)."""
+    one at a time: a tensor is read (and cast) and laid out as a view, so the host holds one tensor."""
     for file, start, entry, path, kind in plan_hf(files, m):
-        yield path, to_ftjax(read_tensor(file, start, entry).astype(dtype, copy=False), kind, m)
+        yield path, to_ftjax(read_tensor(file, start, entry, np.dtype(dtype)), kind, m)
 
 
 def read_hf(files: list[Path], m: Any, dtype) -> dict:
