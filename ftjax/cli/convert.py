@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,9 +30,43 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def save_tensor_by_tensor(params, out: Path) -> None:
+    """A plain orbax pytree checkpoint (what `StandardCheckpointer().restore(out)` and `--init-from`
+    read) in `out` of `params`, (path, numpy array) pairs made one at a time: each is written alone
+    (orbax's partial save, then its pytree moved to `out`), so the host holds one tensor, not the
+    tree. Arrays are not copied first (each is written before the next is made) and go out in 2 MiB
+    chunks, one file each (OCDBT would hold a tensor's chunks until its commit: a second copy)."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint.experimental.v1 import options, partial
+
+    from ftjax.program import convert
+
+    staging = out.absolute().with_name(out.name + ".converting")
+    leftovers = (staging, staging.with_name(staging.name + ".partial_save"))  # (partial's working name)
+    storage = options.ArrayOptions.Saving.StorageOptions(chunk_byte_size=2 << 20)
+    saving = options.ArrayOptions.Saving(use_ocdbt=False, storage_options=storage)
+    context = ocp.v1.Context(
+        memory_options=options.MemoryOptions(deepcopy_host_arrays=False),
+        array_options=options.ArrayOptions(saving=saving),
+    )
+    try:
+        for path in leftovers:  # (a killed conversion's: a partial save would add to it)
+            shutil.rmtree(path, ignore_errors=True)
+        with context:
+            for path, x in params:
+                one: dict = {}
+                convert.set_path(one, path, x)
+                partial.save(staging, one)
+                del one, x  # (before the next is read)
+            partial.finalize(staging)
+        (staging / "state").rename(out)  # (partial's layout: the pytree is the checkpointable "state")
+    finally:
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def from_hf(src: Path, out: Path, config_out: Path, dtype: str, seq_len: int) -> str:
     import numpy as np
-    import orbax.checkpoint as ocp
 
     from ftjax.config import ModelConfig
     from ftjax.program import convert
@@ -44,9 +79,7 @@ def from_hf(src: Path, out: Path, config_out: Path, dtype: str, seq_len: int) ->
         m = ModelConfig(**convert.model_settings(hf, seq_len))
     except (ValueError, KeyError) as e:  # (pydantic's ValidationError is a ValueError)
         raise ConfigError(f"{config_json}: {e}") from e
-    tree = convert.read_hf(files, m, np.dtype(dtype))
-    with ocp.StandardCheckpointer() as checkpointer:  # (its save is asynchronous: leaving waits for it)
-        checkpointer.save(out.absolute(), tree)
+    save_tensor_by_tensor(convert.hf_params(files, m, np.dtype(dtype)), out)
     settings = m.model_dump(exclude_defaults=True)
     (out / convert.META).write_text(json.dumps({"model": settings, "dtype": dtype, "source": str(src)}, indent=1))
     written = {"task": "ftjax.program.tasks:token_lm", "task_args": {"dir": "data/tokens"}, "model": settings}

@@ -4,17 +4,19 @@ An HF Llama is `config.json` and `*.safetensors`; ftjax's is a plain orbax check
 model's parameter tree (what `checkpoint.init_from` reads) and a config. The mapping is per tensor:
 HF's linear weights are [out, in], ftjax's einsum kernels [in, ...out] with the heads split out
 (`wq` [d, heads, head_dim]); both rotate a head's first half against its second, so no head is
-permuted. A tensor is read, cast and placed one at a time (safetensors' lazy `safe_open`), and a
-tensor or setting that does not map (a bias, another activation or rope type) is refused by name.
+permuted. A tensor is read, cast and placed one at a time (`hf_params`), and a tensor or setting
+that does not map (a bias, another activation or rope type) is refused by name before any is read.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ml_dtypes import bfloat16
 
 from ftjax.config import ConfigError
 
@@ -154,35 +156,81 @@ def expected_names(m: Any) -> set[str]:
     return names if m.tie_embeddings else names | {"lm_head.weight"}
 
 
-def _set(tree: dict, path: tuple, value) -> None:
+def set_path(tree: dict, path: tuple, value) -> None:
+    """tree[path[0]][path[1]]... = value, making the dicts on the way."""
     for k in path[:-1]:
         tree = tree.setdefault(k, {})
     tree[path[-1]] = value
 
 
-def read_hf(files: list[Path], m: Any, dtype) -> dict:
-    """ftjax's parameter tree (numpy, `dtype`) of HF safetensors `files` for ModelConfig `m`: each
-    tensor read, cast and laid out alone, so the host holds the tree and one tensor in flight."""
+_FLOATS = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": bfloat16}  # safetensors' names
+
+
+def _header(file: Path) -> tuple[int, dict]:
+    """(the offset of the data, the header: name -> dtype, shape, data_offsets) of safetensors `file`."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")  # (the format: a u64 length, a JSON header, the bytes)
+        return 8 + n, json.loads(f.read(n))
+
+
+def plan_hf(files: list[Path], m: Any) -> list[tuple]:
+    """(file, data offset, header entry, ftjax path, transform) of each tensor of HF safetensors
+    `files` for ModelConfig `m`, in file order; ConfigError names a tensor that does not map, is
+    no float or is missing before any tensor is read."""
     from safetensors import safe_open
 
-    tree: dict = {}
-    seen: set[str] = set()
+    plan, seen = [], set()
     for file in files:
-        with safe_open(str(file), framework="numpy") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is no dict: keys() is its API)
-                if name.endswith("rotary_emb.inv_freq"):  # (older exports keep RoPE's buffer: recomputed here)
-                    continue
-                if name == "lm_head.weight" and m.tie_embeddings:
-                    continue  # (some tied exports write the shared matrix twice)
-                path, kind = place(name, m.n_layers)
-                x = f.get_tensor(name)
-                if not np.issubdtype(x.dtype, np.floating) and x.dtype.name != "bfloat16":
-                    raise ConfigError(f"{file.name}: {name} is {x.dtype}, not a float tensor")
-                _set(tree, path, np.ascontiguousarray(to_ftjax(x.astype(dtype, copy=False), kind, m)))
-                seen.add(name)
+        with safe_open(str(file), framework="numpy") as f:  # (checks the file: SafetensorError if truncated)
+            names = list(f.keys())
+        start, header = _header(file)
+        for name in names:
+            if name.endswith("rotary_emb.inv_freq"):  # (older exports keep RoPE's buffer: recomputed here)
+                continue
+            if name == "lm_head.weight" and m.tie_embeddings:
+                continue  # (some tied exports write the shared matrix twice)
+            path, kind = place(name, m.n_layers)
+            if header[name]["dtype"] not in _FLOATS:
+                raise ConfigError(f"{file.name}: {name} is {header[name]['dtype']}, not a float tensor")
+            plan.append((file, start, header[name], path, kind))
+            seen.add(name)
     missing = sorted(expected_names(m) - seen)
     if missing:
         raise ConfigError(f"{len(missing)} tensors missing from the checkpoint, first {missing[0]}")
+    return plan
+
+
+def read_tensor(file: Path, start: int, entry: dict, dtype) -> np.ndarray:
+    """One tensor of a safetensors file in `dtype`, read into memory of its own: another dtype is
+    cast 4 MiB at a time into the result, so the host holds the result, not the source as well. Not
+    `safe_open`'s memory map: the pages it touches stay resident while the file is open (the whole
+    file's, by the last tensor), and a copy out of them holds the tensor twice."""
+    begin, end = entry["data_offsets"]
+    stored = np.dtype(_FLOATS[entry["dtype"]])
+    count = (end - begin) // stored.itemsize
+    if stored == dtype:
+        return np.fromfile(file, dtype=stored, count=count, offset=start + begin).reshape(entry["shape"])
+    out = np.empty(count, dtype)
+    step = (4 << 20) // stored.itemsize
+    with open(file, "rb") as f:
+        f.seek(start + begin)
+        for i in range(0, count, step):
+            out[i : i + step] = np.fromfile(f, dtype=stored, count=min(step, count - i))
+    return out.reshape(entry["shape"])
+
+
+def hf_params(files: list[Path], m: Any, dtype) -> Iterator[tuple[tuple, np.ndarray]]:
+    """(ftjax path, tensor in `dtype` and ftjax's layout) of each tensor of HF safetensors `files`,
+    one at a time: a tensor is read (and cast) and laid out as a view, so the host holds one tensor."""
+    for file, start, entry, path, kind in plan_hf(files, m):
+        yield path, to_ftjax(read_tensor(file, start, entry, np.dtype(dtype)), kind, m)
+
+
+def read_hf(files: list[Path], m: Any, dtype) -> dict:
+    """ftjax's parameter tree (numpy, `dtype`) of HF safetensors `files` for ModelConfig `m`."""
+    tree: dict = {}
+    for path, x in hf_params(files, m, dtype):
+        set_path(tree, path, x)
     return tree
 
 
