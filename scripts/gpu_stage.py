@@ -11,7 +11,10 @@ and each stage's result from its run directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import statistics
 import sys
 from pathlib import Path
@@ -54,8 +57,15 @@ def stage_line(name: str, rc: int, limit: int, seconds: int, log: Path) -> dict:
     why = reason(rc, limit, log)
     if rc == 0 and result is None:
         why = "no JSON result in its output"
-    return {"stage": name, "ok": why == "ok", "reason": why, "rc": rc, "limit_s": limit, "seconds": seconds,
-            "result": result}
+    return {
+        "stage": name,
+        "ok": why == "ok",
+        "reason": why,
+        "rc": rc,
+        "limit_s": limit,
+        "seconds": seconds,
+        "result": result,
+    }
 
 
 def records(run: Path) -> list[dict]:
@@ -90,7 +100,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def probe(path: Path, stages: Path) -> dict:
     raw, phases = json.loads(path.read_text()), stage_result(stages, "bench1b").get("phases") or {}
     return {
-        **raw,
+        "raw": raw,  # copy_probe's own line: its d2h_gbps are the raw copies', not the step's
         "grad_bytes": phases.get("grad_bytes"),
         "d2h_gbps": phases.get("d2h_gbps"),
         "h2d_gbps": phases.get("h2d_gbps"),
@@ -105,8 +115,12 @@ def wire(job: Path, stages: Path) -> dict:
     bf16 = medians(records(job), ("step_time_s", "ring_s", "reduce_wall_s"))
     fp32 = stage_result(stages, "bench150")
     ring32 = (fp32.get("phases") or {}).get("ring_s")
-    return {"bf16": bf16, "fp32_ring_s": ring32, "fp32_step_s": fp32.get("ft_step_s"),
-            "ring_bf16_vs_fp32": ratio(bf16["ring_s"], ring32)}
+    return {
+        "bf16": bf16,
+        "fp32_ring_s": ring32,
+        "fp32_step_s": fp32.get("ft_step_s"),
+        "ring_bf16_vs_fp32": ratio(bf16["ring_s"], ring32),
+    }
 
 
 def summary(job: Path) -> int:
@@ -128,8 +142,27 @@ def field(stages: Path, name: str, dotted: str) -> int:
     return 0
 
 
+def reap(marker: str) -> None:
+    """Kill what a stage left alive: processes whose command line names its scratch folder. `timeout`
+    ends the stage's process group, but ftjax starts its coordinator and replicas in sessions of their
+    own, and a parent killed by the limit (`ftjax bench step`) cannot stop them."""
+    me = os.getpid()
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if proc.name.isdigit() and int(proc.name) != me and marker in cmd:
+            print(f"killed {proc.name} left by the stage: {cmd[:200]}")
+            with contextlib.suppress(OSError):
+                os.kill(int(proc.name), signal.SIGKILL)
+
+
 def main(argv: list[str]) -> int:
     mode = argv[0]
+    if mode == "--reap":
+        reap(argv[1])
+        return 0
     if mode == "--mfu":
         print(json.dumps(medians(records(Path(argv[1])), ("step_time_s", "mfu", "tokens_per_s"))))
     elif mode == "--summary":
