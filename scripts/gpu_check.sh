@@ -1,90 +1,102 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 28 and 30, in one run on a machine of one GPU (README "On a GPU").
-# Usage: bash scripts/gpu_check.sh OUT [CONFIG]   (CONFIG: llama_1b; llama_tiny to try it on CPU)
-# Env: STAGES (default "bench probe"; also alone, profile, kill), SERIAL=1, T_BENCH (420 s), BENCH_STEPS (5),
-#      VARIANTS and SCAN=1 (profile: scripts/mfu_profile.py's --variants, --scan-layers).
-# Wheels the machine lacks are in .whl/ (pip download --python-version 3.12 --only-binary=:all:).
+# The GPU check of issue 59 on a machine of one GPU (README "On a GPU"), in stages that always tell why.
+# Usage: bash scripts/gpu_check.sh OUT
+# Each stage runs under its own time limit (`timeout`, its processes' whole group) and, as soon as it
+# ends, appends one JSON line to OUT/stages.jsonl (stage, ok, reason, rc, seconds, result) and writes
+# OUT/STAGE.tail.txt: its output's tail and the tails of its processes' logs. Run directories stay in
+# a scratch folder (WORK), never in OUT: they are too deep to come back from the device.
+# Stages (STAGES, in order; limits T_<STAGE> in seconds, the whole check under T_TOTAL = 470 s):
+#   install   the wheels the image lacks (WHEELS, default wheels/) and ftjax with --no-deps
+#   alone     the 1B alone: MFU (median after the first steps)
+#   bench150  bench1b: `ftjax bench step`, 2 FT replicas sharing the GPU against both standalone
+#   kill150   kill1b: a 2-replica FT job, replica 1 killed mid-FTAR: digests equal, exactly once
+#   probe     raw d2h/h2d copies of the 1B's update bytes, pageable and pinned, against the FT phases
+#   wire      the 150M's FT job with ft.wire_dtype=bfloat16 against bench150's float32 wire
+#   profile   (only when named) scripts/mfu_profile.py on the 1B: VARIANTS, SCAN=1 for --scan-layers
+# DRY_RUN=1: the same stages and code path on CPU (platform=cpu, llama_tiny, tiny sizes and limits).
 set -u
-OUT=${1:?out dir}; CONFIG=${2:-llama_1b}; mkdir -p "$OUT"
+OUT=${1:?out dir}; mkdir -p "$OUT"; : > "$OUT/stages.jsonl"
 PY=${PYTHON:-python3}
+HERE=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # ftjax from this checkout, run as `python -m ftjax`
-if [ "${SKIP_INSTALL:-0}" != 1 ]; then
-  # (grpcio too: the generated stubs need grpcio >= 1.85.1, the image had 1.84.0 on 2026-11-27)
-  $PY -m pip install -q --no-deps --no-index .whl/*.whl 2>&1 | tail -3
-  $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+WORK=${WORK:-$(mktemp -d)}; mkdir -p "$WORK"
+export JAX_COMPILATION_CACHE_DIR="$WORK/xla"  # the 1B's stages share its shapes: one compile each
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  BIG=llama_tiny; MID=llama_tiny; SKIP_INSTALL=1; T_TOTAL=${T_TOTAL:-900}  # a busy 2-core CI machine
+  SHAPE=(platform=cpu data.batch_size=4 model.seq_len=32); STEPS=5; KILL_STEPS=12; LIM=240; PROBE_BYTES=$((2 ** 20))
+else
+  BIG=llama_1b; MID=llama_150m
+  # (remat full: two replicas of the 1B in 45% of an H100 each)
+  SHAPE=(data.batch_size=4 model.seq_len=2048 model.remat=full); STEPS=6; KILL_STEPS=14; LIM=0; PROBE_BYTES=$((2 ** 30))
 fi
-$PY -c "import jax; print(jax.devices(), jax.__version__)" 2>&1 | tail -1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
-SYN=(task=ftjax.program.tasks:language_model 'task_args={}' data.source=synthetic checkpoint.every=0 ft.digest_every=0
+SYN=(task=ftjax.program.tasks:language_model 'task_args={}' data.source=synthetic checkpoint.every=0
      mesh.devices_per_host=1 data.micro_batches=1)
-# STAGES: what runs, in order. The FT step against standalone (issue 30's missing figure) first,
-# then the raw copies of the same bytes; `alone` (issue 28's MFU) and `kill` were measured on
-# 2026-11-26/27 (README "On a GPU") and run only when named.
-STAGES=${STAGES:-bench probe}
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-if has alone; then
-  # issue 28: the 1B Llama in bf16 alone on the GPU: MFU per step (metrics.jsonl), with cuDNN's fused
-  # attention (model.attention auto): ALONE lists runs as BATCH:REMAT:MICRO_BATCHES
-  for run in ${ALONE:-16:save_dots:2 8:save_dots:1}; do
-    IFS=: read -r B R MB <<< "$run"
-    XLA_PYTHON_CLIENT_MEM_FRACTION=${ALONE_MEM:-0.9} timeout "${T_TRAIN:-150}" "$PY" -m ftjax train "$CONFIG" \
-      --out "$OUT/alone_$B" "${SYN[@]}" steps="${STEPS:-8}" data.batch_size="$B" data.micro_batches="$MB" \
-      model.seq_len="${SEQ:-2048}" model.remat="$R" > "$OUT/alone_$B.log" 2>&1; tail -1 "$OUT/alone_$B.log"
-    $PY - "$OUT/alone_$B/metrics.jsonl" "$B" "$R" <<'PY' | tee -a "$OUT/mfu.json"
-import json, statistics, sys
-recs = [json.loads(l) for l in open(sys.argv[1]) if '"step_time_s"' in l][3:]
-out = {k: statistics.median(r[k] for r in recs) for k in ("step_time_s", "mfu", "tokens_per_s") if recs and k in recs[0]}
-print(json.dumps({"batch": int(sys.argv[2]), "remat": sys.argv[3], "steps": len(recs), **out}))
-PY
-  done
-fi
-if has profile; then
-  scan=(); if [ -n "${SCAN:-}" ]; then scan=(--scan-layers); fi  # SCAN=1: the model's blocks as one lax.scan
-  # the 1B's forward and backward with the logits whole and in chunks (model.logits_chunk): time,
-  # MFU and XLA's temporaries of each (scripts/mfu_profile.py), one JSON line per variant
-  timeout "${T_PROFILE:-180}" "$PY" scripts/mfu_profile.py "$CONFIG" --batch 8 --micro-batches 2 --seq "${SEQ:-2048}" \
-    --variants "${VARIANTS:-cudnn:save_dots,cudnn:save_dots:512,cudnn:save_dots:2048}" --reps 3 "${scan[@]}" \
-    > "$OUT/profile.json" 2> "$OUT/profile.err"; cat "$OUT/profile.json"; tail -3 "$OUT/profile.err"
-fi
-if has bench; then
-  # issue 30: two replicas sharing the GPU: FT (ft.grad_path auto: pinned on a GPU) against both
-  # training alone at the same time; SERIAL=1 adds the serial path (a third pair of 1B runs)
-  EXTRA=(); read -ra EXTRA <<< "${BENCH_ARGS:-}"; [ "${SERIAL:-0}" = 1 ] || EXTRA+=(--no-serial)
-  T=${T_BENCH:-420}
-  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout "$T" "$PY" -m ftjax bench step \
-    "$CONFIG" --devices 1 --no-sync --steps "${BENCH_STEPS:-5}" --warmup 2 --timeout $((T - 20)) --out "$OUT/bench" \
-    "${SYN[@]}" data.batch_size=4 model.seq_len=2048 model.remat=full "${EXTRA[@]}" \
-    > "$OUT/bench_step.json" 2> "$OUT/bench_step.err"
-  cat "$OUT/bench_step.json"; tail -3 "$OUT/bench_step.err"
-  # (the run directories are too deep to come back from the device: their logs' tails, one file)
-  find "$OUT/bench" -name "*.log" -size -4M | sort | while read -r f; do echo "== $f"; tail -n 25 "$f"; done > "$OUT/bench_logs.txt"
-fi
-if has probe; then
-  # raw device <-> host copies of the update's bytes on one replica's host (pageable and pinned),
-  # in this same run: the yardstick of the step's d2h_gbps and h2d_gbps
-  NBYTES=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['phases']['grad_bytes'])" \
-    "$OUT/bench_step.json" 2>/dev/null || echo $((2 ** 30)))
-  timeout 120 "$PY" scripts/copy_probe.py --bytes "$NBYTES" > "$OUT/probe.json" 2> "$OUT/probe.err"; cat "$OUT/probe.json"
-  $PY - "$OUT/bench_step.json" "$OUT/probe.json" <<'PY' | tee "$OUT/gradient_path.json"
-import json, sys
-try:
-    step = json.load(open(sys.argv[1]))
-except (OSError, ValueError):
-    step = {}
-probe, phases = json.load(open(sys.argv[2])), step.get("phases") or {}
-ratio = lambda a, b: round(a / b, 3) if a and b else None
-print(json.dumps({
-    "ft_vs_standalone": step.get("ft_vs_standalone"), "grad_bytes": phases.get("grad_bytes"),
-    "probe_bytes": probe.get("bytes"), "d2h_gbps": phases.get("d2h_gbps"), "h2d_gbps": phases.get("h2d_gbps"),
-    "d2h_vs_raw_pinned": ratio(phases.get("d2h_gbps"), probe.get("d2pinned_gbps")),
-    "d2h_vs_raw_pageable": ratio(phases.get("d2h_gbps"), probe.get("d2h_gbps")),
-    "h2d_vs_raw_pageable": ratio(phases.get("h2d_gbps"), probe.get("h2d_gbps")),
-    "h2d_vs_raw_pinned": ratio(phases.get("h2d_gbps"), probe.get("pinned2d_gbps")),
-}))
-PY
-fi
-has kill || exit 0
-# the fault tolerance on the accelerator: 2 replicas of the tiny Llama share the GPU, one killed in FTAR
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "${T_KILL:-100}" "$PY" -m ftjax launch llama_tiny --replicas 2 --kill 1@10:ftar steps=40 --timeout-s 90 \
-  --out "$OUT/kill" "${SYN[@]}" > "$OUT/kill.log" 2>&1
-$PY -c "import json,sys; s=json.load(open(sys.argv[1])); print(json.dumps({k: s.get(k) for k in ('ok','digests_equal','exactly_once','committed_steps')}))" "$OUT/kill/summary.json" | tee "$OUT/kill.json"
+START=$SECONDS; T_TOTAL=${T_TOTAL:-470}
+d() { [ "$LIM" -gt 0 ] && echo "$LIM" || echo "$1"; }  # a stage's default limit: LIM in a dry run
+limit() {  # a stage's limit, never past the whole check's
+  local own=${1}
+  local left=$((T_TOTAL - (SECONDS - START))); [ "$own" -lt "$left" ] && echo "$own" || echo "$left"
+}
+# stage NAME LIMIT CMD...: runs CMD (a function below) under LIMIT, then records what came of it
+stage() {
+  local name=$1 lim; lim=$(limit "$2"); shift 2
+  [[ " ${STAGES:-install alone bench150 bench1b kill150 kill1b probe wire} " == *" $name "* ]] || return 0
+  local t0=$SECONDS rc
+  if [ "$lim" -lt 5 ]; then rc=-1; echo "no time left" > "$OUT/$name.log"
+  else  # the stage's functions in a shell of its own, so that timeout limits (and kills) all it started
+    timeout -k 10 "$lim" bash -c "$(declare -p SYN SHAPE); $(declare -f $FUNCS); \"\$@\"" _ "$@" \
+      > "$OUT/$name.log" 2>&1; rc=$?
+  fi
+  $PY "$HERE/gpu_stage.py" --reap "$WORK/$name/" >> "$OUT/$name.log" 2>&1
+  { tail -n 40 "$OUT/$name.log"
+    find "$WORK/$name" -name "*.log" 2>/dev/null | sort | while read -r f; do echo "== ${f#"$WORK"/}"; tail -n 25 "$f"; done
+  } > "$OUT/$name.tail.txt"
+  $PY "$HERE/gpu_stage.py" "$name" "$rc" "$lim" $((SECONDS - t0)) "$OUT/$name.log" | tee -a "$OUT/stages.jsonl"
+}
+install() {
+  # (grpcio too: the generated stubs need grpcio >= 1.85.1, the image had 1.84.0 on 2026-11-27)
+  $PY -m pip install -q --no-deps --no-index "${WHEELS:-wheels}"/*.whl && $PY -m pip install -q --no-deps --no-build-isolation -e .
+  $PY -c "import jax, json; print(json.dumps({'devices': str(jax.devices()), 'jax': jax.__version__}))"
+}
+alone() {  # the 1B alone on the GPU, bf16 compute, cuDNN attention, 16 x 2048 tokens in 2 micro-batches
+  local b=${ALONE_BATCH:-16}; [ "${DRY_RUN:-0}" = 1 ] && b=4
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 $PY -m ftjax train "$BIG" --out "$WORK/alone/run" "${SYN[@]}" "${SHAPE[@]}" \
+    steps=$((STEPS + 2)) data.batch_size="$b" data.micro_batches=2 model.remat=save_dots && $PY "$HERE/gpu_stage.py" --mfu "$WORK/alone/run"
+}
+bench() {  # CONFIG NAME: FT step against standalone (pinned gradient path, float32 wire)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 $PY -m ftjax bench step "$1" --devices 1 \
+    --no-sync --no-serial --steps "$STEPS" --warmup 2 --timeout "$3" --out "$WORK/$2" "${SYN[@]}" "${SHAPE[@]}"
+}
+kill_job() {  # CONFIG NAME JOB_TIMEOUT: 2 replicas, replica 1 killed mid-FTAR at step 4
+  local cfg=$1 name=$2 t=$3
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 $PY -m ftjax launch "$cfg" --replicas 2 \
+    --kill 1@4:ftar --timeout-s "$t" --out "$WORK/$name/job" "${SYN[@]}" "${SHAPE[@]}" steps="$KILL_STEPS"
+  $PY "$HERE/gpu_stage.py" --summary "$WORK/$name/job"
+}
+wire() {  # JOB_TIMEOUT: the 150M's 2 replicas with the bf16 wire (no kill): FTAR's ring against bench150's float32 ring
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 $PY -m ftjax launch "$MID" --replicas 2 \
+    --timeout-s "$1" --out "$WORK/wire/job" "${SYN[@]}" "${SHAPE[@]}" steps="$STEPS" ft.wire_dtype=bfloat16
+  $PY "$HERE/gpu_stage.py" --wire "$WORK/wire/job" "$OUT/stages.jsonl"
+}
+probe() {  # raw copies of the bytes of the 1B's update (bench1b's grad_bytes), pageable and pinned
+  local n; n=$($PY "$HERE/gpu_stage.py" --field "$OUT/stages.jsonl" bench1b phases.grad_bytes) || n=$PROBE_BYTES
+  $PY "$HERE/copy_probe.py" --bytes "$n" > "$WORK/probe.json" && $PY "$HERE/gpu_stage.py" --probe "$WORK/probe.json" "$OUT/stages.jsonl"
+}
+profile() {  # the 1B's forward and backward, logits whole and in chunks: time, MFU, XLA's temporaries
+  local scan=(); [ -n "${SCAN:-}" ] && scan=(--scan-layers)
+  $PY "$HERE/mfu_profile.py" "$BIG" --batch 8 --micro-batches 2 --seq "${SEQ:-2048}" --reps 3 "${scan[@]}" \
+    --variants "${VARIANTS:-cudnn:save_dots,cudnn:save_dots:512,cudnn:save_dots:2048}"
+}
+export OUT PY HERE WORK BIG MID STEPS KILL_STEPS DRY_RUN WHEELS PROBE_BYTES SEQ SCAN VARIANTS
+FUNCS="install alone bench kill_job wire probe profile"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+[ "${SKIP_INSTALL:-0}" = 1 ] || stage install "${T_INSTALL:-$(d 40)}" install
+stage alone "${T_ALONE:-$(d 70)}" alone
+stage bench150 "${T_BENCH150:-$(d 70)}" bench "$MID" bench150 60
+stage bench1b "${T_BENCH1B:-$(d 110)}" bench "$BIG" bench1b 100
+stage kill150 "${T_KILL150:-$(d 50)}" kill_job "$MID" kill150 45
+stage kill1b "${T_KILL1B:-$(d 90)}" kill_job "$BIG" kill1b 80
+stage probe "${T_PROBE:-$(d 25)}" probe
+stage wire "${T_WIRE:-$(d 40)}" wire 35
+stage profile "${T_PROFILE:-$(d 150)}" profile
+echo "gpu_check: $((SECONDS - START)) s; $(grep -c '"ok": true' "$OUT/stages.jsonl") of $(wc -l < "$OUT/stages.jsonl") stages ok"
