@@ -82,7 +82,7 @@ def test_streaming_averages_one_fragment_and_resets_only_its_local_parameters():
     state = sync.init(program.init(np.int32(0)))
     stream = make_stream(cfg)
     batches = [device_batch(program, stream.batch(k)) for k in range(2)]
-    res = sync.run_inner(state, batches, [where(k, 0, 0) for k in range(2)], 1)
+    res = sync.run_inner(state, batches, [where(k, 0, 0) for k in range(2)], 1, step=1)
     out = sync.apply(state, (1, res.delta), 1.0, res)
     g0, g1 = jax.tree.leaves(state["params"]), jax.tree.leaves(out["params"])
     trained, local = jax.tree.leaves(res.local), jax.tree.leaves(out["local"])
@@ -369,7 +369,9 @@ def test_fragment_sync_delay_and_update_alpha_follow_the_history_computed_by_han
     pseudo-gradient global - local taken tau inner steps before the round's end, the outer step
     applied at its end, then every replica's local fragment alpha * local + (1 - alpha) * the new
     global. Round 2 is a failure: replica 1 dies in its inner steps (the round averages replica 0's
-    delta alone) and heals from replica 0's state before the round, the round replayed on it."""
+    delta alone) and heals from replica 0's state before the round, the round replayed on it. Its
+    local b then lacks replica 0's inner steps of round 2, so round 3 averages b's deltas weighted
+    by the inner steps each holds since b's last outer step (n - tau against 2n - tau)."""
     import jax.numpy as jnp
 
     import ftjax
@@ -399,34 +401,45 @@ def test_fragment_sync_delay_and_update_alpha_follow_the_history_computed_by_han
     # the reference: float32 numpy, the same order of operations
     g = {k: np.asarray(v) for k, v in states[0]["params"].items()}
     local = [dict(g), dict(g)]
-    positions = [0, 0]
+    positions, since = [0, 0], [{"a": 0, "b": 0}, {"a": 0, "b": 0}]  # inner steps since a fragment's outer step
+    weights = []
     for r in range(rounds):
         f, key = r % 2, "ab"[r % 2]
         contributors = [0] if r == dead else [0, 1]
-        before, before_local = states[0], dict(local[0])
-        results, deltas = {}, []
+        before, before_local, before_since = states[0], dict(local[0]), dict(since[0])
+        results, deltas, counts = {}, [], []
         for i in contributors:
             k0 = positions[i] * n
             batches = [device_batch(program, streams[i].batch(k0 + h)) for h in range(n)]
-            results[i] = sync.run_inner(states[i], batches, [where(k0 + h, i, 0) for h in range(n)], f)
+            results[i] = sync.run_inner(states[i], batches, [where(k0 + h, i, 0) for h in range(n)], f, step=r)
             for h in range(n):
                 x = grad(i, k0 + h)
                 local[i] = {"a": local[i]["a"] - np.float32(lr) * x[:4], "b": local[i]["b"] - np.float32(lr) * x[4:]}
                 if h + 1 == n - tau:
                     deltas.append(g[key] - local[i][key])
+                    counts.append(since[i][key] + h + 1)
             positions[i] += 1
-        avg = deltas[0] if len(deltas) == 1 else (deltas[0] + deltas[1]) / np.float32(2)
-        got = [np.asarray(results[i].delta[0]) for i in contributors]
-        mean = got[0] if len(got) == 1 else (got[0] + got[1]) / np.float32(2)
-        np.testing.assert_allclose(mean, avg, rtol=1e-6, atol=1e-7)
+            since[i] = {k: c + n for k, c in since[i].items()}
+        # the average weighted by inner steps, in float64; each weight over a full count (every step taken)
+        avg = (sum(c * d.astype(np.float64) for c, d in zip(counts, deltas)) / sum(counts)).astype(np.float32)
+        full = n * min(1, r) + n - tau
+        weights.append([float(results[i].delta[-1][0]) for i in contributors])
+        assert weights[-1] == [float(np.float32(c / full)) for c in counts]
+        # FTAR's mean of each contributor's [w x delta, w]
+        got = [[np.asarray(x) for x in results[i].delta] for i in contributors]
+        mean = got[0] if len(got) == 1 else [(a + b) / np.float32(2) for a, b in zip(*got)]
         if r == dead:  # replica 1 takes replica 0's state before the round and replays its average
-            states[1], local[1] = before, before_local
-        states = [sync.apply(states[i], (f, [mean]), 1.0, results.get(i)) for i in (0, 1)]
+            states[1], local[1], since[1] = before, before_local, before_since
+        states = [sync.apply(states[i], (f, mean), 1.0, results.get(i)) for i in (0, 1)]
         g[key] = g[key] - avg
         for i in (0, 1):
             local[i][key] = local[i][key] * np.float32(alpha) + g[key] * np.float32(1 - alpha)
+            since[i][key] = 0
+            assert np.asarray(states[i]["since"]).tolist() == [since[i]["a"], since[i]["b"]]
         for i in (0, 1):
             for k in "ab":
                 np.testing.assert_allclose(np.asarray(states[i]["params"][k]), g[k], rtol=1e-6, atol=1e-6)
                 np.testing.assert_allclose(np.asarray(states[i]["local"][k]), local[i][k], rtol=1e-6, atol=1e-6)
         assert np.array_equal(states[0]["params"]["a"], states[1]["params"]["a"])  # (the shared state: bitwise)
+    # every weight 1 but the round after the heal's, where replica 1's delta holds fewer inner steps
+    assert weights == [[1.0, 1.0], [1.0, 1.0], [1.0], [1.0, float(np.float32((n - tau) / (2 * n - tau)))], [1.0, 1.0]]
