@@ -526,7 +526,8 @@ class FragmentReducer:
     With a warm-up (`warmup` synchronous steps, `inner` steps per round after it), a replica that
     missed warm-up steps reaches the rounds with positions still below the warm-up's end, whose
     rounds have one inner step (`round_span`): its delta then counts by its inner steps in the
-    round's mean (`weight`), as a warm-up step's mean gradient counts by its batches."""
+    round's mean (`weight`), as a warm-up step's mean gradient counts by its batches. Streaming
+    rounds skip `weight`: their deltas carry their own (`OuterSync.weight`)."""
 
     def __init__(self, reducers: list, fragments: int, inner: int = 1, warmup: int = 0, sync: Any = None) -> None:
         self.reducers, self.fragments, self.inner, self.warmup = reducers, fragments, inner, warmup
