@@ -12,7 +12,7 @@ every member once the owner's encoded average is what the all-gather carries and
 itself keeps. A row that is not finite encodes q = 0 and a NaN scale: it decodes to NaN (a
 conversion of NaN to int8 would be the platform's choice), so a non-finite delta stays visible.
 
-Not yet a wire of FTAR's (`ft.wire_dtype`): issue 56, docs/design.md "Training across slow links".
+FTAR's `ft.wire_dtype: int8` (ring.py; DiLoCo's outer deltas): docs/design.md, "Training across slow links".
 """
 
 from __future__ import annotations

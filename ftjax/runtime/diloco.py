@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ftjax.ftar import quant
 from ftjax.program import sharding as shd
 from ftjax.program.task import TaskError
 
@@ -213,7 +214,7 @@ class OuterSync:
         self.pieces = fragment_cut(cfg, leaves)
         # the leaves each fragment's pieces lie in (a fragment's jitted steps take and return only those)
         self.touched = [sorted({p.leaf for p in ps}) for ps in self.pieces]
-        self._bytes = [4 * sum(p.size for p in ps) for ps in self.pieces]
+        self._bytes = [_wire_bytes(ft.wire_dtype, sum(p.size for p in ps)) for ps in self.pieces]
         self.shardings = [a.sharding for a in leaves]
         weighted = self.fragments > 1  # streaming: each delta carries its weight (`weight`)
         self.outer_abstract, piece_shardings = _outer_shapes(
@@ -295,13 +296,13 @@ class OuterSync:
         return step < self.warmup
 
     def fragment_bytes(self, f: int) -> int:
-        """Bytes of fragment f's pseudo-gradient in float32 (what one replica averages in a round)."""
+        """Bytes of fragment f's pseudo-gradient in FTAR's frames (what one replica averages in a round)."""
         return self._bytes[f]
 
     def round_fields(self, step: int) -> dict:
-        """The record of the step after committed step `step`: the fragment it averages, the float32
-        bytes it averages (the fragment's, or in a warm-up step the whole gradient's), whether it is
-        a warm-up step."""
+        """The record of the step after committed step `step`: the fragment it averages, the bytes
+        it averages in FTAR's frames (`ft.wire_dtype`; the fragment's, or in a warm-up step the
+        whole gradient's), whether it is a warm-up step."""
         synchronous = self.synchronous(step)
         nbytes = sum(self._bytes) if synchronous else self._bytes[self.fragment(step)]
         return {"fragment": self.fragment(step), "sync_bytes": nbytes, "synchronous": synchronous}
@@ -449,6 +450,11 @@ def _outer_shapes(
         osh = shd.follow_params(shapes, sh[: len(ps)], mesh)
         outer.append(jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, osh))
     return outer, piece_shardings
+
+
+def _wire_bytes(wire_dtype: str, n: int) -> int:
+    """The bytes of n elements in FTAR's frames (`ft.wire_dtype`; int8: row-wise, `quant.nbytes`)."""
+    return quant.nbytes(n) if wire_dtype == "int8" else n * (2 if wire_dtype == "bfloat16" else 4)
 
 
 def _pseudo_gradient(take: Any, weighted: bool):

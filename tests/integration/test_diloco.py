@@ -12,6 +12,7 @@ from conftest import REPO
 from launchrun import Launch
 
 from ftjax.config import load_config
+from ftjax.ftar import quant
 from ftjax.program.data import make_stream
 from ftjax.program.digest import state_checksum
 from ftjax.program.step import build_program, device_batch, where
@@ -175,9 +176,13 @@ def _rounds(run: Launch, r: int) -> dict[int, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sync,warmup", [("diloco", 0), ("streaming_diloco", 0), ("diloco", 6), ("streaming_diloco", 6)]
+    "sync,warmup,wire",
+    [("diloco", 0, "float32"), ("streaming_diloco", 0, "float32"), ("diloco", 6, "float32")]
+    + [("streaming_diloco", 6, "float32"), ("streaming_diloco", 0, "int8")],
 )
-def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_equal(procs, tmp_path, sync, warmup):
+def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_equal(
+    procs, tmp_path, sync, warmup, wire
+):
     """3 replicas of the tiny Llama, 24 rounds: replica 1 dies during its inner steps of round 4 and
     its next incarnation while it catches up; replica 2 dies in the outer all-reduce of round 8.
     Replica 0 lives throughout (it holds the job's state; each kill hits a first incarnation, as a
@@ -188,11 +193,13 @@ def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_
     warm-up of 6 synchronous steps, replica 1 dies in the warm-up instead, and every record's inner
     steps and tokens are those beneath its data position (one batch below 6; a replica back before
     the job's end with its position behind trains such short rounds, whose weight in the mean
-    tests/unit/test_diloco_parts.py checks: here the rounds are often over before it is back)."""
+    tests/unit/test_diloco_parts.py checks: here the rounds are often over before it is back). With
+    ft.wire_dtype=int8 every frame of the outer all-reduce is row-wise int8 (`ftjax/ftar/quant.py`):
+    the same invariants, and a round's bytes (the records' sync_bytes) >= 1.8x fewer than bfloat16's."""
     args = [f"{REPO}/ftjax/configs/llama_tiny.yaml", "--replicas", "3", "--restart-delay-s", "0.5"]
     args += ["steps=24", f"ft.sync={sync}", "ft.inner_steps=4", "ft.fragments=2", "ft.drain_timeout_s=300"]
-    args += ["--kill", "1@4:catchup", "--kill", "2@8:ftar", f"ft.sync_warmup_steps={warmup}"]
-    run = Launch(procs, args, tmp_path / f"{sync}{warmup}")
+    args += ["--kill", "1@4:catchup", "--kill", "2@8:ftar", f"ft.sync_warmup_steps={warmup}", f"ft.wire_dtype={wire}"]
+    run = Launch(procs, args, tmp_path / f"{sync}{warmup}{wire}")
     try:
         assert run.wait(timeout=600) == 0, run.output()
         s = run.summary()
@@ -236,6 +243,11 @@ def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_
             both = mine[warmup]["sync_bytes"] + mine[warmup + 1]["sync_bytes"]
             assert abs(mine[warmup]["sync_bytes"] - mine[warmup + 1]["sync_bytes"]) <= 0.01 * both  # (halves)
             assert all(m["sync_bytes"] == both for m in mine[:warmup])
+        if wire == "int8":  # each fragment's elements in int8 frames, against 2 bytes each in bfloat16's
+            cfg, program = _program(["ft.sync=streaming_diloco", "ft.inner_steps=4", "ft.fragments=2"])
+            sizes = [sum(p.size for p in ps) for ps in OuterSync(cfg, program).pieces]
+            assert [m["sync_bytes"] for m in mine] == [quant.nbytes(sizes[n % 2]) for n in range(24)]
+            assert all(2 * n / quant.nbytes(n) >= 1.8 for n in sizes)
     finally:
         run.close()
 
