@@ -70,7 +70,7 @@ class StepFigures(NamedTuple):
     mfu: float | None = None  # model FLOPs utilization of the step (None: the devices' peak is not known)
     eval_loss: float | None = None  # its held-out loss after the step (None: it did not evaluate)
     # DiLoCo: the step is an outer round of `inner_steps` inner steps that averaged `fragment`, of
-    # `sync_bytes` float32 bytes (None: every-step sync)
+    # `sync_bytes` the bytes in FTAR's frames, ft.wire_dtype (None: every-step sync)
     inner_steps: int | None = None
     fragment: int | None = None
     sync_bytes: int | None = None

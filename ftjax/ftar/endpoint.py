@@ -38,16 +38,17 @@ import ml_dtypes
 import numpy as np
 
 from ftjax.base import net
-from ftjax.ftar import shm, wire
+from ftjax.ftar import quant, shm, wire
 from ftjax.ftar.errors import FTARError, HandshakeRefused, PeerFailed, PeerTimeout, ProtocolError
-from ftjax.ftar.ring import Aborted, CallState, Ring
+from ftjax.ftar.ring import INT8, Aborted, CallState, Ring
 
 log = logging.getLogger("ftjax.ftar")
 
 DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))
 # ft.wire_dtype: what frames carry. float32: reduce-scatter partial sums in float32, the all-gather
-# in the buffer's dtype; bfloat16: every frame in bfloat16, whatever the buffer (half the bytes)
-WIRE_DTYPES = {"float32": None, "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+# in the buffer's dtype; bfloat16: every frame in bfloat16, whatever the buffer (half the bytes);
+# int8: every frame row-wise int8 with float32 scales (quant.py: about a quarter of the bytes)
+WIRE_DTYPES = {"float32": None, "bfloat16": np.dtype(ml_dtypes.bfloat16), "int8": INT8}
 DEFAULT_CHUNK_BYTES = 1 << 20
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not finish its hello in time is dropped
 # Connections still in their handshake, each on its own thread: at most this many. Past it the oldest
@@ -213,7 +214,9 @@ class FTAREndpoint:
         world = len(members)
         ones, total = np.ones(world, np.float32), np.empty(world, np.float32)
         hooks = dict(ready=None, on_result=None)
-        self._ring_call(ones, total, quorum_id, step, members, rank, [True] * world, 1, hooks)
+        # (not in int8 frames: a frame's 3 may decode a float32 ulp off 3)
+        wire_dtype = "float32" if self.wire_dtype == "int8" else None
+        self._ring_call(ones, total, quorum_id, step, members, rank, [True] * world, 1, hooks, wire_dtype)
         if not (total == world).all():  # (a frame that passed its checks but not its sum)
             raise ProtocolError(
                 f"confirmation summed to {total.tolist()}, not {world} per member",
@@ -227,7 +230,9 @@ class FTAREndpoint:
     def _alone(buf: np.ndarray, out: np.ndarray, count: int, wire_dtype: np.dtype | None) -> None:
         """A ring of one: the average is the data divided by the divisor, rounded as the ring does
         (a bfloat16 wire rounds a float32 result too, so that its values do not depend on the world)."""
-        if wire_dtype is not None and buf.dtype != wire_dtype:
+        if wire_dtype == INT8:  # encoded and decoded once, as a ring's owner does
+            out[...] = quant.decode(quant.encode(buf.astype(np.float32) / np.float32(count)), buf.size)
+        elif wire_dtype is not None and buf.dtype != wire_dtype:
             out[...] = (buf / np.float32(count)).astype(wire_dtype)
         elif count == 1:
             np.copyto(out, buf)
@@ -304,11 +309,13 @@ class FTAREndpoint:
         contributors: list[bool],
         count: int,
         hooks: dict,
+        wire_dtype: str | None = None,
     ) -> np.ndarray:
         world = len(members)
         left, right = members[(rank - 1) % world], members[(rank + 1) % world]
+        wire_dtype = wire_dtype or self.wire_dtype
         meta = wire.call_fingerprint(
-            buf.size, buf.dtype, self.chunk_elems, members, contributors, count, self.wire_dtype, self.streams
+            buf.size, buf.dtype, self.chunk_elems, members, contributors, count, wire_dtype, self.streams
         )
         state = CallState(quorum_id, step, on_abort=self._wake)
         pending = self._begin(state, left, right)
@@ -327,10 +334,10 @@ class FTAREndpoint:
             timeout_s=self.timeout_s,
             checksum=self.checksum,
             scratch=self._scratch_for(buf),
-            wire_dtype=WIRE_DTYPES[self.wire_dtype],
+            wire_dtype=WIRE_DTYPES[wire_dtype],
             streams=self.streams,
-            stages=self._stages_for(),
-            image=self._image_for(buf),
+            stages=self._stages_for(wire_dtype),
+            image=self._image_for(buf, wire_dtype),
             **hooks,
         )
         links_in: dict[tuple[str, int], socket.socket] = {}  # (peer, stream) -> link, as the call takes them
@@ -358,19 +365,21 @@ class FTAREndpoint:
             self._scratch = np.empty(buf.size, np.float32)
         return self._scratch
 
-    def _image_for(self, buf: np.ndarray) -> np.ndarray | None:
+    def _image_for(self, buf: np.ndarray, wire_name: str) -> np.ndarray | None:
         """bfloat16 copy of a float32 result for a bfloat16 wire (what its all-gather forwards, so
         that it is rounded once), kept across calls like the scratch accumulator."""
-        wire_dtype = WIRE_DTYPES[self.wire_dtype]
-        if wire_dtype is None or buf.dtype == wire_dtype:
+        wire_dtype = WIRE_DTYPES[wire_name]
+        if wire_dtype is None or buf.dtype == wire_dtype or wire_dtype == INT8:  # (int8: the ring's own)
             return None
         if self._image is None or self._image.size < buf.size:
             self._image = np.empty(buf.size, wire_dtype)
         return self._image
 
-    def _stages_for(self) -> np.ndarray:
+    def _stages_for(self, wire_name: str) -> np.ndarray | None:
         """The ring threads' staging rows (a chunk each; see Ring), kept across calls."""
-        dtype = WIRE_DTYPES[self.wire_dtype] or np.dtype(np.float32)
+        dtype = WIRE_DTYPES[wire_name] or np.dtype(np.float32)
+        if dtype == INT8:  # (the ring's own: rows of a frame's bytes)
+            return None
         if self._stages is None:
             self._stages = np.empty((2 * self.streams, self.chunk_elems), dtype)
         return self._stages

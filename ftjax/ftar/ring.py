@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ftjax.ftar import shm, wire
+from ftjax.ftar import quant, shm, wire
 from ftjax.ftar.errors import FTARError, PeerFailed, PeerTimeout, ProtocolError
 
 RS, AG = wire.PHASE_REDUCE_SCATTER, wire.PHASE_ALL_GATHER
+INT8 = np.dtype(np.int8)  # the wire_dtype of row-wise int8 frames (quant.py): they travel as bytes
 
 
 @dataclass(frozen=True)
@@ -187,26 +188,62 @@ class Ring:
         self.timeout_s, self.checksum = timeout_s, checksum
         self.sends, self.recvs = schedule(buf.size, world, rank, chunk_elems)
         self.finished = bytearray(len(self.recvs))  # receives completed, in any order (see _complete)
+        self.int8 = wire_dtype is not None and np.dtype(wire_dtype) == INT8
+        if self.int8:  # every frame is quant's bytes; the all-gather forwards the owner's frames
+            wire_dtype, stages, image = np.dtype(np.uint8), self._int8_stages(streams, chunk_elems), self._frames()
         self.wire_rs = np.dtype(np.float32) if wire_dtype is None else np.dtype(wire_dtype)
         self.wire_ag = res.dtype if wire_dtype is None else np.dtype(wire_dtype)
         self.streams = streams
         if stages is None:
             stages = np.empty((2 * streams, chunk_elems), self.wire_rs)
-        assert stages.dtype == self.wire_rs and stages.shape[0] >= 2 * streams and stages.shape[1] >= chunk_elems
+        rows, row = stages.shape
+        assert stages.dtype == self.wire_rs and rows >= 2 * streams and row >= self._length(chunk_elems)
         self.stages = stages  # rows [0, streams): the senders'; [streams, 2 streams): the receivers'
         if res.dtype == np.float32:
             self.acc = res
         else:
             assert scratch is not None and scratch.dtype == np.float32 and scratch.size >= buf.size
             self.acc = scratch[: buf.size]
-        # the result as the all-gather carries it: ``res`` itself unless it is wider than the wire
-        if res.dtype == self.wire_ag:
-            self.image = res
-        else:
-            assert image is not None and image.dtype == self.wire_ag and image.size >= buf.size
-            self.image = image[: buf.size]
+        self.image = self._result_image(image)
         # a non-contributor's first step sends zeros
-        self.zeros = None if contributes else np.zeros(chunk_elems, self.wire_rs)
+        self.zeros = None if contributes else np.zeros(self._length(chunk_elems), self.wire_rs)  # (int8: scales 0)
+
+    def _result_image(self, image: np.ndarray | None) -> np.ndarray:
+        """The result as the all-gather carries it: ``res`` itself unless it is wider than the wire
+        (int8: the frames, `_frames`)."""
+        if self.int8 or self.res.dtype == self.wire_ag:
+            return image if self.int8 else self.res
+        assert image is not None and image.dtype == self.wire_ag and image.size >= self.buf.size
+        return image[: self.buf.size]
+
+    def _int8_stages(self, streams: int, chunk_elems: int) -> np.ndarray:
+        return np.empty((2 * streams, quant.nbytes(chunk_elems)), np.uint8)
+
+    def _frames(self) -> np.ndarray:
+        """int8 wire: the encoded result, each chunk's frame at its offset (`_image_of`)."""
+        self.offsets, total = {}, 0
+        for c in sorted({(c.start, c.stop) for c in self.sends + self.recvs}):
+            self.offsets[c[0]], total = total, total + quant.nbytes(c[1] - c[0])
+        return np.empty(total, np.uint8)
+
+    def _length(self, n: int) -> int:
+        """The items of a frame of ``n`` elements (int8 wire: its bytes)."""
+        return quant.nbytes(n) if self.int8 else n
+
+    def _image_of(self, a: int, b: int) -> np.ndarray:
+        """The all-gather's copy of result elements a..b (int8 wire: their frame)."""
+        if not self.int8:
+            return self.image[a:b]
+        return self.image[self.offsets[a] : self.offsets[a] + quant.nbytes(b - a)]
+
+    def _widen(self, a: int, b: int, image: np.ndarray) -> None:
+        """res[a:b] from the all-gather's copy: widened, or an int8 frame decoded (the same bits everywhere)."""
+        if not self.int8:
+            np.copyto(self.res[a:b], image)
+        elif self.res.dtype == np.float32:
+            quant.decode(image, b - a, out=self.res[a:b])
+        else:
+            np.copyto(self.res[a:b], quant.decode(image, b - a))
 
     # --- public -----------------------------------------------------------------------------
     def run(self, connect_out: Callable[[int], object], connect_in: Callable[[int], object]) -> None:
@@ -324,27 +361,27 @@ class Ring:
             for seq in range(first, len(self.recvs), streams):
                 chunk = self.recvs[seq]
                 a, b = chunk.start, chunk.stop
-                dest = self.acc[a:b] if chunk.phase == RS else self.image[a:b]
+                dest = self.acc[a:b] if chunk.phase == RS else self._image_of(a, b)
                 if chunk.phase == RS and self.contributes:
                     self.ready(a, b)
                 dtype = self._wire(chunk)
                 if segment is None:
                     # straight into place when the frame's dtype is the destination's
-                    incoming = dest if dest.dtype == dtype else stage[: b - a]
+                    incoming = dest if dest.dtype == dtype else stage[: self._length(b - a)]
                     wire.recv_into_all(sock, [header, _bytes(incoming)])
                     self._check(header, _bytes(incoming), chunk, seq)
                     self._combine(chunk, incoming, dest)
                 else:
                     # the frame names a slot the sender has filled; read it once, straight into place
                     wire.recv_into_all(sock, [header])
-                    slot = segment.slot(seq, (b - a) * dtype.itemsize, dtype)
+                    slot = segment.slot(seq, self._length(b - a) * dtype.itemsize, dtype)
                     self._check(header, _bytes(slot), chunk, seq, shm=True)
                     self._combine(chunk, slot, dest)
                     wire.send_all(sock, [memoryview(shm.ACK.pack(seq))])  # the slot is the sender's again
                 if chunk.owned:
                     self._finalise(chunk, dest)
                 elif chunk.phase == AG and self.image is not self.res:
-                    np.copyto(self.res[a:b], dest)  # widened: the owner's bits
+                    self._widen(a, b, dest)  # the owner's bits
                 if chunk.owned or chunk.phase == AG:
                     with self._result_lock:
                         self.on_result(a, b)
@@ -374,7 +411,7 @@ class Ring:
         reduce-scatter steps), this member's own data (the first), or None for a non-contributor's zeros."""
         a, b = chunk.start, chunk.stop
         if chunk.phase == AG:
-            return self.image[a:b]
+            return self._image_of(a, b)
         if not chunk.first:
             return self.acc[a:b]
         return self.buf[a:b] if self.contributes else None
@@ -385,9 +422,11 @@ class Ring:
         float32 sums rounded for a bfloat16 one; the all-gather's ``image`` always has the wire's dtype)."""
         src = self._source(chunk)
         if src is None:  # non-contributor: zeros
-            return _bytes(self.zeros[: chunk.stop - chunk.start])
+            return _bytes(self.zeros[: self._length(chunk.stop - chunk.start)])
         if src.dtype == self._wire(chunk):
             return _bytes(src)
+        if self.int8:  # a partial sum (or own data) encoded as it is sent, as a bfloat16 wire rounds it
+            return _bytes(quant.encode(src, stage))
         np.copyto(stage[: src.size], src)
         return _bytes(stage[: src.size])
 
@@ -395,10 +434,12 @@ class Ring:
         """Write what frame ``seq`` carries into its slot (one copy, converted on the way). A slot
         holds a float32 chunk: a bfloat16 frame fills half of it."""
         dtype = self._wire(chunk)
-        slot = segment.slot(seq, (chunk.stop - chunk.start) * dtype.itemsize, dtype)
+        slot = segment.slot(seq, self._length(chunk.stop - chunk.start) * dtype.itemsize, dtype)
         src = self._source(chunk)
         if src is None:
             slot.fill(0)
+        elif self.int8 and src.dtype != dtype:
+            quant.encode(src, slot)
         else:
             np.copyto(slot, src)
         return slot
@@ -406,7 +447,11 @@ class Ring:
     def _combine(self, chunk: Chunk, incoming: np.ndarray, dest: np.ndarray) -> None:
         """Put a received frame in place: reduce-scatter adds this member's data (in float32, the
         frame widened), all-gather copies (from a staging row or a shared-memory slot)."""
-        if chunk.phase == RS and self.contributes:
+        if chunk.phase == RS and self.int8:  # the frame decoded, then this member's data added in float32
+            quant.decode(incoming, chunk.stop - chunk.start, out=dest)
+            if self.contributes:
+                np.add(dest, self.buf[chunk.start : chunk.stop], out=dest)
+        elif chunk.phase == RS and self.contributes:
             np.add(incoming, self.buf[chunk.start : chunk.stop], out=dest)
         elif incoming is not dest:
             np.copyto(dest, incoming)
@@ -417,6 +462,9 @@ class Ring:
         if self.count != 1:
             np.divide(acc, self.count, out=acc)
         a, b = chunk.start, chunk.stop
+        if self.int8:  # encoded once, and the owner keeps the decoded frame's bits, as every member will
+            self._widen(a, b, quant.encode(acc, self._image_of(a, b)))
+            return
         if self.acc is not self.image:
             np.copyto(self.image[a:b], acc)  # the one rounding to bfloat16, at the owner
         if self.image is not self.res:

@@ -26,8 +26,10 @@ step, unchanged. What is per replica and what the job shares:
   `params` (the global parameters) and `outer` (one outer optimizer state per fragment);
 - per replica: `opt` and `step` (the inner optimizer's state and step count) and, with
   fragments, `local` (the parameters the inner steps train; a fragment's are reset to the new
-  global ones each time it is averaged). A replica that heals takes its peer's (the snapshot
-  carries the whole state), as a restarted worker of the paper would.
+  global ones each time it is averaged) and `since` (each fragment's inner steps since then). A
+  replica that heals takes its peer's (the snapshot carries the whole state), as a restarted
+  worker of the paper would; its fragments then lack the peer's inner steps of the replayed
+  rounds, which `since` counts: a streaming round's average is weighted by them (`weight`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ftjax.ftar import quant
 from ftjax.program import sharding as shd
 from ftjax.program.task import TaskError
 
@@ -145,11 +148,14 @@ def cut_unit(cfg: Any, sizes: list[int]) -> int:
     return unit if all(n % unit == 0 for n in sizes) else 1
 
 
-def piece_templates(leaves: list, shardings: list, pieces: tuple[Piece, ...]) -> tuple[list, list]:
+def piece_templates(
+    leaves: list, shardings: list, pieces: tuple[Piece, ...], weight: bool = False
+) -> tuple[list, list]:
     """A fragment's pieces as arrays: a whole leaf as it is (its shape, its sharding); a cut one as
     a flat vector over the leaf's mesh, sharded over its batch axes where its length divides (see
     `cut_unit`), else replicated (the outer step takes it out of its leaf: a gather of that leaf,
-    one fragment per round)."""
+    one fragment per round). `weight` (streaming): then one float32 more, replicated, the
+    contributor's weight (`OuterSync.weight`)."""
     templates, out = [], []
     for p in pieces:
         a, sh = leaves[p.leaf], shardings[p.leaf]
@@ -163,6 +169,10 @@ def piece_templates(leaves: list, shardings: list, pieces: tuple[Piece, ...]) ->
             continue
         flat = shd.batch_sharding(sh.mesh)
         out.append(flat if p.size % flat.num_devices == 0 else shd.replicated(sh.mesh))
+    if weight:
+        sh = shardings[pieces[0].leaf]
+        templates.append(jax.ShapeDtypeStruct((1,), jnp.float32))
+        out.append(shd.replicated(sh.mesh) if hasattr(sh, "mesh") else sh)
     return templates, out
 
 
@@ -178,6 +188,7 @@ class InnerResult:
     local: Any  # the parameters after the inner steps
     opt: Any
     step: Any
+    steps: int = 0  # the inner steps taken (streaming: every fragment's count since its reset grows by them)
 
 
 class OuterSync:
@@ -203,14 +214,18 @@ class OuterSync:
         self.pieces = fragment_cut(cfg, leaves)
         # the leaves each fragment's pieces lie in (a fragment's jitted steps take and return only those)
         self.touched = [sorted({p.leaf for p in ps}) for ps in self.pieces]
-        self._bytes = [4 * sum(p.size for p in ps) for ps in self.pieces]
+        self._bytes = [_wire_bytes(ft.wire_dtype, sum(p.size for p in ps)) for ps in self.pieces]
         self.shardings = [a.sharding for a in leaves]
-        self.outer_abstract, piece_shardings = _outer_shapes(self.tx, leaves, self.shardings, self.pieces, program.mesh)
+        weighted = self.fragments > 1  # streaming: each delta carries its weight (`weight`)
+        self.outer_abstract, piece_shardings = _outer_shapes(
+            self.tx, leaves, self.shardings, self.pieces, program.mesh, weighted
+        )
         self._grads32 = _float32_leaves(self.shardings)  # (a warm-up step's gradient: whole leaves, in order)
         copy = lambda t: jax.tree.map(jnp.copy, t)  # (new buffers: the program's apply donates its state)
         st = program.state_shardings
         self._copy_inner = jax.jit(copy, out_shardings={k: st[k] for k in ("params", "opt", "step")})
         self._copy_params = jax.jit(copy, out_shardings=st["params"])
+        self._since_sharding = st["step"]  # (replicated)
         tx = self.tx
         self._outer_init, self._delta, self._outer, self._reset = [], [], [], []
         for f, o in enumerate(self.outer_abstract):
@@ -220,17 +235,16 @@ class OuterSync:
 
             def outer(g, s, avg, scale, take=take, put=put):
                 pieces = take(g)
+                if weighted:  # sum(w x delta) / sum(w): x / 1 when every weight is 1 (the same bits)
+                    w = avg[-1][0]
+                    w = jnp.where(w > 0, w, 1)  # (every weight 0: every delta taken at a reset, all zeros)
+                    avg = [a / w.astype(a.dtype) for a in avg[:-1]]
                 updates, s = tx.update(avg, s, pieces)
                 updates = jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
                 return put(g, optax.apply_updates(pieces, updates)), s
 
             self._outer_init.append(jax.jit(lambda g, take=take: tx.init(take(g)), out_shardings=osh))
-            self._delta.append(
-                jax.jit(
-                    lambda g, loc, take=take: [(a - b).astype(jnp.float32) for a, b in zip(take(g), take(loc))],
-                    out_shardings=piece_shardings[f],
-                )
-            )
+            self._delta.append(jax.jit(_pseudo_gradient(take, weighted), out_shardings=piece_shardings[f]))
             # per fragment, its shardings fixed: the results are state that peers fetch and checkpoints save
             self._outer.append(jax.jit(outer, out_shardings=(touched, osh)))
 
@@ -282,13 +296,13 @@ class OuterSync:
         return step < self.warmup
 
     def fragment_bytes(self, f: int) -> int:
-        """Bytes of fragment f's pseudo-gradient in float32 (what one replica averages in a round)."""
+        """Bytes of fragment f's pseudo-gradient in FTAR's frames (what one replica averages in a round)."""
         return self._bytes[f]
 
     def round_fields(self, step: int) -> dict:
-        """The record of the step after committed step `step`: the fragment it averages, the float32
-        bytes it averages (the fragment's, or in a warm-up step the whole gradient's), whether it is
-        a warm-up step."""
+        """The record of the step after committed step `step`: the fragment it averages, the bytes
+        it averages in FTAR's frames (`ft.wire_dtype`; the fragment's, or in a warm-up step the
+        whole gradient's), whether it is a warm-up step."""
         synchronous = self.synchronous(step)
         nbytes = sum(self._bytes) if synchronous else self._bytes[self.fragment(step)]
         return {"fragment": self.fragment(step), "sync_bytes": nbytes, "synchronous": synchronous}
@@ -300,6 +314,7 @@ class OuterSync:
         out = {**abstract, "outer": list(self.outer_abstract)}
         if self.fragments > 1:
             out["local"] = abstract["params"]
+            out["since"] = jax.ShapeDtypeStruct((self.fragments,), jnp.int32, sharding=self._since_sharding)
         return out
 
     def init(self, state: dict) -> dict:
@@ -308,7 +323,28 @@ class OuterSync:
         out = {**state, "outer": [init(self.part(leaves, f)) for f, init in enumerate(self._outer_init)]}
         if self.fragments > 1:
             out["local"] = self._copy_params(state["params"])
+            out["since"] = self._since(np.zeros(self.fragments))
         return out
+
+    def _since(self, counts: Any) -> Any:
+        """`since` (streaming, each replica's): each fragment's inner steps since its last outer step."""
+        return jax.device_put(np.asarray(counts, np.int32), self._since_sharding)
+
+    def weight(self, state: dict, f: int, take: int, step: int | None) -> np.float32:
+        """Streaming: this contributor's weight in the round's average of fragment f, the inner steps
+        its delta holds (the fragment's `since` in the state, plus this round's `take` before the
+        delta) over those of a replica that took every one since the fragment's last outer step (the
+        schedule's, from the committed step `step`, the same on every replica). The average is
+        sum(w x delta) / sum(w): every weight is 1, and the average the plain mean bitwise, unless a
+        contributor's local parameters lack inner steps (it healed since the fragment's last outer
+        step, or lagged in a warm-up)."""
+        if self.fragments == 1:
+            return np.float32(1)
+        if step is None:
+            raise ValueError("streaming DiLoCo: a round's weight needs the committed step")
+        count = int(np.asarray(state["since"])[f]) + take
+        full = self.inner * min(self.fragments - 1, step - self.warmup) + self.inner - self.delay
+        return np.float32(count / full)
 
     @staticmethod
     def shared(state: dict) -> dict:
@@ -320,11 +356,19 @@ class OuterSync:
 
     # --- a round ----------------------------------------------------------------------------------
     def run_inner(
-        self, state: dict, batches: list, wheres: list, f: int, beat=lambda: None, synchronous: bool = False
+        self,
+        state: dict,
+        batches: list,
+        wheres: list,
+        f: int,
+        beat=lambda: None,
+        synchronous: bool = False,
+        step: int | None = None,
     ) -> InnerResult:
         """The inner steps of a round on copies (the state stays as it is until the round commits:
         a discarded round is computed again from it). `synchronous` (a warm-up step): the gradient
-        of the one batch at the global parameters, to be averaged, and no inner state."""
+        of the one batch at the global parameters, to be averaged, and no inner state. `step`
+        (streaming): the committed step, for the delta's weight (`weight`)."""
         program = self.program
         if synchronous:  # (several batches only where a restore left the position past the warm-up's end)
             out = [program.grads_of(state, b, w) for b, w in zip(batches, wheres)]
@@ -338,16 +382,17 @@ class OuterSync:
         # tau: the pseudo-gradient of the local parameters tau steps before the round's end (at its
         # start in a shorter round: one inner step at a position a lagging replica left in a warm-up)
         take = max(0, len(batches) - self.delay)
-        delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f)) if take == 0 else None
+        weight = self.weight(state, f, take, step)
+        delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f), weight) if take == 0 else None
         for h, (batch, w) in enumerate(zip(batches, wheres)):
             beat()
             loss, aux, grads = program.grads_of(inner, batch, w)
             inner = program.apply(inner, grads, one)  # (donates the copy: the delta is taken before the next)
             losses.append(loss)
             if h + 1 == take:
-                delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f))
+                delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f), weight)
         loss = float(np.mean([float(x) for x in losses]))
-        return InnerResult(loss, aux, delta, inner["params"], inner["opt"], inner["step"])
+        return InnerResult(loss, aux, delta, inner["params"], inner["opt"], inner["step"], len(batches))
 
     def apply(self, state: dict, tagged: tuple[int, list], scale: float, mine: InnerResult | None) -> dict:
         """The outer step of fragment f with the contributors' average; `mine`: this replica's
@@ -359,6 +404,7 @@ class OuterSync:
             out = {**state, **self.program.apply(inner, update, np.float32(scale))}
             if self.fragments > 1:  # the inner steps start from the global parameters (copies: new buffers)
                 out["local"] = self._copy_params(out["params"])
+                out["since"] = self._since(np.zeros(self.fragments))
             return out
         leaves = jax.tree.leaves(state["params"])
         g, s = self._outer[f](self.part(leaves, f), state["outer"][f], list(avg), np.float32(scale))
@@ -370,6 +416,10 @@ class OuterSync:
             local = jax.tree.leaves(mine.local if mine is not None else state["local"])
             local = self._replace(local, f, self._reset[f](self.part(local, f), g))
             out["local"] = jax.tree.unflatten(self.treedef, local)
+            # every fragment's count grows by this replica's inner steps (none in a replay), f's restarts
+            since = np.asarray(state["since"]) + (mine.steps if mine is not None else 0)
+            since[f] = 0
+            out["since"] = self._since(since)
         return out
 
     def warm_up(self) -> None:
@@ -379,7 +429,7 @@ class OuterSync:
         for f in range(self.fragments):
             zeros = [jax.device_put(np.zeros(a.shape, a.dtype), a.sharding) for a in self.part(leaves, f)]
             state = self._outer_init[f](zeros)
-            delta = self._delta[f](zeros, zeros)
+            delta = self._delta[f](zeros, zeros, np.float32(1))
             g, _ = self._outer[f](zeros, state, delta, np.float32(1.0))
             if self.fragments > 1:
                 self._reset[f](zeros, g)
@@ -387,17 +437,35 @@ class OuterSync:
             self._grads32(self.program.zeros())
 
 
-def _outer_shapes(tx: Any, leaves: list, shardings: list, pieces: Any, mesh: Any) -> tuple[list, list]:
+def _outer_shapes(
+    tx: Any, leaves: list, shardings: list, pieces: Any, mesh: Any, weighted: bool = False
+) -> tuple[list, list]:
     """Each fragment's outer optimizer state (shapes, dtypes, shardings following its pieces') and
-    its pieces' shardings."""
+    its pieces' shardings (`weighted`: and the weight's)."""
     outer, piece_shardings = [], []
     for ps in pieces:
-        templates, sh = piece_templates(leaves, shardings, ps)
+        templates, sh = piece_templates(leaves, shardings, ps, weight=weighted)
         piece_shardings.append(sh)
-        shapes = jax.eval_shape(tx.init, templates)
-        osh = shd.follow_params(shapes, sh, mesh)
+        shapes = jax.eval_shape(tx.init, templates[: len(ps)])
+        osh = shd.follow_params(shapes, sh[: len(ps)], mesh)
         outer.append(jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, osh))
     return outer, piece_shardings
+
+
+def _wire_bytes(wire_dtype: str, n: int) -> int:
+    """The bytes of n elements in FTAR's frames (`ft.wire_dtype`; int8: row-wise, `quant.nbytes`)."""
+    return quant.nbytes(n) if wire_dtype == "int8" else n * (2 if wire_dtype == "bfloat16" else 4)
+
+
+def _pseudo_gradient(take: Any, weighted: bool):
+    """A fragment's pseudo-gradient global - local in float32, from the touched leaves of both;
+    `weighted` (streaming): each piece x the contributor's weight w, and w appended (`OuterSync.weight`)."""
+
+    def delta(g, loc, w):
+        out = [(a - b).astype(jnp.float32) for a, b in zip(take(g), take(loc))]
+        return [x * w for x in out] + [jnp.reshape(w, (1,))] if weighted else out
+
+    return delta
 
 
 def _restart(alpha: float):
@@ -464,7 +532,8 @@ class FragmentReducer:
     With a warm-up (`warmup` synchronous steps, `inner` steps per round after it), a replica that
     missed warm-up steps reaches the rounds with positions still below the warm-up's end, whose
     rounds have one inner step (`round_span`): its delta then counts by its inner steps in the
-    round's mean (`weight`), as a warm-up step's mean gradient counts by its batches."""
+    round's mean (`weight`), as a warm-up step's mean gradient counts by its batches. Streaming
+    rounds skip `weight`: their deltas carry their own (`OuterSync.weight`)."""
 
     def __init__(self, reducers: list, fragments: int, inner: int = 1, warmup: int = 0, sync: Any = None) -> None:
         self.reducers, self.fragments, self.inner, self.warmup = reducers, fragments, inner, warmup
@@ -484,7 +553,9 @@ class FragmentReducer:
             # buffers, an update's size, go; `tree` of a kept warm-up average does not need them
             self._sync_held = False
             self.sync.release()
-        return Tagged(f, self._reducer(f).average(q, self.weight(q, grads)))
+        # streaming: a round's delta carries its own weight (`OuterSync.weight`: its inner steps)
+        weigh = f == SYNC or self.fragments == 1
+        return Tagged(f, self._reducer(f).average(q, self.weight(q, grads) if weigh else grads))
 
     def weight(self, q: Any, grads: list | None) -> list | None:
         """This contributor's delta scaled so that FTAR's mean over the C contributors is the mean

@@ -165,7 +165,7 @@ def _fragments(cfg: Config, template: Any, shardings: Any, reducer_of) -> Fragme
     reducer each, over the fragment's pieces."""
     leaves, sh = jax.tree.leaves(template["params"]), jax.tree.leaves(shardings["params"])
     cut = fragment_cut(cfg, leaves)
-    reducers = [reducer_of(*piece_templates(leaves, sh, ps)) for ps in cut]
+    reducers = [reducer_of(*piece_templates(leaves, sh, ps, weight=len(cut) > 1)) for ps in cut]
     sync = None  # a warm-up step averages the whole gradient: streaming, through a reducer of its own
     if cfg.warmup_sync_steps and len(cut) > 1:
         sync = reducer_of(*piece_templates(leaves, sh, tuple(Piece(i, 0, a.size) for i, a in enumerate(leaves))))

@@ -324,7 +324,7 @@ class Trainer:
         first, inner = self.stream.span(self.position)  # (one batch at a warm-up position)
         wheres = [where(first + h, self.own, 0) for h in range(inner)]
         beat, synchronous = lambda: self.watchdog.beat("inner step"), self.sync.synchronous(self.step)
-        res = self.sync.run_inner(self.state, batches, wheres, f, beat=beat, synchronous=synchronous)
+        res = self.sync.run_inner(self.state, batches, wheres, f, beat, synchronous, step=self.step)
         jax.block_until_ready(res.delta)
         return Computed(res.loss, res.delta, self.position, work, aux=res.aux, inner=res, step=self.step)
 

@@ -34,7 +34,8 @@ def test_defaults_and_overrides():
             "coordinator.join_timeout_ms: unknown key (renamed coordinator.join_timeout_s",
         ),
         (["log_every=5"], "log_every: unknown key (removed"),
-        (["ft.wire_dtype=float16"], "ft.wire_dtype: Input should be 'float32' or 'bfloat16'"),
+        (["ft.wire_dtype=float16"], "ft.wire_dtype: Input should be 'float32', 'bfloat16' or 'int8'"),
+        (["ft.wire_dtype=int8"], "ft.wire_dtype=int8: only with ft.sync diloco or streaming_diloco"),
         (["ft.link_streams=0"], "ft.link_streams: Input should be greater than or equal to 1"),
         (["coordinator.heartbeat_timeout_s=0"], "coordinator.heartbeat_timeout_s: Input should be greater than 0"),
         (

@@ -12,6 +12,7 @@ from conftest import REPO
 from launchrun import Launch
 
 from ftjax.config import load_config
+from ftjax.ftar import quant
 from ftjax.program.data import make_stream
 from ftjax.program.digest import state_checksum
 from ftjax.program.step import build_program, device_batch, where
@@ -82,7 +83,7 @@ def test_streaming_averages_one_fragment_and_resets_only_its_local_parameters():
     state = sync.init(program.init(np.int32(0)))
     stream = make_stream(cfg)
     batches = [device_batch(program, stream.batch(k)) for k in range(2)]
-    res = sync.run_inner(state, batches, [where(k, 0, 0) for k in range(2)], 1)
+    res = sync.run_inner(state, batches, [where(k, 0, 0) for k in range(2)], 1, step=1)
     out = sync.apply(state, (1, res.delta), 1.0, res)
     g0, g1 = jax.tree.leaves(state["params"]), jax.tree.leaves(out["params"])
     trained, local = jax.tree.leaves(res.local), jax.tree.leaves(out["local"])
@@ -175,9 +176,13 @@ def _rounds(run: Launch, r: int) -> dict[int, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sync,warmup", [("diloco", 0), ("streaming_diloco", 0), ("diloco", 6), ("streaming_diloco", 6)]
+    "sync,warmup,wire",
+    [("diloco", 0, "float32"), ("streaming_diloco", 0, "float32"), ("diloco", 6, "float32")]
+    + [("streaming_diloco", 6, "float32"), ("streaming_diloco", 0, "int8")],
 )
-def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_equal(procs, tmp_path, sync, warmup):
+def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_equal(
+    procs, tmp_path, sync, warmup, wire
+):
     """3 replicas of the tiny Llama, 24 rounds: replica 1 dies during its inner steps of round 4 and
     its next incarnation while it catches up; replica 2 dies in the outer all-reduce of round 8.
     Replica 0 lives throughout (it holds the job's state; each kill hits a first incarnation, as a
@@ -188,11 +193,13 @@ def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_
     warm-up of 6 synchronous steps, replica 1 dies in the warm-up instead, and every record's inner
     steps and tokens are those beneath its data position (one batch below 6; a replica back before
     the job's end with its position behind trains such short rounds, whose weight in the mean
-    tests/unit/test_diloco_parts.py checks: here the rounds are often over before it is back)."""
+    tests/unit/test_diloco_parts.py checks: here the rounds are often over before it is back). With
+    ft.wire_dtype=int8 every frame of the outer all-reduce is row-wise int8 (`ftjax/ftar/quant.py`):
+    the same invariants, and a round's bytes (the records' sync_bytes) >= 1.8x fewer than bfloat16's."""
     args = [f"{REPO}/ftjax/configs/llama_tiny.yaml", "--replicas", "3", "--restart-delay-s", "0.5"]
     args += ["steps=24", f"ft.sync={sync}", "ft.inner_steps=4", "ft.fragments=2", "ft.drain_timeout_s=300"]
-    args += ["--kill", "1@4:catchup", "--kill", "2@8:ftar", f"ft.sync_warmup_steps={warmup}"]
-    run = Launch(procs, args, tmp_path / f"{sync}{warmup}")
+    args += ["--kill", "1@4:catchup", "--kill", "2@8:ftar", f"ft.sync_warmup_steps={warmup}", f"ft.wire_dtype={wire}"]
+    run = Launch(procs, args, tmp_path / f"{sync}{warmup}{wire}")
     try:
         assert run.wait(timeout=600) == 0, run.output()
         s = run.summary()
@@ -236,6 +243,11 @@ def test_kills_in_the_inner_phase_the_outer_allreduce_and_a_catchup_keep_rounds_
             both = mine[warmup]["sync_bytes"] + mine[warmup + 1]["sync_bytes"]
             assert abs(mine[warmup]["sync_bytes"] - mine[warmup + 1]["sync_bytes"]) <= 0.01 * both  # (halves)
             assert all(m["sync_bytes"] == both for m in mine[:warmup])
+        if wire == "int8":  # each fragment's elements in int8 frames, against 2 bytes each in bfloat16's
+            cfg, program = _program(["ft.sync=streaming_diloco", "ft.inner_steps=4", "ft.fragments=2"])
+            sizes = [sum(p.size for p in ps) for ps in OuterSync(cfg, program).pieces]
+            assert [m["sync_bytes"] for m in mine] == [quant.nbytes(sizes[n % 2]) for n in range(24)]
+            assert all(2 * n / quant.nbytes(n) >= 1.8 for n in sizes)
     finally:
         run.close()
 
@@ -369,7 +381,9 @@ def test_fragment_sync_delay_and_update_alpha_follow_the_history_computed_by_han
     pseudo-gradient global - local taken tau inner steps before the round's end, the outer step
     applied at its end, then every replica's local fragment alpha * local + (1 - alpha) * the new
     global. Round 2 is a failure: replica 1 dies in its inner steps (the round averages replica 0's
-    delta alone) and heals from replica 0's state before the round, the round replayed on it."""
+    delta alone) and heals from replica 0's state before the round, the round replayed on it. Its
+    local b then lacks replica 0's inner steps of round 2, so round 3 averages b's deltas weighted
+    by the inner steps each holds since b's last outer step (n - tau against 2n - tau)."""
     import jax.numpy as jnp
 
     import ftjax
@@ -399,34 +413,45 @@ def test_fragment_sync_delay_and_update_alpha_follow_the_history_computed_by_han
     # the reference: float32 numpy, the same order of operations
     g = {k: np.asarray(v) for k, v in states[0]["params"].items()}
     local = [dict(g), dict(g)]
-    positions = [0, 0]
+    positions, since = [0, 0], [{"a": 0, "b": 0}, {"a": 0, "b": 0}]  # inner steps since a fragment's outer step
+    weights = []
     for r in range(rounds):
         f, key = r % 2, "ab"[r % 2]
         contributors = [0] if r == dead else [0, 1]
-        before, before_local = states[0], dict(local[0])
-        results, deltas = {}, []
+        before, before_local, before_since = states[0], dict(local[0]), dict(since[0])
+        results, deltas, counts = {}, [], []
         for i in contributors:
             k0 = positions[i] * n
             batches = [device_batch(program, streams[i].batch(k0 + h)) for h in range(n)]
-            results[i] = sync.run_inner(states[i], batches, [where(k0 + h, i, 0) for h in range(n)], f)
+            results[i] = sync.run_inner(states[i], batches, [where(k0 + h, i, 0) for h in range(n)], f, step=r)
             for h in range(n):
                 x = grad(i, k0 + h)
                 local[i] = {"a": local[i]["a"] - np.float32(lr) * x[:4], "b": local[i]["b"] - np.float32(lr) * x[4:]}
                 if h + 1 == n - tau:
                     deltas.append(g[key] - local[i][key])
+                    counts.append(since[i][key] + h + 1)
             positions[i] += 1
-        avg = deltas[0] if len(deltas) == 1 else (deltas[0] + deltas[1]) / np.float32(2)
-        got = [np.asarray(results[i].delta[0]) for i in contributors]
-        mean = got[0] if len(got) == 1 else (got[0] + got[1]) / np.float32(2)
-        np.testing.assert_allclose(mean, avg, rtol=1e-6, atol=1e-7)
+            since[i] = {k: c + n for k, c in since[i].items()}
+        # the average weighted by inner steps, in float64; each weight over a full count (every step taken)
+        avg = (sum(c * d.astype(np.float64) for c, d in zip(counts, deltas)) / sum(counts)).astype(np.float32)
+        full = n * min(1, r) + n - tau
+        weights.append([float(results[i].delta[-1][0]) for i in contributors])
+        assert weights[-1] == [float(np.float32(c / full)) for c in counts]
+        # FTAR's mean of each contributor's [w x delta, w]
+        got = [[np.asarray(x) for x in results[i].delta] for i in contributors]
+        mean = got[0] if len(got) == 1 else [(a + b) / np.float32(2) for a, b in zip(*got)]
         if r == dead:  # replica 1 takes replica 0's state before the round and replays its average
-            states[1], local[1] = before, before_local
-        states = [sync.apply(states[i], (f, [mean]), 1.0, results.get(i)) for i in (0, 1)]
+            states[1], local[1], since[1] = before, before_local, before_since
+        states = [sync.apply(states[i], (f, mean), 1.0, results.get(i)) for i in (0, 1)]
         g[key] = g[key] - avg
         for i in (0, 1):
             local[i][key] = local[i][key] * np.float32(alpha) + g[key] * np.float32(1 - alpha)
+            since[i][key] = 0
+            assert np.asarray(states[i]["since"]).tolist() == [since[i]["a"], since[i]["b"]]
         for i in (0, 1):
             for k in "ab":
                 np.testing.assert_allclose(np.asarray(states[i]["params"][k]), g[k], rtol=1e-6, atol=1e-6)
                 np.testing.assert_allclose(np.asarray(states[i]["local"][k]), local[i][k], rtol=1e-6, atol=1e-6)
         assert np.array_equal(states[0]["params"]["a"], states[1]["params"]["a"])  # (the shared state: bitwise)
+    # every weight 1 but the round after the heal's, where replica 1's delta holds fewer inner steps
+    assert weights == [[1.0, 1.0], [1.0, 1.0], [1.0], [1.0, float(np.float32((n - tau) / (2 * n - tau)))], [1.0, 1.0]]
