@@ -68,59 +68,6 @@ class RunArgs:
         return cls(cfg, RunOptions.from_args(args), Path(args.out or "runs/script"))
 
 
-def join(
-    run: RunArgs,
-    *,
-    state: PyTree,
-    update_template: PyTree,
-    apply: Apply,
-    batch_id: Callable[[int], int] | None = None,
-    warm_up: Callable[[PyTree], object] | None = None,
-) -> FaultTolerance:
-    """The fault-tolerance object of a script's replica: a member of the job at
-    `run.options.coordinator` (the token in $FTJAX_TOKEN), or alone. `state`: the state's pytree of
-    arrays (an initial one, or ShapeDtypeStructs with shardings), what a healing peer receives;
-    `update_template`: what is averaged (the gradients' pytree, arrays or ShapeDtypeStructs with
-    shardings); `apply(state, update, scale)`. The stream of replica r of R trains global batches
-    r, R + r, ... (`batch_id`, default that). `warm_up(state)`: the loop's gradient computation on
-    a state of zeros, which join runs, with `apply` and the digest, before the replica asks for a
-    quorum (`_warm_up`)."""
-    cfg, options, out = run.cfg, run.options, run.out
-    if cfg.ft.sync != "every_step":  # (its rounds, outer state and fragments are the built-in loop's)
-        raise ValueError(f"ft.sync={cfg.ft.sync}: DiLoCo runs in the built-in loop (ftjax.fit, ftjax train), not join")
-    abstract, template = _placed(cfg, state, update_template)
-    _warm_up(abstract, template, apply, warm_up, bool(cfg.ft.digest_every))
-    group = JaxHostGroup()
-    log = MetricsLog(
-        out,
-        enabled=True,
-        total_steps=cfg.steps,
-        label=f"replica {options.replica_id}",
-        log_every=options.log_every,
-        **rp.record_sinks(cfg, options, out),
-    )
-    topology = _script_topology(cfg, template, abstract)
-    protocol = _script_protocol(run, group, log, template, topology)
-    replicas, rid = cfg.ft.replicas, options.replica_id
-    ft = FaultTolerance(
-        protocol,
-        faults=rp.faults_of(options),
-        replica_id=str(rid),
-        fingerprint=fingerprint(topology),
-        quorum_timeout_s=cfg.ft.quorum_timeout_s,
-        drain_timeout_s=cfg.ft.drain_timeout_s,
-        replicas=replicas,
-        apply=apply,
-        abstract_state=abstract,
-        log=log,
-        digest_every=cfg.ft.digest_every,
-        steps=cfg.steps,
-        batch_id=batch_id or (lambda p: p * replicas + rid),
-    )
-    signal.signal(signal.SIGTERM, lambda *_: ft.request_leave("SIGTERM"))
-    return ft
-
-
 class FaultTolerance(manager.FaultTolerance):
     """`ftjax.FaultTolerance`: the owner of a script's step protocol (ftjax/runtime/manager.py says
     what it owns), built by `FaultTolerance.join`. Beyond the core it owns the replica's records
@@ -160,7 +107,60 @@ class FaultTolerance(manager.FaultTolerance):
         self._t0 = time.perf_counter()
         self._asked = False
 
-    join = staticmethod(join)  # (the API's spelling: ftjax.FaultTolerance.join)
+    @staticmethod
+    def join(
+        run: RunArgs,
+        *,
+        state: PyTree,
+        update_template: PyTree,
+        apply: Apply,
+        batch_id: Callable[[int], int] | None = None,
+        warm_up: Callable[[PyTree], object] | None = None,
+    ) -> FaultTolerance:
+        """The fault-tolerance object of a script's replica: a member of the job at
+        `run.options.coordinator` (the token in $FTJAX_TOKEN), or alone. `state`: the state's pytree of
+        arrays (an initial one, or ShapeDtypeStructs with shardings), what a healing peer receives;
+        `update_template`: what is averaged (the gradients' pytree, arrays or ShapeDtypeStructs with
+        shardings); `apply(state, update, scale)`. The stream of replica r of R trains global batches
+        r, R + r, ... (`batch_id`, default that). `warm_up(state)`: the loop's gradient computation on
+        a state of zeros, which join runs, with `apply` and the digest, before the replica asks for a
+        quorum (`_warm_up`)."""
+        cfg, options, out = run.cfg, run.options, run.out
+        if cfg.ft.sync != "every_step":  # (its rounds, outer state and fragments are the built-in loop's)
+            raise ValueError(
+                f"ft.sync={cfg.ft.sync}: DiLoCo runs in the built-in loop (ftjax.fit, ftjax train), not join"
+            )
+        abstract, template = _placed(cfg, state, update_template)
+        _warm_up(abstract, template, apply, warm_up, bool(cfg.ft.digest_every))
+        group = JaxHostGroup()
+        log = MetricsLog(
+            out,
+            enabled=True,
+            total_steps=cfg.steps,
+            label=f"replica {options.replica_id}",
+            log_every=options.log_every,
+            **rp.record_sinks(cfg, options, out),
+        )
+        topology = _script_topology(cfg, template, abstract)
+        protocol = _script_protocol(run, group, log, template, topology)
+        replicas, rid = cfg.ft.replicas, options.replica_id
+        ft = FaultTolerance(
+            protocol,
+            faults=rp.faults_of(options),
+            replica_id=str(rid),
+            fingerprint=fingerprint(topology),
+            quorum_timeout_s=cfg.ft.quorum_timeout_s,
+            drain_timeout_s=cfg.ft.drain_timeout_s,
+            replicas=replicas,
+            apply=apply,
+            abstract_state=abstract,
+            log=log,
+            digest_every=cfg.ft.digest_every,
+            steps=cfg.steps,
+            batch_id=batch_id or (lambda p: p * replicas + rid),
+        )
+        signal.signal(signal.SIGTERM, lambda *_: ft.request_leave("SIGTERM"))
+        return ft
 
     def begin(self) -> StepInfo:
         """The core's `begin`, after the first request (the `start` event) and the fault points."""
