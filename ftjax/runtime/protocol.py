@@ -121,7 +121,8 @@ class HealOrder:
 
 class LocalQuorum:
     """The quorum source of a standalone run: a quorum of this replica alone, at once. With it the
-    protocol needs no coordinator, and the standalone loop is the fault-tolerant one."""
+    protocol needs no coordinator, and the standalone loop is the fault-tolerant one. It owns nothing
+    but the replica's id; its methods are `QuorumSource`'s (a vote commits what every host averaged)."""
 
     def __init__(self, replica_id: str) -> None:
         self.replica_id = replica_id

@@ -176,6 +176,7 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> int:
+        """Train to the last step (or `stop_after`), drain for late peers, write the summary; the exit code."""
         self.log.event(
             ReplicaEvent.START,
             replica=self.replica_id,
