@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ftjax.program.sources import token_source
 from ftjax.program.task import (
     Task,
     TaskError,
@@ -95,8 +96,6 @@ def _lm_task(cfg, source, name: str) -> Task:
 
 def language_model(cfg) -> Task:
     """The model of `cfg.model` on the built-in source of `data.source` (stdlib bytes, synthetic)."""
-    from ftjax.program.data import token_source
-
     return _lm_task(cfg, token_source(cfg.data.source, cfg.seed, cfg.model.seq_len, cfg.model.vocab_size), BUILTIN)
 
 

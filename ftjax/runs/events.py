@@ -12,7 +12,9 @@ string (`ReplicaEvent.START == "start"`, json.dumps writes "start"), so writers 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
+from typing import Any
 
 TIME = "time"  # every record: seconds since the epoch when it was written
 EVENT = "event"  # an event record: its name (a ReplicaEvent or a LauncherEvent)
@@ -86,22 +88,80 @@ class LauncherEvent(StrEnum):
 
 
 class StepField(StrEnum):
-    """The fields of a step record (one per step a replica took part in) that the readers use."""
+    """The fields of a step record (one per step a replica took part in) that the readers use;
+    `step_record` writes the ones every writer has, in this order."""
 
     STEP = "step"  # the job's step count after this step (the first step is 1)
     COMMITTED = "committed"  # the update was applied to this replica's state
     HEALING = "healing"  # it contributed no batch: it relayed zeros (behind, or without state)
     LOSS = "loss"  # its own batch's loss (null when healing)
+    TOKENS = "tokens"  # tokens of the rows it computed (0: a script's loop, which does not say)
     BATCH_ID = "batch_id"  # the id of its own batch, when committed with one
     DATA_POSITION = "data_position"  # the next batch of its stream after this step
+    QUORUM_ID = "quorum_id"  # the quorum the step was trained in
     PARTICIPANTS = "participants"  # replicas in the step's quorum
     CONTRIBUTORS = "contributors"  # of which contributed a batch
+    LR_SCALE = "lr_scale"  # the learning-rate scale of the update (ft.lr_scaling: fewer contributors)
+    STEP_TIME_S = "step_time_s"  # seconds from the step's start to its record
+    COMPUTE_S = "compute_s"  # of which computing the gradients (the built-in loop's split)
+    QUORUM_WAIT_S = "quorum_wait_s"  # waiting for the quorum
+    FTAR_S = "ftar_s"  # averaging (FTAR)
+    COMMIT_S = "commit_s"  # the vote, the update, the digest and a checkpoint
+    COMMIT_FAILURES = "commit_failures"  # steps this process's votes discarded so far
+    DECISION_S = "decision_s"  # ft.commit_decision coordinator: the wait for the decision (within commit_s)
     PARAM_DIGEST = "param_digest"  # digest of its parameters after the step (every ft.digest_every steps)
+    DIGEST_S = "digest_s"  # the seconds the digest took
     MODEL_FLOPS_PER_STEP = "model_flops_per_step"  # FLOPs of the rows it computed (the compiled step's cost analysis)
     MFU = "mfu"  # model FLOPs / (step time x devices x peak FLOP/s); absent where the peak is not known
     LR = "lr"  # the learning rate of its update (AdamW's schedule x lr_scale; absent: a task's own optimizer)
     EVAL_LOSS = "eval_loss"  # mean held-out loss of its share of eval.batches (every eval.every steps)
     EVAL_PERPLEXITY = "eval_perplexity"  # exp(eval_loss)
+
+
+def step_record(
+    *,
+    step: int,
+    committed: bool,
+    healing: bool,
+    loss: float | None,
+    tokens: int,
+    batch_id: int | None,
+    data_position: int,
+    quorum_id: int,
+    participants: int,
+    contributors: int,
+    lr_scale: float,
+    step_time_s: float,
+    commit_failures: int,
+    timings: Mapping[str, float] | None = None,
+    protocol: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """The fields of a step record that every writer has (the built-in loop, ftjax/runtime/trainer.py;
+    a script's loop, ftjax/runtime/script.py), in their order on disk: `timings` (COMPUTE_S,
+    QUORUM_WAIT_S, FTAR_S, COMMIT_S) follow STEP_TIME_S, and the protocol's fields (DECISION_S)
+    COMMIT_FAILURES. A writer appends its own fields after these, then `digest_fields`."""
+    head = {
+        StepField.STEP: step,
+        StepField.COMMITTED: committed,
+        StepField.HEALING: healing,
+        StepField.LOSS: loss,
+        StepField.TOKENS: tokens,
+        StepField.BATCH_ID: batch_id,
+        StepField.DATA_POSITION: data_position,
+        StepField.QUORUM_ID: quorum_id,
+        StepField.PARTICIPANTS: participants,
+        StepField.CONTRIBUTORS: contributors,
+        StepField.LR_SCALE: lr_scale,
+        StepField.STEP_TIME_S: step_time_s,
+    }
+    tail = {StepField.COMMIT_FAILURES: commit_failures}
+    # plain strings on disk and in memory (a listener may compare keys by type)
+    return {str(k): v for k, v in [*head.items(), *(timings or {}).items(), *tail.items(), *(protocol or {}).items()]}
+
+
+def digest_fields(digest: str, seconds: float) -> dict[str, Any]:
+    """A step record's digest of the state after the step and the seconds it took; none without one."""
+    return {str(StepField.PARAM_DIGEST): digest, str(StepField.DIGEST_S): seconds} if digest else {}
 
 
 def is_step(record: dict) -> bool:

@@ -17,25 +17,28 @@ from a config, standalone or as a member of a job.
 
 Everything between replicas (quorums, FTAR, votes, snapshots) is `StepProtocol`'s (ftjax/runtime/protocol.py);
 this object decides what the quorum means for this replica's state and data position.
+
+A script gets its own subclass (`ftjax.FaultTolerance`, ftjax/runtime/script.py), which adds the
+records a launcher reads; this module knows nothing of it, nor of how a protocol is assembled
+(ftjax/runtime/replica.py).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import jax
 
-from ftjax.coordinator.layout import fingerprint
 from ftjax.coordinator.types import QuorumResult
 from ftjax.program.digest import state_checksum, state_digest
 from ftjax.runs.events import ReplicaEvent
-from ftjax.runtime.args import RunOptions
-from ftjax.runtime.protocol import StepProtocol
+from ftjax.runtime.catchup import FetchResult
+from ftjax.runtime.protocol import EventLog, PyTree, StepProtocol
+
+# `apply(state, update, lr_scale) -> state`: the loop's update of its state (also in the replay)
+Apply = Callable[[PyTree, PyTree, float], PyTree]
 
 
 class JobStateLost(RuntimeError):
@@ -64,7 +67,18 @@ class StepInfo:
 
 
 class FaultTolerance:
-    """`apply(state, update_tree, lr_scale) -> state` applies an averaged update (also in the replay);
+    """The one owner of a replica's step protocol, whatever loop drives it.
+
+    It owns the replica's state (`state`, `step`, `data_position`: a heal replaces them with a
+    peer's snapshot and replays the updates averaged meanwhile), the per-step digest, and what a
+    quorum means for them (`begin`). It holds the `StepProtocol` and is the loop's only way to it:
+    a loop calls these methods and reads these attributes, never `ft.protocol` (the layout test
+    checks it), so a few methods only pass a call on (`average`, `request_leave`, `leave_now`,
+    `forget_positions`, `close`, `step_fields`, `phase_fields`) because the loop must not hold
+    the protocol. It must not touch the loop's model, optimizer, data stream, checkpoints or
+    records: it reaches the state through `apply` and writes events only.
+
+    `apply(state, update_tree, lr_scale) -> state` applies an averaged update (also in the replay);
     `meta()` is what a snapshot served to a peer carries beside the state; `constant`: the constant
     global batch (stream position = step); `after_apply`: a test hook (fault injection)."""
 
@@ -72,16 +86,16 @@ class FaultTolerance:
         self,
         protocol: StepProtocol,
         *,
-        apply: Callable[[Any, Any, float], Any],
-        abstract_state: Any,
-        log: Any,
+        apply: Apply,
+        abstract_state: PyTree,
+        log: EventLog,
         meta: Callable[[], dict] | None = None,
         constant: bool = False,
         digest_every: int = 1,
-        after_apply: Callable[[int, Any], Any] | None = None,
+        after_apply: Callable[[int, PyTree], PyTree] | None = None,
         batch_id: Callable[[int], int] = lambda p: p,
         steps: int = 1 << 62,
-        digest_view: Callable[[Any], Any] | None = None,
+        digest_view: Callable[[PyTree], PyTree] | None = None,
     ):
         self.protocol, self.apply, self.abstract, self.log = protocol, apply, abstract_state, log
         self.meta = meta or (lambda: {"step": self.step, "data_position": self.data_position})
@@ -90,7 +104,7 @@ class FaultTolerance:
         self.batch_id, self.steps = batch_id, steps
         # what of the state the replicas hold in common, which the digests cover (DiLoCo: not the inner state)
         self.digest_view = digest_view or (lambda state: state)
-        self.state: Any = None
+        self.state: PyTree = None
         self.step = 0  # steps committed (the state's step when it has one)
         self.data_position = 0  # next batch of this replica's own stream
         self.job_step = 0  # the highest step of a quorum with state this process has seen
@@ -101,19 +115,22 @@ class FaultTolerance:
 
     @property
     def has_state(self) -> bool:
+        """The replica holds a state (none before an init, a restore or a heal installs one)."""
         return self.state is not None
 
     @property
     def incarnation(self) -> str:
+        """This process's incarnation of the replica (new at each start)."""
         return self.protocol.incarnation
 
     @property
     def has_peers(self) -> bool:
         """A member of a job (a standalone run has nobody to serve or drain for)."""
-        return self.protocol.transport is not None
+        return self.protocol.has_peers
 
     @property
     def healing(self) -> bool:
+        """A catch-up is under way (the replica computes nothing of its own meanwhile)."""
         return self.protocol.heal_started is not None
 
     # --- the step ---------------------------------------------------------------------------------
@@ -134,7 +151,7 @@ class FaultTolerance:
         contributes = not q.no_state and not q.healing and self.has_state
         return StepInfo(q, q.step + 1, self.data_position, contributes, q.no_state, q.step >= self.steps, catching_up)
 
-    def init_state(self, state: Any, step: int = 0, data_position: int = 0) -> None:
+    def init_state(self, state: PyTree, step: int = 0, data_position: int = 0) -> None:
         """The loop's state for a quorum without state (durable checkpoint, or an init at job start)."""
         self.state, self.step, self.data_position = state, step, data_position
 
@@ -158,7 +175,7 @@ class FaultTolerance:
             )
         time.sleep(0.05)
 
-    def average(self, q: QuorumResult, update: Any | None) -> tuple[Any, dict | None]:
+    def average(self, q: QuorumResult, update: PyTree | None) -> tuple[PyTree, dict | None]:
         """(the average over the quorum's contributors, None), or (None, the failure)."""
         return self.protocol.average(q, update)
 
@@ -170,7 +187,7 @@ class FaultTolerance:
         self.ask()
         return False
 
-    def commit(self, q: QuorumResult, update: Any, *, scale: float = 1.0, contributed: bool = True) -> bool:
+    def commit(self, q: QuorumResult, update: PyTree, *, scale: float = 1.0, contributed: bool = True) -> bool:
         """The step went through: apply the average (or keep it for the replay while healing),
         move the data position past the batch trained, request the next quorum. Returns whether
         this replica applied it."""
@@ -178,9 +195,7 @@ class FaultTolerance:
         self.protocol.committed(q, applied)
         digest = ""
         if applied:
-            self.state = self.after_apply(
-                self.step + 1, self.apply(self.state, self.protocol.reducer.tree(update), scale)
-            )
+            self.state = self.after_apply(self.step + 1, self.apply(self.state, self.protocol.tree(update), scale))
             self.step += 1
             if contributed:
                 self.data_position += 1
@@ -202,7 +217,7 @@ class FaultTolerance:
         return digest
 
     # --- what a quorum means for this replica ----------------------------------------------------
-    def _follow(self, q: QuorumResult, install: Any) -> bool:
+    def _follow(self, q: QuorumResult, install: FetchResult | None) -> bool:
         """Returns whether this replica is catching up."""
         self.job_step, self.state_lost_since = max(self.job_step, q.step), None
         if q.majority_digest and self.has_state:  # our state is not the one the quorum kept: heal
@@ -223,8 +238,7 @@ class FaultTolerance:
             self.protocol.healing(q, self.step if self.has_state else None)
         else:
             self.protocol.up_to_date(self.step)
-            if self.protocol.transport is not None:
-                self.protocol.serve(q, self.state, self.step, self.meta())
+            self.protocol.serve(q, self.state, self.step, self.meta())
         self._adopt_position(q)
         return catching_up
 
@@ -257,13 +271,10 @@ class FaultTolerance:
             if agreement.leave is not None:
                 raise Left(agreement.leave)
             q = agreement.quorum
-            if self.protocol.transport is not None:
-                self.protocol.serve(q, self.state, self.step, self.meta())
+            self.protocol.serve(q, self.state, self.step, self.meta())
             everyone = len(q.participants) >= replicas and not any(p.healing for p in q.participants)
-            stop = everyone or time.monotonic() > deadline
-            if self.protocol.group.hosts > 1:  # the leader's clock decides: every host leaves together
-                stop = self.protocol.group.broadcast_bytes(b"1" if stop else b"0") == b"1"
-            if stop:
+            # the leader's clock decides: every host leaves together
+            if self.protocol.leaders_word(everyone or time.monotonic() > deadline):
                 if not everyone:
                     self.log.event(
                         ReplicaEvent.DRAIN_TIMEOUT,
@@ -284,17 +295,28 @@ class FaultTolerance:
         self.protocol.leave(reason)
 
     def forget_positions(self) -> None:
+        """A whole-job restart from a durable checkpoint: its data positions rule, not the protocol's."""
         self.protocol.forget_positions()
 
     @property
     def commit_failures(self) -> int:
+        """The steps this process's votes discarded (the summary's and each record's count)."""
         return self.protocol.total_commit_failures
 
+    def step_fields(self) -> dict[str, float]:
+        """What the step's record adds from the protocol (the wait for the coordinator's decision)."""
+        return self.protocol.step_fields()
+
+    def phase_fields(self) -> dict[str, float]:
+        """What the step's record adds from the average: FTAR's phases (d2h, ring, h2d, overlap), if any."""
+        return self.protocol.phase_fields()
+
     def close(self) -> None:
+        """Close the protocol's connections (coordinator, FTAR, catch-up) and drop its replay buffer."""
         self.protocol.close()
 
 
-def final_digests(state: Any) -> dict:
+def final_digests(state: PyTree) -> dict:
     """What a replica's summary records of its final state: `param_digest`, the sha256 of every
     byte (`state_digest`: what the launcher compares between replicas), the seconds it took, and
     `state_checksum`, the per-step digest of the same state (its last step record's)."""
@@ -305,275 +327,3 @@ def final_digests(state: Any) -> dict:
         "param_digest_s": time.perf_counter() - began,
         "state_checksum": state_checksum(state),
     }
-
-
-# --- a script that owns its loop ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RunArgs:
-    """A replica process's command line, as `ftjax train` takes it (what `ftjax launch --entry`
-    passes to a script): the config, its overrides, and the run options."""
-
-    cfg: Any
-    options: RunOptions
-    out: Path
-
-    @classmethod
-    def parse(cls, argv: list[str] | None = None) -> RunArgs:
-        """Parse `CONFIG [key=value ...] [--out DIR] [--replica-id R] [--coordinator HOST:PORT] ...`.
-        Before JAX is imported, it also applies the config's platform and device count."""
-        import sys
-
-        from ftjax.runtime.args import build_parser, parse_config
-
-        args = build_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
-        cfg = parse_config(args)
-        if cfg.mesh.live > 1:
-            raise ValueError("FaultTolerance.join: a script's replica runs on one host (mesh.hosts=1)")
-        if "jax" not in sys.modules:
-            from ftjax.base.env import configure_run
-
-            configure_run(cfg.platform, device_count=cfg.mesh.devices_per_host)
-        return cls(cfg, RunOptions.from_args(args), Path(args.out or "runs/script"))
-
-
-class ScriptFaultTolerance(FaultTolerance):
-    """`FaultTolerance` for a script's loop (`FaultTolerance.join`): it also writes the records and
-    events a launcher reads (RUN/metrics.jsonl, summary.json), injects the faults it is asked to
-    (`--die-at`), and initializes the state only at job start."""
-
-    def __init__(
-        self,
-        protocol: StepProtocol,
-        *,
-        faults: Any,
-        replica_id: str,
-        fingerprint: str,
-        quorum_timeout_s: float,
-        drain_timeout_s: float,
-        replicas: int,
-        **kw: Any,
-    ) -> None:
-        super().__init__(protocol, **kw)
-        self.faults, self.replica_id, self.fingerprint = faults, replica_id, fingerprint
-        self.quorum_timeout_s, self.drain_timeout_s, self.replicas = quorum_timeout_s, drain_timeout_s, replicas
-        self._t0 = time.perf_counter()
-        self._asked = False
-
-    def begin(self) -> StepInfo:
-        if not self._asked:  # the first request: the job learns this replica exists
-            self._asked = True
-            self.log.event(
-                ReplicaEvent.START,
-                replica=self.replica_id,
-                incarnation=self.incarnation,
-                topology=self.fingerprint,
-                data_fingerprint="",
-                hosts=1,
-                devices=1,
-                pid=os.getpid(),
-            )
-            self.ask()
-        self._t0 = time.perf_counter()
-        self.faults.point(self.step + 1, "forward")
-        info = super().begin()
-        if info.catching_up:
-            self.faults.point(info.step, "catchup")
-        return info
-
-    def initialize(self, init: Callable[[], Any]) -> None:
-        """A quorum without state: `init()` at job start; later, nobody holds the job's state, so wait
-        for a peer (JobStateLost after ft.quorum_timeout_s), never restart from scratch. Asks again."""
-        if self.job_step == 0:
-            self.init_state(init())
-            self.log.event(ReplicaEvent.INIT, seed=0)
-        else:
-            self.wait_for_a_source(self.quorum_timeout_s, self.replica_id)
-        self.ask()
-
-    def average(self, q: QuorumResult, update: Any | None) -> tuple[Any, dict | None]:
-        self.faults.point(q.step + 1, "ftar")
-        return super().average(q, update)
-
-    def commit(
-        self, q: QuorumResult, update: Any, *, scale: float = 1.0, contributed: bool = True, loss: float | None = None
-    ) -> bool:
-        self.faults.point(q.step + 1, "commit")
-        position = self.data_position
-        applied = super().commit(q, update, scale=scale, contributed=contributed)
-        record = {
-            "step": q.step + 1,
-            "committed": applied,
-            "healing": not contributed,
-            "loss": loss if contributed else None,
-            "tokens": 0,
-            "batch_id": self.batch_id(position) if applied and contributed else None,
-            "data_position": self.data_position,
-            "quorum_id": q.quorum_id,
-            "participants": len(q.participants),
-            "contributors": q.num_contributors,
-            "lr_scale": scale,
-            "step_time_s": time.perf_counter() - self._t0,
-            "commit_failures": self.commit_failures,
-        }
-        if self.last_digest:
-            record["param_digest"], record["digest_s"] = self.last_digest, self.last_digest_s
-        self.log.log(record)
-        return applied
-
-    def finish(self) -> int:
-        """The loop trained every step: serve late peers (drain), write the summary. Returns 0."""
-        if self.has_peers:
-            self.drain(self.replicas, self.drain_timeout_s)
-        self.log.summary(
-            **final_digests(self.state),
-            replica=self.replica_id,
-            incarnation=self.incarnation,
-            data_position=self.data_position,
-            commit_failures=self.commit_failures,
-        )
-        return 0
-
-    def close(self) -> None:
-        super().close()
-        self.log.close()
-
-
-def join(
-    run: RunArgs,
-    *,
-    state: Any,
-    update_template: Any,
-    apply: Callable[[Any, Any, float], Any],
-    batch_id: Callable[[int], int] | None = None,
-    warm_up: Callable[[Any], Any] | None = None,
-) -> ScriptFaultTolerance:
-    """The fault-tolerance object of a script's replica: a member of the job at
-    `run.options.coordinator` (the token in $FTJAX_TOKEN), or alone. `state`: the state's pytree of
-    arrays (an initial one, or ShapeDtypeStructs with shardings), what a healing peer receives;
-    `update_template`: what is averaged (the gradients' pytree, arrays or ShapeDtypeStructs with
-    shardings); `apply(state, update, scale)`. The stream of replica r of R trains global batches
-    r, R + r, ... (`batch_id`, default that). `warm_up(state)`: the loop's gradient computation on
-    a state of zeros, which join runs, with `apply` and the digest, before the replica asks for a
-    quorum (`_warm_up`)."""
-    import signal
-
-    from ftjax.runtime import replica as rp
-    from ftjax.runtime.host_group import JaxHostGroup
-    from ftjax.runtime.metrics import MetricsLog
-
-    cfg, options, out = run.cfg, run.options, run.out
-    if cfg.ft.sync != "every_step":  # (its rounds, outer state and fragments are the built-in loop's)
-        raise ValueError(f"ft.sync={cfg.ft.sync}: DiLoCo runs in the built-in loop (ftjax.fit, ftjax train), not join")
-    abstract, template = _placed(cfg, state, update_template)
-    _warm_up(abstract, template, apply, warm_up, cfg.ft.digest_every)
-    group = JaxHostGroup()
-    log = MetricsLog(
-        out,
-        enabled=True,
-        total_steps=cfg.steps,
-        label=f"replica {options.replica_id}",
-        log_every=options.log_every,
-        **rp.record_sinks(cfg, options, out),
-    )
-    topology = _script_topology(cfg, template, abstract)
-    protocol = _script_protocol(run, group, log, template, topology)
-    replicas, rid = cfg.ft.replicas, options.replica_id
-    ft = ScriptFaultTolerance(
-        protocol,
-        faults=rp.faults_of(options),
-        replica_id=str(rid),
-        fingerprint=fingerprint(topology),
-        quorum_timeout_s=cfg.ft.quorum_timeout_s,
-        drain_timeout_s=cfg.ft.drain_timeout_s,
-        replicas=replicas,
-        apply=apply,
-        abstract_state=abstract,
-        log=log,
-        digest_every=cfg.ft.digest_every,
-        steps=cfg.steps,
-        batch_id=batch_id or (lambda p: p * replicas + rid),
-    )
-    signal.signal(signal.SIGTERM, lambda *_: ft.request_leave("SIGTERM"))
-    return ft
-
-
-def _warm_up(abstract: Any, template: Any, apply: Callable, step: Callable | None, digest: bool) -> None:
-    """Run the loop's programs once on zeros before the replica joins: a replica that (re)joins a
-    running job would otherwise compile them inside its first steps, which every peer waits for at
-    FTAR (the built-in loop's `ReplicaProgram.warm_up`). The results are dropped."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    def zeros(a):  # (numpy has no PRNG key dtype)
-        typed_key = jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
-        return jax.device_put((jnp if typed_key else np).zeros(a.shape, a.dtype), a.sharding)
-
-    state = jax.tree.map(zeros, abstract)
-    if step is not None:
-        jax.block_until_ready(step(state))
-    state = jax.block_until_ready(apply(state, jax.tree.map(zeros, template), 1.0))
-    if digest:  # the per-step digest's program compiles on first use too
-        state_checksum(state)
-
-
-def _placed(cfg: Any, *trees: Any) -> tuple:
-    """ShapeDtypeStructs of each tree's leaves, with their shardings on the replica's mesh."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from ftjax.program.sharding import replica_mesh
-
-    mesh = replica_mesh(jax.devices()[: cfg.mesh.devices_per_host], cfg.mesh.tensor)
-
-    def placed(a):  # a leaf with no mesh sharding (plain, or on one device) is replicated on the replica's mesh
-        sharding = getattr(a, "sharding", None)
-        return jax.ShapeDtypeStruct(
-            a.shape, a.dtype, sharding=sharding if isinstance(sharding, NamedSharding) else NamedSharding(mesh, P())
-        )
-
-    return tuple(jax.tree.map(placed, tree) for tree in trees)
-
-
-def _script_topology(cfg: Any, template: Any, abstract: Any) -> str:
-    """What a script's replicas must agree on to average together: lanes, update and state layouts."""
-    from ftjax.program.sharding import describe
-
-    return "\n".join(
-        [
-            f"mesh: lanes={cfg.mesh.hosts} devices_per_lane={cfg.mesh.devices_per_host}",
-            describe({"update": template}),
-            describe({"state": abstract}),
-        ]
-    )
-
-
-def _script_protocol(run: RunArgs, group: Any, log: Any, template: Any, topology: str) -> StepProtocol:
-    """A member's step protocol if the script joins a coordinator, else a standalone one."""
-    import jax
-
-    from ftjax.base.env import read_token
-    from ftjax.runtime import replica as rp
-
-    cfg, options, out = run.cfg, run.options, run.out
-    if not options.coordinator:
-        return rp.standalone_protocol(cfg, options, out, group, log)
-    addrs = rp.addresses(cfg, options.coordinator)
-    return rp.member_protocol(
-        cfg,
-        options,
-        out,
-        read_token(),
-        addrs,
-        group,
-        log,
-        update_template=template,
-        update_shardings=jax.tree.map(lambda a: a.sharding, template),
-        topology=topology,
-    )
-
-
-FaultTolerance.join = staticmethod(join)  # (the API's spelling: ftjax.FaultTolerance.join)

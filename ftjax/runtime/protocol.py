@@ -16,7 +16,8 @@ its collaborators, so a test can pass fakes:
 - `log` and `watchdog`: where events go, and who is told that the loop moves on.
 
 What the training loop owns (`ftjax.runtime.trainer`): the state, the data stream, checkpoints, metrics and
-fault injection.
+fault injection. Its one owner is `FaultTolerance` (ftjax/runtime/manager.py): nobody else holds a
+`StepProtocol` once it is built, nor reaches through it to a collaborator (tests/unit/test_layout.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 from ftjax.base.net import ADVERTISE_ENV, is_loopback
 from ftjax.coordinator.codec import decode_quorum, encode_quorum
@@ -40,8 +42,29 @@ from ftjax.runtime.lanes import lane_host
 from ftjax.runtime.replay import ReplayBuffer
 from ftjax.runtime.watchdog import NoWatchdog
 
+# A pytree of arrays: a replica's state, a gradient update, their templates. Its structure is the
+# user's model's (any nesting of dicts, lists, dataclasses, flax modules' states): the runtime passes
+# it on to JAX and never looks inside, and JAX names no type for it.
+PyTree: TypeAlias = Any
+T = TypeVar("T")
+
+
+class EventLog(Protocol):
+    """Where a replica's events go (`MetricsLog`; ftjax/runs/events.py names them)."""
+
+    def event(self, kind: str, **fields: object) -> None: ...  # (fields: JSON values)
+
+
+class Watchdog(Protocol):
+    """Who is told that the loop moves on (`ProgressWatchdog`, `NoWatchdog`)."""
+
+    def beat(self, phase: str) -> None: ...
+    def exempt(self, phase: str) -> AbstractContextManager[None]: ...
+
 
 class QuorumSource(Protocol):
+    """Where quorums come from, and where votes and failure reports go: `CoordinatorClient`, `LocalQuorum`."""
+
     known_positions: dict[str, int]
 
     def quorum_async(
@@ -54,18 +77,22 @@ class QuorumSource(Protocol):
 
 
 class Reducer(Protocol):
-    def average(self, q: QuorumResult, grads: Any | None) -> Any: ...  # raises FTARError
-    def tree(self, update: Any) -> Any: ...
-    def detach(self, update: Any) -> Any: ...  # what the replay may keep past the next step
+    """Averages an update over a quorum (ftjax/runtime/reduce.py: FTAR, or the identity)."""
+
+    def average(self, q: QuorumResult, grads: PyTree | None) -> PyTree: ...  # raises FTARError
+    def tree(self, update: PyTree) -> PyTree: ...
+    def detach(self, update: PyTree) -> PyTree: ...  # what the replay may keep past the next step
     def close(self) -> None: ...
 
 
 class HostGroup(Protocol):
+    """The hosts of one replica (`JaxHostGroup`): the leader's word to all, everyone's to each."""
+
     rank: int
     hosts: int
 
     def broadcast_bytes(self, data: bytes) -> bytes: ...
-    def allgather(self, obj: Any) -> list[Any]: ...
+    def allgather(self, obj: T) -> list[T]: ...
 
 
 @dataclass(frozen=True)
@@ -94,7 +121,8 @@ class HealOrder:
 
 class LocalQuorum:
     """The quorum source of a standalone run: a quorum of this replica alone, at once. With it the
-    protocol needs no coordinator, and the standalone loop is the fault-tolerant one."""
+    protocol needs no coordinator, and the standalone loop is the fault-tolerant one. It owns nothing
+    but the replica's id; its methods are `QuorumSource`'s (a vote commits what every host averaged)."""
 
     def __init__(self, replica_id: str) -> None:
         self.replica_id = replica_id
@@ -171,6 +199,7 @@ class UnreachablePeers:
         return out
 
     def succeeded(self) -> None:
+        """An attempt went through: every streak ends, and a peer may be reported again."""
         self._streaks.clear()
         self._told.clear()
 
@@ -197,6 +226,12 @@ def unreachable_message(
 
 
 class StepProtocol:
+    """The fault-tolerant step of one host of a replica (this module's docstring). It owns its
+    collaborators (quorum source, reducer, transport, host group, replay buffer) and the protocol's
+    bookkeeping (commit failures, known data positions, the catch-up in flight); it must not touch
+    the replica's state, step or data position, which its owner (`FaultTolerance`) holds and passes
+    in. Only that owner calls it; a loop goes through the owner."""
+
     def __init__(
         self,
         *,
@@ -207,8 +242,8 @@ class StepProtocol:
         transport: CatchupTransport | None,
         quorums: QuorumSource | None,
         buffer: ReplayBuffer,
-        log: Any,
-        watchdog: Any = None,
+        log: EventLog,
+        watchdog: Watchdog | None = None,
         unreachable_after_s: float = UNREACHABLE_AFTER_S,
         commit_decision: str = "ring",
         decision_timeout_s: float = 5.0,
@@ -217,7 +252,7 @@ class StepProtocol:
         self.replica_id, self.incarnation = replica_id, incarnation
         self.group, self.reducer, self.transport, self.quorums = group, reducer, transport, quorums
         self.buffer, self.log = buffer, log
-        self.watchdog = watchdog or NoWatchdog()
+        self.watchdog: Watchdog = watchdog or NoWatchdog()
         self.leader = group.rank == 0
         self.commit_failures = 0  # since the last committed step (tells the coordinator)
         self.total_commit_failures = 0
@@ -270,7 +305,7 @@ class StepProtocol:
         return self._carry_out(q, order)
 
     # --- averaging and the vote -----------------------------------------------------------------
-    def average(self, q: QuorumResult, grads: Any | None) -> tuple[Any, dict | None]:
+    def average(self, q: QuorumResult, grads: PyTree | None) -> tuple[PyTree, dict | None]:
         """(the averaged update, None), or (None, the failure: the peer at fault and why). `grads`
         is None when this replica contributes nothing (it heals): it relays zeros."""
         self.watchdog.beat("ftar")
@@ -329,9 +364,31 @@ class StepProtocol:
             print(f"ftjax train: {message}", file=sys.stderr, flush=True)
         return False
 
-    def step_fields(self) -> dict:
+    def step_fields(self) -> dict[str, float]:
         """What the step's record adds from the protocol: the wait for the coordinator's decision."""
         return {} if self.decision_s is None else {"decision_s": self.decision_s}
+
+    def phase_fields(self) -> dict[str, float]:
+        """What the step's record adds from the average: the reducer's phases (FTAR's d2h, ring, h2d,
+        overlap), {} for a reducer that has none."""
+        phases = getattr(self.reducer, "phases", None)
+        return {} if phases is None else phases.record()
+
+    def tree(self, update: PyTree) -> PyTree:
+        """The averaged `update` as the state's pytree, for `apply` (the reducer's form may be its own)."""
+        return self.reducer.tree(update)
+
+    @property
+    def has_peers(self) -> bool:
+        """A member of a job: peers to serve snapshots to (a standalone run has no transport)."""
+        return self.transport is not None
+
+    def leaders_word(self, yes: bool) -> bool:
+        """The leader's `yes` on every host of the replica (one broadcast; a host's own with one host):
+        a decision every host must take together, on the leader's clock."""
+        if self.group.hosts > 1:
+            return self.group.broadcast_bytes(b"1" if yes else b"0") == b"1"
+        return yes
 
     def _count_failure(self) -> None:
         self.commit_failures += 1
@@ -406,10 +463,12 @@ class StepProtocol:
             self.quorums.known_positions = {}
 
     # --- healing hooks ------------------------------------------------------------------------
-    def serve(self, q: QuorumResult, state: Any, step: int, meta: dict) -> None:
+    def serve(self, q: QuorumResult, state: PyTree, step: int, meta: dict) -> None:
         """Source role: snapshot our state for each peer that heals from us, once per incarnation
         (again if the peer asked for a fresher one). Every host snapshots the same step: the peer's
-        hosts each fetch from one of ours, and must install parts of one state."""
+        hosts each fetch from one of ours, and must install parts of one state. Nothing standalone."""
+        if self.transport is None:
+            return
         keys = {f"{p.replica_id}/{p.incarnation}" for p in q.heal_targets}
         stale = {k for k in keys if not self.transport.offered(k)}
         if keys and self.group.hosts > 1:  # a host that a fetch asked for a fresher one tells all
@@ -429,18 +488,23 @@ class StepProtocol:
             self.heal_started = time.monotonic()
 
     def up_to_date(self, step: int) -> None:
+        """The quorum found this replica at the job's step: a catch-up under way is not needed."""
         if self.heal_started is not None:  # a catch-up no longer needed: we hold the job's step
             self.log.event(ReplicaEvent.CATCHUP_CANCELLED, step=step, buffered=len(self.buffer))
             self.buffer.clear()
             self.heal_started = None
 
-    def keep(self, q: QuorumResult, update: Any, scale: float) -> None:
+    def keep(self, q: QuorumResult, update: PyTree, scale: float) -> None:
         """Healing: keep the averaged update of this step for the replay."""
         self.buffer.put(q.step, self.reducer.detach(update), scale)
 
     def install(
-        self, got: FetchResult, q: QuorumResult, abstract_state: Any, apply: Callable[[Any, Any, float], Any]
-    ) -> tuple[Any, int] | None:
+        self,
+        got: FetchResult,
+        q: QuorumResult,
+        abstract_state: PyTree,
+        apply: Callable[[PyTree, PyTree, float], PyTree],
+    ) -> tuple[PyTree, int] | None:
         """Every host: restore the fetched snapshot and replay the kept updates through `apply`.
         Returns (state, step), or None if the snapshot is older than the oldest update kept."""
         with self.watchdog.exempt("snapshot restore"):
@@ -451,7 +515,7 @@ class StepProtocol:
                 self.log.event(ReplicaEvent.CATCHUP_GAP, snapshot_step=got.step, missing=step)
                 return None  # incomplete: the next quorum asks for a fresher snapshot
             update, scale = self.buffer.get(step)
-            state = apply(state, self.reducer.tree(update), scale)
+            state = apply(state, self.tree(update), scale)
             step, replayed = step + 1, replayed + 1
             self.watchdog.beat(f"replay of step {step}")
         self._caught_up(got, step, replayed)
@@ -557,6 +621,7 @@ class StepProtocol:
             self.quorums.leave(reason)
 
     def close(self) -> None:
+        """Close the collaborators' connections and drop the kept updates."""
         if self.quorums is not None:
             self.quorums.close()
         self.reducer.close()

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import grpc
 import jax
+import numpy as np
 
 from ftjax.base import net
 from ftjax.base.env import read_token
@@ -27,7 +28,7 @@ from ftjax.coordinator.client import CoordinatorClient, CoordinatorError
 from ftjax.coordinator.layout import fingerprint
 from ftjax.coordinator.types import MemberInfo, new_incarnation
 from ftjax.ftar import FTAREndpoint
-from ftjax.program.data import make_stream
+from ftjax.program.data import BatchStream, make_stream
 from ftjax.program.plan import check_fits, peak_flops, step_flops
 from ftjax.program.step import ReplicaProgram, build_program
 from ftjax.program.task import Task
@@ -39,7 +40,7 @@ from ftjax.runtime.faults import InjectedFaults, parse_die_at, parse_flip_at
 from ftjax.runtime.host_group import JaxHostGroup
 from ftjax.runtime.lanes import LaneFlattener, served_lanes
 from ftjax.runtime.metrics import MetricsLog, ModelFlops
-from ftjax.runtime.protocol import LocalQuorum, StepProtocol
+from ftjax.runtime.protocol import LocalQuorum, PyTree, Reducer, StepProtocol
 from ftjax.runtime.reduce import FTARReducer, LocalReducer
 from ftjax.runtime.replay import ReplayBuffer
 from ftjax.runtime.tensorboard import wandb_init
@@ -47,7 +48,10 @@ from ftjax.runtime.trainer import Trainer
 from ftjax.runtime.watchdog import NoWatchdog, ProgressWatchdog
 
 
-def _checkpoints(cfg: Config, args: RunOptions, out: Path, stream, program) -> DurableCheckpoints | None:
+def _checkpoints(
+    cfg: Config, args: RunOptions, out: Path, stream: BatchStream, program: ReplicaProgram
+) -> DurableCheckpoints | None:
+    """The replica's durable checkpoints, when the config or the command line asks for any."""
     if cfg.checkpoint.every > 0 or args.resume or args.stop_after:
         return DurableCheckpoints.from_config(
             cfg,
@@ -62,6 +66,7 @@ def _checkpoints(cfg: Config, args: RunOptions, out: Path, stream, program) -> D
 
 
 def faults_of(args: RunOptions) -> InjectedFaults:
+    """The faults the command line asks the process to inject into itself (--die-at, --hang-at, --flip-bit-at)."""
     return InjectedFaults(
         parse_die_at(args.die_at), parse_die_at(args.hang_at, "--hang-at"), parse_flip_at(args.flip_bit_at)
     )
@@ -73,7 +78,7 @@ def _divisor(cfg: Config) -> int | None:
     return cfg.ft.replicas if cfg.ft.global_batch == "constant" else None
 
 
-def _pinned(cfg: Config, shardings: Any) -> bool:
+def _pinned(cfg: Config, shardings: PyTree) -> bool:
     """ft.grad_path: pinned, or auto where this host's devices are accelerators with page-locked host memory."""
     if cfg.ft.grad_path != "auto":
         return cfg.ft.grad_path == "pinned"
@@ -82,7 +87,7 @@ def _pinned(cfg: Config, shardings: Any) -> bool:
     return all(d.platform != "cpu" and "pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices)
 
 
-def _grad_dtype(cfg: Config):
+def _grad_dtype(cfg: Config) -> np.dtype:
     """The dtype of the update on FTAR's wire (ft.grad_dtype; bfloat16 is ml_dtypes')."""
     return jax.numpy.dtype(cfg.ft.grad_dtype)
 
@@ -107,8 +112,8 @@ def member_protocol(
     group: JaxHostGroup,
     log: MetricsLog,
     *,
-    update_template: Any,
-    update_shardings: Any,
+    update_template: PyTree,
+    update_shardings: PyTree,
     topology: str,
     arena: ReceiveArena | None = None,
 ) -> StepProtocol:
@@ -152,7 +157,9 @@ def member_protocol(
     )
 
 
-def _ftar_reducer(cfg: Config, endpoints, served, update_template: Any, update_shardings: Any):
+def _ftar_reducer(
+    cfg: Config, endpoints: list[FTAREndpoint], served: Sequence[int], update_template: PyTree, update_shardings: PyTree
+) -> Reducer:
     """How this host averages the update: its lanes through FTAR, on the gradient path of ft.grad_path;
     with DiLoCo, a fragment of the parameters' deltas per round, each through a reducer of its own."""
     if cfg.ft.sync != "every_step":
@@ -160,7 +167,9 @@ def _ftar_reducer(cfg: Config, endpoints, served, update_template: Any, update_s
     return _ftar_reducer_of(cfg, endpoints, served, update_template, update_shardings)
 
 
-def _fragments(cfg: Config, template: Any, shardings: Any, reducer_of) -> FragmentReducer:
+def _fragments(
+    cfg: Config, template: PyTree, shardings: PyTree, reducer_of: Callable[[PyTree, PyTree], Reducer]
+) -> FragmentReducer:
     """DiLoCo's reducer: the parameters cut into fragments as ftjax/runtime/diloco.py cuts them, one
     reducer each, over the fragment's pieces."""
     leaves, sh = jax.tree.leaves(template["params"]), jax.tree.leaves(shardings["params"])
@@ -172,7 +181,9 @@ def _fragments(cfg: Config, template: Any, shardings: Any, reducer_of) -> Fragme
     return FragmentReducer(reducers, len(cut), cfg.inner_per_step, cfg.warmup_sync_steps, sync)
 
 
-def _ftar_reducer_of(cfg: Config, endpoints, served, update_template: Any, update_shardings: Any) -> FTARReducer:
+def _ftar_reducer_of(
+    cfg: Config, endpoints: list[FTAREndpoint], served: Sequence[int], update_template: PyTree, update_shardings: PyTree
+) -> FTARReducer:
     m = cfg.mesh  # the lanes are cut by the job's full replica, whatever this one's degree
     layout = dict(lanes=m.hosts, devices_per_host=m.devices_per_host, served=served, tensor=m.tensor)
     flat = LaneFlattener(update_template, update_shardings, dtype=_grad_dtype(cfg), **layout)
@@ -196,7 +207,7 @@ def _topology(cfg: Config, program: ReplicaProgram, data_fingerprint: str) -> st
     return f"{layout}\n{sync}" + (f" warmup={cfg.warmup_sync_steps}" if cfg.warmup_sync_steps else "")
 
 
-def _ftar_endpoints(cfg: Config, token: str, addrs: net.Addresses, served) -> list[FTAREndpoint]:
+def _ftar_endpoints(cfg: Config, token: str, addrs: net.Addresses, served: Sequence[int]) -> list[FTAREndpoint]:
     """One FTAR endpoint per gradient lane this host serves."""
     return [
         FTAREndpoint(
@@ -228,7 +239,13 @@ def _catchup_transport(
     )
 
 
-def _announce(args: RunOptions, group: JaxHostGroup, addrs: net.Addresses, endpoints, transport) -> None:
+def _announce(
+    args: RunOptions,
+    group: JaxHostGroup,
+    addrs: net.Addresses,
+    endpoints: list[FTAREndpoint],
+    transport: ShardTransport,
+) -> None:
     """One line on stderr: where peers reach this process, and why that address."""
     print(
         f"ftjax: replica {args.replica_id} host {group.rank}: peers reach this process at "
@@ -255,7 +272,8 @@ def _coordinator_client(
     return client
 
 
-def _local_reducer(cfg: Config, program: ReplicaProgram | None):
+def _local_reducer(cfg: Config, program: ReplicaProgram | None) -> Reducer:
+    """A replica alone averages nothing: the identity (with DiLoCo, one per fragment)."""
     local = lambda *_: LocalReducer(_divisor(cfg), _grad_dtype(cfg))
     if cfg.ft.sync != "every_step" and program is not None:
         return _fragments(cfg, program.abstract_update(), program.grad_shardings, local)
@@ -340,7 +358,7 @@ def _member(cfg: Config, args: RunOptions, out: Path, token: str, addrs: net.Add
     trainer.watchdog = protocol.watchdog = ProgressWatchdog(cfg.ft.progress_timeout_s, trainer.no_progress)
     # SIGTERM (a launcher taking the replica back to full degree, a scheduler's preemption): leave
     # the job at the next step boundary, so that no peer's step fails; exit EXIT_LEFT
-    signal.signal(signal.SIGTERM, lambda *_: trainer.request_leave("SIGTERM"))
+    signal.signal(signal.SIGTERM, lambda *_: trainer.ft.request_leave("SIGTERM"))
     return trainer
 
 

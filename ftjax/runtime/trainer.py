@@ -29,7 +29,7 @@ from ftjax.program.digest import all_finite, params_digest
 from ftjax.program.optim import schedule
 from ftjax.program.step import device_batch, model_state, param_count, topology_fingerprint, where
 from ftjax.program.task import concat_rows, slice_rows
-from ftjax.runs.events import EXIT_LEFT, EXIT_NO_PROGRESS, ReplicaEvent
+from ftjax.runs.events import EXIT_LEFT, EXIT_NO_PROGRESS, ReplicaEvent, StepField, digest_fields, step_record
 from ftjax.runtime.checkpoint import load_init
 from ftjax.runtime.diloco import InnerResult, OuterSync, RoundStream
 from ftjax.runtime.manager import FaultTolerance, Finished, Left, final_digests
@@ -87,6 +87,11 @@ class _Timing:
 
 
 class Trainer:
+    """The built-in loop of one replica process (this module's docstring). It owns the program, the
+    data stream, durable checkpoints, the records and fault injection; the state, the step and the
+    data position are its `ft`'s (`FaultTolerance`), which it talks to through its public methods
+    only: it must not hold or reach into the step protocol."""
+
     def __init__(
         self,
         cfg: Config,
@@ -171,6 +176,7 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> int:
+        """Train to the last step (or `stop_after`), drain for late peers, write the summary; the exit code."""
         self.log.event(
             ReplicaEvent.START,
             replica=self.replica_id,
@@ -198,10 +204,6 @@ class Trainer:
             print(f"ftjax train: replica {self.replica_id}: {e.args[1]}; exiting", file=sys.stderr, flush=True)
             return 0
         return self._finish()
-
-    def request_leave(self, reason: str) -> None:
-        """Leave the job at the next step boundary (a signal handler may call it)."""
-        self.ft.request_leave(reason)
 
     def _one_step(self) -> None:
         self.watchdog.beat("forward")
@@ -400,26 +402,28 @@ class Trainer:
         # the optimizer steps this replica's batches went through (none while healing)
         inner = 0 if computed is None else self.stream.span(computed.position)[1] if self.sync is not None else 1
         rows = row_count(computed.work) * inner if computed is not None else 0
-        record = {
-            "step": q.step + 1,
-            "committed": applied,
-            "healing": computed is None,
-            "loss": float(computed.loss) if computed is not None else None,
-            "tokens": rows * self.program.task.tokens_per_example,
-            "batch_id": batch_id,
-            "data_position": self.position,
-            "quorum_id": q.quorum_id,
-            "participants": len(q.participants),
-            "contributors": q.num_contributors,
-            "lr_scale": scale,
-            "step_time_s": t5 - timing.t0,
-            "compute_s": timing.compute - timing.t0 + timing.shared,
-            "quorum_wait_s": timing.quorum - timing.compute,
-            "ftar_s": timing.ftar - timing.quorum - timing.shared,
-            "commit_s": t5 - timing.ftar,
-            "commit_failures": self.ft.commit_failures,
-            **self.ft.protocol.step_fields(),  # (ft.commit_decision coordinator: decision_s, within commit_s)
-        }
+        record = step_record(
+            step=q.step + 1,
+            committed=applied,
+            healing=computed is None,
+            loss=float(computed.loss) if computed is not None else None,
+            tokens=rows * self.program.task.tokens_per_example,
+            batch_id=batch_id,
+            data_position=self.position,
+            quorum_id=q.quorum_id,
+            participants=len(q.participants),
+            contributors=q.num_contributors,
+            lr_scale=scale,
+            step_time_s=t5 - timing.t0,
+            timings={
+                StepField.COMPUTE_S: timing.compute - timing.t0 + timing.shared,
+                StepField.QUORUM_WAIT_S: timing.quorum - timing.compute,
+                StepField.FTAR_S: timing.ftar - timing.quorum - timing.shared,
+                StepField.COMMIT_S: t5 - timing.ftar,
+            },
+            commit_failures=self.ft.commit_failures,
+            protocol=self.ft.step_fields(),  # (ft.commit_decision coordinator: decision_s, within commit_s)
+        )
         if self.constant:  # who computed which rows of the step's R batches (ftjax/base/batches.py)
             record["work"] = self.step_work
             record["loss_sums"] = (
@@ -434,13 +438,10 @@ class Trainer:
             record["lr"] = float(self.lrs[q.step]) * scale
         if self.flops is not None:
             record.update(self.flops.fields(rows, record["step_time_s"]))
-        phases = getattr(self.ft.protocol.reducer, "phases", None)  # FTAR's: d2h, ring, h2d, overlap
-        if phases is not None:
-            record.update(phases.record())
+        record.update(self.ft.phase_fields())  # FTAR's: d2h, ring, h2d, overlap
         if computed is not None and computed.aux:
             record["aux"] = {k: float(v) for k, v in computed.aux.items()}
-        if digest[0]:  # the state's per-step digest, and the seconds it took
-            record["param_digest"], record["digest_s"] = digest
+        record.update(digest_fields(*digest))  # the state's per-step digest, and the seconds it took
         record.update(evaluated or {})
         self.log.log(record)
 
