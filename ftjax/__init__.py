@@ -35,7 +35,7 @@ _EXPORTS = {
     "FitResult": "ftjax.api",
     "FaultTolerance": "ftjax.runtime.script",
     "StepInfo": "ftjax.runtime.manager",
-    "RunArgs": "ftjax.runtime.script",
+    "RunArgs": "ftjax.runtime.args",
     "Finished": "ftjax.runtime.manager",
     "Left": "ftjax.runtime.manager",
     "BatchStream": "ftjax.program.data",

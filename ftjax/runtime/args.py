@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -202,3 +203,28 @@ def held_run(out: Path) -> str:
     --resume would restore the old run's newest). A job's member is exempt: a restarted replica
     reuses its directory and heals from its peers."""
     return ", ".join(name for name in ("metrics.jsonl", "checkpoints", "summary.json") if (out / name).exists())
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    """A replica process's command line, as `ftjax train` takes it (what `ftjax launch --entry`
+    passes to a script): the config, its overrides, and the run options. It owns no process state
+    beyond the JAX platform settings `parse` applies."""
+
+    cfg: Config
+    options: RunOptions
+    out: Path
+
+    @classmethod
+    def parse(cls, argv: list[str] | None = None) -> RunArgs:
+        """Parse `CONFIG [key=value ...] [--out DIR] [--replica-id R] [--coordinator HOST:PORT] ...`.
+        Before JAX is imported, it also applies the config's platform and device count."""
+        args = build_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+        cfg = parse_config(args)
+        if cfg.mesh.live > 1:
+            raise ValueError("FaultTolerance.join: a script's replica runs on one host (mesh.hosts=1)")
+        if "jax" not in sys.modules:
+            from ftjax.base.env import configure_run
+
+            configure_run(cfg.platform, device_count=cfg.mesh.devices_per_host)
+        return cls(cfg, RunOptions.from_args(args), Path(args.out or "runs/script"))

@@ -1,4 +1,5 @@
-"""The runtime a script that owns its training loop sees: `ftjax.FaultTolerance`, `ftjax.RunArgs`.
+"""The runtime a script that owns its training loop sees: `ftjax.FaultTolerance` (`ftjax.RunArgs`, which must
+not import JAX, is in ftjax/runtime/args.py).
 
 `FaultTolerance.join(run, ...)` assembles the step protocol's owner for a script's replica from a
 config (standalone, or a member of the job at `--coordinator`), the way ftjax/runtime/replica.py
@@ -14,11 +15,8 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -35,37 +33,12 @@ from ftjax.program.sharding import describe, replica_mesh
 from ftjax.runs.events import ReplicaEvent, digest_fields, step_record
 from ftjax.runtime import manager
 from ftjax.runtime import replica as rp
-from ftjax.runtime.args import RunOptions, build_parser, parse_config
+from ftjax.runtime.args import RunArgs
 from ftjax.runtime.faults import InjectedFaults
 from ftjax.runtime.host_group import JaxHostGroup
 from ftjax.runtime.manager import Apply, StepInfo, final_digests
 from ftjax.runtime.metrics import MetricsLog
 from ftjax.runtime.protocol import PyTree, StepProtocol
-
-
-@dataclass(frozen=True)
-class RunArgs:
-    """A replica process's command line, as `ftjax train` takes it (what `ftjax launch --entry`
-    passes to a script): the config, its overrides, and the run options. It owns no process state
-    beyond the JAX platform settings `parse` applies."""
-
-    cfg: Config
-    options: RunOptions
-    out: Path
-
-    @classmethod
-    def parse(cls, argv: list[str] | None = None) -> RunArgs:
-        """Parse `CONFIG [key=value ...] [--out DIR] [--replica-id R] [--coordinator HOST:PORT] ...`.
-        Before JAX is imported, it also applies the config's platform and device count."""
-        args = build_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
-        cfg = parse_config(args)
-        if cfg.mesh.live > 1:
-            raise ValueError("FaultTolerance.join: a script's replica runs on one host (mesh.hosts=1)")
-        if "jax" not in sys.modules:
-            from ftjax.base.env import configure_run
-
-            configure_run(cfg.platform, device_count=cfg.mesh.devices_per_host)
-        return cls(cfg, RunOptions.from_args(args), Path(args.out or "runs/script"))
 
 
 class FaultTolerance(manager.FaultTolerance):

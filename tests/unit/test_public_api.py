@@ -40,3 +40,24 @@ def test_the_token_file_names_resolve_and_are_documented():
     for name in ("TokenWindows", "TokenFileError", "Windows", "stdlib_corpus"):
         assert name in ftjax.__all__ and (getattr(ftjax, name).__doc__ or "").strip(), name
     assert ftjax.TokenWindows.__module__ == "ftjax.program.tokens" and issubclass(ftjax.TokenFileError, ValueError)
+
+
+def test_run_args_parse_sets_the_platform_before_jax_is_imported():
+    """`ftjax.RunArgs.parse` applies the config's platform and device count, which JAX reads once at
+    import: so neither `ftjax.RunArgs` nor its module may import JAX (it lived beside the script's
+    FaultTolerance, which does, and the settings were then skipped silently)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ftjax\n"
+        "parse = ftjax.RunArgs.parse\n"
+        "assert 'jax' not in sys.modules, 'ftjax.RunArgs imported jax'\n"
+        "parse(['tiny', 'platform=cpu', 'mesh.devices_per_host=4', '--out', 'x'])\n"
+        "import jax\n"
+        "print(jax.device_count())\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["4"]
