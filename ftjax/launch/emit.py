@@ -8,10 +8,11 @@ namespace. The coordinator is told how many replicas to wait for at job start
 (`--expected-replicas`), and ends with the job: it exits 0 once every replica has reached the last
 step and left, and 3 when no replica has been alive for `--idle-exit-s` (ftjax/coordinator/lifetime.py).
 
-- **slurm** (`ftjax/launch/cluster/slurm.py`, its scripts bash templates in `cluster/templates/`): `DIR/submit.sh` submits `coordinator.sbatch`, one `replica-R.sbatch`
-  per replica (started once the coordinator runs: `--dependency=after`), and `finish.sbatch` (once
-  every replica ended: `afterany`). No fixed port: the coordinator and each replica's
-  `jax.distributed` service take free ports and publish them. Jobs are `--requeue`able (a dead node
+- **slurm** (`ftjax/launch/cluster/slurm.py`, the scripts' bash in `cluster/templates/`):
+  `DIR/submit.sh` submits `coordinator.sbatch`, one `replica-R.sbatch` per replica (started once
+  the coordinator runs: `--dependency=after`), and `finish.sbatch` (once every replica ended:
+  `afterany`). No fixed port: the coordinator and each replica's `jax.distributed` service take
+  free ports and publish them. Jobs are `--requeue`able (a dead node
   sends the job back to the queue; the requeued script records the requeue as a failure) and
   restart their replica whole after a failed step, up to --max-restarts times in all. With
   `ft.on_host_loss: reduce` a replica's job is `--no-kill` and, when Slurm reports a node of its
@@ -19,11 +20,10 @@ step and left, and 3 when no replica has been alive for `--idle-exit-s` (ftjax/c
   (`templates/reduce.sh`). DIR must be on a filesystem the nodes share; the run directory is
   `DIR/run`, laid out like `ftjax launch`'s, so `ftjax.runs.summary` reads it (finish.sbatch
   writes `run/launcher.jsonl` and `run/summary.json`).
-- **k8s** (`ftjax/launch/cluster/k8s.py`): `DIR/token.yaml` (the token Secret, mode 600), `DIR/coordinator.yaml` (the
-  config ConfigMap, optionally the PersistentVolumeClaim for the outputs, the coordinator's Job and
-  Service) and one JobSet per
-  replica in `DIR/replica-R.yaml` (the JobSet controller, kubernetes-sigs/jobset, must be
-  installed): a failed pod fails its Job, and the JobSet recreates that replica's pods, all of them,
+- **k8s** (`ftjax/launch/cluster/k8s.py`): `DIR/token.yaml` (the token Secret, mode 600),
+  `DIR/coordinator.yaml` (the config ConfigMap, optionally the PersistentVolumeClaim for the outputs,
+  the coordinator's Job and Service) and one JobSet per replica in `DIR/replica-R.yaml` (the JobSet
+  controller, kubernetes-sigs/jobset, must be installed): a failed pod fails its Job, and the JobSet recreates that replica's pods, all of them,
   up to --max-restarts times (also with `ft.on_host_loss: reduce`: a JobSet cannot shrink a
   replica, docs/design/operations.md "Cluster launch"). The coordinator serves `grpc.health.v1` for its readiness and
   liveness probes. Apply with `kubectl apply -f DIR/`, remove with `kubectl delete -f DIR/`.
