@@ -15,6 +15,7 @@ import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +30,9 @@ from ftjax.program.corpus import (
     text_pieces,
 )
 from ftjax.program.tokenizer import bos_of, eos_of, load_tokenizer
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 from ftjax.program.tokens import SPLITS, SplitWriter, token_dtype, write_index
 
 # A longer document is encoded in pieces of this size (or of the chunk, if smaller): encoding one
@@ -162,20 +166,7 @@ def _tokenize(
     show: bool,
 ) -> tuple[int, int]:
     """Encode every chunk in the pool and write the results in input order; (documents, empty ones)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
-    console = Console(stderr=True)
-    bar = Progress(
-        TextColumn("[bold]tokenize"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TextColumn("{task.fields[tokens]:,} tokens"),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not (show and console.is_terminal),
-    )
+    bar = _progress_bar(show)
     task = bar.add_task("tokenize", total=sum(f.stat().st_size for f in files), tokens=0)
     chunks = plan_chunks(files, chunk_bytes, worker_args[2])
     docs = empty = tokens = 0
@@ -214,6 +205,24 @@ def _tokenize(
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     return docs, empty
+
+
+def _progress_bar(show: bool) -> Progress:
+    """The input read and the tokens written so far, on stderr when it is a terminal."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    console = Console(stderr=True)
+    return Progress(
+        TextColumn("[bold]tokenize"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TextColumn("{task.fields[tokens]:,} tokens"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not (show and console.is_terminal),
+    )
 
 
 def _tokenizer_record(tokenizer: str | Path) -> dict:
