@@ -204,13 +204,10 @@ def _floor_server(argv: list[str]) -> int:
     requests are all answered the moment the last of `--replicas` arrives, with answers of the
     coordinator's shape and size (the common part serialized once, plus each caller's own fields).
     The same event loop, collector settings and server options as the coordinator's."""
-    from ftjax.coordinator.server import (
-        SERVER_OPTIONS,
-        SERVICE,
-        new_event_loop,
-        quiet_garbage_collector,
-        write_ready_file,
-    )
+    from ftjax.cli.coordinator import write_ready_file
+    from ftjax.coordinator.collector import quiet_garbage_collector
+    from ftjax.coordinator.server import SERVER_OPTIONS, new_event_loop
+    from ftjax.coordinator.service import SERVICE
 
     p = argparse.ArgumentParser(prog="python -m ftjax_bench.coordinator floor")
     p.add_argument("--replicas", type=int, required=True)

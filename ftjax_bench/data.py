@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
     cfg = common.load("data", args.config, args.overrides)
     if cfg is None:
         return 2
-    from ftjax.cli.prepare import prepare
+    from ftjax.program.prepare import prepare
 
     with common.run_directory("data", args.out) as out:
         write_corpus(out / "corpus.jsonl", args.mib)

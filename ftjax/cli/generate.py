@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     try:
         tok = None
         if args.tokenizer:
-            from ftjax.cli.prepare import load_tokenizer
+            from ftjax.program.tokenizer import load_tokenizer
 
             tok = load_tokenizer(args.tokenizer)
         if (args.prompt is None) == (args.prompt_ids is None):

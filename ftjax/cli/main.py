@@ -11,7 +11,7 @@ import sys
 # an exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("ftjax.cli.train:main", "train one replica (standalone, or as a member of a job)"),
-    "coordinator": ("ftjax.coordinator.server:main", "run the job's coordinator (gRPC quorum service + HTTP status)"),
+    "coordinator": ("ftjax.cli.coordinator:main", "run the job's coordinator (gRPC quorum service + HTTP status)"),
     "launch": ("ftjax.launch:main", "run a fault-tolerant job on this machine (coordinator + replicas)"),
     "bench": ("ftjax.cli.bench:main", "benchmarks; each prints one JSON line"),
     "simulate": ("ftjax.sim.cli:main", "discrete-event goodput model of fault-tolerant training at scale"),

@@ -1,22 +1,21 @@
 """What differs between two replicas' layouts, for the coordinator's refusal of a mismatched member.
 
-A replica's topology fingerprint hashes its layout text (`ReplicaProgram.topology`, ftjax/program/step.py):
-one `key: value` line per item, the mesh's lanes first, then each state leaf's path, shape, dtype and
-partition spec. Two hashes only say *that* replicas differ; the texts (sent once per heartbeat
-stream) say *where*: `d_model=128` against 64 names the leaves whose shapes changed.
+A replica's topology fingerprint (ftjax/base/fingerprint.py) hashes its layout text
+(`ReplicaProgram.topology`, ftjax/program/step.py): one `key: value` line per item, the mesh's lanes
+first, then each state leaf's path, shape, dtype and partition spec. Two hashes only say *that*
+replicas differ; the texts (sent once per heartbeat stream) say *where*: `d_model=128` against 64
+names the leaves whose shapes changed.
 """
 
 from __future__ import annotations
 
-import hashlib
+from ftjax.base.fingerprint import fingerprint
+
+# `fingerprint` is read from here by ftjax/runtime/manager.py and replica.py
+__all__ = ["MAX_LAYOUT_BYTES", "fingerprint", "layout_difference", "parse"]
 
 MAX_LAYOUT_BYTES = 256 * 1024  # a layout text the coordinator accepts (a few KB for the models here)
 SHOWN = 4  # differing items named in a refusal
-
-
-def fingerprint(layout: str) -> str:
-    """The topology fingerprint of a layout text: a short hash (replicas that average together match)."""
-    return hashlib.sha256(layout.encode()).hexdigest()[:16]
 
 
 def parse(layout: str) -> dict[str, str]:

@@ -27,11 +27,9 @@ from rich.console import Console
 
 from ftjax.base.tls import add_tls_arguments, tls_of
 from ftjax.config import Config, ConfigError, load_config
-from ftjax.launch import emit as cluster
-from ftjax.launch.supervisor import (
+from ftjax.launch.cluster import options as cluster
+from ftjax.launch.fault_plan import (
     FaultPlan,
-    LaunchError,
-    check_host_repair,
     check_seconds,
     parse_bandwidth,
     parse_hang,
@@ -40,6 +38,7 @@ from ftjax.launch.supervisor import (
     parse_partition,
     parse_seconds,
 )
+from ftjax.launch.supervisor import LaunchError, check_host_repair
 from ftjax.runtime.args import add_init_from, init_from_override, option
 
 if TYPE_CHECKING:

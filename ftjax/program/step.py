@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ftjax.base.fingerprint import fingerprint
 from ftjax.config import Config
-from ftjax.coordinator.layout import fingerprint
 from ftjax.program import sharding as shd
 from ftjax.program.digest import state_checksum
 from ftjax.program.optim import block_norm, make_optimizer

@@ -45,9 +45,9 @@ from urllib.parse import parse_qs, quote, urlparse
 import numpy as np
 
 from ftjax.base import net
+from ftjax.base.http import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS, MAX_PENDING, BoundedHTTPServer
 from ftjax.base.net import split_address
 from ftjax.base.tls import TLS
-from ftjax.coordinator.http import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS, MAX_PENDING, BoundedHTTPServer
 from ftjax.runtime.regions import HOST_ALIGN, LayoutMismatch, Piece, Region, assemble, region_of, size
 
 TOKEN_HEADER = "X-Ftjax-Token"

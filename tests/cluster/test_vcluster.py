@@ -19,7 +19,7 @@ import pytest
 from conftest import FTJAX, REPO, need_namespaces
 from launchrun import TINY
 
-from ftjax.launch.supervisor import BandwidthCap, FaultPlan, Partition, parse_bandwidth, parse_partition
+from ftjax.launch.fault_plan import BandwidthCap, FaultPlan, Partition, parse_bandwidth, parse_partition
 from ftjax.runs.summary import load_run, median_step, warm_time
 
 

@@ -3,9 +3,9 @@ import subprocess
 import pytest
 from conftest import FTJAX, REPO
 
+from ftjax.cli.coordinator import parser as coordinator_parser
 from ftjax.config import ConfigError, CoordinatorConfig, load_config, load_config_dict
 from ftjax.coordinator.quorum import Settings
-from ftjax.coordinator.server import _parser as coordinator_parser
 
 
 def test_defaults_and_overrides():

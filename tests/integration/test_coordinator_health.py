@@ -15,7 +15,8 @@ from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator.client import CoordinatorClient
 from ftjax.coordinator.lifetime import EXIT_DONE, EXIT_IDLE, JobEnd
 from ftjax.coordinator.quorum import Settings
-from ftjax.coordinator.server import SERVICE, CoordinatorServer
+from ftjax.coordinator.server import CoordinatorServer
+from ftjax.coordinator.service import SERVICE
 from ftjax.coordinator.types import MemberInfo, new_incarnation
 
 TOKEN = "health-test-token"

@@ -15,13 +15,15 @@ import urllib.request
 import grpc
 import pytest
 
+from ftjax.cli.coordinator import main
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
 from ftjax.coordinator.client import CoordinatorClient, CoordinatorError
 from ftjax.coordinator.http import Metrics
 from ftjax.coordinator.quorum import MemberReport, Settings
-from ftjax.coordinator.server import CoordinatorServer, _Service, main
+from ftjax.coordinator.server import CoordinatorServer
+from ftjax.coordinator.service import CoordinatorService
 from ftjax.coordinator.state import CoordinatorState
 from ftjax.coordinator.types import JobFinished, MemberInfo, new_incarnation
 
@@ -308,7 +310,7 @@ def test_a_requester_that_hangs_up_as_its_quorum_forms_leaves_its_peers_answered
 
     async def scenario() -> None:
         state = CoordinatorState(THREE, 0.0, startup_grace=0.0)
-        service = _Service(state, Metrics(state), asyncio.get_running_loop())
+        service = CoordinatorService(state, Metrics(state), asyncio.get_running_loop())
         queues = {rid: asyncio.Queue() for rid in "abc"}
         tasks = {rid: asyncio.create_task(serve(service, queues[rid])) for rid in "abc"}
         for rid in "ab":

@@ -4,6 +4,7 @@ shellcheck; every Kubernetes manifest validates strictly against the Kubernetes 
 fails; names derive from the job; the Dockerfile installs the package as the README says. The
 emitted Slurm job runs on a real cluster in tests/cluster/test_slurm.py (`make slurm-test`)."""
 
+import ast
 import copy
 import functools
 import json
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from importlib import resources
 from pathlib import Path
 
 import jsonschema
@@ -23,7 +25,8 @@ from kubernetes_validate import utils as kv
 from referencing import Registry, Resource
 
 from ftjax.launch.cli import main
-from ftjax.launch.emit import COORDINATOR_PORT, EmitError, EmitOptions, emit
+from ftjax.launch.cluster.options import COORDINATOR_PORT
+from ftjax.launch.emit import EmitError, EmitOptions, emit
 
 TINY = f"{REPO}/configs/tiny.yaml"
 CI = os.environ.get("CI") == "true"
@@ -80,10 +83,7 @@ SHELLCHECK_CASES = [(v, h, []) for v in SLURM_VARIANTS for h in (1, 2)] + [
     ids=[f"{v}-{h}-{'reduce' if p else 'restart'}" for v, h, p in SHELLCHECK_CASES],
 )
 def test_emitted_slurm_scripts_pass_shellcheck(tmp_path, variant, hosts, policy):
-    if shutil.which("shellcheck") is None:
-        if CI:
-            pytest.fail("shellcheck is not installed (apt-get install shellcheck; .ci/run does)")
-        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    _shellcheck_or_skip()
     files = emit(
         "slurm", tmp_path / "job", TINY, [*JOB, f"mesh.hosts={hosts}", *policy], options=SLURM_VARIANTS[variant]
     )
@@ -96,6 +96,73 @@ def test_emitted_slurm_scripts_pass_shellcheck(tmp_path, variant, hosts, policy)
         timeout=120,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _shellcheck_or_skip() -> None:
+    if shutil.which("shellcheck") is None:
+        if CI:
+            pytest.fail("shellcheck is not installed (apt-get install shellcheck; .ci/run does)")
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+
+
+def test_the_script_templates_pass_shellcheck():
+    """The bash of the Slurm files lives in package-data templates, checked as they are: their
+    placeholders are shell parameters (`${TPL_X}`), and templates/.shellcheckrc leaves out only what
+    a placeholder or a variable of another template triggers (the emitted scripts are checked in full,
+    above)."""
+    _shellcheck_or_skip()
+    folder = resources.files("ftjax.launch.cluster").joinpath("templates")
+    templates = sorted(str(t) for t in folder.iterdir() if t.name.endswith((".sh", ".sbatch")))
+    assert len(templates) == 10  # 4 scripts and 6 fragments
+    r = subprocess.run(
+        ["shellcheck", "--severity=style", "--shell=bash", *templates], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _bash_in_strings(path: Path) -> list[str]:
+    """The string literals of a module (docstrings aside; an f-string's fields as `{}`) that hold a
+    script: a shebang, or 3 lines or more of shell (lines neither blank nor comments)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+        else:
+            continue
+        shell = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        if text.lstrip().startswith("#!") or len(shell) >= 3:
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}: {text[:60]!r}")
+    return found
+
+
+def test_no_bash_script_lives_in_a_python_string():
+    """ftjax/launch keeps its bash in templates/ (shellcheck reads them, an editor highlights them)."""
+    found = [hit for path in sorted(Path(REPO, "ftjax", "launch").rglob("*.py")) for hit in _bash_in_strings(path)]
+    assert not found, "bash in Python strings:\n" + "\n".join(found)
+
+
+def test_the_bash_check_sees_a_script_in_a_string(tmp_path):
+    """The check itself: a script in a string, plain or formatted, is found; prose and comments are not."""
+    module = tmp_path / "m.py"
+    module.write_text(
+        '"""A docstring\nof three\nlines."""\n'
+        'A = "#!/bin/bash\\nexit 0\\n"\n'
+        'B = f"set -e\\ncd {A}\\necho hi\\n"\n'
+        'C = "# one\\n# two\\n# three\\n"\n'
+    )
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(sys.modules[__name__], "REPO", str(tmp_path))
+        assert [hit.split(":")[1] for hit in _bash_in_strings(module)] == ["4", "5"]
 
 
 def test_slurm_scripts_ask_for_what_the_options_say(tmp_path):
@@ -624,6 +691,8 @@ def test_the_dockerfile_installs_the_package_as_the_readme_says(tmp_path):
         "ftjax/configs/tiny.yaml",
         "ftjax/coordinator/coordinator.proto",
         "ftjax/launch/emit.py",
+        "ftjax/launch/cluster/templates/replica.sbatch",
+        "ftjax/launch/cluster/templates/reduce.sh",
         "ftjax/coordinator/lifetime.py",
     ):
         assert needed in names

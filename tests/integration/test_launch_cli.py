@@ -11,7 +11,8 @@ from conftest import REPO
 
 from ftjax.cli.train import build_parser, parse_config
 from ftjax.launch.cli import main
-from ftjax.launch.supervisor import FaultPlan, Hang, Injection, MetricsTail, parse_hang, parse_kill, parse_kill_host
+from ftjax.launch.fault_plan import FaultPlan, Hang, Injection, parse_hang, parse_kill, parse_kill_host
+from ftjax.launch.supervisor import MetricsTail
 
 TINY = f"{REPO}/configs/tiny.yaml"
 

@@ -22,9 +22,9 @@ from ftjax.base.net import split_address
 from ftjax.coordinator import TOKEN_METADATA_KEY
 from ftjax.coordinator import coordinator_pb2 as pb
 from ftjax.coordinator import coordinator_pb2_grpc as pb_grpc
+from ftjax.coordinator.collector import _collect_old_generation
 from ftjax.coordinator.http import Metrics, StatusHTTPServer
 from ftjax.coordinator.quorum import Settings
-from ftjax.coordinator.server import _collect_old_generation
 from ftjax.coordinator.state import CoordinatorState
 from ftjax.runtime.catchup import HostShards, Piece, SnapshotFetch, SnapshotServer, _Snapshot
 
@@ -362,7 +362,7 @@ def test_head_reader_outlives_a_head_completed_as_its_deadline_passed(monkeypatc
     # handed over, then jumps past its deadline: the turn's deadline check comes next.
     from types import SimpleNamespace
 
-    from ftjax.coordinator import http
+    from ftjax.base import http
 
     served = []
     monkeypatch.setattr(http, "time", SimpleNamespace(monotonic=lambda: 1000.0 + (200.0 if served else 0.0)))

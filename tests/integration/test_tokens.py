@@ -196,7 +196,7 @@ def test_a_jsonl_line_without_the_field_or_not_json_exits_2_naming_path_and_line
 
 
 def test_a_json_input_is_refused_naming_the_suffix_it_wants(tmp_path):
-    from ftjax.cli.prepare import PrepareError, list_inputs
+    from ftjax.program.corpus import PrepareError, list_inputs
 
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("text")
@@ -528,7 +528,7 @@ def test_a_document_longer_than_a_chunk_is_encoded_in_pieces_to_the_same_tokens(
     """~30 KB as one document, with chunks of 1 KiB: encoded ~30 pieces at a time, cut before a
     space between words, its tokens are the tokenizer's of the whole text (and a text without such
     a space stays whole)."""
-    from ftjax.cli.prepare import text_pieces
+    from ftjax.program.corpus import text_pieces
 
     text = "".join(t + ("\n" if i % 4 == 0 else " ") for i, t in enumerate(corpus["texts"])) + "end,  two  spaces"
     pieces = text_pieces(text, 1000)

@@ -73,7 +73,7 @@ def test_the_status_page_shows_each_replicas_latest_eval_loss():
     from ftjax.coordinator.page import status_page
     from ftjax.coordinator.progress import StepFigures
     from ftjax.coordinator.quorum import MemberReport, Settings
-    from ftjax.coordinator.server import _step_figures
+    from ftjax.coordinator.service import _step_figures
     from ftjax.coordinator.state import CoordinatorState
 
     wire = pb.QuorumRequest(report=pb.StepReport(step=2, committed=True, contributed=True, eval_loss=2.25))

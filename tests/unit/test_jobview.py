@@ -62,7 +62,8 @@ def test_quorums_failures_and_catchups_are_scalars_at_the_job_step(tmp_path):
 
 
 def test_the_server_writes_the_view_only_when_given_a_directory(tmp_path):
-    from ftjax.coordinator.server import CoordinatorServer, _parser
+    from ftjax.cli.coordinator import parser as _parser
+    from ftjax.coordinator.server import CoordinatorServer
 
     assert CoordinatorServer(SETTINGS, "token", http_port=None).state.job_view is None
     server = CoordinatorServer(SETTINGS, "token", http_port=None, tensorboard_dir=tmp_path / "job")

@@ -5,8 +5,8 @@ from dataclasses import asdict
 
 import pytest
 
+from ftjax.launch.fault_plan import FaultPlan, Hang
 from ftjax.launch.plots import write_loss, write_timeline
-from ftjax.launch.supervisor import FaultPlan, Hang
 from ftjax.launch.view import _StallNote
 from ftjax.runs.summary import build_summary, load_run, timeline, write_summary
 

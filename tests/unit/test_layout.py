@@ -231,8 +231,16 @@ def test_the_runtime_gets_its_coordinator_types_without_grpc():
 def test_the_launcher_and_the_coordinator_start_without_jax():
     """The processes that only supervise (the launcher, the coordinator) load no JAX: importing it
     costs ~1.2 s of CPU at every start, and a job starts them often (tests, restarts)."""
-    supervisors = "ftjax.launch.cli, ftjax.launch.supervisor, ftjax.coordinator.server"
+    supervisors = "ftjax.launch.cli, ftjax.launch.supervisor, ftjax.coordinator.server, ftjax.cli.coordinator"
     assert _loaded(supervisors, ("jax", "jaxlib", "flax", "optax", "orbax")) == []
+
+
+def test_catch_up_and_the_program_load_nothing_of_the_coordinator():
+    """Catch-up serves its snapshots with base's BoundedHTTPServer, and the program hashes its layout
+    with base's fingerprint: neither loads a module of the coordinator (its state, its page,
+    Prometheus) to do so."""
+    loaded = _loaded("ftjax.runtime.catchup, ftjax.program.step", ("ftjax", "prometheus_client"))
+    assert [m for m in loaded if m.startswith(("ftjax.coordinator", "prometheus_client"))] == []
 
 
 def test_no_function_is_longer_than_60_lines():

@@ -12,7 +12,8 @@ import pytest
 from test_launch_summary import make_frozen_run, make_run
 from test_supervisor_rules import _Job
 
-from ftjax.launch.supervisor import POLL_S, FaultPlan, RunLog, Supervisor
+from ftjax.launch.fault_plan import FaultPlan
+from ftjax.launch.supervisor import POLL_S, RunLog, Supervisor
 from ftjax.runs.events import EVENT, REPLICA, TIME, StepField
 from ftjax.runs.events import LauncherEvent as L
 from ftjax.runs.events import ReplicaEvent as E

@@ -10,7 +10,7 @@ from ftjax.coordinator.http import Metrics
 from ftjax.coordinator.page import status_page
 from ftjax.coordinator.progress import StepFigures
 from ftjax.coordinator.quorum import InvalidField, MemberReport, Settings
-from ftjax.coordinator.server import _step_figures
+from ftjax.coordinator.service import _step_figures
 from ftjax.coordinator.state import CoordinatorState
 from ftjax.runs.summary import median_mfu
 from ftjax.runtime.metrics import ModelFlops

@@ -29,7 +29,7 @@ def corpus(tmp_path_factory) -> dict:
 
 
 def run(corpus, inputs: list[str], out: Path, **kw) -> dict:
-    from ftjax.cli.prepare import prepare
+    from ftjax.program.prepare import prepare
 
     return prepare(inputs, corpus["tokenizer"], out, field="body", heldout_fraction=0.2, **kw)
 
@@ -51,7 +51,7 @@ def test_parquet_gives_the_token_files_of_the_same_documents_as_jsonl_whatever_t
 
 
 def test_parquet_chunks_are_runs_of_whole_row_groups(corpus):
-    from ftjax.cli.prepare import plan_chunks
+    from ftjax.program.corpus import plan_chunks
 
     path = corpus["root"] / "docs.parquet"
     for chunk_bytes in (1, 1500, 1 << 20):

@@ -16,7 +16,7 @@ from ftjax.coordinator.http import Metrics
 from ftjax.coordinator.page import status_page
 from ftjax.coordinator.progress import StepFigures
 from ftjax.coordinator.quorum import InvalidField, MemberReport, Settings
-from ftjax.coordinator.server import _step_figures
+from ftjax.coordinator.service import _step_figures
 from ftjax.coordinator.state import CoordinatorState
 
 STEP = {"step": 4, "committed": True, "healing": True, "loss": None, "step_time_s": 0.5, "tokens": 0}

@@ -15,7 +15,7 @@ from ftjax.coordinator.http import Metrics
 from ftjax.coordinator.page import status_page
 from ftjax.coordinator.progress import StepFigures
 from ftjax.coordinator.quorum import InvalidField, MemberReport, Settings
-from ftjax.coordinator.server import _step_figures
+from ftjax.coordinator.service import _step_figures
 from ftjax.coordinator.state import CoordinatorState
 
 ROUND_TOKENS = 20 * 512  # 20 inner steps of 512 tokens

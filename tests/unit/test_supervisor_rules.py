@@ -7,17 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ftjax.launch.supervisor import (
-    FaultPlan,
-    LaunchError,
-    Partition,
-    RunLog,
-    Supervisor,
-    is_hung,
-    last_line,
-    refusal,
-    repeats,
-)
+from ftjax.launch.fault_plan import FaultPlan, Partition
+from ftjax.launch.supervisor import LaunchError, RunLog, Supervisor, is_hung, last_line, refusal, repeats
 from ftjax.runs.events import EXIT_NO_PROGRESS
 from ftjax.runs.jsonl import read_jsonl
 
