@@ -9,11 +9,6 @@ names the leaves whose shapes changed.
 
 from __future__ import annotations
 
-from ftjax.base.fingerprint import fingerprint
-
-# `fingerprint` is read from here by ftjax/runtime/manager.py and replica.py
-__all__ = ["MAX_LAYOUT_BYTES", "fingerprint", "layout_difference", "parse"]
-
 MAX_LAYOUT_BYTES = 256 * 1024  # a layout text the coordinator accepts (a few KB for the models here)
 SHOWN = 4  # differing items named in a refusal
 

@@ -1,6 +1,6 @@
 """Token files: a tokenized corpus on disk, read through a memory map (docs/design/data.md, "Token files").
 
-`ftjax data prepare` (ftjax/cli/prepare.py) writes a directory:
+`ftjax data prepare` (ftjax/program/prepare.py) writes a directory:
 
     DIR/index.json            what the files hold (below); its `fingerprint` names their content
     DIR/train/tokens.bin      every token of the split, documents end to end, each followed by EOS
@@ -262,7 +262,7 @@ class ArrayRecordTokens:
         return tokens
 
 
-# --- writing (ftjax/cli/prepare.py) ---------------------------------------------------------------------
+# --- writing (ftjax/program/prepare.py) ---------------------------------------------------------------------
 
 
 class SplitWriter:

@@ -21,11 +21,11 @@ import numpy as np
 
 from ftjax.base import net
 from ftjax.base.env import read_token
+from ftjax.base.fingerprint import fingerprint
 from ftjax.base.net import split_address
 from ftjax.base.tls import TLS
 from ftjax.config import Config
 from ftjax.coordinator.client import CoordinatorClient, CoordinatorError
-from ftjax.coordinator.layout import fingerprint
 from ftjax.coordinator.types import MemberInfo, new_incarnation
 from ftjax.ftar import FTAREndpoint
 from ftjax.program.data import BatchStream, make_stream

@@ -25,8 +25,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ftjax.base.env import read_token
+from ftjax.base.fingerprint import fingerprint
 from ftjax.config import Config
-from ftjax.coordinator.layout import fingerprint
 from ftjax.coordinator.types import QuorumResult
 from ftjax.program.digest import state_checksum
 from ftjax.program.sharding import describe, replica_mesh
