@@ -23,7 +23,7 @@ WORK=${WORK:-$(mktemp -d)}; mkdir -p "$WORK"
 export JAX_COMPILATION_CACHE_DIR="$WORK/xla"  # the 1B's stages share its shapes: one compile each
 if [ "${DRY_RUN:-0}" = 1 ]; then
   BIG=llama_tiny; MID=llama_tiny; SKIP_INSTALL=1; T_TOTAL=${T_TOTAL:-900}  # a busy 2-core CI machine
-  SHAPE=(platform=cpu data.batch_size=4 model.seq_len=32); STEPS=5; KILL_STEPS=12; LIM=240; PROBE_BYTES=$((2 ** 20))
+  SHAPE=(platform=cpu data.batch_size=4 model.seq_len=32); STEPS=4; KILL_STEPS=8; LIM=240; PROBE_BYTES=$((2 ** 20))
 else
   BIG=llama_1b; MID=llama_150m
   # (remat full: two replicas of the 1B in 45% of an H100 each)

@@ -263,7 +263,7 @@ def test_an_own_loop_compiles_before_it_rejoins_so_its_peer_does_not_wait(tmp_pa
     against a 0.1-0.2 s stall at the kill)."""
     from ftjax.base.procs import ProcessGroup
 
-    args = [f"{REPO}/examples/own_loop.yaml", "--replicas", "2", "steps=6000", "--kill", "1@5:forward"]
+    args = [f"{REPO}/examples/own_loop.yaml", "--replicas", "2", "steps=3500", "--kill", "1@5:forward"]
     args += ["--restart-delay-s", "0.5", "--entry", f"python {REPO}/examples/own_loop.py"]
     with ProcessGroup() as procs:
         run = Launch(procs, args, tmp_path / "run")

@@ -60,7 +60,7 @@ def test_gpu_check_dry_run_tells_every_stage_and_why_one_failed(tmp_path):
         assert (out / f"{name}.tail.txt").stat().st_size > 0
     for name in ("kill150", "kill1b"):
         res = by[name]["result"]
-        assert res["ok"] and res["digests_equal"] and res["exactly_once"] and res["committed_steps"] == 12
+        assert res["ok"] and res["digests_equal"] and res["exactly_once"] and res["committed_steps"] == 8
     bench = by["bench1b"]["result"]
     assert bench["ft_vs_standalone"] > 0 and bench["phases"]["grad_bytes"] > 0
     probe = by["probe"]["result"]
