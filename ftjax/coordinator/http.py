@@ -107,9 +107,9 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         if self.address_family == socket.AF_INET6 and self.server_address[0] == "::":
             self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
+        self.server_name, self.server_port = self.server_address[:2]  # type: ignore[assignment]
 
-    def process_request(self, request: socket.socket, client_address) -> None:
+    def process_request(self, request: socket.socket, client_address) -> None:  # type: ignore[override]
         """A new connection (the accepting thread): to the head reader, or refused if it is full."""
         try:
             request.setblocking(False)
@@ -131,7 +131,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             return
         try:
             request.settimeout(self.idle_timeout_s)
-            super().process_request(_Received(request, head), client_address)  # starts the request's thread
+            super().process_request(_Received(request, head), client_address)  # type: ignore[arg-type]  # starts the request's thread
         except BaseException:
             self._slots.release()
             self.shutdown_request(request)
@@ -195,7 +195,7 @@ class _Received:
 
     def makefile(self, mode: str = "r", buffering: int | None = None, **kwargs):
         if "r" not in mode:
-            return self._sock.makefile(mode, buffering, **kwargs)
+            return self._sock.makefile(mode, buffering, **kwargs)  # type: ignore[call-overload]
         raw = _Replay(self._head, self._sock)
         return raw if buffering == 0 else io.BufferedReader(raw, io.DEFAULT_BUFFER_SIZE)
 
@@ -259,7 +259,7 @@ class _HeadReader:
                 pass
         finally:
             for key in list(self._selector.get_map().values()):
-                key.fileobj.close()
+                key.fileobj.close()  # type: ignore[union-attr]
             for p in self._new:
                 p.sock.close()
             self._selector.close()
@@ -291,7 +291,7 @@ class _HeadReader:
         """Reads what `p` sent (after its TLS handshake); hands it over once its head is complete."""
         try:
             if not p.handshaken:
-                p.sock.do_handshake()
+                p.sock.do_handshake()  # type: ignore[attr-defined]
                 p.handshaken = True
             while True:
                 data = p.sock.recv(1 << 16)

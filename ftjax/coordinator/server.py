@@ -218,7 +218,7 @@ class _Service:
             waiter = self._waiters.get(rid)
             if waiter is not None and waiter.incarnation == incarnation and not waiter.future.done():
                 del self._waiters[rid]
-                waiter.future.set_result(_Finished(done))
+                waiter.future.set_result(_Finished(done))  # type: ignore[arg-type]
 
     def _fail_waiter(self, replica_id: str, code: grpc.StatusCode, message: str, *, spare: str | None = None) -> None:
         """Answer the replica's pending request with an error (unless it is incarnation `spare`'s)."""
@@ -375,7 +375,7 @@ class _Service:
         if verdict.verdict == "PENDING":
             # The accused was heard from recently: it is dropped only if it stays silent until
             # the end of its suspect window; a heartbeat before then proves it alive.
-            wait = verdict.confirm_at - time.monotonic() + 0.002
+            wait = verdict.confirm_at - time.monotonic() + 0.002  # type: ignore[operator]
             remaining = context.time_remaining()
             if remaining is not None:
                 wait = min(wait, remaining - 0.05)
@@ -464,7 +464,7 @@ def _known_positions(entries) -> dict[str, int]:
 
 
 def _verdict_proto(verdict: Accusation) -> pb.FailureVerdict:
-    return pb.FailureVerdict(dropped=verdict.dropped, verdict=_VERDICTS.Value(verdict.verdict), detail=verdict.detail)
+    return pb.FailureVerdict(dropped=verdict.dropped, verdict=_VERDICTS.Value(verdict.verdict), detail=verdict.detail)  # type: ignore[arg-type]
 
 
 class _TokenCheck(grpc.aio.ServerInterceptor):
@@ -732,7 +732,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, field in CoordinatorConfig.model_fields.items():
         p.add_argument(
             flag_name(name),
-            type=field.annotation,
+            type=field.annotation,  # type: ignore[arg-type]
             default=field.default,
             help=f"{field.description} (default: %(default)s)",
         )

@@ -130,9 +130,9 @@ class FaultTolerance:
         if agreement.leave is not None:
             raise Left(agreement.leave)
         q = agreement.quorum
-        catching_up = False if q.no_state else self._follow(q, agreement.install)
-        contributes = not q.no_state and not q.healing and self.has_state
-        return StepInfo(q, q.step + 1, self.data_position, contributes, q.no_state, q.step >= self.steps, catching_up)
+        catching_up = False if q.no_state else self._follow(q, agreement.install)  # type: ignore[arg-type, union-attr]
+        contributes = not q.no_state and not q.healing and self.has_state  # type: ignore[union-attr]
+        return StepInfo(q, q.step + 1, self.data_position, contributes, q.no_state, q.step >= self.steps, catching_up)  # type: ignore[arg-type, union-attr]
 
     def init_state(self, state: Any, step: int = 0, data_position: int = 0) -> None:
         """The loop's state for a quorum without state (durable checkpoint, or an init at job start)."""
@@ -258,8 +258,8 @@ class FaultTolerance:
                 raise Left(agreement.leave)
             q = agreement.quorum
             if self.protocol.transport is not None:
-                self.protocol.serve(q, self.state, self.step, self.meta())
-            everyone = len(q.participants) >= replicas and not any(p.healing for p in q.participants)
+                self.protocol.serve(q, self.state, self.step, self.meta())  # type: ignore[arg-type]
+            everyone = len(q.participants) >= replicas and not any(p.healing for p in q.participants)  # type: ignore[union-attr]
             stop = everyone or time.monotonic() > deadline
             if self.protocol.group.hosts > 1:  # the leader's clock decides: every host leaves together
                 stop = self.protocol.group.broadcast_bytes(b"1" if stop else b"0") == b"1"
@@ -267,8 +267,8 @@ class FaultTolerance:
                 if not everyone:
                     self.log.event(
                         ReplicaEvent.DRAIN_TIMEOUT,
-                        participants=len(q.participants),
-                        healing=[p.replica_id for p in q.participants if p.healing],
+                        participants=len(q.participants),  # type: ignore[union-attr]
+                        healing=[p.replica_id for p in q.participants if p.healing],  # type: ignore[union-attr]
                     )
                 return
             time.sleep(0.05)
@@ -418,7 +418,7 @@ class ScriptFaultTolerance(FaultTolerance):
             "commit_failures": self.commit_failures,
         }
         if self.last_digest:
-            record["param_digest"], record["digest_s"] = self.last_digest, self.last_digest_s
+            record["param_digest"], record["digest_s"] = self.last_digest, self.last_digest_s  # type: ignore[assignment]
         self.log.log(record)
         return applied
 
@@ -576,4 +576,4 @@ def _script_protocol(run: RunArgs, group: Any, log: Any, template: Any, topology
     )
 
 
-FaultTolerance.join = staticmethod(join)  # (the API's spelling: ftjax.FaultTolerance.join)
+FaultTolerance.join = staticmethod(join)  # type: ignore[attr-defined]  # (the API's spelling: ftjax.FaultTolerance.join)
