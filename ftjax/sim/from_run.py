@@ -147,8 +147,8 @@ def measure(run_dir: str | Path) -> Measured:
         if s.get(StepField.COMMITTED) and StepField.STEP in s
     )
     segs = timeline(run, median)
-    if (measured_ettr := ettr(run, segs, t_warm, t_end, median)) is None:
-        raise RunError(f"--from-run: {path}: no committed step after the warm-up")
+    measured_ettr = ettr(run, segs, t_warm, t_end, median)
+    assert measured_ettr is not None  # (a step gap after the warm-up: a commit after it, t_end > t_warm)
     clipped = {
         r: [(max(a, t_warm), min(b, t_end), st) for a, b, st in ss if min(b, t_end) > max(a, t_warm)]
         for r, ss in segs.items()
