@@ -839,10 +839,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def _deepcopy(d: Any) -> Any:
-    if isinstance(d, dict):
-        return {k: _deepcopy(v) for k, v in d.items()}
-    return d
+def _deepcopy(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deepcopy(v) if isinstance(v, dict) else v for k, v in d.items()}
 
 
 def validated(model: type[M], data: dict[str, Any], *where: str) -> M:

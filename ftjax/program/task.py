@@ -116,7 +116,7 @@ class Task:
         return stack([self.source[i % len(self.source)] for i in range(rows)], self.name)
 
 
-def config_setting(cfg, key: str) -> Any:
+def config_setting(cfg: Config, key: str) -> object:
     """The value of the config setting `key` (`section.field`, one of a task's `reads`), as JSON;
     TaskError naming it if the config has no such setting."""
     node = cfg
