@@ -25,8 +25,9 @@ test: venv
 test-unit: venv
 	$(VENV)/bin/python -m pytest -q tests/unit
 
+# ruff, then mypy on ftjax/ (configured in pyproject.toml; tests/unit/test_types.py runs it too).
 lint: venv
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
 
 # A Slurm cluster of 4 nodes on this machine (scripts/local_slurm.sh: installs slurm and munge with
 # apt when missing), the job `ftjax launch --emit slurm` writes run on it with a host lost mid-run

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ftjax.config import Config, ConfigError, apply_overrides, load_config, load_config_dict
+
+if TYPE_CHECKING:  # (imported where it runs: the API is lazy, it imports JAX)
+    from ftjax.program.task import Task
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ def as_config(config: str | Path | dict | Config, overrides: list[str] | tuple[s
 
 
 def fit(
-    task: Any = None,
+    task: Task | None = None,
     config: str | Path | dict | Config = "tiny",
     overrides: list[str] | tuple[str, ...] = (),
     *,
@@ -81,7 +84,7 @@ def fit(
     return FitResult(code, run_dir, summary, read_metrics(metrics) if metrics.exists() else [])
 
 
-def _path_of(task: Any) -> str:
+def _path_of(task: Task) -> str:
     """A task given as an object still gets a `module:name`-shaped identity (its adapter's name)."""
     name = getattr(task, "name", "") or "task"
     if ":" in name:

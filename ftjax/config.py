@@ -666,8 +666,8 @@ class Config(_Strict):
         self._check_wire()
         if self.ft.sync != "every_step":
             self._check_diloco()
-        elif name := next((n for n in ("fragment_sync_delay", "fragment_update_alpha") if getattr(self.ft, n)), None):
-            raise ValueError(f"ft.{name}: only with ft.sync=streaming_diloco")
+        elif knob := next((n for n in ("fragment_sync_delay", "fragment_update_alpha") if getattr(self.ft, n)), None):
+            raise ValueError(f"ft.{knob}: only with ft.sync=streaming_diloco")
         elif self.ft.global_batch != "constant":
             # Rows a reduced replica does not compute go to the others, exactly once; elastic mode
             # has nobody to give them to (its batch n of stream r is trained by replica r or never).
@@ -839,10 +839,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
-def _deepcopy(d: Any) -> Any:
-    if isinstance(d, dict):
-        return {k: _deepcopy(v) for k, v in d.items()}
-    return d
+def _deepcopy(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _deepcopy(v) if isinstance(v, dict) else v for k, v in d.items()}
 
 
 def validated(model: type[M], data: dict[str, Any], *where: str) -> M:
@@ -854,7 +852,7 @@ def validated(model: type[M], data: dict[str, Any], *where: str) -> M:
         raise ConfigError(_format_errors(e, where)) from None
 
 
-def load_config_dict(data: Any) -> Config:
+def load_config_dict(data: object) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a mapping of sections, got {type(data).__name__}")
     return validated(Config, data)

@@ -1,6 +1,6 @@
 """Regenerate the coordinator's gRPC stubs from ftjax/coordinator/coordinator.proto, or check them.
 
-    python scripts/gen_proto.py           # rewrite ftjax/coordinator/coordinator_pb2{,_grpc}.py
+    python scripts/gen_proto.py           # rewrite ftjax/coordinator/coordinator_pb2{.py,.pyi,_grpc.py}
     python scripts/gen_proto.py --check   # exit 1 if the committed stubs do not match the .proto
 
 The .proto is compiled with the repository root as include path, so the generated gRPC module
@@ -26,7 +26,12 @@ from google.protobuf import descriptor_pb2
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROTO = "ftjax/coordinator/coordinator.proto"
-OUTPUTS = ("ftjax/coordinator/coordinator_pb2.py", "ftjax/coordinator/coordinator_pb2_grpc.py")
+# The .pyi types the messages for mypy (protoc's generated module builds its classes at run time).
+OUTPUTS = (
+    "ftjax/coordinator/coordinator_pb2.py",
+    "ftjax/coordinator/coordinator_pb2_grpc.py",
+    "ftjax/coordinator/coordinator_pb2.pyi",
+)
 
 
 def _protoc(out_dir: str, descriptor_out: str | None = None) -> None:
@@ -34,6 +39,7 @@ def _protoc(out_dir: str, descriptor_out: str | None = None) -> None:
 
     include = os.path.join(os.path.dirname(protoc.__file__), "_proto")  # well-known types
     args = ["grpc_tools.protoc", f"-I{REPO}", f"-I{include}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}"]
+    args.append(f"--pyi_out={out_dir}")
     if descriptor_out:
         args.append(f"--descriptor_set_out={descriptor_out}")
     args.append(os.path.join(REPO, PROTO))

@@ -36,7 +36,7 @@ def _child_setup(parent: int | None, cpus: Collection[int] | None):
 
     def setup() -> None:
         if parent is not None:
-            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # type: ignore[union-attr]
             if os.getppid() != parent:  # the parent died before the prctl: the signal will never come
                 os._exit(1)
         if cpus is not None:

@@ -51,7 +51,7 @@ class TLS:
 
     def pem(self) -> tuple[bytes, bytes, bytes]:
         """(cert, key, ca) as bytes (what gRPC's SSL credentials take)."""
-        return tuple(_read(flag, path) for flag, path in zip(FLAGS, (self.cert, self.key, self.ca)))
+        return tuple(_read(flag, path) for flag, path in zip(FLAGS, (self.cert, self.key, self.ca)))  # type: ignore[return-value]
 
     def server_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

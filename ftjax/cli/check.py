@@ -27,8 +27,8 @@ def main(argv: list[str]) -> int:
         jax.config.update("jax_platforms", "cpu")  # (before any backend starts: shapes only, no device)
         task = check_task(cfg)
         for source in (task.source, task.heldout):  # (token files: their recorded hash; a big corpus takes a while)
-            if callable(getattr(source, "verify", None)):
-                source.verify()
+            if callable(verify := getattr(source, "verify", None)):
+                verify()
     except (ConfigError, TaskError, TokenFileError) as e:
         print(f"ftjax check: error: {e}", file=sys.stderr)
         return 2

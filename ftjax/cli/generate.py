@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from ftjax.base.trees import PyTree
 from ftjax.config import ConfigError
 
 
@@ -53,11 +54,16 @@ def load_model(ckpt: Path, config: Path | None):
     if "params" in tree and "embed" not in tree:
         tree = tree["params"]  # (a run's state)
     graphdef, state = nnx.split(model)
-    fill = lambda want, have: (
-        {k: fill(want[k], have[str(k)] if str(k) in have else have[k]) for k in want}
-        if isinstance(want, dict)
-        else np.asarray(have, np.float32)
-    )
+
+    def fill(want: dict, have: PyTree) -> dict:
+        # `want`'s structure (the model's pure dict), `have`'s values (the checkpoint's tree)
+        return {
+            k: fill(want[k], have[str(k)] if str(k) in have else have[k])
+            if isinstance(want[k], dict)
+            else np.asarray(have[str(k)] if str(k) in have else have[k], np.float32)
+            for k in want
+        }
+
     nnx.replace_by_pure_dict(state, fill(state.to_pure_dict(), tree))
     return nnx.merge(graphdef, state)
 
@@ -84,7 +90,7 @@ def main(argv: list[str]) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"ftjax generate: {e}", file=sys.stderr)
         return 2
-    record = {"prompt_ids": prompt, "ids": out}
+    record: dict[str, object] = {"prompt_ids": prompt, "ids": out}
     if tok is not None and hasattr(tok, "tok"):
         record["text"] = tok.tok.decode(out)
     print(json.dumps(record))

@@ -14,11 +14,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftjax.base.accelerators import GIB, Accelerator, known_names, lookup
 from ftjax.base.env import configure_process
 from ftjax.config import Config, ConfigError, load_config
+
+if TYPE_CHECKING:  # (imported where it runs: it imports JAX)
+    from ftjax.program.plan import Plan
 
 
 def _positive(kind: type, what: str):
@@ -148,7 +151,7 @@ _LOOPED = {
 }
 
 
-def _report(args: argparse.Namespace, cfg: Config, plan: Any, accelerator: Accelerator | None) -> dict[str, Any]:
+def _report(args: argparse.Namespace, cfg: Config, plan: Plan, accelerator: Accelerator | None) -> dict[str, Any]:
     """Everything `ftjax plan` prints, as one JSON object."""
     from ftjax.program.plan import verdict
 
@@ -157,7 +160,7 @@ def _report(args: argparse.Namespace, cfg: Config, plan: Any, accelerator: Accel
         memory = accelerator.memory_bytes
     name = accelerator.name if accelerator is not None else "a device"
     fits, text = verdict(plan, name, memory) if memory is not None else (None, None)
-    device = None
+    device: dict[str, Any] | None = None
     if memory is not None:
         device = {
             "name": name,

@@ -44,7 +44,7 @@ def out_refusal(cfg: Config, args: argparse.Namespace, out: Path) -> str:
     return resume_refusal(cfg, out) if args.resume else ""
 
 
-def _reported() -> tuple[tuple[type, ...], tuple[type, ...]]:
+def _reported() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], ...]]:
     """(the errors `ftjax train` reports in one line, without a traceback; those of them that are the
     machine's or the network's, exit 1: a full disk, the coordinator unreachable; the others exit 2).
     Imported here: they import JAX."""

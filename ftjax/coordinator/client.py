@@ -202,7 +202,7 @@ class CoordinatorClient:
     def _channel(self) -> grpc.Channel:
         if self._credentials is None:
             return grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
-        name = [("grpc.ssl_target_name_override", self.tls.server_name)] if self.tls.server_name else []
+        name = [("grpc.ssl_target_name_override", self.tls.server_name)] if self.tls and self.tls.server_name else []
         return grpc.secure_channel(self.address, self._credentials, options=[*_CHANNEL_OPTIONS, *name])
 
     def _tls_refusal(self, details: str) -> str | None:

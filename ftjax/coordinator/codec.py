@@ -18,7 +18,7 @@ class QuorumEncoding:
     """One quorum's answer, serialized once for all of its participants. `q` is a coordinator
     `Quorum`, or a replica's `QuorumResult` (the same fields and participants)."""
 
-    def __init__(self, q: Quorum) -> None:
+    def __init__(self, q: Quorum | QuorumResult) -> None:
         self.q = q
         self._index = index = {p.replica_id: i for i, p in enumerate(q.participants)}
         parts = q.participants
@@ -69,10 +69,9 @@ class QuorumEncoding:
             )
         else:
             own = pb.QuorumResponse(rank=rank, data_position=p.data_position)
-        own = own.SerializeToString()
         if known_quorum_id == self.q.quorum_id:
-            return self._common + own
-        return self._common + self._membership() + own
+            return self._common + own.SerializeToString()
+        return self._common + self._membership() + own.SerializeToString()
 
 
 def result_from_proto(r: pb.QuorumResponse, members: tuple[pb.MemberAddress, ...]) -> QuorumResult:

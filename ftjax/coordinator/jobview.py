@@ -32,7 +32,11 @@ class JobView:
 
     def quorum(self, q: Quorum) -> None:
         self._step = max(self._step, q.step)
-        figures = {"job/quorum_size": len(q.participants), "job/contributors": q.num_contributors, "job/step": q.step}
+        figures: dict[str, float] = {
+            "job/quorum_size": len(q.participants),
+            "job/contributors": q.num_contributors,
+            "job/step": q.step,
+        }
         self._writer.scalars(figures, q.step)
         healing = frozenset((p.replica_id, p.incarnation) for p in q.participants if p.healing)
         if started := len(healing - self._healing):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import html
 import math
 import time
-from typing import Any
 
 from ftjax.runs.lifecycle import PHASE_COLORS, Phase
 
@@ -40,7 +39,7 @@ STARTUP_NOTE = (
 _TEXT_ON = {Phase.STARTING.value: "#08306b", Phase.DONE.value: "#333", Phase.STALLED.value: "#3a1d00"}
 
 
-def esc(value: Any) -> str:
+def esc(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
@@ -379,7 +378,7 @@ def _timeline(s: dict) -> str:
             f'<text x="{x(t):.1f}" y="{base + 16}" text-anchor="middle" class="tick">{t:g}</text>'
         )
     for i, (rid, segs) in enumerate(rows):
-        y = 10 + i * row_h
+        y: float = 10 + i * row_h
         parts.append(f'<text x="{label_w - 8}" y="{y + 14}" text-anchor="end" class="lbl">replica {esc(rid)}</text>')
         for a, b, phase in segs:
             w = max(x(b) - x(a), 0.8)

@@ -99,7 +99,7 @@ class StepFigures(NamedTuple):
             raise InvalidField(f"{prefix}.catchup_bytes_total", "catch-up fields come together (bytes done and total)")
         if total is not None:
             check_int(f"{prefix}.catchup_bytes_total", total, 0, MAX_STEP)
-            check_int(f"{prefix}.catchup_bytes_done", done, 0, total)
+            check_int(f"{prefix}.catchup_bytes_done", done or 0, 0, total)  # (done is set with total)
         if eta is not None:
             _check_seconds(f"{prefix}.catchup_eta_s", eta)
 
@@ -409,7 +409,7 @@ class JobProgress:
             gap = now - v.last_signal
             stall = is_stall(gap, median) and not v.finished
             if self.warm_at is not None and v.last_signal >= self.warm_at and not over:
-                self.productive_s += min(gap, median) if stall else gap
+                self.productive_s += min(gap, median) if stall and median is not None else gap
             if stall:  # the gap was a stall: a segment of its own, then training again
                 last = v.segments[-1]
                 if last[0] < v.last_signal:
@@ -466,7 +466,7 @@ class JobProgress:
                     and end > v.last_signal
                 ):
                     gap = end - v.last_signal
-                    productive += min(gap, self._median) if is_stall(gap, self._median) else gap
+                    productive += min(gap, self._median) if self._median and is_stall(gap, self._median) else gap
             ettr = min(1.0, productive / (self.size * (end - self.warm_at)))
             goodput = self._tokens_warm / (end - self.warm_at)
         losses = [
@@ -505,7 +505,7 @@ class JobProgress:
         return {
             "outer_rounds": step - warm,
             "warmup_steps": self.warmup_steps,
-            "optimizer_steps": warm + (step - warm) * self.inner_steps,
+            "optimizer_steps": warm + (step - warm) * (self.inner_steps or 1),
             "inner_steps": self.inner_steps,
             "fragment": self.fragment,
             "fragments_seen": self.fragments_seen,
@@ -527,7 +527,9 @@ class JobProgress:
         return {
             "state": phase.value,
             "state_text": self.describe(v, phase, now),
-            "since_s": round(now - (v.last_signal if phase is Phase.STALLED else v.since), 3),
+            "since_s": round(
+                now - (v.last_signal if phase is Phase.STALLED and v.last_signal is not None else v.since), 3
+            ),
             "heal_source": v.heal_source,
             "incarnation_number": v.incarnations,
             "restarts": max(0, v.incarnations - 1),
@@ -558,11 +560,11 @@ class JobProgress:
         """A DiLoCo replica's columns (none for a replica that never reported a round)."""
         if not v.sync_step and (r is None or r.inner_steps is None):
             return {}
-        latest = r is not None and r.inner_steps is not None
+        latest = r if r is not None and r.inner_steps is not None else None
         return {
-            "inner_steps": r.inner_steps if latest else None,
-            "fragment": r.fragment if latest else None,
-            "sync_bytes": r.sync_bytes if latest else None,
+            "inner_steps": latest.inner_steps if latest else None,
+            "fragment": latest.fragment if latest else None,
+            "sync_bytes": latest.sync_bytes if latest else None,
             "sync_bytes_total": v.sync_bytes,
             "sync_bytes_per_token": v.sync_bytes / v.sync_tokens if v.sync_tokens else None,
         }
@@ -584,14 +586,14 @@ class JobProgress:
             if size and contributing < size:
                 return f"training, reduced: {contributing} of {size} replicas contribute"
             return "training"
-        if phase is Phase.STALLED:
+        if phase is Phase.STALLED and v.last_signal is not None:  # (stalled: it has a last signal)
             return f"stalled for {now - v.last_signal:.1f} s (waiting for a quorum or a peer)"
         if phase is Phase.CATCHING_UP:
             source = f"replica {v.heal_source}" if v.heal_source else "a peer"
             text = f"healing from {source} ({now - v.since:.1f} s so far)"
             r = v.report
             if r is not None and r.catchup_bytes_total is not None:
-                text += f": {_megabytes(r.catchup_bytes_done)} of {_megabytes(r.catchup_bytes_total)} MB fetched"
+                text += f": {_megabytes(r.catchup_bytes_done or 0)} of {_megabytes(r.catchup_bytes_total)} MB fetched"
                 if r.catchup_eta_s is not None:
                     text += f", about {r.catchup_eta_s:.0f} s to go"
             return text
@@ -627,6 +629,7 @@ class JobProgress:
             for a, b, phase in v.segments:
                 end = now if b is None else b
                 if b is None and v.stalled_at(now, self._median):  # the open gap is a stall, so far
+                    assert v.last_signal is not None  # (stalled_at: it has one)
                     if v.last_signal > a:
                         segs.append([round(a - t0, 3), round(v.last_signal - t0, 3), phase.value])
                     segs.append([round(max(a, v.last_signal) - t0, 3), round(now - t0, 3), Phase.STALLED.value])

@@ -272,6 +272,12 @@ class _Census(NamedTuple):
     def n(self) -> int:
         return len(self.requesters)
 
+    @property
+    def first(self) -> float:
+        """`first_request` where the rules ask for it: only once there are requesters."""
+        assert self.first_request is not None, "no pending request"
+        return self.first_request
+
 
 def _census(members: Mapping[str, MemberState], now: float, settings: Settings) -> _Census:
     requesters: dict[str, MemberState] = {}
@@ -317,7 +323,7 @@ def _no_majority(c: _Census) -> Decision | None:
 def _waiting_for_job_start(c: _Census, now: float, settings: Settings) -> Decision | None:
     """At job start (no requester has state), wait up to the startup timeout for the expected replicas."""
     if c.n < settings.expected_replicas and not any(m.report.has_state for m in c.requesters.values()):
-        deadline = c.first_request + settings.startup_timeout_s
+        deadline = c.first + settings.startup_timeout_s
         if now < deadline:
             return Decision(
                 None,
@@ -365,14 +371,14 @@ def _formation_reason(prev: Quorum | None, c: _Census, now: float, settings: Set
         return "fast_path"
     if c.n == c.alive:
         return "all_joined"
-    if now >= c.first_request + settings.join_timeout_s:
+    if now >= c.first + settings.join_timeout_s:
         return "join_timeout"
     return None
 
 
 def _waiting_for_stragglers(c: _Census, settings: Settings) -> Decision:
     """Alive members that have not asked are waited for until the join timeout."""
-    deadline = c.first_request + settings.join_timeout_s
+    deadline = c.first + settings.join_timeout_s
     return Decision(
         None,
         _earliest(deadline, c.next_death),
@@ -472,7 +478,7 @@ def _form(
         and prev.failure_epoch == failure_epoch
         and not any(r.commit_failures for r in reports)
     )
-    if unchanged:
+    if unchanged and prev is not None:  # (unchanged: there is a previous quorum)
         quorum_id = prev.quorum_id
     else:
         # Above every id a participant still holds, so that ids never repeat across a restart of

@@ -416,7 +416,7 @@ class CoordinatorState:
             m = self.members.get(report.replica_id)
             keep = m is not None and m.report.incarnation == report.incarnation
             # A heartbeat does not carry progress: keep the progress of the member's last request.
-            if keep:
+            if keep and m is not None:  # (keep: the member is known)
                 old = m.report
                 report = report._replace(
                     step=old.step,
@@ -502,7 +502,7 @@ class CoordinatorState:
                     f"{replica_id!r} is now incarnation {known.report.incarnation!r}, not {incarnation!r}",
                 )
             elif m is None:
-                result = Accusation("ALREADY_GONE", f"{replica_id!r} was already out ({gone[2]})")
+                result = Accusation("ALREADY_GONE", f"{replica_id!r} was already out ({gone[2] if gone else ''})")
             else:
                 self._jp().accused(replica_id, reporter, reason, "", now)  # (before it may depart)
                 suspect = m if m.suspected_at is not None else m._replace(suspected_at=now)
@@ -513,8 +513,8 @@ class CoordinatorState:
                     # independent signs of death.
                     self._depart(replica_id, now, "report")
                     self.failure_epoch += 1
-                    gone = ", its heartbeat stream broken" if m.stream_lost else ""
-                    result = Accusation("DROPPED", f"{replica_id!r} was silent for {silent * 1000:.0f} ms{gone}")
+                    broken = ", its heartbeat stream broken" if m.stream_lost else ""
+                    result = Accusation("DROPPED", f"{replica_id!r} was silent for {silent * 1000:.0f} ms{broken}")
                 else:
                     result = Accusation(
                         "PENDING",
@@ -638,9 +638,10 @@ class CoordinatorState:
             self.commits.expire(now)
             decision = self._decide(now)
             if decision.quorum is not None:
-                decision = replace(decision, quorum=replace(decision.quorum, formation=next(self._formations)))
-                self._record_quorum(decision.quorum, now)
-                self.commits.superseded(decision.quorum.formation)
+                formed = replace(decision.quorum, formation=next(self._formations))
+                decision = replace(decision, quorum=formed)
+                self._record_quorum(formed, now)
+                self.commits.superseded(formed.formation)
             return decision
 
     def vote_commit(
@@ -680,7 +681,7 @@ class CoordinatorState:
         has_state = {}
         for p in q.participants:
             m = self.members[p.replica_id]
-            first = min(first, m.requested_at)
+            first = min(first, now if m.requested_at is None else m.requested_at)
             has_state[p.replica_id] = m.report.has_state
             self.members[p.replica_id] = MemberState(m.report, m.last_seen, None, m.suspected_at, m.stream_lost)
         if self.prev is None or q.quorum_id != self.prev.quorum_id:

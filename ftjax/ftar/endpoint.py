@@ -396,8 +396,8 @@ class FTAREndpoint:
             for links, keep in ((self._links_in, left), (self._links_out, right)):
                 for stale in [k for k in links if k[0] != keep]:  # (not `key`: the call's own, used below)
                     wire.close_hard(links.pop(stale))
-            for k in [k for k in self._notices if k < key]:
-                del self._notices[k]
+            for old in [n for n in self._notices if n < key]:
+                del self._notices[old]
             self._call = state
             notice = self._notices.get(key)
             return self._notice_error(notice, state) if notice is not None else None

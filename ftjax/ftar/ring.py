@@ -26,6 +26,7 @@ failure on any connection interrupts all of them (every socket is attached to th
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,7 +127,7 @@ class CallState:
 
 
 def _bytes(arr: np.ndarray) -> memoryview:
-    return memoryview(arr.view(np.uint8))
+    return arr.view(np.uint8).data
 
 
 class Ring:
@@ -211,8 +212,11 @@ class Ring:
     def _result_image(self, image: np.ndarray | None) -> np.ndarray:
         """The result as the all-gather carries it: ``res`` itself unless it is wider than the wire
         (int8: the frames, `_frames`)."""
-        if self.int8 or self.res.dtype == self.wire_ag:
-            return image if self.int8 else self.res
+        if self.int8:
+            assert image is not None, "int8: the frames come with the call"
+            return image
+        if self.res.dtype == self.wire_ag:
+            return self.res
         assert image is not None and image.dtype == self.wire_ag and image.size >= self.buf.size
         return image[: self.buf.size]
 
@@ -246,7 +250,7 @@ class Ring:
             np.copyto(self.res[a:b], quant.decode(image, b - a))
 
     # --- public -----------------------------------------------------------------------------
-    def run(self, connect_out: Callable[[int], object], connect_in: Callable[[int], object]) -> None:
+    def run(self, connect_out: Callable[[int], socket.socket], connect_in: Callable[[int], socket.socket]) -> None:
         """Run the call: ``connect_out(i)`` and ``connect_in(i)`` return connection ``i`` of the link
         to the right and of the one from the left (each called in the thread that will use it).
         Raises the call's first error."""
@@ -265,7 +269,7 @@ class Ring:
             raise self.state.error
 
     # --- threads ----------------------------------------------------------------------------
-    def _side(self, loop: Callable, connect: Callable[[int], object], peer: str) -> None:
+    def _side(self, loop: Callable, connect: Callable[[int], socket.socket], peer: str) -> None:
         """One direction of the ring: open connection 0, learn from it how many the link has (one
         where payloads go through shared memory: both ends know whether it does), and run it here
         and every other connection in a thread of its own."""
@@ -283,12 +287,14 @@ class Ring:
         for t in threads:
             t.join()
 
-    def _stream(self, loop: Callable, connect: Callable[[int], object], index: int, streams: int, peer: str) -> None:
+    def _stream(
+        self, loop: Callable, connect: Callable[[int], socket.socket], index: int, streams: int, peer: str
+    ) -> None:
         sock = self._open(connect, index, peer)
         if sock is not None:
             loop(sock, index, streams)
 
-    def _open(self, connect: Callable[[int], object], index: int, peer: str) -> object | None:
+    def _open(self, connect: Callable[[int], socket.socket], index: int, peer: str) -> socket.socket | None:
         """Connection ``index`` of a link, or None once a failure to open it failed the call."""
         try:
             return connect(index)
@@ -422,6 +428,7 @@ class Ring:
         float32 sums rounded for a bfloat16 one; the all-gather's ``image`` always has the wire's dtype)."""
         src = self._source(chunk)
         if src is None:  # non-contributor: zeros
+            assert self.zeros is not None  # (set for a non-contributor)
             return _bytes(self.zeros[: self._length(chunk.stop - chunk.start)])
         if src.dtype == self._wire(chunk):
             return _bytes(src)
@@ -494,15 +501,18 @@ def _await_acks(sock, acked: int, upto: int) -> int:
 
 def _translate(exc: BaseException, peer: str, state: CallState, timeout_s: float) -> BaseException:
     """Map a socket/wire exception met while talking to ``peer`` to the FTAR error naming it."""
-    ids = dict(peer=peer, quorum_id=state.quorum_id, step=state.step)
+
+    def named(error: type[FTARError], message: str) -> FTARError:
+        return error(message, peer=peer, quorum_id=state.quorum_id, step=state.step)
+
     if isinstance(exc, FTARError):
         return exc
     if isinstance(exc, (BlockingIOError, TimeoutError)):  # kernel SO_*TIMEO (EAGAIN) or Python timeout
-        return PeerTimeout(f"no progress for {timeout_s:g} s", **ids)
+        return named(PeerTimeout, f"no progress for {timeout_s:g} s")
     if isinstance(exc, EOFError):
-        return PeerFailed("connection closed", **ids)
+        return named(PeerFailed, "connection closed")
     if isinstance(exc, wire.WireError):
-        return ProtocolError(str(exc), **ids)
+        return named(ProtocolError, str(exc))
     if isinstance(exc, OSError):
-        return PeerFailed(f"connection error: {exc.strerror or exc}", **ids)
+        return named(PeerFailed, f"connection error: {exc.strerror or exc}")
     return exc

@@ -157,6 +157,7 @@ class LocalJob:
 
     def restart_coordinator(self, timeout: float = 30.0) -> str:
         """Kill the coordinator and start a new one on the same ports (its state is soft)."""
+        assert self.coordinator is not None and self.coordinator_address is not None, "no coordinator started"
         port = split_address(self.coordinator_address)[1]
         http_port = split_address(self.coordinator_http)[1] if self.coordinator_http else 0
         self.procs.kill(self.coordinator)
@@ -261,7 +262,7 @@ class LocalJob:
     def wait(self, replicas: list[int] | None = None, timeout: float = 300.0) -> dict[int, list[int]]:
         """Wait for the given replicas' processes to exit; raises TimeoutError (processes left running)."""
         deadline = time.monotonic() + timeout
-        codes = {}
+        codes: dict[int, list[int]] = {}
         for r in replicas if replicas is not None else list(self.hosts):
             codes[r] = []
             for p in self.hosts[r]:

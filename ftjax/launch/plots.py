@@ -24,7 +24,8 @@ def write_loss(run: Run, path: str | Path) -> None:
     fig = Figure(figsize=(9, 4.8), dpi=110)
     ax = fig.add_subplot()
     for r in range(run.replicas):
-        color, by_step = f"C{r % 10}", {}
+        color = f"C{r % 10}"
+        by_step: dict[int, float] = {}
         for i, inc in enumerate(run.incarnations(r)):  # one line per incarnation: no line across a death
             own = [
                 m

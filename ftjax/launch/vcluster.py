@@ -263,6 +263,7 @@ class VirtualCluster:
 
     def _add_host(self, name: str, i: int) -> None:
         ns, veth = f"{self.prefix}{name}", f"v{name}"
+        assert self.subnet is not None and self.subnet6 is not None and self.state_dir is not None  # (create())
         ipv4 = str(self.subnet[i])
         ipv6 = str(self.subnet6[i]) if self.ipv6 else None
         self._add_netns(ns)
@@ -320,6 +321,7 @@ class VirtualCluster:
         h = self.host(name)
         wrap = ["ip", "netns", "exec", h.netns]
         if private:
+            assert self.state_dir is not None, "the cluster is closed"
             script = _PRIVATE_MOUNTS.format(
                 name=name, hosts=shlex.quote(str(self.state_dir / "hosts")), tmp=shlex.quote(str(h.tmp))
             )

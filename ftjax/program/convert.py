@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from ml_dtypes import bfloat16
+from numpy.typing import DTypeLike
 
-from ftjax.config import ConfigError
+from ftjax.config import ConfigError, ModelConfig
 
 META = "ftjax_model.json"  # beside the orbax checkpoint: the model settings it was converted with
 
@@ -88,7 +88,7 @@ def model_settings(hf: dict, seq_len: int = 0) -> dict:
     }
 
 
-def hf_config(m: Any) -> dict:
+def hf_config(m: ModelConfig) -> dict:
     """An HF config.json dict (LlamaForCausalLM) for a ModelConfig `m`: `model_settings`' inverse."""
     out = {
         "architectures": ["LlamaForCausalLM"],
@@ -114,7 +114,7 @@ def hf_config(m: Any) -> dict:
     return out
 
 
-def to_ftjax(x: np.ndarray, kind: str, m: Any) -> np.ndarray:
+def to_ftjax(x: np.ndarray, kind: str, m: ModelConfig) -> np.ndarray:
     """One HF tensor in ftjax's layout (a view where it can be: no copy beyond the cast's)."""
     if kind == "t":
         return x.T
@@ -149,7 +149,7 @@ def place(name: str, n_layers: int) -> tuple[tuple, str]:
     raise ConfigError(f"{name}: this tensor does not map to ftjax's Llama (a bias, or another architecture?)")
 
 
-def expected_names(m: Any) -> set[str]:
+def expected_names(m: ModelConfig) -> set[str]:
     """Every HF tensor name a checkpoint of ModelConfig `m` holds."""
     names = {f"model.layers.{i}.{k}" for i in range(m.n_layers) for k in _LAYER}
     names |= {"model.embed_tokens.weight", "model.norm.weight"}
@@ -173,7 +173,7 @@ def _header(file: Path) -> tuple[int, dict]:
         return 8 + n, json.loads(f.read(n))
 
 
-def plan_hf(files: list[Path], m: Any) -> list[tuple]:
+def plan_hf(files: list[Path], m: ModelConfig) -> list[tuple]:
     """(file, data offset, header entry, ftjax path, transform) of each tensor of HF safetensors
     `files` for ModelConfig `m`, in file order; ConfigError names a tensor that does not map, is
     no float or is missing before any tensor is read."""
@@ -219,14 +219,14 @@ def read_tensor(file: Path, start: int, entry: dict, dtype) -> np.ndarray:
     return out.reshape(entry["shape"])
 
 
-def hf_params(files: list[Path], m: Any, dtype) -> Iterator[tuple[tuple, np.ndarray]]:
+def hf_params(files: list[Path], m: ModelConfig, dtype: DTypeLike) -> Iterator[tuple[tuple, np.ndarray]]:
     """(ftjax path, tensor in `dtype` and ftjax's layout) of each tensor of HF safetensors `files`,
     one at a time: a tensor is read (and cast) and laid out as a view, so the host holds one tensor."""
     for file, start, entry, path, kind in plan_hf(files, m):
         yield path, to_ftjax(read_tensor(file, start, entry, np.dtype(dtype)), kind, m)
 
 
-def read_hf(files: list[Path], m: Any, dtype) -> dict:
+def read_hf(files: list[Path], m: ModelConfig, dtype: DTypeLike) -> dict:
     """ftjax's parameter tree (numpy, `dtype`) of HF safetensors `files` for ModelConfig `m`."""
     tree: dict = {}
     for path, x in hf_params(files, m, dtype):
@@ -247,7 +247,7 @@ def hf_files(src: Path) -> tuple[Path, list[Path]]:
     return config, files
 
 
-def write_hf(tree: dict, m: Any, out: Path) -> list[str]:
+def write_hf(tree: dict, m: ModelConfig, out: Path) -> list[str]:
     """HF safetensors (one file, model.safetensors) and config.json of ftjax tree `tree` (numpy or
     jax arrays, unrolled `blocks/<i>`) in `out`; the tensor names written."""
     from safetensors.numpy import save_file

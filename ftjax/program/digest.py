@@ -16,35 +16,41 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ftjax.base.trees import PyTree
 
-def host_values(leaves: list[Any]) -> list[np.ndarray]:
+
+def host_values(leaves: list[PyTree]) -> list[np.ndarray]:
     """The full values of `leaves`, on this host. The multi-process sharded ones are gathered by
     one compiled program (an identity whose outputs are replicated: XLA all-gathers them), not one
     per leaf as `process_allgather` does: a replica's hosts digest every step, and each program's
     first call compiles. Collective when some leaf is sharded across processes."""
     sharded = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable]
-    out = [None if i in sharded else np.asarray(jax.device_get(x)) for i, x in enumerate(leaves)]
+    out: list[np.ndarray | None] = [
+        None if i in sharded else np.asarray(jax.device_get(x)) for i, x in enumerate(leaves)
+    ]
     if sharded:
         xs = [leaves[i] for i in sharded]
         gathered = _replicate(tuple(x.sharding.update(spec=P()) for x in xs))(xs)
         for i, v in zip(sharded, gathered):
             out[i] = np.asarray(v.addressable_data(0))
-    return out
+    return cast(list[np.ndarray], out)  # (every one is set by now)
 
 
 @functools.lru_cache(maxsize=8)
-def _replicate(shardings: tuple) -> Any:
+def _replicate(shardings: tuple) -> Callable[[list[jax.Array]], list[jax.Array]]:
     return jax.jit(lambda xs: xs, out_shardings=list(shardings))
 
 
-def tree_digest(tree: Any) -> str:
+def tree_digest(tree: PyTree) -> str:
     """sha256 (first 16 hex digits) of every leaf's path, dtype, shape and bytes, in tree order.
 
     Collective in multi-process replicas (every process must call it)."""
@@ -70,7 +76,7 @@ def params_digest(state: dict) -> str:
     return tree_digest(_string_keys(state["params"]))
 
 
-def _string_keys(tree: Any) -> Any:
+def _string_keys(tree: PyTree) -> PyTree:
     if isinstance(tree, dict):
         return {str(k): _string_keys(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):  # (a named tuple's paths are its fields)
@@ -106,7 +112,7 @@ def _words(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
 
 
-def _sums(x: jax.Array, offsets: tuple = (), global_shape: tuple = ()) -> jax.Array:
+def _sums(x: jax.Array, offsets: Sequence[jax.Array | int] = (), global_shape: Sequence[int] = ()) -> jax.Array:
     """uint32[2]: over the words of `x` (the block of a leaf at `offsets` in a leaf of
     `global_shape`; default: the whole leaf), the sums mod 2^32 of m_i and of m_i * (2i + 1), where
     m_i = fmix32(word_i ^ (i * 0x9E3779B9)) and i is the word's flat index in the whole leaf. For
@@ -122,7 +128,7 @@ def _sums(x: jax.Array, offsets: tuple = (), global_shape: tuple = ()) -> jax.Ar
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
-def _sums_traced(x: jax.Array, offsets: tuple, global_shape: tuple) -> jax.Array:
+def _sums_traced(x: jax.Array, offsets: Sequence[jax.Array | int], global_shape: Sequence[int]) -> jax.Array:
     w = _words(x)
     offsets = tuple(offsets) + (0,) * (w.ndim - len(offsets))
     global_shape = tuple(global_shape) + w.shape[len(global_shape) :]
@@ -141,11 +147,13 @@ def _sums_traced(x: jax.Array, offsets: tuple, global_shape: tuple) -> jax.Array
     )
 
 
-def _block_sums(x: jax.Array, spec: P, mesh: Any) -> jax.Array:
+def _block_sums(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:
     """`_sums` of this device's block of a leaf laid out by `spec` (inside `shard_map`): its offset
     from the device's position along the axes each dimension is split over; zero where the device
     holds a copy that another device counts (a leaf replicated over a mesh axis counts once)."""
-    offsets, global_shape, used = [], [], set()
+    offsets: list[jax.Array | int] = []
+    global_shape: list[int] = []
+    used: set[str] = set()
     for d, n in enumerate(x.shape):
         position = 0
         for name in _names(spec, d):
@@ -161,7 +169,7 @@ def _block_sums(x: jax.Array, spec: P, mesh: Any) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=8)
-def _sharded_program(mesh: Any, specs: tuple) -> Any:
+def _sharded_program(mesh: Mesh, specs: tuple) -> Callable[..., jax.Array]:
     """The sums of every leaf in one program over `mesh`: each device sums its blocks, and one
     all-reduce of uint32[leaves, 2] adds them up (the only data that crosses devices)."""
 
@@ -177,7 +185,7 @@ def _plain_program(*leaves: jax.Array) -> jax.Array:
     return jnp.stack([_sums(x, (), x.shape) for x in leaves])
 
 
-def _layout(leaves: tuple) -> tuple[Any, tuple] | None:
+def _layout(leaves: tuple) -> tuple[Mesh, tuple] | None:
     """(mesh, specs) when every leaf (shape, dtype, sharding) is laid out by a NamedSharding on one
     mesh in equal blocks (what `shard_map` takes), else None."""
     shardings = [sharding for _, _, sharding in leaves]
@@ -196,7 +204,7 @@ def _names(spec: P, d: int) -> tuple:
     return () if names is None else (names,) if isinstance(names, str) else tuple(names)
 
 
-def _split(spec: P, d: int, mesh: Any) -> int:
+def _split(spec: P, d: int, mesh: Mesh) -> int:
     return int(np.prod([mesh.shape[name] for name in _names(spec, d)], dtype=np.int64))
 
 
@@ -212,13 +220,13 @@ def leaf_sums(leaves: list) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=16)
-def _program(leaves: tuple) -> Any:
+def _program(leaves: tuple) -> Callable[..., jax.Array]:
     """The program for leaves of these (shape, dtype, sharding)s (looked up once per layout)."""
     layout = _layout(leaves)
     return _plain_program if layout is None else _sharded_program(*layout)
 
 
-def tree_checksum(tree: Any) -> str:
+def tree_checksum(tree: PyTree) -> str:
     """sha256 (first 16 hex digits) of every leaf's path, dtype and shape and its two sums
     (`leaf_sums`, little-endian), in tree order: 64 bits from a few bytes per leaf on the host."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -228,7 +236,7 @@ def tree_checksum(tree: Any) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _headers(treedef: Any, leaves: tuple) -> tuple[bytes, ...]:
+def _headers(treedef: jax.tree_util.PyTreeDef, leaves: tuple) -> tuple[bytes, ...]:
     """Each leaf's `PATH|DTYPE|SHAPE|` (as `tree_digest` writes them), once per tree layout."""
     numbered = jax.tree.unflatten(treedef, range(len(leaves)))
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(numbered)[0]]
@@ -243,7 +251,7 @@ def state_checksum(state: dict) -> str:
     return tree_checksum({k: state[k] for k in ("params", "opt", "model_state") if k in state})
 
 
-def all_finite(tree: Any) -> bool:
+def all_finite(tree: PyTree) -> bool:
     """Whether every floating-point element of `tree` is finite: one compiled reduction on the
     devices, one boolean to the host (collective when a leaf is sharded across processes)."""
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]

@@ -36,6 +36,7 @@ def forward(model: Llama, tokens: jax.Array, start, cache: list) -> tuple[jax.Ar
     x = jnp.take(model.embed[...], tokens, axis=0)
     cos, sin = model.rope(tokens.shape[1], start + jnp.arange(tokens.shape[1])[None])
     out = []
+    assert model.blocks is not None, "decoding needs the blocks one by one (model.scan_layers off)"
     for block, layer in zip(model.blocks, cache):
         h, layer = _attend(block.attn, block.attn_norm(x, dtype), cos, sin, layer, start, dtype)
         x = x + h.astype(F32)

@@ -6,7 +6,6 @@ same bits from the same averaged gradient (`block_norm`; docs/design/index.md, "
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ftjax.base.trees import PyTree
 from ftjax.config import OptimConfig
 
 
@@ -29,7 +29,7 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def make_optimizer(
-    cfg: OptimConfig, total_steps: int, norm: Callable[[Any], jax.Array] = optax.global_norm
+    cfg: OptimConfig, total_steps: int, norm: Callable[[PyTree], jax.Array] = optax.global_norm
 ) -> optax.GradientTransformation:
     """`norm`: the clip's global norm of a gradient tree (`block_norm` in a replica)."""
     return optax.chain(
@@ -38,7 +38,7 @@ def make_optimizer(
     )
 
 
-def clip_by_norm(max_norm: float, norm: Callable[[Any], jax.Array]) -> optax.GradientTransformation:
+def clip_by_norm(max_norm: float, norm: Callable[[PyTree], jax.Array]) -> optax.GradientTransformation:
     """optax.clip_by_global_norm (same arithmetic, same empty state) with the norm given."""
 
     def update(updates, state, params=None):
@@ -52,7 +52,7 @@ def clip_by_norm(max_norm: float, norm: Callable[[Any], jax.Array]) -> optax.Gra
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def block_norm(shardings: Any, blocks: Mapping[str, int], mesh: Mesh) -> Callable[[Any], jax.Array]:
+def block_norm(shardings: PyTree, blocks: Mapping[str, int], mesh: Mesh) -> Callable[[PyTree], jax.Array]:
     """A global norm whose bits do not depend on the mesh the leaves are sharded over.
 
     XLA's sum of squares of a sharded leaf is a per-device reduction, then a sum across devices:
@@ -73,7 +73,7 @@ def block_norm(shardings: Any, blocks: Mapping[str, int], mesh: Mesh) -> Callabl
         if not axes:  # replicated: the whole leaf, on every device
             return _sum_squares(x).reshape(1)
         # split each sharded dimension into (local blocks, block), block counts to the front
-        shape, front = list(x.shape), []
+        shape = list(x.shape)
         for i, name in reversed(axes):
             n = local[name]
             shape[i : i + 1] = [n, x.shape[i] // n]
@@ -90,7 +90,7 @@ def block_norm(shardings: Any, blocks: Mapping[str, int], mesh: Mesh) -> Callabl
         sums = [leaf_sums(x, spec) for x, spec in zip(leaves, specs)]
         return jnp.sqrt(jnp.sum(jax.lax.optimization_barrier(jnp.concatenate(sums))))  # (same shape everywhere)
 
-    def norm(tree: Any) -> jax.Array:
+    def norm(tree: PyTree) -> jax.Array:
         leaves = jax.tree.leaves(tree)
         if len(leaves) != len(specs):
             raise ValueError(f"block_norm: {len(leaves)} leaves, {len(specs)} shardings")

@@ -32,8 +32,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ftjax.base.accelerators import GIB, lookup
+from ftjax.base.trees import PyTree
+from ftjax.config import Config
 from ftjax.program.sharding import TENSOR
-from ftjax.program.step import ReplicaProgram, model_state, rows_like, task_losses
+from ftjax.program.step import ReplicaProgram, lowered, model_state, rows_like, task_losses
 
 LOOKUP_AXES = ("vocab", "seq")  # a matrix whose first logical axis is one of these is a table, read by index
 
@@ -91,13 +93,13 @@ class Plan:
         }
 
 
-def shard_bytes(a: Any) -> int:
+def shard_bytes(a: jax.Array | jax.ShapeDtypeStruct) -> int:
     """Bytes one device holds of an array (a ShapeDtypeStruct with a sharding): its shard's."""
     shape = a.sharding.shard_shape(a.shape) if getattr(a, "sharding", None) is not None else a.shape
     return math.prod(shape) * a.dtype.itemsize
 
 
-def tree_bytes(tree: Any) -> int:
+def tree_bytes(tree: PyTree) -> int:
     return sum(shard_bytes(a) for a in jax.tree.leaves(tree))
 
 
@@ -106,7 +108,7 @@ def compiled_grads(program: ReplicaProgram) -> jax.stages.Compiled:
     if isinstance(program.grads, jax.stages.Compiled):
         return program.grads
     st, where, _ = program._abstract_args()
-    return program.grads.lower(st["params"], model_state(st), program.example, where).compile()
+    return lowered(program.grads, st["params"], model_state(st), program.example, where).compile()
 
 
 def compiled_flops(compiled: jax.stages.Compiled) -> float | None:
@@ -138,7 +140,7 @@ def step_flops(program: ReplicaProgram) -> float | None:
     return per_device * program.mesh.devices.size * getattr(program.cfg.data, "micro_batches", 1)
 
 
-def closed_form_flops_per_token(program: ReplicaProgram, params_shape: Any) -> float | None:
+def closed_form_flops_per_token(program: ReplicaProgram, params_shape: PyTree) -> float | None:
     """6N + 12 L d T (training FLOPs per token: forward and backward; PaLM, appendix B) for the
     built-in transformers (a config with `model.n_layers`, `d_model`, `seq_len` whose task is
     built-in and not the MLP); N leaves out lookup tables (matrices whose first logical axis is in
@@ -200,6 +202,8 @@ def plan_program(program: ReplicaProgram, *, backward: bool = False) -> Plan:
     st = program.abstract_state()
     compiled = compiled_grads(program)
     mem = compiled.memory_analysis()
+    if mem is None:  # (every backend ftjax runs on has it; a plan without it would be made up)
+        raise RuntimeError("XLA gave no memory analysis of the gradient step")
     param_bytes = tree_bytes(st["params"])
     model_state_bytes = tree_bytes(model_state(st))
     rows = program.cfg.data.batch_size
@@ -248,7 +252,7 @@ def verdict(plan: Plan, device: str, free_bytes: int) -> tuple[bool, str]:
     return False, f"does not fit {where}: {breakdown(plan)}, {human_bytes(plan.total_bytes - free_bytes)} over"
 
 
-def device_memory(device: Any) -> tuple[int, str] | None:
+def device_memory(device: jax.Device) -> tuple[int, str] | None:
     """(bytes one device of this kind can hold, where that figure comes from) for an accelerator:
     its allocator's limit when JAX reports one, else the known devices' table by device kind; None
     on CPU or for an unknown device without memory statistics."""
@@ -264,7 +268,7 @@ def device_memory(device: Any) -> tuple[int, str] | None:
     return (known.memory_bytes, known.name) if known is not None else None
 
 
-def peak_flops(cfg: Any, device: Any) -> float | None:
+def peak_flops(cfg: Config, device: jax.Device) -> float | None:
     """A device's peak dense FLOP/s for MFU: `hardware.peak_flops_per_device`, else the known
     devices' bf16 peak by device kind; None on CPU (no made-up figure)."""
     if cfg.hardware.peak_flops_per_device:

@@ -17,12 +17,13 @@ import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from ftjax.base.trees import PyTree
 
 FSDP = "fsdp"
 TENSOR = "tensor"
@@ -79,7 +80,7 @@ def logical_to_mesh(spec: P, axes: tuple[str, ...] = (FSDP,)) -> P:
     return P(*out)
 
 
-def param_shardings(logical_specs: Any, mesh: Mesh, shapes: Any) -> Any:
+def param_shardings(logical_specs: PyTree, mesh: Mesh, shapes: PyTree) -> PyTree:
     """A tree of NamedShardings for a tree of logical PartitionSpecs and the parameters'
     ShapeDtypeStructs (`shapes`, the same structure: ValueError otherwise). A dimension that the
     `tensor` axis does not divide stays whole (a vocabulary of 50257 on 2): its size is the same on
@@ -87,7 +88,7 @@ def param_shardings(logical_specs: Any, mesh: Mesh, shapes: Any) -> Any:
     must divide what it splits)."""
     axes = tuple(mesh.axis_names)
 
-    def one(path, spec: P, shape: Any) -> NamedSharding:
+    def one(path, spec: P, shape: jax.ShapeDtypeStruct) -> NamedSharding:
         unknown = [n for n in spec if isinstance(n, str) and n not in LOGICAL_AXIS_RULES]
         if unknown:  # (a misspelt name would leave the parameter whole on every device, silently)
             raise Indivisible(
@@ -115,7 +116,7 @@ class Indivisible(ValueError):
     split over do not divide, or a logical axis name that is not in LOGICAL_AXIS_RULES."""
 
 
-def follow_params(tree_shape: Any, params_sharding: Any, mesh: Mesh) -> Any:
+def follow_params(tree_shape: PyTree, params_sharding: PyTree, mesh: Mesh) -> PyTree:
     """Shardings for an optimizer state: a leaf whose key path ends with a parameter's key path
     (and has its shape) gets that parameter's sharding; everything else (counts, scalars) is
     replicated. This holds for optax's states, whose moments mirror the parameter tree."""
@@ -172,7 +173,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def describe(state: Any) -> str:
+def describe(state: PyTree) -> str:
     """A stable text of every leaf's path, shape, dtype and partition spec, one `path: ...` line
     per leaf (`state`: ShapeDtypeStructs with shardings; part of the topology fingerprint)."""
     rows = []

@@ -18,8 +18,9 @@ included, are linear in the learning rate), and a scale of exactly 1.0 leaves ev
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +28,14 @@ import numpy as np
 import optax
 
 from ftjax.base.fingerprint import fingerprint
+from ftjax.base.trees import PyTree
 from ftjax.config import Config
 from ftjax.program import sharding as shd
 from ftjax.program.digest import state_checksum
 from ftjax.program.optim import block_norm, make_optimizer
 from ftjax.program.task import Task, TaskError, batch_rows, normalize_loss, replicated_axes, step_key
 
-State = dict[str, Any]
+State = dict[str, PyTree]  # {"params", "opt_state", "step", ["model_state"]}
 
 
 @dataclass
@@ -48,17 +50,21 @@ class ReplicaProgram:
     mesh: jax.sharding.Mesh
     state_shardings: State
     batch_sharding: jax.sharding.NamedSharding
-    update_shardings: Any
-    example: Any  # one batch's ShapeDtypeStructs (with the batch sharding)
-    init: Any  # (seed: int array) -> State
-    grads: Any  # (params, model_state, batch, where) -> (loss, aux, update)
-    apply: Any  # (State, update, lr_scale) -> State  (donates State)
-    train_step: Any  # (State, batch, lr_scale) -> (State, loss)  (donates State)
-    accumulate: Any  # (acc, params, model_state, rows, where) -> (acc + update of rows weighted rows/B, row losses)
-    zeros: Any  # () -> an update of zeros, in the update's shardings
-    add: Any  # (a, b) -> a + b, updates (neither donated)
-    opt_init: Any  # (params) -> the optimizer's initial state (a start from given parameters)
-    evaluate: Any  # (params, model_state, batch) -> the batch's mean loss (no gradient, nothing donated)
+    update_shardings: PyTree
+    example: PyTree  # one batch's ShapeDtypeStructs (with the batch sharding)
+    init: Callable[..., State]  # (seed: int array) -> State
+    grads: Callable[..., tuple[jax.Array, PyTree, PyTree]]  # (params, model_state, batch, where) -> (loss, aux, update)
+    apply: Callable[..., State]  # (State, update, lr_scale) -> State  (donates State)
+    train_step: Callable[..., tuple[State, jax.Array]]  # (State, batch, lr_scale) -> (State, loss)  (donates State)
+    accumulate: Callable[
+        ..., tuple[PyTree, jax.Array]
+    ]  # (acc, params, model_state, rows, where) -> (acc + update of rows weighted rows/B, row losses)
+    zeros: Callable[[], PyTree]  # () -> an update of zeros, in the update's shardings
+    add: Callable[[PyTree, PyTree], PyTree]  # (a, b) -> a + b, updates (neither donated)
+    opt_init: Callable[[PyTree], PyTree]  # (params) -> the optimizer's initial state (a start from given parameters)
+    evaluate: Callable[
+        ..., jax.Array
+    ]  # (params, model_state, batch) -> the batch's mean loss (no gradient, nothing donated)
     compiled_accumulate: dict = field(default_factory=dict)  # rows -> `accumulate` compiled for them
 
     def accumulate_rows(self, acc, state, rows, where):
@@ -99,7 +105,7 @@ class ReplicaProgram:
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
         )
 
-    def abstract_update(self) -> Any:
+    def abstract_update(self) -> PyTree:
         st = self.abstract_state()
         tree = {"params": st["params"], **({"model_state": st["model_state"]} if self.has_model_state else {})}
         return jax.tree.map(
@@ -119,16 +125,16 @@ class ReplicaProgram:
         step would make every peer wait for it at the next FTAR."""
         st, where, lr = self._abstract_args()
         ms, upd = model_state(st), self.abstract_update()
-        self.grads = self.grads.lower(st["params"], ms, self.example, where).compile()
-        self.apply = self.apply.lower(st, upd, lr).compile()
+        self.grads = lowered(self.grads, st["params"], ms, self.example, where).compile()
+        self.apply = lowered(self.apply, st, upd, lr).compile()
         if self.cfg.eval.every:  # an evaluation must not stall the next step's peers with a compile
-            self.evaluate = self.evaluate.lower(st["params"], ms, self.example).compile()
+            self.evaluate = lowered(self.evaluate, st["params"], ms, self.example).compile()
         if self.cfg.ft.global_batch == "constant":  # an outage must not wait for a compile
             for n in self.chunk_rows:
                 rows = rows_like(self.example, n)
-                self.compiled_accumulate[n] = self.accumulate.lower(upd, st["params"], ms, rows, where).compile()
-            self.zeros = self.zeros.lower().compile()
-            self.add = self.add.lower(upd, upd).compile()
+                self.compiled_accumulate[n] = lowered(self.accumulate, upd, st["params"], ms, rows, where).compile()
+            self.zeros = lowered(self.zeros).compile()
+            self.add = lowered(self.add, upd, upd).compile()
 
     def warm_up(self) -> None:
         """Run each precompiled executable once on zeros: a first run pays one-time costs (buffers,
@@ -165,12 +171,18 @@ class ReplicaProgram:
         )
 
 
-def model_state(state: State) -> Any:
+def lowered(fn: Callable[..., object], *args: PyTree) -> jax.stages.Lowered:
+    """`fn`, one of a program's functions as `build_program` jitted it (`precompile` replaces them
+    with executables, which are not lowered again), lowered for `args`."""
+    return cast(jax.stages.Wrapped, fn).lower(*args)
+
+
+def model_state(state: State) -> PyTree:
     """The state's non-parameter model variables ({} for a task without any)."""
     return state.get("model_state", {})
 
 
-def rows_like(example: Any, n: int) -> Any:
+def rows_like(example: PyTree, n: int) -> PyTree:
     """`example` (a batch's ShapeDtypeStructs) with `n` rows."""
     return jax.tree.map(lambda a: a.update(shape=(n, *a.shape[1:])), example)
 
@@ -179,18 +191,18 @@ def rows_like(example: Any, n: int) -> Any:
 class _Layout:
     """What a replica's functions are built over: the task's shapes, the optimizer, the shardings."""
 
-    params_shape: Any
-    ms_shape: Any
+    params_shape: PyTree
+    ms_shape: PyTree
     has_ms: bool
     tx: optax.GradientTransformation
-    p_shard: Any
-    ms_shard: Any
-    opt_shard: Any
+    p_shard: PyTree
+    ms_shard: PyTree
+    opt_shard: PyTree
     rep: jax.sharding.NamedSharding
     state_shardings: State
-    update_shardings: Any
+    update_shardings: PyTree
     b_shard: jax.sharding.NamedSharding
-    example: Any
+    example: PyTree
 
 
 def build_program(cfg: Config, mesh: jax.sharding.Mesh | None = None, task: Task | None = None) -> ReplicaProgram:
@@ -319,7 +331,7 @@ def _loss_functions(cfg: Config, task: Task, lay: _Layout):
         """`update_of`, in micro-batches when data.micro_batches asks for them."""
         if k == 1:
             return update_of(params, ms, rows, where, weight)
-        return in_micro_batches(lambda *a: update_of(params, ms, *a, weight), rows, where, B // k)
+        return in_micro_batches(lambda r, w: update_of(params, ms, r, w, weight), rows, where, B // k)
 
     def grads(params, ms, batch, where):
         per_example, aux, update = summed(params, ms, batch, where, 1.0 / batch_rows(batch))
@@ -423,7 +435,7 @@ def _jitted(lay: _Layout, init, apply, zeros, grads, accumulate, evaluate) -> di
     )
 
 
-def device_batch(program: ReplicaProgram, batch) -> Any:
+def device_batch(program: ReplicaProgram, batch: PyTree) -> PyTree:
     """Place a full (global) batch (an array or a pytree of arrays) on the replica mesh; each
     process contributes its own rows."""
     n_proc, me = jax.process_count(), jax.process_index()

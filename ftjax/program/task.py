@@ -33,7 +33,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -41,12 +41,19 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from ftjax.config import ConfigError
+from ftjax.base.trees import PyTree
+from ftjax.config import Config, ConfigError
 
-PyTree = Any
-Batch = Any  # a pytree of arrays, leading axis = examples
+Batch = PyTree  # a pytree of arrays, leading axis = examples
 # loss(params, model_state, batch, key) -> (per_example[B], aux {name: [B] or scalar}, new model_state)
 LossFn = Callable[[PyTree, PyTree, Batch, jax.Array], tuple[jax.Array, dict, PyTree]]
+
+
+class Source(Protocol):
+    """What `Task.source` (and `heldout`) is: random access, `len` and `source[i]` -> one example."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int, /) -> PyTree: ...
 
 
 class TaskError(ValueError):
@@ -69,11 +76,11 @@ class Task:
     name: str
     init: Callable[[jax.Array], tuple[PyTree, PyTree]]
     loss: LossFn
-    source: Any
+    source: Source
     param_axes: PyTree | None = None
     optimizer: optax.GradientTransformation | None = None
     tokens_per_example: int = 0  # for the tokens/s figures (0: not a token model)
-    heldout: Any = None  # a random-access source of held-out examples, like `source` (eval.every); None: none
+    heldout: Source | None = None  # a random-access source of held-out examples, like `source` (eval.every); None: none
     # ft.sync diloco | streaming_diloco: the outer optimizer of the averaged parameter deltas, any optax
     # transformation (None: the config's, ft.outer_optimizer); set it with dataclasses.replace(task, ...)
     outer_optimizer: optax.GradientTransformation | None = None
@@ -109,7 +116,7 @@ class Task:
         return stack([self.source[i % len(self.source)] for i in range(rows)], self.name)
 
 
-def config_setting(cfg, key: str) -> Any:
+def config_setting(cfg: Config, key: str) -> object:
     """The value of the config setting `key` (`section.field`, one of a task's `reads`), as JSON;
     TaskError naming it if the config has no such setting."""
     node = cfg
@@ -149,7 +156,7 @@ def concat_rows(batches: Sequence[Batch]) -> Batch:
 # --- the loss's result ------------------------------------------------------------------------------
 
 
-def split_output(out: Any) -> tuple[Any, Any]:
+def split_output(out: Any) -> tuple[jax.Array, PyTree]:
     """(per_example, aux) of what a user's loss returned: `per_example` or `(per_example, aux)`."""
     return out if isinstance(out, tuple) and len(out) == 2 else (out, {})
 
@@ -197,7 +204,7 @@ def step_key(seed: int, where: jax.Array) -> jax.Array:
 def nnx_task(
     model: Callable[[Any], Any],
     loss: Callable[[Any, Batch], Any],
-    source: Any,
+    source: Source,
     *,
     optimizer: optax.GradientTransformation | None = None,
     name: str = "nnx",
@@ -212,7 +219,8 @@ def nnx_task(
     from flax import nnx
 
     def split(module):
-        graphdef, params, rngs, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
+        graphdef, *states = nnx.split(module, nnx.Param, nnx.RngState, ...)
+        params, rngs, rest = states
         return graphdef, params, rngs, rest
 
     def build(rngs):
@@ -235,7 +243,8 @@ def nnx_task(
     def wrapped(params, rest, batch, key):
         module = nnx.merge(graphdef, params, _rng_placeholders(a_rngs), rest)
         if tags:
-            nnx.reseed(module, **{t: jax.random.fold_in(key, i) for i, t in enumerate(tags)})
+            keys: dict[str, Any] = {t: jax.random.fold_in(key, i) for i, t in enumerate(tags)}  # (stream names)
+            nnx.reseed(module, **keys)
         per_example, aux = split_output(loss(module, batch))
         _, _, _, new_rest = split(module)
         return per_example, aux, nnx.to_pure_dict(new_rest)
@@ -259,7 +268,7 @@ def _rng_placeholders(a_rngs: PyTree) -> PyTree:
     return jax.tree.map(leaf, a_rngs)
 
 
-def first_leaf_not(tree: PyTree, kind: Any) -> tuple[str, Any] | None:
+def first_leaf_not(tree: PyTree, kind: type) -> tuple[str, np.dtype] | None:
     """(path, dtype) of the first leaf of `tree` whose dtype is not of `kind` (jnp.floating, ...), or None."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not jnp.issubdtype(leaf.dtype, kind):
@@ -281,7 +290,7 @@ def _check_float_state(state: PyTree, task: str) -> None:
 def linen_task(
     module: Any,
     loss: Callable[[Callable, Batch], Any],
-    source: Any,
+    source: Source,
     *,
     optimizer: optax.GradientTransformation | None = None,
     name: str = "linen",
@@ -358,7 +367,7 @@ def _linen_runner(module: Any, loss: Callable[[Callable, Batch], Any], rng_strea
 def pytree_task(
     init: Callable[[jax.Array], PyTree],
     loss: Callable[[PyTree, Batch, jax.Array], Any],
-    source: Any,
+    source: Source,
     *,
     param_axes: PyTree | None = None,
     optimizer: optax.GradientTransformation | None = None,
@@ -389,7 +398,7 @@ def pytree_task(
 # --- tasks by import path ---------------------------------------------------------------------------
 
 
-def load_task(path: str, cfg: Any, args: dict | None = None, search: Sequence[str] = ()) -> Task:
+def load_task(path: str, cfg: Config, args: dict | None = None, search: Sequence[str] = ()) -> Task:
     """`factory(cfg, **args)` for `path` = "pkg.module:factory"; `search`: directories tried first
     for the module (a job's `task_path`). Every failure is a TaskError naming the path."""
     module_name, sep, attr = path.partition(":")

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
@@ -32,6 +33,10 @@ ARRAY_RECORD = "tokens.array_record"
 STORAGES = ("bin", "array_record")  # the index's `storage` (absent: bin)
 ARRAY_RECORD_WRITE = "group_size:1,uncompressed"  # (a document per chunk: one read per record)
 ARRAY_RECORD_READ = "readahead_buffer_size:0,max_parallelism:0"  # (random access)
+
+
+if TYPE_CHECKING:
+    from array_record.python.array_record_module import ArrayRecordWriter
 
 
 class TokenFileError(ValueError):
@@ -154,12 +159,12 @@ class TokenWindows:
         self.storage = self.index.get("storage", "bin")
         self.dtype, self.count = (
             _dtype(self.directory, self.index),
-            int(_split_info(directory, self.index, split)["tokens"]),
+            int(_split_info(self.directory, self.index, split)["tokens"]),
         )
+        self.tokens: np.ndarray | None = None  # (array_record: read by records)
         if self.storage == "bin":
             self.tokens = open_tokens(self.directory, split, self.index)  # (checked; windows are read apart)
         elif self.storage == "array_record":
-            self.tokens = None
             if not (self.directory / split / ARRAY_RECORD).is_file():
                 raise TokenFileError(f"{self.directory / split / ARRAY_RECORD}: no such file")
             # (the records of a window are found through the offsets: damaged ones read other tokens)
@@ -167,7 +172,9 @@ class TokenWindows:
         else:
             raise TokenFileError(f"{self.directory / INDEX}: storage: expected one of {STORAGES}, got {self.storage!r}")
         self.n = self.count // self.window
-        self._fd, self._pid, self._records = None, -1, None
+        self._fd: int | None = None
+        self._pid = -1
+        self._records: ArrayRecordTokens | None = None
         # Same content, split, window and packing: same examples, whatever the directory is called.
         packed = "" if packing == "none" else f"-{packing}"
         self.fingerprint = f"{self.index['fingerprint']}-{split}-w{self.window}{packed}"
@@ -220,6 +227,7 @@ class TokenWindows:
         if self._records is not None:
             return self._records.read(start, count)
         size = self.dtype.itemsize
+        assert self._fd is not None  # (opened above for bin storage)
         data = os.pread(self._fd, count * size, start * size)
         if len(data) != count * size:
             raise TokenFileError(f"{self.directory / self.split / TOKENS}: short read at token {start} (truncated?)")
@@ -234,7 +242,7 @@ class TokenWindows:
         return {"directory": self.directory, "split": self.split, "window": self.window, "packing": self.packing}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["directory"], state["split"], state["window"], state.get("packing", "none"))
+        TokenWindows.__init__(self, state["directory"], state["split"], state["window"], state.get("packing", "none"))
 
 
 class ArrayRecordTokens:
@@ -272,7 +280,8 @@ class SplitWriter:
         self.path = directory / split
         self.path.mkdir(parents=True)
         self.dtype = dtype
-        self._file, self._records = None, None
+        self._file: BinaryIO | None = None
+        self._records: ArrayRecordWriter | None = None
         if storage == "bin":
             self._file = open(self.path / TOKENS, "wb")
         else:
@@ -289,6 +298,7 @@ class SplitWriter:
         if self._file is not None:
             self._file.write(data)
         else:  # a record per document
+            assert self._records is not None
             bounds = np.concatenate([[0], np.cumsum(lengths)]) * self.dtype.itemsize
             for a, b in zip(bounds[:-1], bounds[1:]):
                 self._records.write(data[a:b])
@@ -302,6 +312,7 @@ class SplitWriter:
         if self._file is not None:
             _sync_close(self._file)
         else:
+            assert self._records is not None
             self._records.close()
             with open(self.path / ARRAY_RECORD, "rb") as f:
                 os.fsync(f.fileno())

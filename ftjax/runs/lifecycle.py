@@ -73,7 +73,7 @@ STALL_FACTOR = 2.0
 
 def is_stall(gap_s: float, median_step_s: float | None) -> bool:
     """THE stall rule (see above). No median (no gap measured yet): no stall."""
-    return bool(median_step_s) and gap_s > STALL_FACTOR * median_step_s
+    return median_step_s is not None and median_step_s > 0 and gap_s > STALL_FACTOR * median_step_s
 
 
 # --- transitions ----------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ class Signal(enum.Enum):
     LEFT = "left"  # not_restarted, abandoned
 
 
-_EVENT_SIGNALS = {
+_EVENT_SIGNALS: dict[str, Signal] = {
     LauncherEvent.REPLICA_STARTED: Signal.STARTED,
     ReplicaEvent.START: Signal.STARTED,
     ReplicaEvent.CATCHUP_STARTED: Signal.BEHIND,
@@ -108,7 +108,7 @@ def signal(record: dict) -> Signal | None:
     commit_failure, a fault, rejoined (a copy of catchup_done), ...)."""
     if is_step(record):
         return Signal.OWN_STEP if is_own_step(record) else Signal.RELAY_STEP
-    return _EVENT_SIGNALS.get(record.get(EVENT))
+    return _EVENT_SIGNALS.get(record.get(EVENT, ""))
 
 
 # The launcher's verdicts hold from any phase; a replica's own signals move a live replica only (a

@@ -132,7 +132,7 @@ def _open(factory: Callable[[], Sink]) -> Sink | None:
         return None
 
 
-def _each(sinks: list[Sink], method: str, *args: Any) -> list[Sink]:
+def _each(sinks: list[Sink], method: str, *args: object) -> list[Sink]:
     """Call `method` on every sink; the sinks that did not fail (one that fails is closed and left out)."""
     kept = []
     for sink in sinks:

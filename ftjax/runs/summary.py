@@ -607,7 +607,9 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
     split = split_history(run)
     committed_steps = max((rec["final_step"] for rec in replicas.values()), default=0)
     ettr_why = ettr_missing(run, t_warm, committed_steps)
-    ettr_value = ettr(run, segments, t_warm, t_end, median_s or 0.0) if ettr_why is None else None
+    ettr_value = (
+        ettr(run, segments, t_warm, t_end, median_s or 0.0) if ettr_why is None and t_warm is not None else None
+    )
     loss = final_loss(run)
     end_event = next((e for e in reversed(run.events) if e[EVENT] == LauncherEvent.END), None)
     return {

@@ -39,7 +39,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Protocol
+from typing import Protocol
 from urllib.parse import parse_qs, quote, urlparse
 
 import numpy as np
@@ -48,6 +48,7 @@ from ftjax.base import net
 from ftjax.base.http import HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS, MAX_PENDING, BoundedHTTPServer
 from ftjax.base.net import split_address
 from ftjax.base.tls import TLS
+from ftjax.base.trees import PyTree
 from ftjax.runtime.regions import HOST_ALIGN, LayoutMismatch, Piece, Region, assemble, region_of, size
 
 TOKEN_HEADER = "X-Ftjax-Token"
@@ -73,14 +74,14 @@ class HostShards:
         body), as memoryviews of the pieces themselves: sent from and received into in place."""
         start = 0
         for p in self.pieces:
-            data = memoryview(p.data.reshape(-1).view(np.uint8))
+            data = p.data.reshape(-1).view(np.uint8).data
             lo, hi = max(offset, start), min(offset + length, start + len(data))
             if lo < hi:
                 yield data[lo - start : hi - start]
             start += len(data)
 
     @classmethod
-    def take(cls, state: Any) -> HostShards:
+    def take(cls, state: PyTree) -> HostShards:
         """Copy this host's shards of `state` to host memory; a replicated shard is copied once."""
         import jax
 
@@ -99,7 +100,7 @@ class HostShards:
         # An owned copy: the snapshot outlives the state, whose buffers the next step donates.
         return cls(leaves, [Piece(n, r, np.array(d, copy=True, order="C")) for n, r, d in pending])
 
-    def to_state(self, abstract_state: Any) -> Any:
+    def to_state(self, abstract_state: PyTree) -> PyTree:
         """These shards as arrays on this host's devices, in `abstract_state`'s shapes, dtypes and
         shardings. Raises LayoutMismatch naming the leaf if they do not make that state."""
         import jax
@@ -229,7 +230,7 @@ class SnapshotServer:
         return net.format_address(self._advertise, self._httpd.server_address[1])
 
     # --- source side, called from the training loop -------------------------------------------
-    def offer(self, key: str, state: Any, step: int, meta: dict) -> None:
+    def offer(self, key: str, state: PyTree, step: int, meta: dict) -> None:
         """Snapshot this host's part of `state` (at `step`) for peer `key`; returns once it is in host memory."""
         self.publish(_Snapshot(key, step, dict(meta), HostShards.take(state)))
 
@@ -410,7 +411,7 @@ class ReceiveArena:
         return buffer
 
     @classmethod
-    def for_state(cls, state: Any) -> ReceiveArena | None:
+    def for_state(cls, state: PyTree) -> ReceiveArena | None:
         """An arena for a snapshot of `state`'s layout on this host, or None if it would take more
         than a quarter of this host's free memory."""
         # as _Layout lays them out, and room for a source of up to 8x this replica's hosts, whose
@@ -424,7 +425,7 @@ class ReceiveArena:
         return cls(nbytes) if 0 < nbytes <= free // 4 else None
 
 
-def _shard_bytes(state: Any) -> list[int]:
+def _shard_bytes(state: PyTree) -> list[int]:
     """The bytes of each distinct shard of `state` (arrays or ShapeDtypeStructs with shardings) that
     this host holds: the pieces a snapshot for this host carries."""
     import jax
@@ -599,7 +600,8 @@ class SnapshotFetch:
     def _download(self, parts: list[HostShards], ranges: list[tuple[int, int, int]], step: int) -> None:
         """Every range, over `streams` threads that each take the next one; the first error stops
         them all (the others finish the range they are in) and is raised."""
-        todo, errors = list(reversed(ranges)), []
+        todo = list(reversed(ranges))
+        errors: list[BaseException] = []
 
         def work() -> None:
             while not errors:
@@ -654,11 +656,11 @@ class CatchupTransport(Protocol):
 
     address: str  # where the same host of a healing peer reaches this host's source side
 
-    def offer(self, key: str, state: Any, step: int, meta: dict) -> None: ...  # every host of the source
+    def offer(self, key: str, state: PyTree, step: int, meta: dict) -> None: ...  # every host of the source
     def offered(self, key: str) -> bool: ...
     def keep_only(self, keys: set[str]) -> None: ...
     def fetch(self, addresses: list[str], key: str, *, source: str, min_step: int) -> SnapshotFetch: ...  # every host
-    def load(self, fetched: FetchResult, abstract_state: Any) -> Any: ...  # every host of the newcomer
+    def load(self, fetched: FetchResult, abstract_state: PyTree) -> PyTree: ...  # every host of the newcomer
     def release(self) -> None: ...  # memory kept for a fetch: none is coming
     def close(self) -> None: ...
 
@@ -693,7 +695,7 @@ class ShardTransport:
         """No catch-up is coming (the replica applied a step of its own): drop the arena."""
         self.arena = None
 
-    def offer(self, key: str, state: Any, step: int, meta: dict) -> None:
+    def offer(self, key: str, state: PyTree, step: int, meta: dict) -> None:
         self.server.offer(key, state, step, meta)
 
     def offered(self, key: str) -> bool:
@@ -716,7 +718,7 @@ class ShardTransport:
             tls=self.tls,
         )
 
-    def load(self, fetched: FetchResult, abstract_state: Any) -> Any:
+    def load(self, fetched: FetchResult, abstract_state: PyTree) -> PyTree:
         return fetched.shards.to_state(abstract_state)
 
     def close(self) -> None:

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ftjax.base.trees import PyTree
+from ftjax.config import ModelConfig
 from ftjax.program.digest import params_digest
 from ftjax.program.task import config_setting
 
@@ -74,7 +76,8 @@ def write_failure(where: str, step: int | None, e: BaseException) -> CheckpointW
     """One line for a failed save: the step, the directory, the file and the OS's reason. Orbax
     reports a failed write as tensorstore's ValueError, whose text names the file and the errno
     ("Failed writing: "PATH" ... [os_error_code='28']"), or as an OSError."""
-    text, cause = str(e), e
+    text = str(e)
+    cause: BaseException | None = e
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     if isinstance(cause, OSError) and cause.errno:
@@ -124,7 +127,7 @@ def _closed_loop_hook(previous: Callable) -> Callable:
             return
         previous(u)
 
-    hook.closed_loop = True
+    hook.closed_loop = True  # type: ignore[attr-defined]  # (a function attribute: this hook's mark)
     return hook
 
 
@@ -196,7 +199,7 @@ class _SealingManager(ocp.CheckpointManager):
             seal(step_dir)
 
 
-def params_structure(params: Any) -> str:
+def params_structure(params: PyTree) -> str:
     """A short hash of a parameter tree's paths, shapes and dtypes (not its sharding: a checkpoint may
     be restored onto another mesh)."""
     rows = [
@@ -207,7 +210,7 @@ def params_structure(params: Any) -> str:
 
 
 def job_identity(
-    cfg, data_fingerprint: str, params: Any = None, locations: tuple[str, ...] = (), reads: tuple[str, ...] = ()
+    cfg, data_fingerprint: str, params: PyTree = None, locations: tuple[str, ...] = (), reads: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """What makes a checkpoint this job's: every setting that changes the numbers of the run, as a
     flat {"section.field": value} record (JSON scalars, so that it survives the meta's round trip).
@@ -314,9 +317,8 @@ def replica_identity(
 def task_args_identity(task_args: dict[str, Any] | str, locations: tuple[str, ...]) -> str:
     """`task_args` as the identity records them (JSON), less `locations`. Also applied to a
     checkpoint's recorded ones, which may hold a location (written before they were left out)."""
-    if isinstance(task_args, str):
-        task_args = json.loads(task_args)
-    kept = {k: v for k, v in task_args.items() if k not in locations}
+    args = json.loads(task_args) if isinstance(task_args, str) else task_args
+    kept = {k: v for k, v in args.items() if k not in locations}
     return json.dumps(kept, sort_keys=True, default=str)
 
 
@@ -373,7 +375,7 @@ class DurableCheckpoints:
         run_dir: str | Path,
         *,
         data_fingerprint: str,
-        params: Any = None,
+        params: PyTree = None,
         locations: tuple[str, ...] = (),
         reads: tuple[str, ...] = (),
         replica: int | None = None,
@@ -474,6 +476,7 @@ class DurableCheckpoints:
         return target
 
     def _check(self, step: int, meta: dict[str, Any]) -> None:
+        assert self.identity is not None  # (checked only for a job with an identity)
         where = f"checkpoint {self.manager.directory} (step {step})"
         todo = (
             f"Give this job another checkpoint.dir or run directory (--out), or remove the old "
@@ -521,7 +524,7 @@ def _leaf_name(path: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def _leaves(tree: Any) -> dict[str, str]:
+def _leaves(tree: PyTree) -> dict[str, str]:
     """{leaf name: "dtype[shape]"} of arrays, abstract arrays or orbax's array metadata."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -546,7 +549,7 @@ def _differences(want: dict[str, str], have: dict[str, str]) -> list[str]:
     return rows
 
 
-def _as_checkpoint_floats(params: Any, have: dict[str, str]) -> Any:
+def _as_checkpoint_floats(params: PyTree, have: dict[str, str]) -> PyTree:
     """`params` (abstract) with each float leaf's dtype the checkpoint's where that is another float
     of the same shape (`have`: `_leaves` of {"params": the checkpoint's}): such a leaf is restored as
     stored (a bfloat16 checkpoint reads half the bytes) and cast on the device afterwards."""
@@ -563,7 +566,7 @@ def _as_checkpoint_floats(params: Any, have: dict[str, str]) -> Any:
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def _check_rope(path: Path, model: Any, where: str) -> None:
+def _check_rope(path: Path, model: ModelConfig | None, where: str) -> None:
     """A checkpoint of `ftjax convert hf` records the model settings it was converted with: a
     config whose RoPE (theta, scaling, head size) differs would load the same weights as another
     model, silently; InitCheckpointError names each setting that differs."""
@@ -584,7 +587,7 @@ def _check_rope(path: Path, model: Any, where: str) -> None:
         )
 
 
-def load_init(directory: str | Path, abstract_state: dict, *, opt: bool, model: Any = None) -> dict:
+def load_init(directory: str | Path, abstract_state: dict, *, opt: bool, model: ModelConfig | None = None) -> dict:
     """{"params": ...} (with `opt`, and "opt": ...) of the orbax checkpoint in `directory`, placed
     with `abstract_state`'s shardings.
 
@@ -660,7 +663,7 @@ def _placed(loaded: dict, abstract_state: dict, convert: Callable | None) -> dic
     return loaded
 
 
-def _each_layers_tree(tree: Any, fn: Callable[[dict], dict]) -> Any:
+def _each_layers_tree(tree: PyTree, fn: Callable[[dict], dict]) -> PyTree:
     """`tree` with `fn` applied to each dict in it that holds a Llama's blocks (a `blocks` or
     `layers` key): the parameters, and each parameter-shaped tree of an optimizer state (optax's
     states are named tuples of them); every other leaf as it is."""
@@ -671,7 +674,7 @@ def _each_layers_tree(tree: Any, fn: Callable[[dict], dict]) -> Any:
     return jax.tree.map(lambda x: fn(x) if holds_blocks(x) else x, tree, is_leaf=holds_blocks)
 
 
-def _other_layout(have: Any, params: Any) -> tuple[Callable, Callable] | None:
+def _other_layout(have: PyTree, params: PyTree) -> tuple[Callable, Callable] | None:
     """Where the checkpoint holds a Llama's blocks in the other layout of `model.scan_layers` than
     this model (stacked, `layers/...`, in one; `blocks/<i>/...` in the other): (what an abstract
     tree of this model's layout is to restore in the checkpoint's, each leaf placed as this model's

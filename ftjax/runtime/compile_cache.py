@@ -58,6 +58,6 @@ def write_from_every_process() -> bool:
             )
         return None
 
-    _cache_write._ftjax_every_process = True
+    _cache_write._ftjax_every_process = True  # type: ignore[attr-defined]  # (a function attribute: the mark)
     compiler._cache_write = _cache_write
     return True

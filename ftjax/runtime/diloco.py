@@ -102,7 +102,7 @@ def fragment_pieces(sizes: list[int], fragments: int, unit: int = 1) -> tuple[tu
     total = sum(sizes)
     if not 1 <= fragments <= total:
         raise ValueError(f"ft.fragments={fragments}: the model has {total} parameters to cut")
-    loads, dealt = [0] * fragments, [[] for _ in range(fragments)]
+    loads, dealt = [0] * fragments, [[] for _ in range(fragments)]  # type: ignore[var-annotated]
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         f = min(range(fragments), key=lambda f: (loads[f], f))
         loads[f] += sizes[i]
@@ -392,7 +392,7 @@ class OuterSync:
             if h + 1 == take:
                 delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f), weight)
         loss = float(np.mean([float(x) for x in losses]))
-        return InnerResult(loss, aux, delta, inner["params"], inner["opt"], inner["step"], len(batches))
+        return InnerResult(loss, aux, delta, inner["params"], inner["opt"], inner["step"], len(batches))  # type: ignore[arg-type]
 
     def apply(self, state: dict, tagged: tuple[int, list], scale: float, mine: InnerResult | None) -> dict:
         """The outer step of fragment f with the contributors' average; `mine`: this replica's

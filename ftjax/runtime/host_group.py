@@ -38,7 +38,9 @@ class JaxHostGroup:
             return
         from jax._src import distributed
 
-        distributed.global_state.client.wait_at_barrier(f"ftjax/{name}", int(timeout_s * 1000))
+        client = distributed.global_state.client
+        assert client is not None  # (hosts > 1: jax.distributed is initialized)
+        client.wait_at_barrier(f"ftjax/{name}", int(timeout_s * 1000))
 
     def broadcast(self, obj: Any) -> Any:
         """The leader's `obj` (JSON), on every host (others pass anything, e.g. None)."""

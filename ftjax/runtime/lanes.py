@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
 
+from ftjax.base.trees import PyTree
 from ftjax.program.sharding import FSDP, TENSOR
 from ftjax.runtime.regions import Piece, Region, assemble, contains, region_of, size, within
 
@@ -74,8 +74,8 @@ class LaneFlattener:
 
     def __init__(
         self,
-        tree_shape: Any,
-        shardings: Any,
+        tree_shape: PyTree,
+        shardings: PyTree,
         *,
         lanes: int,
         devices_per_host: int,
@@ -105,7 +105,7 @@ class LaneFlattener:
             self.pieces.append(pieces)
             self.size = offset
 
-    def flatten(self, tree: Any) -> list[np.ndarray]:
+    def flatten(self, tree: PyTree) -> list[np.ndarray]:
         """One buffer per served lane, from this host's shards of `tree` (device -> host)."""
         shards = self.host_shards(tree)
         out = []
@@ -116,20 +116,20 @@ class LaneFlattener:
             out.append(buf)
         return out
 
-    def unflatten(self, bufs: Sequence[np.ndarray]) -> Any:
+    def unflatten(self, bufs: Sequence[np.ndarray]) -> PyTree:
         """Arrays with the original shardings, from the served lanes' buffers (host -> device)."""
         by_leaf = self.pieces_by_leaf(bufs)
         leaves = [self.leaf_array(i, by_leaf[i]) for i in range(len(self.shapes))]
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def host_shards(self, tree: Any) -> list[list[tuple[Region, Any]]]:
+    def host_shards(self, tree: PyTree) -> list[list[tuple[Region, jax.Shard]]]:
         """Per leaf of `tree`: (region, shard) of each of this host's shards."""
         return [
             [(region_of(s.index, shape), s) for s in leaf.addressable_shards]
             for leaf, shape in zip(jax.tree.leaves(tree), self.shapes)
         ]
 
-    def piece_data(self, shards: list[list[tuple[Region, Any]]], leaf: int, region: Region) -> np.ndarray:
+    def piece_data(self, shards: list[list[tuple[Region, jax.Shard]]], leaf: int, region: Region) -> np.ndarray:
         """The values of `region` of `leaf`, flat, from the shard that holds it (device -> host)."""
         held, shard = next((r, s) for r, s in shards[leaf] if contains(r, region))
         data = np.asarray(shard.data)

@@ -197,6 +197,7 @@ class MetricsLog:
                 self._plain.event(kind, fields)
 
     def _write(self, record: dict[str, Any]) -> None:
+        assert self._file is not None  # (records are written only when enabled: the file is open)
         try:
             self._file.write(json.dumps(record) + "\n")
         except OSError as e:
@@ -237,7 +238,7 @@ class MetricsLog:
             self._file = None
 
 
-def _isatty(stream: Any) -> bool:
+def _isatty(stream: IO[str] | None) -> bool:
     try:
         return stream is not None and stream.isatty()
     except (AttributeError, ValueError):

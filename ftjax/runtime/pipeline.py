@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ftjax.base.trees import PyTree
 from ftjax.ftar.ring import segment_bounds
 from ftjax.runtime.lanes import LaneFlattener
 from ftjax.runtime.regions import aligned_empty, size
@@ -41,7 +42,7 @@ class Averaged:
     its arrays share `flat`'s memory: apply it before the step after next)."""
 
     flat: np.ndarray
-    tree: Any | None = None
+    tree: PyTree | None = None
 
 
 @dataclass
@@ -198,7 +199,7 @@ class Pipeline:
         outs = np.split(flat_out, len(self.flat.served))
         return flat_out, outs, self.flat.pieces_by_leaf(outs)
 
-    def run(self, grads: Any | None, rank: int, world: int, call) -> Averaged:
+    def run(self, grads: PyTree | None, rank: int, world: int, call) -> Averaged:
         """`call(bufs, outs, hooks)` runs every lane's FTAR (hooks: per lane, the kwargs to pass)."""
         t0 = time.perf_counter()
         self._turn = (self._turn + 1) % len(self._results)
@@ -241,14 +242,14 @@ class Pipeline:
             for i in range(len(self.outs))
         ]
 
-    def _d2h(self, grads: Any, order: list[tuple[int, int]], phases: Phases) -> None:
+    def _d2h(self, grads: PyTree, order: list[tuple[int, int]], phases: Phases) -> None:
         began = time.perf_counter()
         try:
             if self.pinned is not None:
                 grads = jax.device_put(grads, self.pinned)  # asynchronous: every leaf's DMA in flight
             shards = self.flat.host_shards(grads)
-            for leaf in shards if self.pinned is None else ():
-                for _, shard in leaf:
+            for held in shards if self.pinned is None else ():
+                for _, shard in held:
                     shard.data.copy_to_host_async()  # every transfer in flight at once
             parts: dict[tuple[int, int], np.ndarray] = {}
             for lane, k in order:

@@ -131,7 +131,7 @@ class LocalQuorum:
     def quorum_async(
         self, step: int, data_position: int, has_state: bool, commit_failures: int = 0, digest: str = ""
     ) -> Future:
-        me = Participant(self.replica_id, "local", step, data_position, (), "", False, "")
+        me = Participant(self.replica_id, "local", step, data_position, (), (), False, "")
         future: Future = Future()
         future.set_result(
             QuorumResult(
@@ -141,7 +141,7 @@ class LocalQuorum:
                 rank=0,
                 healing=False,
                 heal_source="",
-                heal_source_addresses="",
+                heal_source_addresses=(),
                 num_contributors=1,
                 data_position=data_position,
                 no_state=not has_state,
@@ -278,7 +278,7 @@ class StepProtocol:
             self._pending = None
             self.leave(self.leaving)
         elif self.leader:
-            self._pending = self.quorums.quorum_async(step, position, has_state, self.commit_failures, digest)
+            self._pending = self.quorums.quorum_async(step, position, has_state, self.commit_failures, digest)  # type: ignore[union-attr]
 
     def agree(self) -> Agreement:
         """Wait for the quorum the leader asked for; every host gets it, and the leader's catch-up
@@ -286,7 +286,7 @@ class StepProtocol:
         with self.watchdog.exempt("quorum"):  # (the leader's message waits for the quorum)
             fetches = self._fetch_states()
             if not self.leader:
-                return self._carry_out(*_decode_agreement(self.group.broadcast_bytes(b"")))
+                return self._carry_out(*_decode_agreement(self.group.broadcast_bytes(b"")))  # type: ignore[arg-type]
             q, order = None, HealOrder(leave=self.leaving)  # no request: leaving, every host ends here
             try:
                 q = self._pending.result() if self._pending is not None else None
@@ -340,7 +340,7 @@ class StepProtocol:
                 if p is None or p.replica_id == self.replica_id:
                     continue
                 try:
-                    self.quorums.report_failure(q.quorum_id, p.replica_id, p.incarnation, f["error"][:200])
+                    self.quorums.report_failure(q.quorum_id, p.replica_id, p.incarnation, f["error"][:200])  # type: ignore[union-attr]
                 except CoordinatorError as e:  # best effort: a dead peer also times out its heartbeats
                     self.log.event(
                         ReplicaEvent.REPORT_UNDELIVERED, step=q.step + 1, replica=p.replica_id, error=str(e)[:200]
@@ -360,7 +360,7 @@ class StepProtocol:
                 attempts=attempts,
                 error=error,
             )
-            message = unreachable_message(self.replica_id, q.step + 1, peer, who, seconds, attempts, error)
+            message = unreachable_message(self.replica_id, q.step + 1, peer, who, seconds, attempts, error)  # type: ignore[arg-type]
             print(f"ftjax train: {message}", file=sys.stderr, flush=True)
         return False
 
@@ -429,7 +429,7 @@ class StepProtocol:
         from the members: nobody applied it)."""
         give_up, pause = time.monotonic() + self.decision_patience_s, 0.05
         while True:
-            decision, detail = self.quorums.vote_commit(q, ok, reason, self.decision_timeout_s)
+            decision, detail = self.quorums.vote_commit(q, ok, reason, self.decision_timeout_s)  # type: ignore[union-attr]
             if not ok or decision not in ("UNREACHABLE", "PENDING") or time.monotonic() + pause >= give_up:
                 return decision, detail
             time.sleep(pause)
@@ -454,13 +454,13 @@ class StepProtocol:
             if done > known.get(p.replica_id, 0):
                 known[p.replica_id], changed = done, True
         if changed:  # a copy for the heartbeat thread, which reads it when its stream (re)connects
-            self.quorums.known_positions = dict(known)
+            self.quorums.known_positions = dict(known)  # type: ignore[union-attr]
 
     def forget_positions(self) -> None:
         """A whole-job restart from a durable checkpoint: its positions rule, not what we knew."""
         self.known_positions = {}
         if self.leader:
-            self.quorums.known_positions = {}
+            self.quorums.known_positions = {}  # type: ignore[union-attr]
 
     # --- healing hooks ------------------------------------------------------------------------
     def serve(self, q: QuorumResult, state: PyTree, step: int, meta: dict) -> None:
@@ -470,13 +470,13 @@ class StepProtocol:
         if self.transport is None:
             return
         keys = {f"{p.replica_id}/{p.incarnation}" for p in q.heal_targets}
-        stale = {k for k in keys if not self.transport.offered(k)}
+        stale = {k for k in keys if not self.transport.offered(k)}  # type: ignore[union-attr]
         if keys and self.group.hosts > 1:  # a host that a fetch asked for a fresher one tells all
             stale = set().union(*map(set, self.group.allgather(sorted(stale))))
         for key in sorted(stale) if state is not None else ():
-            self.transport.offer(key, state, step, meta)
+            self.transport.offer(key, state, step, meta)  # type: ignore[union-attr]
             self.log.event(ReplicaEvent.SNAPSHOT_OFFERED, to=key.split("/")[0], at_step=step)
-        self.transport.keep_only(keys)
+        self.transport.keep_only(keys)  # type: ignore[union-attr]
 
     def healing(self, q: QuorumResult, stale_step: int | None) -> None:
         """We are behind the job or have no state (`stale_step`: the step of a state we hold). A
@@ -508,7 +508,7 @@ class StepProtocol:
         """Every host: restore the fetched snapshot and replay the kept updates through `apply`.
         Returns (state, step), or None if the snapshot is older than the oldest update kept."""
         with self.watchdog.exempt("snapshot restore"):
-            state = self.transport.load(got, abstract_state)
+            state = self.transport.load(got, abstract_state)  # type: ignore[union-attr]
         step, replayed = got.step, 0
         while step < q.step:
             if step not in self.buffer:
@@ -565,7 +565,7 @@ class StepProtocol:
         etas = [f["eta_s"] for f in fetches if not f["done"]]
         self.log.event(
             ReplicaEvent.CATCHUP_PROGRESS,
-            source=self.fetch.source,
+            source=self.fetch.source,  # type: ignore[union-attr]
             bytes_done=sum(f["bytes_done"] for f in fetches),
             bytes_total=sum(f["bytes_total"] for f in fetches),
             eta_s=None if None in etas else max(etas),
@@ -586,7 +586,7 @@ class StepProtocol:
                 return HealOrder(install=True)
             errors = [f"the hosts fetched snapshots of different steps {sorted(steps)}"]
         if errors:
-            self.log.event(ReplicaEvent.CATCHUP_FAILED, source=self.fetch.source, error="; ".join(errors))
+            self.log.event(ReplicaEvent.CATCHUP_FAILED, source=self.fetch.source, error="; ".join(errors))  # type: ignore[union-attr]
             drop = True
         elif self.fetch is not None and not any(p.replica_id == self.fetch.source for p in q.participants):
             self.log.event(ReplicaEvent.CATCHUP_ABANDONED, source=self.fetch.source, reason="source left the quorum")
@@ -603,13 +603,13 @@ class StepProtocol:
             return Agreement(None, leave=order.leave, finished=order.finished)
         install = None
         if order.install:
-            install = self.fetch.result
+            install = self.fetch.result  # type: ignore[union-attr]
         if order.drop or order.install:
             self.fetch = None
         if order.fetch_min_step is not None:
             me, addresses = q.participants[q.rank], q.heal_source_addresses
             needed = [addresses[k] for k in source_hosts(self.group.rank, self.group.hosts, len(addresses))]
-            self.fetch = self.transport.fetch(
+            self.fetch = self.transport.fetch(  # type: ignore[union-attr]
                 needed, f"{me.replica_id}/{me.incarnation}", source=q.heal_source, min_step=order.fetch_min_step
             )
         return Agreement(q, install)

@@ -14,12 +14,14 @@ each segment), and is widened back to float32 for `apply`; a standalone replica 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import jax
 import numpy as np
+from numpy.typing import DTypeLike
 
+from ftjax.base.trees import PyTree
 from ftjax.coordinator.types import QuorumResult
 from ftjax.ftar import FTAREndpoint
 from ftjax.runtime.lanes import LaneFlattener
@@ -57,7 +59,7 @@ class FTARReducer:
         self._pool = ThreadPoolExecutor(len(endpoints) - 1, "ftar-lane") if len(endpoints) > 1 else None
         self._released = False
 
-    def average(self, q: QuorumResult, grads: Any | None) -> Averaged | np.ndarray:
+    def average(self, q: QuorumResult, grads: PyTree | None) -> Averaged | np.ndarray:
         """The averages of this host's lanes, end to end in one buffer (pipelined: with the tree
         already back on the devices); raises FTARError naming the peer, once every lane's call has ended."""
         if self._released:
@@ -75,6 +77,7 @@ class FTARReducer:
                 self.phases.grad_bytes = self.host_bytes if grads is not None else 0
         began = time.perf_counter()
         bufs = self.flat.flatten(grads) if grads is not None else self._zeros
+        assert bufs is not None  # (not pipelined: the zeros are kept)
         copied = time.perf_counter()
         outs = self._lanes(q, contributors, bufs, [None] * len(bufs), [{}] * len(bufs))
         done = time.perf_counter()
@@ -107,7 +110,7 @@ class FTARReducer:
             raise next(e for e in errors if e is not None)
         return [first, *(f.result() for f in others)]
 
-    def tree(self, update: Averaged | np.ndarray) -> Any:
+    def tree(self, update: Averaged | np.ndarray) -> PyTree:
         """The update as arrays on this host's devices, float32."""
         if isinstance(update, Averaged) and update.tree is not None:
             tree = update.tree
@@ -142,7 +145,7 @@ class LocalReducer:
         self.divisor = divisor  # constant batch: a standalone replica computes all R batches
         self.dtype = np.dtype(dtype)  # ft.grad_dtype: rounded as FTAR would
 
-    def average(self, q: QuorumResult, grads: Any | None) -> Any:
+    def average(self, q: QuorumResult, grads: PyTree | None) -> PyTree:
         if grads is None:
             raise ValueError("a standalone replica always contributes its own gradients")
         if self.dtype != np.float32:
@@ -151,10 +154,10 @@ class LocalReducer:
             return grads
         return jax.tree.map(lambda g: g / self.divisor, grads)
 
-    def tree(self, update: Any) -> Any:
+    def tree(self, update: PyTree) -> PyTree:
         return update
 
-    def detach(self, update: Any) -> Any:
+    def detach(self, update: PyTree) -> PyTree:
         return update
 
     def release(self) -> None:
@@ -164,13 +167,13 @@ class LocalReducer:
         pass
 
 
-def _cast(dtype, shardings: Any):
+def _cast(dtype: DTypeLike, shardings: PyTree) -> Callable[[PyTree], PyTree]:
     """A jitted cast of every leaf of an update to `dtype`, its shardings kept."""
     return jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree), out_shardings=shardings)
 
 
 @jax.jit(static_argnums=(1, 2))
-def _local_average(grads: Any, divisor: int, dtype) -> Any:
+def _local_average(grads: PyTree, divisor: int, dtype: DTypeLike) -> PyTree:
     """What FTAR gives a quorum of one: the update as sent (rounded to `dtype`), divided in float32,
     the quotient rounded once to `dtype`; float32 for `apply`."""
 

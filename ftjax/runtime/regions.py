@@ -9,15 +9,16 @@ parts of the other's pieces.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 Region = tuple[tuple[int, int], ...]  # [start, stop) in each dimension of a leaf's global shape
 HOST_ALIGN = 64  # bytes: XLA's CPU client places a host array aligned to this without a copy
 
 
-def aligned_empty(n: int, dtype: Any) -> np.ndarray:
+def aligned_empty(n: int, dtype: DTypeLike) -> np.ndarray:
     """An empty 1-d array of n elements whose first byte is at a multiple of `HOST_ALIGN` (numpy's
     large allocations begin 16 bytes past a page)."""
     raw = np.empty(n * np.dtype(dtype).itemsize + HOST_ALIGN, np.uint8)
@@ -53,7 +54,9 @@ def within(region: Region, outer: Region) -> tuple[slice, ...]:
     return tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(outer, region))
 
 
-def assemble(pieces: list[Piece], region: Region, dtype: Any, leaf: str, source: str = "the source") -> np.ndarray:
+def assemble(
+    pieces: list[Piece], region: Region, dtype: DTypeLike, leaf: str, source: str = "the source"
+) -> np.ndarray:
     """The values of `region`: the piece that is exactly it, else the parts of the pieces that
     overlap it (pieces must not overlap each other). Raises LayoutMismatch if they do not cover it."""
     for p in pieces:

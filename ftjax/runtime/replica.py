@@ -261,7 +261,7 @@ def _coordinator_client(
     cfg: Config, args: RunOptions, token: str, info: MemberInfo, log: MetricsLog
 ) -> CoordinatorClient:
     """The leader's client of the job's coordinator, started."""
-    client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s, tls=args.tls)
+    client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s, tls=args.tls)  # type: ignore[arg-type]
     client.start()
     # each step's figures travel to the coordinator with the next quorum request (status page, /metrics)
     log.listeners.append(
@@ -447,7 +447,7 @@ def run_member(cfg: Config, args: RunOptions, out: Path, task: Task | None = Non
         print(f"ftjax train: --coordinator needs the job token: {e}", file=sys.stderr)
         return 2
     try:
-        addrs = addresses(cfg, args.coordinator)
+        addrs = addresses(cfg, args.coordinator)  # type: ignore[arg-type]
     except (OSError, ValueError) as e:
         print(
             f"ftjax train: cannot tell which address peers reach this process at: {e}; name it with "

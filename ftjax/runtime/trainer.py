@@ -217,7 +217,7 @@ class Trainer:
             computed = kept  # (a retried round: its inner steps are a function of the same state and batches)
             computed.reused = True
         else:
-            computed = self._compute(ahead) if self.has_state and not self.ft.healing else None
+            computed = self._compute(ahead) if self.has_state and not self.ft.healing else None  # type: ignore[assignment]
         timing.compute = time.perf_counter()
         info = self.ft.begin()
         q = info.quorum
@@ -233,7 +233,7 @@ class Trainer:
             return self._ask()
         contributes = info.contributes
         if contributes:
-            self.work = self._share(q)
+            self.work = self._share(q)  # type: ignore[assignment]
         stale = self.sync is not None and computed is not None and computed.step != self.step  # (another state)
         if contributes and (
             computed is None or stale or (computed.position, computed.work) != (self.position, self.work)
@@ -307,9 +307,9 @@ class Trainer:
             grads = self.program.add(own.grads, grads)
             sums = [[*self.own_work[0], float(own.loss) * self.cfg.data.batch_size]]
         jax.block_until_ready(grads)
-        per_row = np.concatenate([np.asarray(x) for x in per_row])
+        per_row = np.concatenate([np.asarray(x) for x in per_row])  # type: ignore[assignment]
         ends = np.cumsum([b - a for _, a, b in rest])
-        sums += [[s, a, b, float(per_row[end - (b - a) : end].sum())] for (s, a, b), end in zip(rest, ends)]
+        sums += [[s, a, b, float(per_row[end - (b - a) : end].sum())] for (s, a, b), end in zip(rest, ends)]  # type: ignore[attr-defined]
         return Computed(
             sum(x[3] for x in sums) / row_count(work),
             grads,
@@ -322,11 +322,11 @@ class Trainer:
 
     def _inner_steps(self, work: tuple[RowSpan, ...]) -> Computed:
         """DiLoCo: the round's inner steps on this replica's own batches, from the committed state."""
-        batches, f = self._own_batch(self.position), self.sync.fragment(self.step)
+        batches, f = self._own_batch(self.position), self.sync.fragment(self.step)  # type: ignore[union-attr]
         first, inner = self.stream.span(self.position)  # (one batch at a warm-up position)
         wheres = [where(first + h, self.own, 0) for h in range(inner)]
-        beat, synchronous = lambda: self.watchdog.beat("inner step"), self.sync.synchronous(self.step)
-        res = self.sync.run_inner(self.state, batches, wheres, f, beat, synchronous, step=self.step)
+        beat, synchronous = lambda: self.watchdog.beat("inner step"), self.sync.synchronous(self.step)  # type: ignore[union-attr]
+        res = self.sync.run_inner(self.state, batches, wheres, f, beat, synchronous, step=self.step)  # type: ignore[union-attr]
         jax.block_until_ready(res.delta)
         return Computed(res.loss, res.delta, self.position, work, aux=res.aux, inner=res, step=self.step)
 
@@ -497,7 +497,7 @@ class Trainer:
         the checkpoint `checkpoint.init_from`; the model state and step counter stay the seed's.
         InitCheckpointError (exit 2) if it is not of this model, before any array is read."""
         c = self.cfg.checkpoint
-        loaded = load_init(c.init_from, self.abstract, opt=c.init_opt, model=self.cfg.model)
+        loaded = load_init(c.init_from, self.abstract, opt=c.init_opt, model=self.cfg.model)  # type: ignore[arg-type]
         # a fresh optimizer state is made for the loaded parameters: an optimizer's may depend on them
         opt = loaded["opt"] if "opt" in loaded else self.program.opt_init(loaded["params"])
         self.state = {**self.state, "params": loaded["params"], "opt": opt}

@@ -85,7 +85,7 @@ def _type_of(name: str) -> tuple[Any, str]:
     return annotation, "N" if annotation is int else "X"
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     if isinstance(value, tuple):
         return ",".join(f"{f:g}:{t:g}" for f, t in value)
     return str(value)

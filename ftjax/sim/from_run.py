@@ -147,6 +147,8 @@ def measure(run_dir: str | Path) -> Measured:
         if s.get(StepField.COMMITTED) and StepField.STEP in s
     )
     segs = timeline(run, median)
+    measured_ettr = ettr(run, segs, t_warm, t_end, median)
+    assert measured_ettr is not None  # (a step gap after the warm-up: a commit after it, t_end > t_warm)
     clipped = {
         r: [(max(a, t_warm), min(b, t_end), st) for a, b, st in ss if min(b, t_end) > max(a, t_warm)]
         for r, ss in segs.items()
@@ -179,7 +181,7 @@ def measure(run_dir: str | Path) -> Measured:
         median_step_s=median,
         mean_step_s=mean_step,
         pause_fraction=pause,
-        ettr=ettr(run, segs, t_warm, t_end, median),
+        ettr=measured_ettr,
         step_scaling=scaling,
         failures=costs,
         ignored=ignored,

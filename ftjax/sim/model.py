@@ -182,6 +182,7 @@ def run(strategy: Strategy, trace: Iterator[Failure | Straggle], work_min: float
                     ledger.add(work, acc["productive"])
                 n_fail += 1
             else:
+                assert event is not None  # (t_event is finite: an event is due)
                 strategy.on_straggle(t, event)
             event = next(trace, None)
         else:

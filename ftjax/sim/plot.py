@@ -43,7 +43,7 @@ def write_sweep(
     numeric = _numeric(values)
     xs = values if numeric else list(range(len(values)))
     for name, ys in series["ettr"].items():
-        ettr_ax.plot(xs, ys, _STYLE.get(name, "-"), label=name, markersize=4)
+        ettr_ax.plot(xs, [math.nan if v is None else v for v in ys], _STYLE.get(name, "-"), label=name, markersize=4)
         ratios = [math.nan if v is None else v for v in series["ttt_ratio"][name]]
         ttt_ax.plot(xs, ratios, _STYLE.get(name, "-"), label=name, markersize=4)
     if reference and reference_at:

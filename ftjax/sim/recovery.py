@@ -119,6 +119,7 @@ class Recovery:
         while self._stalls and due(self._stalls[0][0], t):
             _, category = self._stalls.popleft()
             if category == "checkpoint":
+                assert self._saving is not None  # (a checkpoint stall is queued with its save)
                 self._durable, self._saving = self._saving, None
         self._units_due(t)
         if self._slow:

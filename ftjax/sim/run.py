@@ -178,7 +178,7 @@ def sweep_values(cfg: SimConfig, knob: str) -> list[Any]:
     return [round(value * f, 6) for f in (0.25, 0.5, 1, 2, 4)]
 
 
-def at_value(cfg: SimConfig, knob: str, value: Any) -> SimConfig:
+def at_value(cfg: SimConfig, knob: str, value: float | str) -> SimConfig:
     """``cfg`` with ``knob`` set to ``value`` (GPU counts scale the MTBF and init, see at_gpus)."""
     if knob == "gpus":
         return cfg.at_gpus(int(value))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
+from typing import cast
 
 from ftjax.sim import closed_form, reduced
 from ftjax.sim.config import SimConfig
@@ -320,7 +322,7 @@ class ReducedDegree(Recovery):
         return 0.0
 
     def _spans(self, unit: object) -> list[tuple[int, int]]:
-        first, gpus = unit  # type: ignore[misc]
+        first, gpus = cast("tuple[int, int]", unit)  # (this strategy's units: (first GPU, GPU count))
         g = self.cfg.gpus_per_replica
         out = []
         while gpus > 0:
@@ -354,6 +356,6 @@ class ReducedDegree(Recovery):
         return self._lockstep(useful, (("units out", out), ("degraded", degraded)), progress)
 
 
-STRATEGIES: dict[str, type[Recovery]] = {
+STRATEGIES: dict[str, Callable[[SimConfig], Recovery]] = {
     s.name: s for s in (Sync, FtHsdp, ReducedDegree, Replication, Spare, Diloco, StreamingDiloco)
 }

@@ -11,6 +11,7 @@ FILES = [
     "ftjax/coordinator/coordinator.proto",
     "ftjax/coordinator/coordinator_pb2.py",
     "ftjax/coordinator/coordinator_pb2_grpc.py",
+    "ftjax/coordinator/coordinator_pb2.pyi",  # the messages' types, for mypy
 ]
 
 
@@ -38,3 +39,13 @@ def test_check_notices_an_edited_proto(tmp_path):
     result = _check(str(tmp_path))
     assert result.returncode == 1
     assert "coordinator_pb2.py was not generated from the current" in result.stderr
+
+
+def test_check_wants_the_message_types(tmp_path):
+    """coordinator_pb2.pyi is generated with the stubs (mypy types the messages from it)."""
+    for rel in FILES[:-1]:
+        os.makedirs(tmp_path / os.path.dirname(rel), exist_ok=True)
+        shutil.copy(os.path.join(REPO, rel), tmp_path / rel)
+    result = _check(str(tmp_path))
+    assert result.returncode == 1
+    assert "missing ftjax/coordinator/coordinator_pb2.pyi" in result.stderr

@@ -1,7 +1,7 @@
 """Flax NNX models with FSDP partitioning annotations (logical axis names on every parameter)."""
 
 from ftjax.program.models.gpt import GPT
-from ftjax.program.models.llama import Decoder, Llama
+from ftjax.program.models.llama import AttentionImpl, Decoder, Llama
 from ftjax.program.models.mlp import TokenMLP
 
 MODELS = {"gpt": GPT, "mlp": TokenMLP, "llama": Llama}
@@ -18,7 +18,7 @@ def compute_dtype(setting: str):
     return jnp.dtype(setting)
 
 
-def attention_impl(setting: str, dtype, head_dim: int, backend: str | None = None) -> str:
+def attention_impl(setting: str, dtype, head_dim: int, backend: str | None = None) -> AttentionImpl:
     """The implementation of `jax.nn.dot_product_attention` for `model.attention`. JAX's own default
     is XLA's, which materializes every T x T score matrix (4 GiB a layer for 8 x 32 heads x 2048^2
     in float32); cuDNN's fused kernel never does, but runs only on a GPU, in 16-bit (of the compute
@@ -45,7 +45,7 @@ def attention_impl(setting: str, dtype, head_dim: int, backend: str | None = Non
         from ftjax.config import ConfigError
 
         raise ConfigError(f"model.attention: cudnn needs {' and '.join(problems)}; use xla or auto")
-    return setting
+    return "cudnn" if setting == "cudnn" else "xla"  # (the config allows auto, xla and cudnn only)
 
 
 def build(cfg, rngs):

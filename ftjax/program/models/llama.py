@@ -25,6 +25,7 @@ documents) also within a token's own segment.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from flax import nnx
 from ftjax.program.sharding import constrain_rows
 
 F32 = jnp.float32
+AttentionImpl = Literal["xla", "cudnn"]  # jax.nn.dot_product_attention's implementations (model.attention, resolved)
 
 # remat setting -> what a block keeps for the backward pass (the rest is recomputed)
 REMAT_POLICIES = {
@@ -134,7 +136,7 @@ class Attention(nnx.Module):
         # GPT-2's scaled init of the residual projections keeps the residual stream's variance flat
         self.wo = _param(rngs, (n_heads, hd, d), ("heads", "head_dim", "embed"), std=0.02 / (2 * n_layers) ** 0.5)
 
-    def __call__(self, x, cos, sin, mask, dtype, impl: str = "xla", chunk: int = 0) -> jax.Array:
+    def __call__(self, x, cos, sin, mask, dtype, impl: AttentionImpl = "xla", chunk: int = 0) -> jax.Array:
         q = apply_rope(_mm("btd,dhk->bthk", x, self.wq, dtype), cos, sin)
         k = apply_rope(_mm("btd,dhk->bthk", x, self.wk, dtype), cos, sin)
         v = _mm("btd,dhk->bthk", x, self.wv, dtype)
@@ -186,13 +188,13 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(d, eps, rngs)
         self.mlp = SwiGLU(d, d_ff, n_layers, rngs)
 
-    def __call__(self, x, cos, sin, mask, dtype, impl: str = "xla", chunk: int = 0) -> jax.Array:
+    def __call__(self, x, cos, sin, mask, dtype, impl: AttentionImpl = "xla", chunk: int = 0) -> jax.Array:
         """x: the float32 residual stream; each branch computes in `dtype` and is added in float32."""
         x = x + self.attn(self.attn_norm(x, dtype), cos, sin, mask, dtype, impl, chunk).astype(F32)
         return x + self.mlp(self.mlp_norm(x, dtype), dtype).astype(F32)
 
 
-def block_runner(remat: str, dtype, impl: str = "xla", chunk: int = 0):
+def block_runner(remat: str, dtype, impl: AttentionImpl = "xla", chunk: int = 0):
     """`run(block, x, cos, sin, mask)`: a block's forward, rematerialized by `remat`'s policy."""
 
     def run(block: Block, x, cos, sin, mask):
@@ -235,7 +237,7 @@ def unstacked_layers(tree: dict) -> dict:
     return out
 
 
-def scan_blocks(layers: Block, x, cos, sin, mask, remat: str, dtype, impl: str = "xla", chunk: int = 0):
+def scan_blocks(layers: Block, x, cos, sin, mask, remat: str, dtype, impl: AttentionImpl = "xla", chunk: int = 0):
     """The residual stream through every layer of a stacked Block (`stack_blocks`), one scan step
     a layer. With remat the scan's body is rematerialized: the backward pass keeps each layer's
     input (and with save_dots its matmuls' outputs), stacked, and recomputes the rest."""
@@ -262,7 +264,7 @@ class Llama(nnx.Module):
         head_dim: int | None = None,
         rope_scaling: dict | None = None,
         compute_dtype=F32,
-        attention: str = "xla",
+        attention: AttentionImpl = "xla",
         remat: str = "none",
         logits_chunk: int = 0,
         attention_chunk: int = 0,
@@ -315,6 +317,7 @@ class Llama(nnx.Module):
             x = scan_blocks(self.layers, x, cos, sin, mask, self.remat, dtype, self.attention, self.attention_chunk)
         else:
             run = block_runner(self.remat, dtype, self.attention, self.attention_chunk)
+            assert self.blocks is not None  # (not scan_layers: the blocks are kept one by one)
             for block in self.blocks:
                 x = constrain_rows(run(block, x, cos, sin, mask))
         return constrain_rows(self.norm(x, dtype))
