@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import cast
 
 from ftjax.base import net
 
@@ -92,9 +93,10 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         if self.address_family == socket.AF_INET6 and self.server_address[0] == "::":
             self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = self.server_address[:2]
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = str(host), int(port)
 
-    def process_request(self, request: socket.socket, client_address) -> None:
+    def process_request(self, request: socket.socket, client_address) -> None:  # type: ignore[override]  # (TCP only: never a datagram pair)
         """A new connection (the accepting thread): to the head reader, or refused if it is full."""
         try:
             request.setblocking(False)
@@ -116,7 +118,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             return
         try:
             request.settimeout(self.idle_timeout_s)
-            super().process_request(_Received(request, head), client_address)  # starts the request's thread
+            super().process_request(_Received(request, head), client_address)  # type: ignore[arg-type]  # (a socket with its head replayed)  # starts the request's thread
         except BaseException:
             self._slots.release()
             self.shutdown_request(request)
@@ -180,7 +182,7 @@ class _Received:
 
     def makefile(self, mode: str = "r", buffering: int | None = None, **kwargs):
         if "r" not in mode:
-            return self._sock.makefile(mode, buffering, **kwargs)
+            return self._sock.makefile(mode, buffering, **kwargs)  # type: ignore[call-overload]  # (socket's own overloads decide)
         raw = _Replay(self._head, self._sock)
         return raw if buffering == 0 else io.BufferedReader(raw, io.DEFAULT_BUFFER_SIZE)
 
@@ -244,7 +246,7 @@ class _HeadReader:
                 pass
         finally:
             for key in list(self._selector.get_map().values()):
-                key.fileobj.close()
+                cast(socket.socket, key.fileobj).close()  # (only sockets are registered)
             for p in self._new:
                 p.sock.close()
             self._selector.close()
@@ -276,7 +278,7 @@ class _HeadReader:
         """Reads what `p` sent (after its TLS handshake); hands it over once its head is complete."""
         try:
             if not p.handshaken:
-                p.sock.do_handshake()
+                cast(ssl.SSLSocket, p.sock).do_handshake()  # (not handshaken: a TLS connection)
                 p.handshaken = True
             while True:
                 data = p.sock.recv(1 << 16)

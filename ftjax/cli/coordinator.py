@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
     for name, field in CoordinatorConfig.model_fields.items():
         p.add_argument(
             flag_name(name),
-            type=field.annotation,
+            type=field.annotation,  # type: ignore[arg-type]  # (the section's fields are int, float, bool, str)
             default=field.default,
             help=f"{field.description} (default: %(default)s)",
         )

@@ -181,7 +181,9 @@ class CoordinatorService:
     def _answer_finished(self, now: float) -> None:
         """Tell members behind a finished job that nobody can heal them to: the job is over."""
         done = self.state.finished_step
-        for rid, incarnation in self.state.finished_requesters(now) if done is not None else ():
+        if done is None:
+            return
+        for rid, incarnation in self.state.finished_requesters(now):
             waiter = self._waiters.get(rid)
             if waiter is not None and waiter.incarnation == incarnation and not waiter.future.done():
                 del self._waiters[rid]
@@ -342,6 +344,7 @@ class CoordinatorService:
         if verdict.verdict == "PENDING":
             # The accused was heard from recently: it is dropped only if it stays silent until
             # the end of its suspect window; a heartbeat before then proves it alive.
+            assert verdict.confirm_at is not None  # (a pending verdict has its deadline)
             wait = verdict.confirm_at - time.monotonic() + 0.002
             remaining = context.time_remaining()
             if remaining is not None:
@@ -431,7 +434,8 @@ def _known_positions(entries) -> dict[str, int]:
 
 
 def _verdict_proto(verdict: Accusation) -> pb.FailureVerdict:
-    return pb.FailureVerdict(dropped=verdict.dropped, verdict=_VERDICTS.Value(verdict.verdict), detail=verdict.detail)
+    code = _VERDICTS.Value(verdict.verdict)
+    return pb.FailureVerdict(dropped=verdict.dropped, verdict=code, detail=verdict.detail)  # type: ignore[arg-type]  # (an enum's number)
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):

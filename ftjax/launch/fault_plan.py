@@ -80,10 +80,11 @@ class FaultPlan:
                 raise ValueError(f"--hang: replica {h.replica} is not in [0, {replicas})")
         if self.mtbf_s is not None and replicas < 2:
             raise ValueError("--mtbf-s: random kills need at least 2 replicas (a peer must hold the state)")
-        for flag, target in [
+        targets: list[tuple[str, Partition | BandwidthCap]] = [
             *(("--partition", p) for p in self.partitions),
             *(("--bandwidth-mbit", b) for b in self.bandwidth),
-        ]:
+        ]
+        for flag, target in targets:
             if target.replica is not None and not 0 <= target.replica < replicas:
                 raise ValueError(f"{flag}: replica {target.replica} is not in [0, {replicas})")
             if target.host is not None and not 0 <= target.host < hosts:

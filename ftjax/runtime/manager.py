@@ -271,6 +271,7 @@ class FaultTolerance:
             if agreement.leave is not None:
                 raise Left(agreement.leave)
             q = agreement.quorum
+            assert q is not None  # (an agreement is a leave or a quorum)
             self.protocol.serve(q, self.state, self.step, self.meta())
             everyone = len(q.participants) >= replicas and not any(p.healing for p in q.participants)
             # the leader's clock decides: every host leaves together
@@ -278,8 +279,8 @@ class FaultTolerance:
                 if not everyone:
                     self.log.event(
                         ReplicaEvent.DRAIN_TIMEOUT,
-                        participants=len(q.participants),  # type: ignore[union-attr]
-                        healing=[p.replica_id for p in q.participants if p.healing],  # type: ignore[union-attr]
+                        participants=len(q.participants),
+                        healing=[p.replica_id for p in q.participants if p.healing],
                     )
                 return
             time.sleep(0.05)

@@ -470,13 +470,13 @@ class StepProtocol:
         if self.transport is None:
             return
         keys = {f"{p.replica_id}/{p.incarnation}" for p in q.heal_targets}
-        stale = {k for k in keys if not self.transport.offered(k)}  # type: ignore[union-attr]
+        stale = {k for k in keys if not self.transport.offered(k)}
         if keys and self.group.hosts > 1:  # a host that a fetch asked for a fresher one tells all
             stale = set().union(*map(set, self.group.allgather(sorted(stale))))
         for key in sorted(stale) if state is not None else ():
-            self.transport.offer(key, state, step, meta)  # type: ignore[union-attr]
+            self.transport.offer(key, state, step, meta)
             self.log.event(ReplicaEvent.SNAPSHOT_OFFERED, to=key.split("/")[0], at_step=step)
-        self.transport.keep_only(keys)  # type: ignore[union-attr]
+        self.transport.keep_only(keys)
 
     def healing(self, q: QuorumResult, stale_step: int | None) -> None:
         """We are behind the job or have no state (`stale_step`: the step of a state we hold). A

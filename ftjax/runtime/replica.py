@@ -185,8 +185,10 @@ def _ftar_reducer_of(
     cfg: Config, endpoints: list[FTAREndpoint], served: Sequence[int], update_template: PyTree, update_shardings: PyTree
 ) -> FTARReducer:
     m = cfg.mesh  # the lanes are cut by the job's full replica, whatever this one's degree
-    layout = dict(lanes=m.hosts, devices_per_host=m.devices_per_host, served=served, tensor=m.tensor)
-    flat = LaneFlattener(update_template, update_shardings, dtype=_grad_dtype(cfg), **layout)
+    flat = LaneFlattener(
+        update_template, update_shardings, dtype=_grad_dtype(cfg),
+        lanes=m.hosts, devices_per_host=m.devices_per_host, served=served, tensor=m.tensor,
+    )  # fmt: skip
     pipelined, pinned = cfg.ft.grad_path != "serial", _pinned(cfg, update_shardings)
     return FTARReducer(endpoints, flat, divisor=_divisor(cfg), pipelined=pipelined, pinned=pinned)
 
