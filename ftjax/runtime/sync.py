@@ -49,6 +49,7 @@ class Computed:
     # the rest of the round, still to compute once `grads` is out (streaming DiLoCo with tau >= 1:
     # the last tau inner steps, which run while `grads` is averaged); None: nothing left
     rest: Callable[[], None] | None = None
+    overlap_s: float = 0.0  # seconds the round's exchange ran while its rest computed (the trainer's `_exchange`)
 
 
 class Loop(Protocol):
@@ -100,7 +101,7 @@ class Sync(Protocol):
     def optimizer_steps(self, computed: Computed) -> int:
         """The optimizer steps this replica's batches of the round went through."""
 
-    def record(self, step: int, computed: Computed | None) -> dict[str, int | bool]:
+    def record(self, step: int, computed: Computed | None) -> dict[str, int | bool | float]:
         """The round's fields of the step record after committed step `step`."""
 
     def learning_rates(self) -> np.ndarray | None:
@@ -147,7 +148,7 @@ class EveryStep:
     def optimizer_steps(self, computed: Computed) -> int:
         return 1
 
-    def record(self, step: int, computed: Computed | None) -> dict[str, int | bool]:
+    def record(self, step: int, computed: Computed | None) -> dict[str, int | bool | float]:
         return {}
 
     def learning_rates(self) -> np.ndarray | None:
@@ -228,7 +229,7 @@ class DiLoCo:
     def optimizer_steps(self, computed: Computed) -> int:
         return self.span(computed.position)[1]
 
-    def record(self, step: int, computed: Computed | None) -> dict[str, int | bool]:
+    def record(self, step: int, computed: Computed | None) -> dict[str, int | bool | float]:
         """The round: its inner steps, the fragment averaged and its bytes, whether retried."""
         reused = bool(computed is not None and computed.reused)
         inner = 0 if computed is None else self.optimizer_steps(computed)
@@ -262,6 +263,12 @@ class StreamingDiLoCo(DiLoCo):
         else:
             jax.block_until_ready(delta)  # (FTAR reads it on the host while the rest computes)
         return out
+
+    def record(self, step: int, computed: Computed | None) -> dict[str, int | bool | float]:
+        """DiLoCo's fields, and `overlap_s`: the seconds the round's exchange ran while its last tau
+        inner steps computed (0: nothing overlapped, as with tau 0 or a retried round)."""
+        overlap = round(computed.overlap_s, 6) if computed is not None else 0.0
+        return {**super().record(step, computed), "overlap_s": overlap}
 
 
 def make_sync(cfg: Config, program: ReplicaProgram) -> Sync:

@@ -238,13 +238,18 @@ class Trainer:
         on host buffers and releases the GIL in its socket calls), joined before anything is applied
         or the round retried: a failed exchange discards the round as without the overlap."""
 
+        began = []
+
         def exchange() -> tuple[bool, optax.Updates, float]:
+            began.append(time.perf_counter())
             update, error = self.ft.average(q, computed.grads if computed is not None else None)
             ended = time.perf_counter()
             return self.ft.vote(q, error), update, ended
 
         rest = computed.rest if computed is not None else None
-        if rest is None:
+        if rest is None:  # (nothing left to compute: a retried round's overlap is none)
+            if computed is not None:
+                computed.overlap_s = 0.0
             return exchange()
         pending = self._exchange_pool.submit(exchange)
         try:
@@ -252,7 +257,11 @@ class Trainer:
         except BaseException:
             wait([pending])  # (never leave the exchange running behind an error)
             raise
-        return pending.result()
+        computed_at = time.perf_counter()
+        out = pending.result()
+        # the seconds both ran: from the exchange's start to the rest's end or the average's, the earlier
+        computed.overlap_s = max(0.0, min(computed_at, out[2]) - began[0])
+        return out
 
     def _share(self, q: QuorumResult) -> tuple[RowSpan, ...]:
         """The rows this replica computes at the quorum's step: its own batch (elastic), or its
