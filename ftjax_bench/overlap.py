@@ -12,7 +12,10 @@ Prints one JSON line: each job's tokens/s (ftjax_bench.diloco's figures), `overl
 (medians): `exchange_s` (quorum answered to FTAR done, the time the overlap can hide),
 `inner_step_s` (one inner step), `hidden_share` = min(1, tau x inner_step_s / exchange_s) and
 `expected_speedup` = (n x inner_step_s + exchange_s) / (n x inner_step_s + exchange_s - hidden), n
-the round's inner steps; and (b)'s `overlap_s`, the seconds the exchange actually ran beside them.
+the round's inner steps; (b)'s `overlap_s`, the seconds the exchange actually ran beside them, and
+`overlapped_step_s`, one inner step's time beside the exchange (against `inner_step_s` alone: on a
+machine whose CPUs the exchange's threads share, what the overlap costs the steps); and `round_s`,
+each job's median round time.
 """
 
 from __future__ import annotations
@@ -90,6 +93,10 @@ def main(argv: list[str]) -> int:
                 "why": {
                     **_why(timed("tau0"), n, a.tau),
                     "overlap_s": round(statistics.median(m["overlap_s"] for m in timed(f"tau{a.tau}")), 4),
+                    # one inner step beside the exchange (job b), against inner_step_s alone (job a)
+                    "overlapped_step_s": round(statistics.median(m["rest_s"] for m in timed(f"tau{a.tau}")) / a.tau, 4),
+                    # a round's median time in each job: what the overlap actually saved
+                    "round_s": {k: round(statistics.median(m["step_time_s"] for m in timed(k)), 4) for k in jobs},
                 },
             }
         )

@@ -7,9 +7,9 @@ the average to the global parameters (Douillard et al. 2023). Streaming DiLoCo c
 into `fragments` and averages one fragment per round, in turn, so that the bytes of one round are
 a fragment's (Douillard et al. 2025). With torchft's `ft.fragment_sync_delay` tau the fragment's
 pseudo-gradient is taken tau inner steps before the round's end, and with `ft.fragment_update_alpha`
-alpha its local parameters after the outer step are alpha x local + (1 - alpha) x global (the
-overlap of the exchange with those tau steps is not built: docs/design/index.md, "Training across slow
-links").
+alpha its local parameters after the outer step are alpha x local + (1 - alpha) x global; the
+exchange then runs while those tau steps compute (`inner_steps` yields the delta on the way:
+ftjax/runtime/sync.py, docs/design/replicas.md "Overlap").
 
 With `ft.sync_warmup_steps` W, the job's first W steps are synchronous, as the paper's runs
 start from a model trained with every-step sync: each averages the replicas' gradients of one

@@ -50,6 +50,7 @@ class Computed:
     # the last tau inner steps, which run while `grads` is averaged); None: nothing left
     rest: Callable[[], None] | None = None
     overlap_s: float = 0.0  # seconds the round's exchange ran while its rest computed (the trainer's `_exchange`)
+    rest_s: float = 0.0  # seconds the rest took (beside the exchange)
 
 
 class Loop(Protocol):
@@ -265,10 +266,11 @@ class StreamingDiLoCo(DiLoCo):
         return out
 
     def record(self, step: int, computed: Computed | None) -> dict[str, int | bool | float]:
-        """DiLoCo's fields, and `overlap_s`: the seconds the round's exchange ran while its last tau
-        inner steps computed (0: nothing overlapped, as with tau 0 or a retried round)."""
-        overlap = round(computed.overlap_s, 6) if computed is not None else 0.0
-        return {**super().record(step, computed), "overlap_s": overlap}
+        """DiLoCo's fields, `overlap_s`: the seconds the round's exchange ran while its last tau inner
+        steps computed (0: nothing overlapped, as with tau 0 or a retried round), and `rest_s`: the
+        seconds those steps took."""
+        overlap, rest = (computed.overlap_s, computed.rest_s) if computed is not None else (0.0, 0.0)
+        return {**super().record(step, computed), "overlap_s": round(overlap, 6), "rest_s": round(rest, 6)}
 
 
 def make_sync(cfg: Config, program: ReplicaProgram) -> Sync:

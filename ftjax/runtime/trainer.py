@@ -249,9 +249,10 @@ class Trainer:
         rest = computed.rest if computed is not None else None
         if rest is None:  # (nothing left to compute: a retried round's overlap is none)
             if computed is not None:
-                computed.overlap_s = 0.0
+                computed.overlap_s = computed.rest_s = 0.0
             return exchange()
         pending = self._exchange_pool.submit(exchange)
+        rest_began = time.perf_counter()
         try:
             rest()
         except BaseException:
@@ -261,6 +262,7 @@ class Trainer:
         out = pending.result()
         # the seconds both ran: from the exchange's start to the rest's end or the average's, the earlier
         computed.overlap_s = max(0.0, min(computed_at, out[2]) - began[0])
+        computed.rest_s = computed_at - rest_began
         return out
 
     def _share(self, q: QuorumResult) -> tuple[RowSpan, ...]:
