@@ -433,8 +433,9 @@ class FTConfig(_Strict):
         0,
         ge=0,
         description="streaming_diloco: tau, inner steps between a fragment's pseudo-gradient and its outer step "
-        "(torchft's fragment_sync_delay): the delta is taken tau steps before the round's end, the outer step "
-        "applied at its end; less than inner_steps / fragments (0: at the end)",
+        "(torchft's fragment_sync_delay): the delta is taken tau steps before the round's end and exchanged "
+        "while those steps compute, the outer step applied at its end; less than inner_steps / fragments "
+        "(0: at the end)",
     )
     fragment_update_alpha: float = Field(
         0.0,

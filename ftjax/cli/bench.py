@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "reduced": "a reduced-degree replica's step rate against the full replica's",
     "data": "token files: prepare's and the loader's tokens/s against the training step's",
     "diloco": "DiLoCo's tokens/s and bytes per token against every-step sync over a capped link",
+    "overlap": "streaming DiLoCo's tokens/s with its exchange overlapped (tau) against not, int8 against bf16",
 }
 
 

@@ -7,9 +7,9 @@ the average to the global parameters (Douillard et al. 2023). Streaming DiLoCo c
 into `fragments` and averages one fragment per round, in turn, so that the bytes of one round are
 a fragment's (Douillard et al. 2025). With torchft's `ft.fragment_sync_delay` tau the fragment's
 pseudo-gradient is taken tau inner steps before the round's end, and with `ft.fragment_update_alpha`
-alpha its local parameters after the outer step are alpha x local + (1 - alpha) x global (the
-overlap of the exchange with those tau steps is not built: docs/design/index.md, "Training across slow
-links").
+alpha its local parameters after the outer step are alpha x local + (1 - alpha) x global; the
+exchange then runs while those tau steps compute (`inner_steps` yields the delta on the way:
+ftjax/runtime/sync.py, docs/design/replicas.md "Overlap").
 
 With `ft.sync_warmup_steps` W, the job's first W steps are synchronous, as the paper's runs
 start from a model trained with every-step sync: each averages the replicas' gradients of one
@@ -34,21 +34,28 @@ step, unchanged. What is per replica and what the job shares:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ftjax.config import Config, FTConfig
+from ftjax.coordinator.types import QuorumResult
 from ftjax.ftar import quant
 from ftjax.program import sharding as shd
+from ftjax.program.data import BatchStream
+from ftjax.program.step import ReplicaProgram, State
 from ftjax.program.task import TaskError
+from ftjax.runtime.pipeline import Averaged
+from ftjax.runtime.protocol import Reducer
 
 
-def outer_optimizer(ft: Any) -> optax.GradientTransformation:
+def outer_optimizer(ft: FTConfig) -> optax.GradientTransformation:
     """The config's outer optimizer (`ft.outer_optimizer`, `ft.outer_lr`, `ft.outer_momentum`)."""
     if ft.outer_optimizer == "nesterov":
         return optax.sgd(ft.outer_lr, momentum=ft.outer_momentum, nesterov=True)
@@ -131,14 +138,14 @@ def fragment_pieces(sizes: list[int], fragments: int, unit: int = 1) -> tuple[tu
     return tuple(tuple(sorted(p)) for p in pieces)
 
 
-def fragment_cut(cfg: Any, leaves: list) -> tuple[tuple[Piece, ...], ...]:
+def fragment_cut(cfg: Config, leaves: list) -> tuple[tuple[Piece, ...], ...]:
     """The job's fragments of these parameter leaves (anything with `.size`): what OuterSync steps
     and the fragments' reducers are built on, so both cut alike."""
     sizes = [a.size for a in leaves]
     return fragment_pieces(sizes, cfg.sync_fragments, cut_unit(cfg, sizes))
 
 
-def cut_unit(cfg: Any, sizes: list[int]) -> int:
+def cut_unit(cfg: Config, sizes: list[int]) -> int:
     """The elements a fragment's cut counts in: the devices a full replica of the job shards a leaf
     over (the FSDP axes; the same on every replica, whatever its degree, so that every replica cuts
     alike), where that divides every leaf, else 1. A cut piece of whole units shards over those
@@ -182,12 +189,12 @@ class InnerResult:
     pseudo-gradient of the round's fragment (global - local, float32 leaves), and the inner state
     to keep if the round commits."""
 
-    loss: Any
-    aux: dict | None
-    delta: list
-    local: Any  # the parameters after the inner steps
-    opt: Any
-    step: Any
+    loss: float
+    aux: dict[str, jax.Array] | None
+    delta: list[jax.Array]
+    local: optax.Params | None  # the parameters after the inner steps (None: a warm-up step's)
+    opt: optax.OptState | None
+    step: jax.Array | None
     steps: int = 0  # the inner steps taken (streaming: every fragment's count since its reset grows by them)
 
 
@@ -197,7 +204,9 @@ class OuterSync:
     `inner`: inner steps per round (ft.inner_steps, divided among the fragments when streaming);
     `fragment(step)`: which fragment the round after committed step `step` averages."""
 
-    def __init__(self, cfg: Any, program: Any, outer_tx: optax.GradientTransformation | None = None) -> None:
+    def __init__(
+        self, cfg: Config, program: ReplicaProgram, outer_tx: optax.GradientTransformation | None = None
+    ) -> None:
         ft = cfg.ft
         if program.has_model_state:  # (ftjax.program.tasks.check_task says so before a process starts)
             raise TaskError(
@@ -326,7 +335,7 @@ class OuterSync:
             out["since"] = self._since(np.zeros(self.fragments))
         return out
 
-    def _since(self, counts: Any) -> Any:
+    def _since(self, counts: np.ndarray) -> jax.Array:
         """`since` (streaming, each replica's): each fragment's inner steps since its last outer step."""
         return jax.device_put(np.asarray(counts, np.int32), self._since_sharding)
 
@@ -351,17 +360,17 @@ class OuterSync:
         """What every replica holds bitwise equal (the digests' view: `outer` in the optimizer's place)."""
         return {"params": state["params"], "opt": state["outer"]}
 
-    def local_params(self, state: dict) -> Any:
+    def local_params(self, state: State) -> optax.Params:
         return state["local"] if self.fragments > 1 else state["params"]
 
     # --- a round ----------------------------------------------------------------------------------
     def run_inner(
         self,
-        state: dict,
+        state: State,
         batches: list,
         wheres: list,
         f: int,
-        beat=lambda: None,
+        beat: Callable[[], None] = lambda: None,
         synchronous: bool = False,
         step: int | None = None,
     ) -> InnerResult:
@@ -369,11 +378,29 @@ class OuterSync:
         a discarded round is computed again from it). `synchronous` (a warm-up step): the gradient
         of the one batch at the global parameters, to be averaged, and no inner state. `step`
         (streaming): the committed step, for the delta's weight (`weight`)."""
+        steps = self.inner_steps(state, batches, wheres, f, beat, synchronous, step)
+        next(steps)  # (the delta, taken on the way)
+        return finish_round(steps)
+
+    def inner_steps(
+        self,
+        state: State,
+        batches: list,
+        wheres: list,
+        f: int,
+        beat: Callable[[], None] = lambda: None,
+        synchronous: bool = False,
+        step: int | None = None,
+    ) -> Generator[list[jax.Array], None, InnerResult]:
+        """`run_inner` in two parts: yields the round's delta as soon as it is taken (tau inner
+        steps before the round's end: its exchange may run while those steps compute), then returns
+        the InnerResult. The same operations in the same order as `run_inner`: the same bits."""
         program = self.program
         if synchronous:  # (several batches only where a restore left the position past the warm-up's end)
             out = [program.grads_of(state, b, w) for b, w in zip(batches, wheres)]
             grads = [self._grads32(g) for _, _, g in out]
             mean = grads[0] if len(grads) == 1 else [sum(x) / len(grads) for x in zip(*grads)]
+            yield mean
             return InnerResult(float(np.mean([float(x[0]) for x in out])), out[-1][1], mean, None, None, None)
         inner = self._copy_inner({"params": self.local_params(state), "opt": state["opt"], "step": state["step"]})
         losses, aux = [], None
@@ -383,16 +410,20 @@ class OuterSync:
         # start in a shorter round: one inner step at a position a lagging replica left in a warm-up)
         take = max(0, len(batches) - self.delay)
         weight = self.weight(state, f, take, step)
-        delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f), weight) if take == 0 else None
+        delta = None
         for h, (batch, w) in enumerate(zip(batches, wheres)):
+            if h == take:
+                delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f), weight)
+                yield delta
             beat()
             loss, aux, grads = program.grads_of(inner, batch, w)
             inner = program.apply(inner, grads, one)  # (donates the copy: the delta is taken before the next)
             losses.append(loss)
-            if h + 1 == take:
-                delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f), weight)
+        if delta is None:  # (tau 0: at the round's end)
+            delta = self._delta[f](g, self.part(jax.tree.leaves(inner["params"]), f), weight)
+            yield delta
         loss = float(np.mean([float(x) for x in losses]))
-        return InnerResult(loss, aux, delta, inner["params"], inner["opt"], inner["step"], len(batches))  # type: ignore[arg-type]
+        return InnerResult(loss, aux, delta, inner["params"], inner["opt"], inner["step"], len(batches))
 
     def apply(self, state: dict, tagged: tuple[int, list], scale: float, mine: InnerResult | None) -> dict:
         """The outer step of fragment f with the contributors' average; `mine`: this replica's
@@ -437,8 +468,22 @@ class OuterSync:
             self._grads32(self.program.zeros())
 
 
+def finish_round(steps: Generator[list[jax.Array], None, InnerResult]) -> InnerResult:
+    """The rest of a round's inner steps (`OuterSync.inner_steps`, its delta already taken)."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a round's inner steps yielded more than its delta")
+
+
 def _outer_shapes(
-    tx: Any, leaves: list, shardings: list, pieces: Any, mesh: Any, weighted: bool = False
+    tx: optax.GradientTransformation,
+    leaves: list,
+    shardings: list,
+    pieces: tuple[tuple[Piece, ...], ...],
+    mesh: jax.sharding.Mesh,
+    weighted: bool = False,
 ) -> tuple[list, list]:
     """Each fragment's outer optimizer state (shapes, dtypes, shardings following its pieces') and
     its pieces' shardings (`weighted`: and the weight's)."""
@@ -457,7 +502,7 @@ def _wire_bytes(wire_dtype: str, n: int) -> int:
     return quant.nbytes(n) if wire_dtype == "int8" else n * (2 if wire_dtype == "bfloat16" else 4)
 
 
-def _pseudo_gradient(take: Any, weighted: bool):
+def _pseudo_gradient(take: Callable[[list], list], weighted: bool) -> Callable:
     """A fragment's pseudo-gradient global - local in float32, from the touched leaves of both;
     `weighted` (streaming): each piece x the contributor's weight w, and w appended (`OuterSync.weight`)."""
 
@@ -494,7 +539,7 @@ class RoundStream:
     its position). `batch_id(p)`: the round's own id, in the same interleaving as a batch's
     (p * replicas + replica)."""
 
-    def __init__(self, stream: Any, inner: int, warmup: int = 0) -> None:
+    def __init__(self, stream: BatchStream, inner: int, warmup: int = 0) -> None:
         self.stream, self.inner, self.warmup = stream, inner, warmup
         self.replica, self.replicas = stream.replica, stream.replicas
         self.fingerprint = f"{stream.fingerprint}|rounds of {inner}" + (f" after {warmup} of 1" if warmup else "")
@@ -520,8 +565,14 @@ class Tagged:
 
     __slots__ = ("fragment", "update")
 
-    def __init__(self, fragment: int, update: Any) -> None:
+    def __init__(self, fragment: int, update: Averaged | np.ndarray) -> None:
         self.fragment, self.update = fragment, update
+
+
+class HeldReducer(Reducer, Protocol):
+    """A reducer whose buffers can go before it is closed (the warm-up's, once the rounds start)."""
+
+    def release(self) -> None: ...
 
 
 class FragmentReducer:
@@ -535,29 +586,36 @@ class FragmentReducer:
     round's mean (`weight`), as a warm-up step's mean gradient counts by its batches. Streaming
     rounds skip `weight`: their deltas carry their own (`OuterSync.weight`)."""
 
-    def __init__(self, reducers: list, fragments: int, inner: int = 1, warmup: int = 0, sync: Any = None) -> None:
+    def __init__(
+        self,
+        reducers: Sequence[Reducer],
+        fragments: int,
+        inner: int = 1,
+        warmup: int = 0,
+        sync: HeldReducer | None = None,
+    ) -> None:
         self.reducers, self.fragments, self.inner, self.warmup = reducers, fragments, inner, warmup
         # a warm-up step's: over every parameter, whole leaves in order (the one fragment's, unless streaming)
         self.sync = sync if sync is not None else reducers[0]
-        self._sync_held = sync is not None  # (a reducer of its own: its buffers go once the warm-up is over)
+        self._held = sync  # (a reducer of its own: its buffers go once the warm-up is over)
         self._last = 0
 
     @property
     def phases(self):
         return getattr(self._reducer(self._last), "phases", None)
 
-    def average(self, q: Any, grads: Any | None) -> Tagged:
+    def average(self, q: QuorumResult, grads: list[jax.Array] | None) -> Tagged:
         f = self._last = SYNC if q.step < self.warmup else q.step % self.fragments
-        if f != SYNC and self._sync_held:
+        if f != SYNC and self._held is not None:
             # the warm-up is over (a quorum's step does not go back in a process): its reducer's
             # buffers, an update's size, go; `tree` of a kept warm-up average does not need them
-            self._sync_held = False
-            self.sync.release()
+            held, self._held = self._held, None
+            held.release()
         # streaming: a round's delta carries its own weight (`OuterSync.weight`: its inner steps)
         weigh = f == SYNC or self.fragments == 1
         return Tagged(f, self._reducer(f).average(q, self.weight(q, grads) if weigh else grads))
 
-    def weight(self, q: Any, grads: list | None) -> list | None:
+    def weight(self, q: QuorumResult, grads: list[jax.Array] | None) -> list[jax.Array] | None:
         """This contributor's delta scaled so that FTAR's mean over the C contributors is the mean
         weighted by inner steps: x n_mine * C / (the contributors' inner steps). Untouched (the same
         bits) when all took the same number, as they do unless one missed warm-up steps."""
@@ -570,11 +628,11 @@ class FragmentReducer:
         scale = np.float32(mine * len(steps) / sum(steps))
         return [x * scale for x in grads]
 
-    def _reducer(self, f: int) -> Any:
+    def _reducer(self, f: int) -> Reducer:
         """Fragment f's reducer, or a warm-up step's (`SYNC`)."""
         return self.sync if f == SYNC else self.reducers[f]
 
-    def tree(self, update: Tagged | np.ndarray) -> tuple[int, Any]:
+    def tree(self, update: Tagged | np.ndarray) -> tuple[int, list[jax.Array]]:
         if isinstance(update, Tagged):
             return update.fragment, self._reducer(update.fragment).tree(update.update)
         f = int(update[-1])
@@ -590,7 +648,7 @@ class FragmentReducer:
             r.close()
 
 
-def _flat_dtype(reducer: Any) -> np.dtype:
+def _flat_dtype(reducer: Reducer) -> np.dtype:
     """The dtype of a reducer's flat buffers (FTAR's: ft.grad_dtype)."""
     flat = getattr(reducer, "flat", None)
     return np.dtype(flat.dtype) if flat is not None else np.dtype(np.float32)

@@ -35,7 +35,7 @@ from ftjax.program.task import Task
 from ftjax.runtime.args import RunOptions
 from ftjax.runtime.catchup import ReceiveArena, ShardTransport
 from ftjax.runtime.checkpoint import DurableCheckpoints, replica_identity
-from ftjax.runtime.diloco import FragmentReducer, Piece, fragment_cut, piece_templates
+from ftjax.runtime.diloco import FragmentReducer, HeldReducer, Piece, fragment_cut, piece_templates
 from ftjax.runtime.faults import InjectedFaults, parse_die_at, parse_flip_at
 from ftjax.runtime.host_group import JaxHostGroup
 from ftjax.runtime.lanes import LaneFlattener, served_lanes
@@ -168,7 +168,7 @@ def _ftar_reducer(
 
 
 def _fragments(
-    cfg: Config, template: PyTree, shardings: PyTree, reducer_of: Callable[[PyTree, PyTree], Reducer]
+    cfg: Config, template: PyTree, shardings: PyTree, reducer_of: Callable[[PyTree, PyTree], HeldReducer]
 ) -> FragmentReducer:
     """DiLoCo's reducer: the parameters cut into fragments as ftjax/runtime/diloco.py cuts them, one
     reducer each, over the fragment's pieces."""

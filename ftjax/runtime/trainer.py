@@ -14,39 +14,36 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from ftjax.base.batches import RowSpan, assign, chunk_sizes, row_count, share_rows
 from ftjax.config import Config
 from ftjax.coordinator.types import QuorumResult
-from ftjax.program.data import eval_share, heldout_batch, make_stream
+from ftjax.program.data import BatchStream, eval_share, heldout_batch, make_stream
 from ftjax.program.digest import all_finite, params_digest
-from ftjax.program.optim import schedule
-from ftjax.program.step import device_batch, model_state, param_count, topology_fingerprint, where
+from ftjax.program.step import (
+    ReplicaProgram,
+    State,
+    device_batch,
+    model_state,
+    param_count,
+    topology_fingerprint,
+    where,
+)
 from ftjax.program.task import concat_rows, slice_rows
 from ftjax.runs.events import EXIT_LEFT, EXIT_NO_PROGRESS, ReplicaEvent, StepField, digest_fields, step_record
-from ftjax.runtime.checkpoint import load_init
-from ftjax.runtime.diloco import InnerResult, OuterSync, RoundStream
+from ftjax.runtime.checkpoint import CorruptCheckpoint, DurableCheckpoints, load_init
+from ftjax.runtime.faults import InjectedFaults
 from ftjax.runtime.manager import FaultTolerance, Finished, Left, final_digests
-from ftjax.runtime.metrics import ModelFlops
+from ftjax.runtime.metrics import MetricsLog, ModelFlops
 from ftjax.runtime.protocol import StepProtocol
-
-
-def learning_rates(cfg: Config, task: Any) -> np.ndarray | None:
-    """The config's AdamW learning rate of the update of each step (index: the step before it), for
-    the step records; None for a task's own optimizer (its schedule is not known here) and with
-    DiLoCo (a step is an outer round: many inner learning rates)."""
-    if task.optimizer is not None or cfg.ft.sync != "every_step":
-        return None
-    # One jitted program, not optax's ~20 operations run eagerly (each its own tiny compile and
-    # dispatch: 0.25 s of every replica's start against 0.07 s). XLA fuses them, so a value may
-    # differ from the optimizer's own by float32 rounding: this is only the records' figure.
-    return np.asarray(jax.jit(jax.vmap(schedule(cfg.optim, cfg.steps)))(np.arange(cfg.steps)), np.float64)
+from ftjax.runtime.sync import Batch, Computed, Stream, Sync, make_sync
+from ftjax.runtime.watchdog import NoWatchdog, ProgressWatchdog
 
 
 def lr_scale(policy: str, live: int, total: int) -> float:
@@ -61,22 +58,6 @@ class NotFinite(RuntimeError):
 
 
 @dataclass
-class Computed:
-    """The gradients of this replica's share of a step, before the quorum's average."""
-
-    loss: Any  # the mean loss of the rows computed
-    grads: Any
-    position: int  # the data position they are for
-    work: tuple[RowSpan, ...]  # the rows computed: (stream, first row, end row)
-    loss_sums: list | None = None  # constant batch: [stream, first row, end row, sum of row losses] per row span
-    own: Computed | None = None  # constant batch: the own batch's `grads`, which this share adds to
-    aux: dict | None = None  # the task's auxiliary metrics, means over the own batch
-    inner: InnerResult | None = None  # DiLoCo: the round's inner steps (`grads`: the fragment's pseudo-gradient)
-    step: int = -1  # DiLoCo: the committed step the round started from (its state, its fragment)
-    reused: bool = False  # DiLoCo: the inner steps of a discarded attempt of the round, not computed again
-
-
-@dataclass
 class _Timing:
     t0: float
     compute: float = 0.0
@@ -87,37 +68,41 @@ class _Timing:
 
 
 class Trainer:
-    """The built-in loop of one replica process (this module's docstring). It owns the program, the
-    data stream, durable checkpoints, the records and fault injection; the state, the step and the
-    data position are its `ft`'s (`FaultTolerance`), which it talks to through its public methods
-    only: it must not hold or reach into the step protocol."""
+    """One replica process's training loop (module docstring). It owns the training state's
+    lifecycle through its `FaultTolerance` (`ft`: the state, the step, the data position), the data
+    stream and its prefetch, durable checkpoints, evaluation, step records, the watchdog's beats and
+    fault injection. What a round computes, averages and applies is its `Sync` strategy's
+    (ftjax/runtime/sync.py): the trainer holds no branch on the mode. It must not touch what is the
+    step protocol's (quorum, FTAR, votes, catch-up: ftjax/runtime/protocol.py) other than through
+    `ft`'s public methods (it must not hold or reach into the step protocol), nor a strategy's
+    arithmetic."""
 
     def __init__(
         self,
         cfg: Config,
-        program: Any,
-        stream: Any,
+        program: ReplicaProgram,
+        stream: BatchStream,
         protocol: StepProtocol,
         *,
-        log: Any,
-        ckpt: Any,
-        faults: Any,
-        watchdog: Any,
+        log: MetricsLog,
+        ckpt: DurableCheckpoints | None,
+        faults: InjectedFaults,
+        watchdog: ProgressWatchdog | NoWatchdog,
         replica_id: str,
         restore_durable: bool,
         stop_after: int | None = None,
         flops: ModelFlops | None = None,
     ) -> None:
-        self.sync, stream = self._outer_sync(cfg, program, stream)
-        self._mine: InnerResult | None = None  # DiLoCo: this replica's inner steps of the round being committed
-        self._kept: Computed | None = None  # DiLoCo: a discarded round's inner steps, for its retry
-        self.cfg, self.program, self.stream = cfg, program, stream
-        self.flops = flops  # each step record's model FLOPs and MFU (None: not known)
+        self.sync: Sync = make_sync(cfg, program)  # every_step, DiLoCo or streaming DiLoCo (ft.sync)
+        self.stream = self.sync.stream(stream)  # (a round's positions, with DiLoCo)
+        self._mine: Computed | None = None  # this replica's part of the round being committed
+        self._kept: Computed | None = None  # a discarded round's part the strategy keeps for its retry
+        self.cfg, self.program, self.flops = cfg, program, flops  # (flops: the records' MFU; None: not known)
         self.log, self.ckpt, self.faults, self.watchdog = log, ckpt, faults, watchdog
         self.replica_id = replica_id
         self.restore_durable = restore_durable  # a fault-tolerant run, or a standalone --resume
         self.stop = min(cfg.steps, stop_after) if stop_after else cfg.steps
-        self.abstract = program.abstract_state() if self.sync is None else self.sync.abstract_state()
+        self.abstract = self.sync.abstract_state()
         self.constant = cfg.ft.global_batch == "constant"
         # the step protocol's one owner: it holds the state, the step and the data position
         self.ft = FaultTolerance(
@@ -130,12 +115,12 @@ class Trainer:
             digest_every=cfg.ft.digest_every,
             steps=cfg.steps,
             after_apply=faults.corrupt,
-            batch_id=stream.batch_id,
-            digest_view=self.sync.shared if self.sync is not None else None,
+            batch_id=self.stream.batch_id,
+            digest_view=self.sync.digest_view,
         )
         # A constant global batch trains stream r's batch n at step n, whoever computes it: replica
         # ids are the stream numbers 0..R-1 (ftjax/base/batches.py).
-        self.own = int(replica_id) if self.constant else stream.replica
+        self.own = int(replica_id) if self.constant else self.stream.replica
         if self.constant and not 0 <= self.own < cfg.ft.replicas:
             raise ValueError(
                 f"ft.global_batch=constant: replica id {replica_id!r} is not a stream of "
@@ -143,24 +128,17 @@ class Trainer:
             )
         self.own_work: tuple[RowSpan, ...] = ((self.own, 0, cfg.data.batch_size),)
         # this replica's share of the latest quorum's step (a reduced-degree replica: part of its batch)
-        self.work = self.own_work if cfg.own_rows == cfg.data.batch_size else ((self.own, 0, cfg.own_rows),)
+        self.work: tuple[RowSpan, ...] = (
+            self.own_work if cfg.own_rows == cfg.data.batch_size else ((self.own, 0, cfg.own_rows),)
+        )
         self.step_work: list[list[int]] | None = None  # constant: the whole step's [who, stream, a, b]
-        self._streams = {self.own: stream}
-        self.lrs = learning_rates(cfg, program.task)
+        self._streams = {self.own: self.stream}
+        self.lrs = self.sync.learning_rates()
         # the next own batch, read and placed on the devices while FTAR averages this step's update
         # (a batch is a pure function of its position: a prefetch never changes what is trained)
         self._prefetch_pool = ThreadPoolExecutor(1, "ftjax-prefetch")
+        self._exchange_pool = ThreadPoolExecutor(1, "ftjax-exchange")  # (a round's exchange, overlapped)
         self._prefetched: tuple[int, Future] | None = None
-
-    @staticmethod
-    def _outer_sync(cfg: Config, program: Any, stream: Any) -> tuple[OuterSync | None, Any]:
-        """DiLoCo (ft.sync): a step of the protocol is an outer round of inner steps, and the data
-        stream goes by rounds (ftjax/runtime/diloco.py). (None, the stream) with every-step sync."""
-        if cfg.ft.sync == "every_step":
-            return None, stream
-        sync = OuterSync(cfg, program)
-        sync.warm_up()
-        return sync, RoundStream(stream, sync.inner, sync.warmup)
 
     # the state, the step and the data position are the fault-tolerance object's
     state = property(lambda self: self.ft.state, lambda self, v: setattr(self.ft, "state", v))
@@ -233,8 +211,8 @@ class Trainer:
             return self._ask()
         contributes = info.contributes
         if contributes:
-            self.work = self._share(q)  # type: ignore[assignment]
-        stale = self.sync is not None and computed is not None and computed.step != self.step  # (another state)
+            self.work = self._share(q)
+        stale = computed is not None and self.sync.stale(computed, self.step)
         if contributes and (
             computed is None or stale or (computed.position, computed.work) != (self.position, self.work)
         ):
@@ -244,15 +222,49 @@ class Trainer:
         self.faults.point(q.step + 1, "ftar")
         if contributes:
             self._prefetch(self.position + 1)
-        update, error = self.ft.average(q, computed.grads if contributes else None)
-        timing.ftar = time.perf_counter()
-        if not self.ft.vote(q, error):
+        voted, update, timing.ftar = self._exchange(q, computed if contributes else None)
+        if not voted:
             # discarded (the next quorum is asked): the same batch again, unless the job committed the
             # step. A DiLoCo round keeps its inner steps: only a replica that died loses its own.
-            self._kept = computed if self.sync is not None and contributes else None
+            self._kept = self.sync.retry(computed) if contributes else None
             return
         self.faults.point(q.step + 1, "commit")
         self._commit(q, update, computed if contributes else None, contributes, timing)
+
+    def _exchange(self, q: QuorumResult, computed: Computed | None) -> tuple[bool, optax.Updates, float]:
+        """The round's average over its contributors and the vote on it: (whether it commits, the
+        average, when FTAR ended). With the rest of the round still to compute (`Computed.rest`:
+        streaming DiLoCo's last tau inner steps) the exchange runs in a thread meanwhile (FTAR works
+        on host buffers and releases the GIL in its socket calls), joined before anything is applied
+        or the round retried: a failed exchange discards the round as without the overlap."""
+
+        began = []
+
+        def exchange() -> tuple[bool, optax.Updates, float]:
+            began.append(time.perf_counter())
+            update, error = self.ft.average(q, computed.grads if computed is not None else None)
+            ended = time.perf_counter()
+            return self.ft.vote(q, error), update, ended
+
+        rest = computed.rest if computed is not None else None
+        if rest is None:  # (nothing left to compute: a retried round's overlap is none)
+            if computed is not None:
+                computed.overlap_s = computed.rest_s = 0.0
+            return exchange()
+        assert computed is not None  # (a round with steps left is a computed one)
+        pending = self._exchange_pool.submit(exchange)
+        rest_began = time.perf_counter()
+        try:
+            rest()
+        except BaseException:
+            wait([pending])  # (never leave the exchange running behind an error)
+            raise
+        computed_at = time.perf_counter()
+        out = pending.result()
+        # the seconds both ran: from the exchange's start to the rest's end or the average's, the earlier
+        computed.overlap_s = max(0.0, min(computed_at, out[2]) - began[0])
+        computed.rest_s = computed_at - rest_began
+        return out
 
     def _share(self, q: QuorumResult) -> tuple[RowSpan, ...]:
         """The rows this replica computes at the quorum's step: its own batch (elastic), or its
@@ -281,10 +293,12 @@ class Trainer:
         peer fails, or returns), only the other rows are computed again, and the result is the one
         a computation from scratch gives."""
         self.faults.point(self.step + 1, "forward")
-        if self.sync is not None:
-            return self._inner_steps(work)
+        return self.sync.compute(self, work, done)
+
+    def gradients(self, work: tuple[RowSpan, ...], done: Computed | None = None) -> Computed:
+        """Every-step sync's round (`EveryStep.compute`): the gradients of `work` at the state."""
         if work == self.own_work:
-            batch = self._own_batch(self.position)
+            batch = self.own_batch(self.position)
             loss, aux, grads = self.program.grads_of(self.state, batch, where(self.position, self.own, 0))
             jax.block_until_ready(grads)
             return Computed(loss, grads, self.position, work, aux=aux)
@@ -293,7 +307,7 @@ class Trainer:
         if len(rest) < len(work):  # the whole own batch, through `grads` (once per step)
             own = done.own if done is not None and done.own is not None else done
             if own is None or (own.position, own.work) != (self.position, self.own_work):
-                own = self._compute(self.own_work)
+                own = self.gradients(self.own_work)
         rows = concat_rows([slice_rows(self._stream(s).batch(self.position), a, b) for s, a, b in rest])
         origin = [(s, r) for s, a, b in rest for r in range(a, b)]  # each row's (stream, row): its RNG key
         grads, per_row, start = self.program.zeros(), [], 0
@@ -320,47 +334,36 @@ class Trainer:
             aux=own.aux if own is not None else None,
         )
 
-    def _inner_steps(self, work: tuple[RowSpan, ...]) -> Computed:
-        """DiLoCo: the round's inner steps on this replica's own batches, from the committed state."""
-        batches, f = self._own_batch(self.position), self.sync.fragment(self.step)  # type: ignore[union-attr]
-        first, inner = self.stream.span(self.position)  # (one batch at a warm-up position)
-        wheres = [where(first + h, self.own, 0) for h in range(inner)]
-        beat, synchronous = lambda: self.watchdog.beat("inner step"), self.sync.synchronous(self.step)  # type: ignore[union-attr]
-        res = self.sync.run_inner(self.state, batches, wheres, f, beat, synchronous, step=self.step)  # type: ignore[union-attr]
-        jax.block_until_ready(res.delta)
-        return Computed(res.loss, res.delta, self.position, work, aux=res.aux, inner=res, step=self.step)
-
     def _prefetch(self, position: int) -> Future:
         """The own batch at `position`, read and placed on the devices in the prefetch thread (once);
         with DiLoCo, the round's batches."""
         if self._prefetched is None or self._prefetched[0] != position:
-            if self.sync is not None:
-                batch = lambda: [device_batch(self.program, b) for b in self.stream.batch(position)]
-            else:
-                batch = lambda: device_batch(self.program, self.stream.batch(position))
+            batch = lambda: self.sync.place(self.program, self.stream.batch(position))
             self._prefetched = (position, self._prefetch_pool.submit(batch))
         return self._prefetched[1]
 
-    def _own_batch(self, position: int) -> Any:
+    def own_batch(self, position: int) -> Batch:
         """The own batch at `position` on the devices: the prefetched one if it is that position's."""
         return self._prefetch(position).result()
 
-    def _stream(self, s: int):
+    def _stream(self, s: int) -> Stream:
         if s not in self._streams:
             self._streams[s] = make_stream(self.cfg, replica=s, task=self.program.task)
         return self._streams[s]
 
-    def _apply(self, state: Any, grads: Any, scale: float) -> Any:
-        if self.sync is not None:  # the outer step (`grads`: the fragment and its average)
-            return self.sync.apply(state, grads, scale, self._mine)
-        return self.program.apply(state, grads, np.float32(scale))
+    def _apply(self, state: State, grads: optax.Updates, scale: float) -> State:
+        return self.sync.apply(state, grads, scale, self._mine)
+
+    def beat(self) -> None:
+        """A round's inner step is progress (the watchdog's)."""
+        self.watchdog.beat("inner step")
 
     def _commit(
-        self, q: QuorumResult, update: Any, computed: Computed | None, contributes: bool, timing: _Timing
+        self, q: QuorumResult, update: optax.Updates, computed: Computed | None, contributes: bool, timing: _Timing
     ) -> None:
         scale = 1.0 if self.constant else lr_scale(self.cfg.ft.lr_scaling, q.num_contributors, self.cfg.ft.replicas)
         position = self.position  # (the batch trained: commit moves past it)
-        self._mine = computed.inner if contributes and computed is not None else None
+        self._mine = computed if contributes else None
         try:
             applied = self.ft.commit(q, update, scale=scale, contributed=contributes)
         finally:
@@ -400,7 +403,7 @@ class Trainer:
     ) -> None:
         t5 = timing.end or time.perf_counter()
         # the optimizer steps this replica's batches went through (none while healing)
-        inner = 0 if computed is None else self.stream.span(computed.position)[1] if self.sync is not None else 1
+        inner = 0 if computed is None else self.sync.optimizer_steps(computed)
         rows = row_count(computed.work) * inner if computed is not None else 0
         record = step_record(
             step=q.step + 1,
@@ -431,9 +434,7 @@ class Trainer:
                 if computed is not None
                 else None
             )
-        if self.sync is not None:  # the round: its inner steps, the fragment averaged and its float32 bytes
-            reused = bool(computed is not None and computed.reused)
-            record.update(inner_steps=inner, **self.sync.round_fields(q.step), reused_inner=reused)
+        record.update(self.sync.record(q.step, computed))  # (DiLoCo: the round's inner steps, fragment, bytes)
         if self.lrs is not None and 0 <= q.step < len(self.lrs):  # the learning rate this update applied
             record["lr"] = float(self.lrs[q.step]) * scale
         if self.flops is not None:
@@ -487,8 +488,7 @@ class Trainer:
             else:  # (asked to restore and found nothing: said, so that a wrong directory shows)
                 nothing = {} if not self.restore_durable or self.ckpt is None else {"no_checkpoint_in": self.ckpt.where}
                 self.log.event(ReplicaEvent.INIT, seed=self.cfg.seed, **nothing)
-            if self.sync is not None:  # the outer state of the initial parameters
-                self.state = self.sync.init(self.state)
+            self.state = self.sync.init(self.state)  # (DiLoCo: the outer state of the initial parameters)
         else:
             self.ft.wait_for_a_source(self.cfg.ft.quorum_timeout_s, self.replica_id)
 
@@ -505,7 +505,7 @@ class Trainer:
             ReplicaEvent.INIT_FROM, path=c.init_from, opt=c.init_opt, params_digest=params_digest(self.state)
         )
 
-    def _corrupt_checkpoint(self, e: Any) -> None:
+    def _corrupt_checkpoint(self, e: CorruptCheckpoint) -> None:
         """A durable checkpoint failed its checksums: one event and one stderr line; the restore goes
         on with the next older one."""
         self.log.event(
@@ -516,6 +516,7 @@ class Trainer:
     def _save(self, force: bool) -> None:
         """A durable checkpoint when one is due, of a finite state only: a peer whose own loss was
         finite has applied the average of one that was not (docs/design/step.md, "A loss that is not finite")."""
+        assert self.ckpt is not None  # (called only with durable checkpoints)
         if not self.ckpt.due(self.step, force=force):
             return
         if not all_finite(self.state):
@@ -532,7 +533,7 @@ class Trainer:
             self.ckpt.close()
         self.log.summary(
             final_step=self.step,  # the state's step: a replica that caught up at the end logged no step of its own
-            **final_digests(self.sync.shared(self.state) if self.sync is not None else self.state),
+            **final_digests(self.sync.digest_view(self.state)),
             params_digest=params_digest(self.state),
             replica=self.replica_id,
             incarnation=self.ft.incarnation,

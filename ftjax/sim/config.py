@@ -155,6 +155,12 @@ class SimConfig(BaseModel):
     fragments: int = Field(
         gt=0, description="streaming-diloco (ft.fragments F): parts of the parameters, one averaged every H/F steps"
     )
+    fragment_sync_delay: int = Field(
+        0,
+        ge=0,
+        description="streaming-diloco (ft.fragment_sync_delay tau): a round's all-reduce runs while its last tau "
+        "steps compute, hidden up to tau x --step-s",
+    )
 
     # -- stragglers --
     straggler_mtbs_min: float = Field(
@@ -236,6 +242,11 @@ class SimConfig(BaseModel):
             raise ValueError(
                 f"--fragments ({self.fragments}) must divide --inner-steps ({self.inner_steps}): "
                 "a fragment is averaged every inner-steps / fragments steps"
+            )
+        if self.fragment_sync_delay >= max(1, self.inner_steps // self.fragments):
+            raise ValueError(
+                f"--fragment-sync-delay ({self.fragment_sync_delay}) must be less than a round's steps "
+                f"(inner-steps / fragments = {self.inner_steps // self.fragments})"
             )
         if self.blast_radius == "rack" and self.hosts % self.hosts_per_rack:
             raise ValueError(

@@ -64,6 +64,7 @@ NEUTRAL: dict[str, Any] = {
     "bytes_per_param": 4.0,
     "inner_steps": 20,
     "fragments": 4,
+    "fragment_sync_delay": 0,
 }
 
 PAPER_100K: dict[str, Any] = {

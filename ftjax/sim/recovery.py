@@ -33,7 +33,8 @@ hardware repair and spares, and slow replicas. Each choice is an input (ftjax.si
   1/F of the bytes every H/F steps when streaming), so useful and progress rates
   are scaled by compute / (compute + communication) and the rest is charged to ``communication``.
   The ring is always over all R replicas (with k < R in, 2 (k - 1) / k is a little less: an upper
-  bound), and the all-reduce is not overlapped with compute.
+  bound), and the all-reduce is not overlapped with compute, but for streaming DiLoCo's with
+  ``--fragment-sync-delay`` tau: hidden up to tau steps of compute a round.
 """
 
 from __future__ import annotations

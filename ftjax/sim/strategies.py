@@ -199,10 +199,11 @@ class Diloco(FtHsdp):
 
 class StreamingDiloco(Diloco):
     """Streaming DiLoCo (ft.sync streaming_diloco): the parameters in --fragments (F) parts, one
-    averaged every H/F steps. The same bytes per H steps as DiLoCo (so the same mean communication per
-    step, the all-reduce not being overlapped with compute here), but a round moves 1/F of them (the
+    averaged every H/F steps. The same bytes per H steps as DiLoCo, but a round moves 1/F of them (the
     peak a link must carry, ftjax.sim.run.StrategyResult.comm), and a failed replica loses the mean
-    age of its fragments: the steps since each fragment's last average, H/2 on average as for DiLoCo."""
+    age of its fragments: the steps since each fragment's last average, H/2 on average as for DiLoCo.
+    With --fragment-sync-delay tau a round's all-reduce runs while its last tau steps compute (ftjax's
+    overlap): only what exceeds tau x --step-s of it is waited for (`comm_s`)."""
 
     name = "streaming-diloco"
 
@@ -212,6 +213,13 @@ class StreamingDiloco(Diloco):
 
     def sync_plan(self) -> tuple[float, float]:
         return 1.0 / self.cfg.fragments, self.cfg.inner_steps / self.cfg.fragments
+
+    def comm_s(self) -> float:
+        """Seconds waited for communication per step: a round's all-reduce less the tau steps of
+        compute it overlaps, over the round's H/F steps."""
+        share, every = self.sync_plan()
+        hidden = self.cfg.fragment_sync_delay * self.cfg.step_s
+        return max(0.0, self.cfg.allreduce_s() * share - hidden) / every
 
 
 def _rollback_mtbf_shards(cfg: SimConfig) -> float:

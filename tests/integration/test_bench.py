@@ -30,7 +30,7 @@ def _ratio(value) -> None:
 def test_every_benchmark_has_a_test_here_or_is_named_where_it_runs():
     from ftjax.cli.bench import BENCHES
 
-    tested = {"step", "catchup", "outage", "reduced", "ftar", "coordinator", "data", "diloco"}
+    tested = {"step", "catchup", "outage", "reduced", "ftar", "coordinator", "data", "diloco", "overlap"}
     assert set(BENCHES) == tested, f"add a tiny run of {set(BENCHES) - tested} to tests/integration/test_bench.py"
 
 
@@ -134,3 +134,14 @@ def test_bench_diloco_compares_tokens_per_s_and_bytes_with_every_step_sync():
     assert out["bytes_ratio"] == 4.0, out
     assert out["every_step"]["steps_timed"] == 7 and out["diloco"]["steps_timed"] == 1
     _ratio(out["speedup"])
+
+
+@pytest.mark.slow
+def test_bench_overlap_compares_streaming_with_and_without_its_overlap_and_int8_with_bf16():
+    out = _bench("overlap", "llama_tiny", "--rounds", "4", "--inner", "4", "--fragments", "2", "--warmup", "1")
+    assert out["bench"] == "overlap" and out["round_inner_steps"] == 2 and out["tau"] == 1
+    assert [out[k]["steps_timed"] for k in ("tau0", "tau1", "tau1_int8")] == [3, 3, 3], out
+    # int8 frames: >= 1.8x fewer bytes a round than bfloat16's (the records' sync_bytes)
+    assert out["tau1"]["peak_bytes_per_round"] >= 1.8 * out["tau1_int8"]["peak_bytes_per_round"], out
+    _ratio(out["overlap_speedup"]), _ratio(out["int8_speedup"]), _ratio(out["why"]["expected_speedup"])
+    assert out["why"]["overlap_s"] > 0 and 0 <= out["why"]["hidden_share"] <= 1, out

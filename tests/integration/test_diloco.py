@@ -16,6 +16,7 @@ from ftjax.ftar import quant
 from ftjax.program.data import make_stream
 from ftjax.program.digest import state_checksum
 from ftjax.program.step import build_program, device_batch, where
+from ftjax.runs.jsonl import read_jsonl
 from ftjax.runtime.diloco import SYNC, OuterSync, round_span
 
 
@@ -455,3 +456,71 @@ def test_fragment_sync_delay_and_update_alpha_follow_the_history_computed_by_han
         assert np.array_equal(states[0]["params"]["a"], states[1]["params"]["a"])  # (the shared state: bitwise)
     # every weight 1 but the round after the heal's, where replica 1's delta holds fewer inner steps
     assert weights == [[1.0, 1.0], [1.0, 1.0], [1.0], [1.0, float(np.float32((n - tau) / (2 * n - tau)))], [1.0, 1.0]]
+
+
+def test_a_lone_streaming_replica_overlapping_tau_steps_ends_with_the_bits_of_its_rounds_in_turn(tmp_path):
+    """Streaming DiLoCo with tau = 1 in `ftjax train`: each round's exchange runs while its last
+    inner step computes (`Trainer._exchange`), and the final state (shared and per-replica parts) is
+    bitwise that of the rounds computed one after the other in this process (`OuterSync.run_inner`
+    then `apply`: the arithmetic without any overlap)."""
+    import json
+    import subprocess
+
+    from conftest import FTJAX
+
+    from ftjax.program.digest import params_digest, state_digest
+    from ftjax.runtime.diloco import RoundStream
+
+    over = ["steps=3", "ft.sync=streaming_diloco", "ft.inner_steps=4", "ft.fragments=2", "ft.fragment_sync_delay=1"]
+    done = subprocess.run([*FTJAX, "train", "llama_tiny", *over, "--out", str(tmp_path)], capture_output=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cfg, program = _program(over)
+    sync = OuterSync(cfg, program)
+    rounds = RoundStream(make_stream(cfg), sync.inner)
+    state = sync.init(program.init(np.int32(cfg.seed)))
+    for r in range(3):
+        batches = [device_batch(program, b) for b in rounds.batch(r)]
+        first, n = rounds.span(r)
+        res = sync.run_inner(state, batches, [where(first + h, 0, 0) for h in range(n)], sync.fragment(r), step=r)
+        state = sync.apply(state, (sync.fragment(r), res.delta), 1.0, res)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["param_digest"] == state_digest(sync.shared(state))
+    assert summary["params_digest"] == params_digest(state)  # (local parameters, inner optimizer, counts too)
+    records = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if m.get("committed") and "event" not in m]
+    assert [m["inner_steps"] for m in records] == [2, 2, 2] and all("overlap_s" in m for m in records)
+
+
+@pytest.mark.slow
+def test_a_streaming_rounds_exchange_overlaps_its_last_tau_steps_and_a_peer_killed_meanwhile_is_a_retry(
+    procs, tmp_path
+):
+    """2 replicas of the tiny Llama, streaming DiLoCo with rounds of 2 inner steps and tau = 1, both
+    needed for a quorum: every round's exchange (FTAR and the vote) runs while its last inner step
+    computes (`overlap_s` > 0 in every round computed afresh). Replica 1 dies at its exchange of
+    round 4, while replica 0's exchange and overlapped step run: replica 0's round fails at FTAR, is
+    discarded, and is retried with the inner steps it had computed once replica 1 has healed; every
+    round both committed has the same shared digest on both, the final states are equal, and every
+    round's batches were trained exactly once."""
+    args = [f"{REPO}/ftjax/configs/llama_tiny.yaml", "--replicas", "2", "--restart-delay-s", "0.5"]
+    args += ["--max-restarts", "1", "steps=8", "ft.sync=streaming_diloco", "ft.inner_steps=4", "ft.fragments=2"]
+    args += ["ft.fragment_sync_delay=1", "coordinator.min_replicas=2", "--kill", "1@4:ftar"]
+    run = Launch(procs, args, tmp_path / "run")
+    try:
+        assert run.wait(timeout=420) == 0, run.output()
+        s = run.summary()
+        assert s["digests_equal"] and s["exactly_once"], s
+        assert [(e["replica"], e["cause"]) for e in run.events() if e["event"] == "replica_down"] == [(1, "kill")]
+        rounds = [_rounds(run, r) for r in range(2)]
+        assert sorted(rounds[0]) == list(range(1, 9))
+        both = set(rounds[0]) & set(rounds[1])
+        assert len(both) >= 6 and all(rounds[0][n] == rounds[1][n] for n in both), rounds
+        for r in range(2):
+            fresh = [m for m in run.metrics(r) if m.get("committed") and m.get("loss") is not None]
+            fresh = [m for m in fresh if not m["reused_inner"]]
+            assert fresh and all(m["overlap_s"] > 0 for m in fresh), (r, fresh)
+        retried = {e["step"] for e in run.metrics(0) if e.get("event") == "commit_failure"}
+        assert 4 in retried, run.output()
+        again = [m for m in run.metrics(0) if m.get("committed") and m["step"] == 4]
+        assert again and again[0]["reused_inner"] and again[0]["overlap_s"] == 0, again
+    finally:
+        run.close()

@@ -567,6 +567,22 @@ def test_diloco_communicates_one_hth_of_every_step_and_streaming_a_fth_per_round
     assert "comm" not in simulate(config(**FT, mtbf_min=1e9, steps=10, seeds=1), ["ft-hsdp"])["ft-hsdp"].to_json()
 
 
+@pytest.mark.parametrize("tau,step_s", [(0, 60.0), (1, 1.0), (1, 2.0), (2, 2.0), (1, 10.0)])
+def test_streaming_hides_a_rounds_allreduce_up_to_tau_steps_of_compute(tmp_path, tau, step_s):
+    """--fragment-sync-delay tau: a round's all-reduce (a quarter of ALLREDUCE_S = 3.75 s every 5
+    steps) runs while its last tau steps compute, so a step waits max(0, 3.75 - tau x step_s) / 5 s."""
+    link = dict(**LINK, inner_steps=20, fragments=4, fragment_sync_delay=tau, step_s=step_s)
+    exposed = max(0.0, ALLREDUCE_S / 4 - tau * step_s) / 5
+    out = exact(tmp_path, [], "streaming-diloco", **FT, **link)
+    plan = simulate(config(**FT, **link, mtbf_min=1e9, steps=100, seeds=1), ["streaming-diloco"])["streaming-diloco"]
+    assert plan.comm["comm_s_per_step"] == pytest.approx(exposed)
+    assert plan.comm["sync_s"] == pytest.approx(ALLREDUCE_S / 4)  # (the all-reduce itself is as long)
+    assert out.ettr == pytest.approx(step_s / (step_s + exposed))
+    assert out.minutes.get("communication", 0.0) / out.wall_min == pytest.approx(exposed / (step_s + exposed))
+    with pytest.raises(ValueError, match="fragment-sync-delay"):
+        config(**FT, **{**link, "fragment_sync_delay": 5})
+
+
 def test_communication_scales_the_closed_form_under_failures():
     cfg = config(gpus=32, replicas=4, ft_stall_min=0.2, replica_restart_min=1.5, overlap="restart", steps=6_000)
     expected = cf.units_out_ettr_restart(1.0, 0.2, 1.5, 4) * 0.8

@@ -52,7 +52,6 @@ def test_any_annotation_count_matches_the_issue_grep():
     assert sum(any_annotations().values()) == len(grep.stdout.splitlines())
 
 
-@pytest.mark.xfail(strict=True, reason="until the runtime's files are typed")
 def test_any_annotations_are_at_most_a_third_of_the_issue_count():
     counts = any_annotations()
     total = sum(counts.values())
