@@ -15,7 +15,7 @@ import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -125,9 +125,7 @@ def prepare(
     tmp.mkdir(parents=True)
     try:
         writers = {split: SplitWriter(tmp, split, dtype, storage) for split in SPLITS}
-        bos_id = bos.get("bos_id")
-        assert bos_id is None or isinstance(bos_id, int)  # (bos_of records the id as an int)
-        job = (str(tokenizer), eos_id, field, bos_id, min(chunk_bytes, PIECE_CHARS))
+        job = (str(tokenizer), eos_id, field, cast("int | None", bos.get("bos_id")), min(chunk_bytes, PIECE_CHARS))
         docs, empty = _tokenize(files, chunk_bytes, workers, job, vocab_size, heldout_fraction, writers, progress)
         splits = {split: w.close() for split, w in writers.items()}
         if splits["train"]["tokens"] == 0:

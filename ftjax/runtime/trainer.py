@@ -128,9 +128,7 @@ class Trainer:
             )
         self.own_work: tuple[RowSpan, ...] = ((self.own, 0, cfg.data.batch_size),)
         # this replica's share of the latest quorum's step (a reduced-degree replica: part of its batch)
-        self.work: tuple[RowSpan, ...] = (
-            self.own_work if cfg.own_rows == cfg.data.batch_size else ((self.own, 0, cfg.own_rows),)
-        )
+        self.work: tuple[RowSpan, ...] = ((self.own, 0, cfg.own_rows),)
         self.step_work: list[list[int]] | None = None  # constant: the whole step's [who, stream, a, b]
         self._streams = {self.own: self.stream}
         self.lrs = self.sync.learning_rates()

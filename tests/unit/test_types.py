@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from conftest import REPO
 
 PACKAGE = Path(REPO) / "ftjax"
