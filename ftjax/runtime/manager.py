@@ -147,9 +147,10 @@ class FaultTolerance:
         if agreement.leave is not None:
             raise Left(agreement.leave)
         q = agreement.quorum
-        catching_up = False if q.no_state else self._follow(q, agreement.install)  # type: ignore[arg-type, union-attr]
-        contributes = not q.no_state and not q.healing and self.has_state  # type: ignore[union-attr]
-        return StepInfo(q, q.step + 1, self.data_position, contributes, q.no_state, q.step >= self.steps, catching_up)  # type: ignore[arg-type, union-attr]
+        assert q is not None  # (an agreement without a quorum is a leave or the job's end)
+        catching_up = False if q.no_state else self._follow(q, agreement.install)
+        contributes = not q.no_state and not q.healing and self.has_state
+        return StepInfo(q, q.step + 1, self.data_position, contributes, q.no_state, q.step >= self.steps, catching_up)
 
     def init_state(self, state: PyTree, step: int = 0, data_position: int = 0) -> None:
         """The loop's state for a quorum without state (durable checkpoint, or an init at job start)."""

@@ -270,6 +270,22 @@ class StepProtocol:
         self.decision_patience_s = decision_patience_s  # (ft.quorum_timeout_s: see `_ask_decision`)
         self.decision_s: float | None = None  # the last step's wait for its decision (metrics.jsonl)
 
+    # --- what only some hosts hold: each use says why it is there ---------------------------------
+    def _coordinator(self) -> QuorumSource:
+        """The coordinator's client: the leader host's only (every call through it is the leader's)."""
+        assert self.quorums is not None, "only a replica's leader host talks to the coordinator"
+        return self.quorums
+
+    def _transport(self) -> CatchupTransport:
+        """Catch-up: every host of a replica in a job has one (a standalone replica never heals)."""
+        assert self.transport is not None, "catch-up without a transport (a standalone replica never heals)"
+        return self.transport
+
+    def _fetching(self) -> SnapshotFetch:
+        """The snapshot fetch in flight (the leader decided on it, so every host started it)."""
+        assert self.fetch is not None, "no snapshot fetch in flight"
+        return self.fetch
+
     # --- the quorum ---------------------------------------------------------------------------
     def ask(self, step: int, position: int, has_state: bool, digest: str = "") -> None:
         """Start the leader's request for the quorum of the next step (answered in `agree`);
@@ -278,7 +294,7 @@ class StepProtocol:
             self._pending = None
             self.leave(self.leaving)
         elif self.leader:
-            self._pending = self.quorums.quorum_async(step, position, has_state, self.commit_failures, digest)  # type: ignore[union-attr]
+            self._pending = self._coordinator().quorum_async(step, position, has_state, self.commit_failures, digest)
 
     def agree(self) -> Agreement:
         """Wait for the quorum the leader asked for; every host gets it, and the leader's catch-up
@@ -286,7 +302,7 @@ class StepProtocol:
         with self.watchdog.exempt("quorum"):  # (the leader's message waits for the quorum)
             fetches = self._fetch_states()
             if not self.leader:
-                return self._carry_out(*_decode_agreement(self.group.broadcast_bytes(b"")))  # type: ignore[arg-type]
+                return self._carry_out(*_decode_agreement(self.group.broadcast_bytes(b"")))
             q, order = None, HealOrder(leave=self.leaving)  # no request: leaving, every host ends here
             try:
                 q = self._pending.result() if self._pending is not None else None
@@ -340,7 +356,7 @@ class StepProtocol:
                 if p is None or p.replica_id == self.replica_id:
                     continue
                 try:
-                    self.quorums.report_failure(q.quorum_id, p.replica_id, p.incarnation, f["error"][:200])  # type: ignore[union-attr]
+                    self._coordinator().report_failure(q.quorum_id, p.replica_id, p.incarnation, f["error"][:200])
                 except CoordinatorError as e:  # best effort: a dead peer also times out its heartbeats
                     self.log.event(
                         ReplicaEvent.REPORT_UNDELIVERED, step=q.step + 1, replica=p.replica_id, error=str(e)[:200]
@@ -360,7 +376,7 @@ class StepProtocol:
                 attempts=attempts,
                 error=error,
             )
-            message = unreachable_message(self.replica_id, q.step + 1, peer, who, seconds, attempts, error)  # type: ignore[arg-type]
+            message = unreachable_message(self.replica_id, q.step + 1, peer, who, seconds, attempts, str(error))
             print(f"ftjax train: {message}", file=sys.stderr, flush=True)
         return False
 
@@ -429,7 +445,7 @@ class StepProtocol:
         from the members: nobody applied it)."""
         give_up, pause = time.monotonic() + self.decision_patience_s, 0.05
         while True:
-            decision, detail = self.quorums.vote_commit(q, ok, reason, self.decision_timeout_s)  # type: ignore[union-attr]
+            decision, detail = self._coordinator().vote_commit(q, ok, reason, self.decision_timeout_s)
             if not ok or decision not in ("UNREACHABLE", "PENDING") or time.monotonic() + pause >= give_up:
                 return decision, detail
             time.sleep(pause)
@@ -454,13 +470,13 @@ class StepProtocol:
             if done > known.get(p.replica_id, 0):
                 known[p.replica_id], changed = done, True
         if changed:  # a copy for the heartbeat thread, which reads it when its stream (re)connects
-            self.quorums.known_positions = dict(known)  # type: ignore[union-attr]
+            self._coordinator().known_positions = dict(known)
 
     def forget_positions(self) -> None:
         """A whole-job restart from a durable checkpoint: its positions rule, not what we knew."""
         self.known_positions = {}
         if self.leader:
-            self.quorums.known_positions = {}  # type: ignore[union-attr]
+            self._coordinator().known_positions = {}
 
     # --- healing hooks ------------------------------------------------------------------------
     def serve(self, q: QuorumResult, state: PyTree, step: int, meta: dict) -> None:
@@ -508,7 +524,7 @@ class StepProtocol:
         """Every host: restore the fetched snapshot and replay the kept updates through `apply`.
         Returns (state, step), or None if the snapshot is older than the oldest update kept."""
         with self.watchdog.exempt("snapshot restore"):
-            state = self.transport.load(got, abstract_state)  # type: ignore[union-attr]
+            state = self._transport().load(got, abstract_state)
         step, replayed = got.step, 0
         while step < q.step:
             if step not in self.buffer:
@@ -565,7 +581,7 @@ class StepProtocol:
         etas = [f["eta_s"] for f in fetches if not f["done"]]
         self.log.event(
             ReplicaEvent.CATCHUP_PROGRESS,
-            source=self.fetch.source,  # type: ignore[union-attr]
+            source=self._fetching().source,
             bytes_done=sum(f["bytes_done"] for f in fetches),
             bytes_total=sum(f["bytes_total"] for f in fetches),
             eta_s=None if None in etas else max(etas),
@@ -586,7 +602,8 @@ class StepProtocol:
                 return HealOrder(install=True)
             errors = [f"the hosts fetched snapshots of different steps {sorted(steps)}"]
         if errors:
-            self.log.event(ReplicaEvent.CATCHUP_FAILED, source=self.fetch.source, error="; ".join(errors))  # type: ignore[union-attr]
+            source = self.fetch.source if self.fetch is not None else q.heal_source
+            self.log.event(ReplicaEvent.CATCHUP_FAILED, source=source, error="; ".join(errors))
             drop = True
         elif self.fetch is not None and not any(p.replica_id == self.fetch.source for p in q.participants):
             self.log.event(ReplicaEvent.CATCHUP_ABANDONED, source=self.fetch.source, reason="source left the quorum")
@@ -597,19 +614,20 @@ class StepProtocol:
             return HealOrder(drop=drop, fetch_min_step=missing)
         return HealOrder(drop=drop)
 
-    def _carry_out(self, q: QuorumResult, order: HealOrder) -> Agreement:
+    def _carry_out(self, q: QuorumResult | None, order: HealOrder) -> Agreement:
         """Every host: what the leader decided of catch-up for this step."""
         if order.leave is not None:
             return Agreement(None, leave=order.leave, finished=order.finished)
+        assert q is not None  # (the leader sends no quorum only with a leave)
         install = None
         if order.install:
-            install = self.fetch.result  # type: ignore[union-attr]
+            install = self._fetching().result
         if order.drop or order.install:
             self.fetch = None
         if order.fetch_min_step is not None:
             me, addresses = q.participants[q.rank], q.heal_source_addresses
             needed = [addresses[k] for k in source_hosts(self.group.rank, self.group.hosts, len(addresses))]
-            self.fetch = self.transport.fetch(  # type: ignore[union-attr]
+            self.fetch = self._transport().fetch(
                 needed, f"{me.replica_id}/{me.incarnation}", source=q.heal_source, min_step=order.fetch_min_step
             )
         return Agreement(q, install)

@@ -263,7 +263,8 @@ def _coordinator_client(
     cfg: Config, args: RunOptions, token: str, info: MemberInfo, log: MetricsLog
 ) -> CoordinatorClient:
     """The leader's client of the job's coordinator, started."""
-    client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s, tls=args.tls)  # type: ignore[arg-type]
+    assert args.coordinator is not None  # (a job member's: standalone replicas have none)
+    client = CoordinatorClient(args.coordinator, token, info, quorum_timeout_s=cfg.ft.quorum_timeout_s, tls=args.tls)
     client.start()
     # each step's figures travel to the coordinator with the next quorum request (status page, /metrics)
     log.listeners.append(
@@ -443,13 +444,15 @@ REFUSED = frozenset(
 
 def run_member(cfg: Config, args: RunOptions, out: Path, task: Task | None = None) -> int:
     """Join the job at `args.coordinator` as replica `args.replica_id` (`task`: default the config's)."""
+    coordinator = args.coordinator
+    assert coordinator is not None  # (ftjax train calls this only with --coordinator)
     try:
         token = read_token()
     except ValueError as e:
         print(f"ftjax train: --coordinator needs the job token: {e}", file=sys.stderr)
         return 2
     try:
-        addrs = addresses(cfg, args.coordinator)  # type: ignore[arg-type]
+        addrs = addresses(cfg, coordinator)
     except (OSError, ValueError) as e:
         print(
             f"ftjax train: cannot tell which address peers reach this process at: {e}; name it with "

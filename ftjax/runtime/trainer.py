@@ -189,11 +189,12 @@ class Trainer:
         # Rows of absent peers wait for the quorum: it may bring them back.
         ahead = self.own_work if self.own_work[0] in self.work else self.work
         kept, self._kept = self._kept, None
+        computed: Computed | None
         if kept is not None and (kept.step, kept.position) == (self.step, self.position):
             computed = kept  # (a retried round: its inner steps are a function of the same state and batches)
             computed.reused = True
         else:
-            computed = self._compute(ahead) if self.has_state and not self.ft.healing else None  # type: ignore[assignment]
+            computed = self._compute(ahead) if self.has_state and not self.ft.healing else None
         timing.compute = time.perf_counter()
         info = self.ft.begin()
         q = info.quorum
@@ -224,7 +225,7 @@ class Trainer:
         if not voted:
             # discarded (the next quorum is asked): the same batch again, unless the job committed the
             # step. A DiLoCo round keeps its inner steps: only a replica that died loses its own.
-            self._kept = self.sync.retry(computed) if contributes else None
+            self._kept = self.sync.retry(computed) if contributes and computed is not None else None
             return
         self.faults.point(q.step + 1, "commit")
         self._commit(q, update, computed if contributes else None, contributes, timing)
@@ -319,9 +320,9 @@ class Trainer:
             grads = self.program.add(own.grads, grads)
             sums = [[*self.own_work[0], float(own.loss) * self.cfg.data.batch_size]]
         jax.block_until_ready(grads)
-        per_row = np.concatenate([np.asarray(x) for x in per_row])  # type: ignore[assignment]
+        row_losses = np.concatenate([np.asarray(x) for x in per_row])
         ends = np.cumsum([b - a for _, a, b in rest])
-        sums += [[s, a, b, float(per_row[end - (b - a) : end].sum())] for (s, a, b), end in zip(rest, ends)]  # type: ignore[attr-defined]
+        sums += [[s, a, b, float(row_losses[end - (b - a) : end].sum())] for (s, a, b), end in zip(rest, ends)]
         return Computed(
             sum(x[3] for x in sums) / row_count(work),
             grads,
@@ -495,7 +496,8 @@ class Trainer:
         the checkpoint `checkpoint.init_from`; the model state and step counter stay the seed's.
         InitCheckpointError (exit 2) if it is not of this model, before any array is read."""
         c = self.cfg.checkpoint
-        loaded = load_init(c.init_from, self.abstract, opt=c.init_opt, model=self.cfg.model)  # type: ignore[arg-type]
+        assert c.init_from is not None  # (called only with checkpoint.init_from)
+        loaded = load_init(c.init_from, self.abstract, opt=c.init_opt, model=self.cfg.model)
         # a fresh optimizer state is made for the loaded parameters: an optimizer's may depend on them
         opt = loaded["opt"] if "opt" in loaded else self.program.opt_init(loaded["params"])
         self.state = {**self.state, "params": loaded["params"], "opt": opt}
