@@ -62,7 +62,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ftjax.base.batches import for_others
 from ftjax.launch.fault_plan import FaultPlan, Injection, Partition
@@ -81,6 +81,9 @@ from ftjax.runs.events import (
 )
 from ftjax.runs.jsonl import parse_jsonl
 from ftjax.runs.lifecycle import Lifecycle, Phase
+
+if TYPE_CHECKING:  # (the virtual cluster's module is loaded only by a job that has one)
+    from ftjax.launch.vcluster import VirtualCluster
 
 POLL_S = 0.1
 
@@ -344,9 +347,11 @@ class Supervisor:
         """Start everything and supervise until every replica ended; True when all finished."""
         deadline = time.monotonic() + self.timeout_s
         self.job.start_coordinator()
+        coordinator = self.job.coordinator
+        assert coordinator is not None  # (just started)
         self._log(
             LauncherEvent.COORDINATOR_STARTED,
-            pid=self.job.coordinator.pid,  # type: ignore[union-attr]
+            pid=coordinator.pid,
             grpc=self.job.coordinator_address,
             http=self.job.coordinator_http,
         )
@@ -536,10 +541,12 @@ class Supervisor:
                 self._start(s.replica)
         if self.coordinator_down_since is not None and now >= self.coordinator_down_since + self.restart_delay_s:
             self.job.restart_coordinator()
+            coordinator = self.job.coordinator
+            assert coordinator is not None  # (just started)
             self.coordinator_down_since = None
             self._log(
                 LauncherEvent.COORDINATOR_STARTED,
-                pid=self.job.coordinator.pid,  # type: ignore[union-attr]
+                pid=coordinator.pid,
                 grpc=self.job.coordinator_address,
                 http=self.job.coordinator_http,
             )
@@ -659,7 +666,8 @@ class Supervisor:
             elif is_hung(
                 now, last := _silent_since(s), [o.recent_steps for o in peers if o.alive], self.hang_timeout_s
             ):
-                self._hung(s, now, f"no record for {now - last:.1f} s while peers trained")  # type: ignore[operator]
+                silent = now - cast(float, last)  # (is_hung holds only for a replica with a record)
+                self._hung(s, now, f"no record for {silent:.1f} s while peers trained")
             else:  # the clock's transition: training -> stalled (ftjax.runs.lifecycle, the stall rule)
                 s.state = s.lifecycle.phase_at(now, median_step_s)
             if s.lifecycle.waiting_for_state and self._job_over_for(s):
@@ -704,16 +712,22 @@ class Supervisor:
             self.coordinator_kills.pop(0)
             self._log(LauncherEvent.FAULT, kind="kill_coordinator", step=self.job_view()["step"])
             self.coordinator_killed = True
-            self.job.procs.kill(self.job.coordinator)  # type: ignore[arg-type]
+            if self.job.coordinator is not None:
+                self.job.procs.kill(self.job.coordinator)
         for h in list(self.hangs):
             s = self.status[h.replica]
             if t >= h.after_s and s.state is Phase.TRAINING:
                 self.hangs.remove(h)
                 self._log(LauncherEvent.FAULT, kind="hang", replica=h.replica, step=s.step)
-                for p in self.job.hosts[h.replica]:  # type: ignore[assignment]
-                    self.job.procs.kill(p, signal.SIGSTOP)  # type: ignore[arg-type]
+                for proc in self.job.hosts[h.replica]:
+                    self.job.procs.kill(proc, signal.SIGSTOP)
         if self.next_random_kill is not None and now >= self.next_random_kill:
             self._random_kill(now)
+
+    def _cluster(self) -> VirtualCluster:
+        """The virtual cluster, which a --partition needs (the plan's check refuses one without it)."""
+        assert self.job.cluster is not None, "--partition needs --virtual-cluster"
+        return self.job.cluster
 
     def _cut(self, p: Partition, now: float) -> None:
         hosts = self.job.host_names(p.replica) if p.host is None else [self.job.host_name(p.replica, p.host)]
@@ -731,7 +745,7 @@ class Supervisor:
         )
         fresh = [h for h in hosts if h not in self.cut_since]  # (others are cut by an overlapping window)
         self.cut_since.update((h, now) for h in fresh)
-        self.job.cluster.cut(fresh)  # type: ignore[union-attr]
+        self._cluster().cut(fresh)
         self.status[p.replica].cut = True
         self.cuts.append((p, hosts, now + p.seconds, number))
 
@@ -745,7 +759,7 @@ class Supervisor:
             still_cut = {h for c in self.cuts for h in c[1]}
             back = [h for h in hosts if h not in still_cut]
             if back:
-                self.job.cluster.restore(back)  # type: ignore[union-attr]
+                self._cluster().restore(back)
             s = self.status[p.replica]
             s.cut = any(c[0].replica == p.replica for c in self.cuts)
             if back:
@@ -784,4 +798,5 @@ class Supervisor:
         r = self.rng.randrange(len(self.status))
         self._log(LauncherEvent.FAULT, kind="random_kill", replica=r, step=self.status[r].step)
         self._kill(r, "random_kill")
-        self.next_random_kill = now + self.rng.expovariate(1.0 / self.plan.mtbf_s)  # type: ignore[operator]
+        assert self.plan.mtbf_s is not None  # (random kills only with --mtbf-s)
+        self.next_random_kill = now + self.rng.expovariate(1.0 / self.plan.mtbf_s)
