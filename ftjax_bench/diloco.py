@@ -19,6 +19,7 @@ element when streaming); and the final losses.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -26,6 +27,14 @@ from pathlib import Path
 
 from ftjax.runs.jsonl import read_jsonl
 from ftjax_bench import common
+
+
+def job_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags `_job` reads besides --replicas (ftjax bench diloco's and ftjax bench overlap's)."""
+    p.add_argument("--virtual-cluster", action="store_true", help="each replica on a virtual host of its own")
+    p.add_argument("--bandwidth-mbit", type=float, default=100.0, help="with --virtual-cluster: every link's cap")
+    p.add_argument("--timeout", type=float, default=900, help="seconds, limit for each job")
+    p.add_argument("--out", default=None, help="keep the runs here")
 
 
 def _job(config: str, overrides: list[str], out: Path, args, timeout: float) -> list[list[dict]]:
@@ -81,10 +90,7 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--fragments", type=int, default=4, help="streaming_diloco's fragments")
     p.add_argument("--warmup", type=int, default=1, help="steps (rounds) of each job not timed (compiles)")
-    p.add_argument("--virtual-cluster", action="store_true", help="each replica on a virtual host of its own")
-    p.add_argument("--bandwidth-mbit", type=float, default=100.0, help="with --virtual-cluster: every link's cap")
-    p.add_argument("--timeout", type=float, default=900, help="seconds, limit for each job")
-    p.add_argument("--out", default=None, help="keep the runs here")
+    job_arguments(p)
     a = p.parse_args(argv)
     per_round = a.inner // (a.fragments if a.sync == "streaming_diloco" else 1)
     if a.steps % per_round or a.steps // per_round <= a.warmup:

@@ -24,7 +24,7 @@ import json
 import statistics
 
 from ftjax_bench import common
-from ftjax_bench.diloco import _figures, _job
+from ftjax_bench.diloco import _figures, _job, job_arguments
 
 
 def _why(records: list[dict], n: int, tau: int) -> dict:
@@ -49,10 +49,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--fragments", type=int, default=4, help="streaming fragments (ft.fragments)")
     p.add_argument("--tau", type=int, default=1, help="ft.fragment_sync_delay of jobs (b) and (c)")
     p.add_argument("--warmup", type=int, default=2, help="rounds of each job not timed (compiles)")
-    p.add_argument("--virtual-cluster", action="store_true", help="each replica on a virtual host of its own")
-    p.add_argument("--bandwidth-mbit", type=float, default=100.0, help="with --virtual-cluster: every link's cap")
-    p.add_argument("--timeout", type=float, default=900, help="seconds, limit for each job")
-    p.add_argument("--out", default=None, help="keep the runs here")
+    job_arguments(p)
     a = p.parse_args(argv)
     n = a.inner // a.fragments
     if a.rounds <= a.warmup or not 1 <= a.tau < n:
