@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/ftjax demo
 
-# Everything: tests/unit, tests/integration, tests/cluster (ruff check and format among the unit tests).
+# Everything: tests/unit, tests/integration, tests/cluster (ruff check and format among the unit tests),
+# a test file at a time on each of TEST_WORKERS workers (pytest-xdist; TEST_WORKERS=0: one process).
+TEST_WORKERS ?= 3
 test: venv
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # The fast loop: pure functions and fakes, no process (under a minute).
 test-unit: venv
