@@ -291,7 +291,7 @@ def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_wh
     # ends with the job's state (digests equal, above). Whether it trains steps of its own before the
     # job ends is a race between its start (two processes compiling: 50-110 s on a busy 2-core
     # machine) and replica 0's remaining steps, so what it trains is checked, not that it trains:
-    # every row count at full degree (8 of 16), and the job's last step if it rejoined before it.
+    # every row count at full degree (8 of 16), and the job's last step once it trains.
     (left,) = _events(run, "replica_down", replica=1, cause="left")
     assert left["codes"] == [76]  # EXIT_LEFT: it left at a step boundary when asked
     whole = _events(run, "replica_started", replica=1, reduced=False)[-1]
@@ -299,8 +299,12 @@ def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_wh
     trained = [m for m in run.metrics(1) if m.get("committed") and m.get("work") and m["time"] > rejoins[1]["time"]]
     rows = [sum(b - a for who, _, a, b in m["work"] if who == 1) for m in trained]
     assert all(n in (0, 8) for n in rows), rows  # (0: a step it healed into)
-    if rejoins[1]["at_step"] < 160:
-        assert trained and trained[-1]["step"] == 160 and rows[-1] == 8, (rejoins[1], rows)
+    # Rejoined at step k, it joins the first quorum formed after that; the one of step k + 1 may
+    # already have formed without it (rejoined at 159 of 160 with two more tests beside it: it
+    # trained nothing). Back well before the end, it trains on to the job's last step.
+    if trained:
+        assert trained[-1]["step"] == 160 and rows[-1] == 8, (rejoins[1], rows)
+    assert trained or rejoins[1]["at_step"] > 150, (rejoins[1], rows)
     assert s["replicas"]["0"]["restarts"] == 0
     # replica 0's stalls while replica 1 goes reduced and trains reduced, to the host's return. (The
     # whole incarnation's join afterwards is a restart's join, issue 14's test; on a 2-core machine
