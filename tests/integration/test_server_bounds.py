@@ -316,6 +316,9 @@ def test_slow_drip_clients_cannot_starve_a_normal_request(make_server):
     make, stack = make_server
     header_s = 6.0
     server = make(idle_timeout_s=3.0, header_timeout_s=header_s)  # (a byte every 0.1 s: never idle)
+    # (before the connections: the server's header deadline runs from its accept, which may come
+    # before a `t0` taken after connect returns; that one read 5.997 s once)
+    t0 = time.monotonic()
     conns = [socket.create_connection(split_address(server.address), timeout=10) for _ in range(N_DRIP)]
     for s in conns:
         stack.callback(s.close)
@@ -334,7 +337,6 @@ def test_slow_drip_clients_cannot_starve_a_normal_request(make_server):
             if stop.wait(0.1) or len(dropped) == N_DRIP:
                 return
 
-    t0 = time.monotonic()
     dripper = threading.Thread(target=drip, daemon=True)
     dripper.start()
     stack.callback(dripper.join, 10)

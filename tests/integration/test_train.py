@@ -2,9 +2,8 @@
 
 import json
 import os
-import resource
-import signal
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -147,15 +146,21 @@ def test_resume_of_a_run_with_no_checkpoint_is_refused_and_says_where_it_looked(
     assert (out / "metrics.jsonl").read_bytes() == before  # nothing trained, nothing appended
 
 
-def _limited_files(limit: int):
-    """A child's files can grow to `limit` bytes only: a longer write fails with EFBIG ("File too
+# The limit is set by a small launcher that then execs the command, not in a preexec_fn: that makes
+# subprocess fork() this test process, and where an earlier test of this worker left gRPC threads
+# (a coordinator served in-process), gRPC's fork handlers restarted its poller in the child, which
+# aborted on a descriptor subprocess had closed before the exec (SIGABRT, "epoll_wait error: Bad
+# file descriptor"). An ignored SIGXFSZ and the limit both hold across exec.
+_LIMITED = (
+    "import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+def _limited_files(limit: int, argv: list[str]) -> list[str]:
+    """`argv` whose files can grow to `limit` bytes only: a longer write fails with EFBIG ("File too
     large"; SIGXFSZ ignored), as on a full disk, deterministically and without a mount."""
-
-    def apply():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return apply
+    return [sys.executable, "-c", _LIMITED, str(limit), *argv]
 
 
 @pytest.mark.parametrize(
@@ -171,8 +176,7 @@ def test_a_write_that_fails_is_one_line_naming_the_path(tmp_path, limit, overrid
     the file and the setting at fault; orbax's tracebacks (~470 lines) and ours are off the terminal."""
     out = tmp_path / "run"
     r = subprocess.run(
-        [*FTJAX, "train", TINY, "--out", str(out), *overrides],
-        preexec_fn=_limited_files(limit),
+        _limited_files(limit, [*FTJAX, "train", TINY, "--out", str(out), *overrides]),
         cwd=tmp_path,
         capture_output=True,
         text=True,
