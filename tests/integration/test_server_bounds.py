@@ -283,6 +283,11 @@ def test_connections_beyond_the_cap_are_refused_without_a_thread(make_server):
             time.sleep(0.05)
 
 
+def request_threads() -> set[threading.Thread]:
+    """The live threads serving a request (`ThreadingHTTPServer` names each for its target)."""
+    return {t for t in threading.enumerate() if "process_request_thread" in t.name}
+
+
 def test_complete_requests_beyond_the_cap_are_refused_without_a_thread():
     # `max_connections` bounds the requests served at once: with its one slot held by a fetch
     # waiting for an offer, a second complete request is answered 503 at once, without a thread.
@@ -294,11 +299,15 @@ def test_complete_requests_beyond_the_cap_are_refused_without_a_thread():
         while server.server.offered("peer"):  # until its request, in a handler, asks for a fresher one
             assert time.monotonic() < deadline, "the fetch's request was never served"
             time.sleep(0.01)
-        baseline = threading.active_count()
+        # (the server's own request threads, not the process's: a test worker runs threads of its own)
+        baseline = request_threads()
+        assert len(baseline) == 1, f"the waiting fetch should hold the one slot: {baseline}"
         with socket.create_connection(split_address(server.address), timeout=10) as s:
             s.sendall(b"GET /snapshot/manifest?key=peer HTTP/1.0\r\n\r\n")
-            assert s.recv(4096).startswith(b"HTTP/1.0 503")
-        assert threading.active_count() <= baseline
+            answer = s.recv(4096)
+            assert answer.startswith(b"HTTP/1.0 503"), answer[:200]
+            started = request_threads() - baseline
+        assert not started, f"a request beyond the cap was given a thread: {started}"
         server.offer({"a": np.full(1000, ord("a"), np.uint8)})
         assert waiting.done.wait(30) and waiting.error is None, waiting.error
     finally:
