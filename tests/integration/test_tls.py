@@ -57,15 +57,21 @@ def certs(tmp_path_factory) -> dict[str, TLS]:
     }
 
 
-def member(address: str, tls: TLS | None) -> CoordinatorClient:
+def member(address: str, tls: TLS | None, *, heartbeats: bool = False) -> CoordinatorClient:
+    """A member; `heartbeats` as a replica sends them (one that asks for a quorum and then stays
+    silent a heartbeat timeout is dead, and its request goes unanswered: the first quorum forms a
+    heartbeat timeout after the coordinator's start, so on a busy machine that raced it)."""
     info = MemberInfo("0", "incarnation", 1, ("127.0.0.1:1",), ("127.0.0.1:2",), "fingerprint")
-    return CoordinatorClient(address, TOKEN, info, quorum_timeout_s=60, tls=tls)
+    client = CoordinatorClient(address, TOKEN, info, quorum_timeout_s=60, tls=tls)
+    if heartbeats:
+        client.start()
+    return client
 
 
 def test_coordinator_over_tls_takes_the_right_ca_and_refuses_the_others(certs):
     with CoordinatorServer(Settings(min_replicas=1), TOKEN, http_port=None, tls=certs["good"]) as server:
         assert speaks_tls(*split_address(server.address), timeout_s=10)
-        client = member(server.address, certs["good"])
+        client = member(server.address, certs["good"], heartbeats=True)
         try:
             assert client.quorum_async(0, 0, True).result(30).quorum_id == 1
         finally:
@@ -88,7 +94,7 @@ def test_coordinator_over_tls_takes_the_right_ca_and_refuses_the_others(certs):
 def test_a_plain_coordinator_is_not_taken_for_a_tls_one(certs):
     with CoordinatorServer(Settings(min_replicas=1), TOKEN, http_port=None) as server:
         assert not speaks_tls(*split_address(server.address), timeout_s=10)
-        client = member(server.address, None)
+        client = member(server.address, None, heartbeats=True)
         try:
             assert client.quorum_async(0, 0, True).result(30).quorum_id == 1
         finally:
