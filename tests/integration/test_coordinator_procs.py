@@ -175,7 +175,6 @@ def test_hung_replica_is_out_at_the_heartbeat_timeout_and_heals_when_it_wakes_up
     # the last step it held before it was out, counting those printed only after the wake-up
     before = max(e["step"] for e in c.seen if e["event"] == "quorum" and e["quorum_id"] < q["quorum_id"])
     assert back["step"] > before and back["asked_step"] <= before + 1, (before, back)
-    assert back["quorum_id"] > q["quorum_id"]
 
 
 def test_coordinator_restart_mid_run_loses_nothing(job):
