@@ -4,6 +4,16 @@ import sys
 
 import pytest
 
+# The suite's models are tiny, so its time is mostly XLA compiling them, and on CPU most of that is
+# LLVM optimising code that then runs for milliseconds. Compiling at backend optimisation level 0
+# cut a compile-bound test by a quarter, and a fresh machine (cold compilation cache) with both
+# cores busy took the suite over 30 minutes at the default level (docs/dev/testing.md). Every
+# process of the suite inherits the flag (limited_env keeps XLA_FLAGS), so what a test compares was
+# compiled alike; the level enters the cache key, so no entry of another level is read. A user's
+# run, `ftjax demo` and the benchmarks keep XLA's default. Set XLA_FLAGS to choose otherwise.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
 # Tests import ftjax before JAX: give this process (and every child, through limited_env) one
 # compute thread and a few simulated CPU devices.
 from ftjax.base.env import configure_process
