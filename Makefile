@@ -21,7 +21,7 @@ demo: venv
 # a test file at a time on each of TEST_WORKERS workers (pytest-xdist; TEST_WORKERS=0: one process).
 TEST_WORKERS ?= 3
 test: venv
-	$(VENV)/bin/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(VENV)/bin/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The fast loop: pure functions and fakes, no process (under a minute).
 test-unit: venv

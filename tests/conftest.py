@@ -56,3 +56,30 @@ def procs():
     """Start real child processes; every one is SIGKILLed at teardown, also when the test fails."""
     with ProcessGroup() as group:
         yield group
+
+
+# --- the order of the files -----------------------------------------------------------------------
+# `make test` hands a test file at a time to each worker (xdist --dist loadfile, in collection order:
+# --no-loadscope-reorder). xdist's own order, most tests first, left the files of one or two
+# minute-long tests to the end, where one worker ran them while the others had finished. Heaviest
+# first (longest-processing-time scheduling) ends the run on the short files instead. The costs are
+# a hogged run's seconds per file (tests/costs.json, written by scripts/test_costs.py from a JUnit
+# report); a file not in it counts as a middling one. Within a file, the order stays as written.
+_COSTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "costs.json")
+_UNRECORDED_S = 10.0
+
+
+def heaviest_first(items: list, costs: dict[str, float], nodeid=lambda item: item.nodeid) -> None:
+    """Sort `items` in place by their file's cost, heaviest first; a stable sort keeps each file's order."""
+    items.sort(key=lambda item: -costs.get(nodeid(item).split("::", 1)[0], _UNRECORDED_S))
+
+
+def pytest_collection_modifyitems(config, items):
+    import json
+
+    try:
+        with open(_COSTS) as f:
+            costs = json.load(f)["seconds"]
+    except FileNotFoundError:
+        return
+    heaviest_first(items, costs)
