@@ -84,7 +84,11 @@ def test_restarted_replica_catches_up_without_stalling_the_other(tmp_path, procs
     gaps = [(b - a) for a, b in zip(times, times[1:])]
     window = [g for (a, g) in zip(times, gaps) if started["time"] - 2 <= a <= done["time"] + 2]
     median = sorted(gaps[5:])[len(gaps[5:]) // 2]
-    assert window and max(window) <= 1.5 * median + 0.5, (max(window), median)
+    # A survivor that waited would stall for the newcomer's restart (its process starting, importing,
+    # loading its executables: 10 s in a hogged run). Its first steps with the newcomer do cost more,
+    # a new FTAR peer whose process is still busy on the same cores: 1.06 s against a 0.33 s median
+    # with both cores hogged, over 1.5 medians + 0.5 s; hence 2 medians + 1 s.
+    assert window and max(window) <= 2 * median + 1.0, (max(window), median)
     # its data stream neither repeats nor skips: batches resume where the coordinator says
     s1 = records(job.replica_dir(1))[0]
     ids = [s["batch_id"] for s in s1 if s["batch_id"] is not None]
