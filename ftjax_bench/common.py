@@ -44,6 +44,15 @@ def run_directory(name: str, out: str | None) -> Iterator[Path]:
         yield path
 
 
+@contextmanager
+def phase(name: str, what: str) -> Iterator[None]:
+    """One line on stderr when `what` (a run of the benchmark) ends, with its seconds: a benchmark
+    cut off by a caller's limit then says which of its runs it had finished, and how fast."""
+    began = time.perf_counter()
+    yield
+    print(f"ftjax bench {name}: {what}: {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+
+
 def best_time(f, reps: int = 5) -> float:
     """The fastest of `reps` timed calls of `f` after one untimed call (compile, warm caches), each
     waiting for the arrays `f` returns (JAX dispatches asynchronously)."""

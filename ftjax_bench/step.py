@@ -215,23 +215,26 @@ def main(argv: list[str]) -> int:
         return 2
     with common.run_directory("step", args.out) as out:
         cpus = core_sets(args.pin_cores)
-        ft_run, replica_cores = run_ft(args.config, overrides, out / "ft", args.timeout, cpus)
+        with common.phase("step", "(a) FT-HSDP"):
+            ft_run, replica_cores = run_ft(args.config, overrides, out / "ft", args.timeout, cpus)
         ft = _median_step(ft_run / "metrics.jsonl", args.warmup)
         checksum, sha256 = _digest_costs(ft_run, args.warmup)
         serial_run = serial = None
         if not args.no_serial:
             serial_overrides = [*overrides, "ft.grad_path=serial"]
-            serial_run, _ = run_ft(args.config, serial_overrides, out / "ft-serial", args.timeout, cpus)
+            with common.phase("step", "(d) FT-HSDP, serial gradient path"):
+                serial_run, _ = run_ft(args.config, serial_overrides, out / "ft-serial", args.timeout, cpus)
             serial = _median_step(serial_run / "metrics.jsonl", args.warmup)
-        alone = _median_step(
-            run_standalone(args.config, [*overrides, "ft.replicas=1"], devices, out, args.timeout, cpus), args.warmup
-        )
+        with common.phase("step", "(c) standalone"):
+            standalone = run_standalone(args.config, [*overrides, "ft.replicas=1"], devices, out, args.timeout, cpus)
+        alone = _median_step(standalone, args.warmup)
         sync = None
         if not args.no_sync:
-            sync = _median_step(
-                run_sync(args.config, [*overrides, "ft.replicas=1"], cfg.data.batch_size, devices, out, args.timeout),
-                args.warmup,
-            )
+            with common.phase("step", "(b) synchronous HSDP"):
+                sync_run = run_sync(
+                    args.config, [*overrides, "ft.replicas=1"], cfg.data.batch_size, devices, out, args.timeout
+                )
+            sync = _median_step(sync_run, args.warmup)
         record = {
             "bench": "step",
             "config": args.config,

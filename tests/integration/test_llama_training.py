@@ -254,6 +254,7 @@ def test_launch_llama_tiny_with_kills_in_ftar_and_in_catchup_ends_equal_exactly_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # its own bound below: 64 s quiet, 221-235 s in a hogged suite on a 2-core machine
 def test_bf16_compute_ends_within_2_percent_of_float32_over_300_steps(tmp_path):
     """Issue 28: llama_tiny trained 300 steps with bfloat16 compute and with float32 compute (the
     ~150M config would take hours on this CPU): final losses (mean of the last 10 steps) within 2%;
@@ -261,7 +262,7 @@ def test_bf16_compute_ends_within_2_percent_of_float32_over_300_steps(tmp_path):
     plot = tmp_path / "curves.png"
     done = subprocess.run(
         [sys.executable, f"{REPO}/scripts/precision_curve.py", "llama_tiny", "--steps", "300", "--plot", str(plot)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=560,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
