@@ -57,6 +57,7 @@ def start_coordinator(procs, tmp_path):
     return proc, json.loads(ready.read_text())["grpc"]
 
 
+@pytest.mark.timeout(300)  # 20,000 calls: 27 s quiet, 73-77 s in a hogged suite, past 120 s on a slower 2-core machine
 def test_coordinator_memory_stays_bounded_under_sustained_unary_calls(procs, tmp_path):
     # Every wrong-token call leaves ~30 objects in reference cycles (the abort's exception and
     # traceback), every valid one ~6 (grpc's handler lookup): with the collector off they were
