@@ -107,6 +107,23 @@ class Launch:
     def metrics(self, r: int) -> list[dict]:
         return read_jsonl(self.run_dir / f"replica-{r}" / "metrics.jsonl")
 
+    def waited(self, r: int, since: float | None = None, until: float = float("inf")) -> list[tuple[float, float]]:
+        """(time, seconds) that replica r waited for its peers in each step ending in [since, until]
+        (`since`: the run's warm time, as the summary's): the gap since its previous committed step
+        less its own compute and commit. On a 2-core machine a restarting replica's import and
+        compile, or the other tests, take a core from r, so r's own compute and digest slow too
+        (a 2.07 s digest once, quiet): that is load, not waiting for a peer."""
+        if since is None:
+            from ftjax.runs.summary import load_run, warm_time
+
+            since = warm_time(load_run(self.run_dir))
+        steps = [m for m in self.metrics(r) if m.get("committed") and "event" not in m]
+        return [
+            (b["time"], round(b["time"] - a["time"] - b["compute_s"] - b["commit_s"], 3))
+            for a, b in zip(steps, steps[1:])
+            if since <= b["time"] <= until
+        ]
+
     def pids(self) -> set[int]:
         return job_pids(self.run_dir)
 

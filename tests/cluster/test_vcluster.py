@@ -186,19 +186,6 @@ def _events(run, name, **match):
     return [e for e in run.events() if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
 
 
-def _waited(run, r: int, since: float, until: float = float("inf")) -> list[tuple[float, float]]:
-    """What replica r waited for its peers in each step ending in [since, until]: the gap since its
-    previous committed step less its own compute and commit. (On this 2-core machine a restarting
-    replica's import and compile take a core from r, so r's compute slows too: that is load, not
-    waiting for a peer, and the tests' margins must hold under load.)"""
-    steps = [m for m in run.metrics(r) if m.get("committed") and "event" not in m]
-    return [
-        (b["time"], round(b["time"] - a["time"] - b["compute_s"] - b["commit_s"], 3))
-        for a, b in zip(steps, steps[1:])
-        if since <= b["time"] <= until
-    ]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("hosts", [1, 2])
 def test_one_host_of_a_replica_killed_at_step_30_on_a_virtual_cluster(launch, namespaces, hosts):
@@ -230,7 +217,7 @@ def test_one_host_of_a_replica_killed_at_step_30_on_a_virtual_cluster(launch, na
     assert s["replicas"]["1"]["restarts"] == 1 and s["replicas"]["0"]["restarts"] == 0
     _check_no_leftovers(run)
     assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
-    waited = _waited(run, 0, since=warm_time(load_run(run.run_dir)))
+    waited = run.waited(0)
     assert max(w for _, w in waited) <= 1.5 * s["median_step_s"] + 0.5, (waited, s)
     # the launcher's view reads the coordinator's status page inside the cluster's network
     out = (run.run_dir.parent / f"{run.run_dir.name}.out").read_text()
@@ -316,7 +303,7 @@ def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_wh
     # committed too; how many more (the reduced start and catch-up) is the machine's speed: CI's had 19.
     # Replica 0's records of the last one or two may land after the launcher logs the host's return.
     assert len(during) >= 10 - 2 and round(median, 4) == s["median_step_s"]
-    waited = _waited(run, 0, since=down["time"], until=back)
+    waited = run.waited(0, since=down["time"], until=back)
     assert len(waited) == len(during) and max(w for _, w in waited) <= 1.5 * median + 0.5, (waited, s)
     _check_no_leftovers(run)
 

