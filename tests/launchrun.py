@@ -15,6 +15,7 @@ from conftest import REPO
 
 from ftjax.base.procs import ProcessGroup
 from ftjax.runs.jsonl import read_jsonl
+from ftjax.runs.summary import load_run, warm_time
 
 TINY = f"{REPO}/configs/tiny.yaml"
 
@@ -114,8 +115,6 @@ class Launch:
         compile, or the other tests, take a core from r, so r's own compute and digest slow too
         (a 2.07 s digest once, quiet): that is load, not waiting for a peer."""
         if since is None:
-            from ftjax.runs.summary import load_run, warm_time
-
             since = warm_time(load_run(self.run_dir))
         steps = [m for m in self.metrics(r) if m.get("committed") and "event" not in m]
         return [
