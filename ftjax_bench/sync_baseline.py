@@ -28,20 +28,28 @@ def run(cfg, out: Path) -> None:
 
     from ftjax.program.data import make_stream
     from ftjax.program.sharding import hsdp_mesh
-    from ftjax.program.step import build_program, device_batch
+    from ftjax.program.step import build_program, device_batch, lowered
+    from ftjax.runtime.host_group import JaxHostGroup
     from ftjax.runtime.metrics import MetricsLog
 
+    group = JaxHostGroup()
     program = build_program(cfg, mesh=hsdp_mesh(jax.devices(), cfg.mesh.hosts))
     stream = make_stream(cfg)
     log = MetricsLog(out, enabled=jax.process_index() == 0, total_steps=cfg.steps, label="sync HSDP")
     log.event("start", mesh=dict(program.mesh.shape), processes=jax.process_count())
-    state = program.init(np.int32(cfg.seed))
-    one = np.float32(1.0)
+    seed, one = np.int32(cfg.seed), np.float32(1.0)
+    # Everything compiles before anything runs, then the processes meet: gloo gives them 30 s to
+    # set up its context at the first collective, and one process's compile (or data) may take
+    # longer than the other's on a busy machine (as a replica's hosts meet, ftjax/runtime/replica.py).
+    init = lowered(program.init, seed).compile()
+    train_step = lowered(program.train_step, program.abstract_state(), program.example, one).compile()
+    group.meet("compiled")
+    state = init(seed)
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
         batch = device_batch(program, stream.batch(step - 1))
         t1 = time.perf_counter()
-        state, loss = program.train_step(state, batch, one)
+        state, loss = train_step(state, batch, one)
         loss = float(loss)
         t2 = time.perf_counter()
         log.log({"step": step, "loss": loss, "step_time_s": t2 - t0, "data_s": t1 - t0, "compute_s": t2 - t1})
