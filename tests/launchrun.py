@@ -60,15 +60,19 @@ def kill_groups(groups: set[int]) -> None:
 class Launch:
     """One `ftjax launch` process; `close()` makes sure neither it nor any of its children survives."""
 
-    def __init__(self, procs: ProcessGroup, args: list[str], run_dir: Path, plots: bool = False):
+    def __init__(
+        self, procs: ProcessGroup, args: list[str], run_dir: Path, plots: bool = False, env: dict | None = None
+    ):
         """`plots`: let the launcher draw its plots (~2 s of CPU at the end of every job, and no test
-        but one reads them: `--no-plots` otherwise)."""
+        but one reads them: `--no-plots` otherwise). `env`: variables of the launcher (and so of
+        its children) set apart from the suite's."""
         self.run_dir = run_dir
         self.log = open(run_dir.parent / f"{run_dir.name}.out", "w")
         self.proc = procs.start(
             [sys.executable, "-m", "ftjax", "launch", *args, *([] if plots else ["--no-plots"]), "--out", str(run_dir)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env=env,
         )
 
     def wait(self, timeout: float) -> int:

@@ -30,7 +30,7 @@ from ftjax.config import Config
 from ftjax.coordinator.types import QuorumResult
 from ftjax.program.digest import state_checksum
 from ftjax.program.sharding import describe, replica_mesh
-from ftjax.runs.events import ReplicaEvent, digest_fields, step_record
+from ftjax.runs.events import ReplicaEvent, StepField, digest_fields, step_record
 from ftjax.runtime import manager
 from ftjax.runtime import replica as rp
 from ftjax.runtime.args import RunArgs
@@ -78,6 +78,9 @@ class FaultTolerance(manager.FaultTolerance):
         self.faults, self.replica_id, self.fingerprint = faults, replica_id, fingerprint
         self.quorum_timeout_s, self.drain_timeout_s, self.replicas = quorum_timeout_s, drain_timeout_s, replicas
         self._t0 = time.perf_counter()
+        # when this step's quorum came and its averaging began and ended (perf_counter): the
+        # record's timings, as the built-in loop's (a peer's wait shows apart from the loop's own work)
+        self._at_quorum = self._at_average = self._averaged = 0.0
         self._asked = False
 
     @staticmethod
@@ -153,6 +156,7 @@ class FaultTolerance(manager.FaultTolerance):
         self._t0 = time.perf_counter()
         self.faults.point(self.step + 1, "forward")
         info = super().begin()
+        self._at_quorum = time.perf_counter()
         if info.catching_up:
             self.faults.point(info.step, "catchup")
         return info
@@ -170,7 +174,11 @@ class FaultTolerance(manager.FaultTolerance):
     def average(self, q: QuorumResult, update: PyTree | None) -> tuple[PyTree, dict | None]:
         """The core's `average`, after the `ftar` fault point."""
         self.faults.point(q.step + 1, "ftar")
-        return super().average(q, update)
+        self._at_average = time.perf_counter()
+        try:
+            return super().average(q, update)
+        finally:
+            self._averaged = time.perf_counter()
 
     def commit(
         self,
@@ -197,11 +205,26 @@ class FaultTolerance(manager.FaultTolerance):
             participants=len(q.participants),
             contributors=q.num_contributors,
             lr_scale=scale,
-            step_time_s=time.perf_counter() - self._t0,
+            step_time_s=(end := time.perf_counter()) - self._t0,
+            timings=self._timings(end),
             commit_failures=self.commit_failures,
         )
         self.records.log({**record, **digest_fields(self.last_digest, self.last_digest_s)})
         return applied
+
+    def _timings(self, end: float) -> dict[str, float] | None:
+        """The step's split (the built-in loop's fields): the quorum's wait from `begin`, the loop's
+        own work up to `average`, the averaging, then the vote, update and digest up to `end`. None
+        where the loop did not average since its quorum came (the stamps are an earlier step's)."""
+        t0, quorum, average, averaged = self._t0, self._at_quorum, self._at_average, self._averaged
+        if not t0 <= quorum <= average <= averaged <= end:
+            return None
+        return {
+            StepField.COMPUTE_S: average - quorum,
+            StepField.QUORUM_WAIT_S: quorum - t0,
+            StepField.FTAR_S: averaged - average,
+            StepField.COMMIT_S: end - averaged,
+        }
 
     def finish(self) -> int:
         """The loop trained every step: serve late peers (drain), write the summary. Returns 0."""

@@ -4,6 +4,7 @@ loop, through `ftjax.fit`, `ftjax train`/`launch` by import path, and `FaultTole
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -265,8 +266,12 @@ def test_an_own_loop_compiles_before_it_rejoins_so_its_peer_does_not_wait(tmp_pa
 
     args = [f"{REPO}/examples/own_loop.yaml", "--replicas", "2", "steps=3500", "--kill", "1@5:forward"]
     args += ["--restart-delay-s", "0.5", "--entry", f"python {REPO}/examples/own_loop.py"]
+    # the restarted replica compiles as a user's would: no cache to load from (filled, it loads the
+    # step in tenths of a second), at XLA's default level (the suite's level 0 compiles it in as little)
+    args += ["--compile-cache", "none"]
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
     with ProcessGroup() as procs:
-        run = Launch(procs, args, tmp_path / "run")
+        run = Launch(procs, args, tmp_path / "run", env={"XLA_FLAGS": flags})
         try:
             assert run.wait(600) == 0, run.output()
         finally:
@@ -275,8 +280,12 @@ def test_an_own_loop_compiles_before_it_rejoins_so_its_peer_does_not_wait(tmp_pa
     assert s["digests_equal"] and s["exactly_once"] and s["replicas"]["1"]["restarts"] == 1, json.dumps(s)[:2000]
     back = [r for r in run.metrics(1) if r.get("committed") and r.get("step", 0) > 5 and r.get("loss") is not None]
     assert len(back) >= 10, "the restarted replica contributed to too few steps to measure its rejoin"
-    print(f"own loop: healthy stall {s['max_healthy_stall_s']} s, median step {s['median_step_s']} s")
-    assert s["max_healthy_stall_s"] <= 1.5 * s["median_step_s"] + 0.5, s
+    # what the survivor waited for its peer in each step (at the quorum and at FTAR), not its gaps:
+    # load on its own work (a digest, a compute) is not the rejoin's; a script's records split their
+    # step as the built-in loop's do
+    waited = run.waited(0)
+    print(f"own loop: survivor waited at most {max(w for _, w in waited)} s, median step {s['median_step_s']} s")
+    assert max(w for _, w in waited) <= 1.5 * s["median_step_s"] + 0.5, (waited, s)
 
 
 def test_batch_statistics_are_detected_as_rows_that_interact():

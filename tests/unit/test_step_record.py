@@ -6,6 +6,7 @@ before, and the protocol's figures through the owner's public methods."""
 import json
 
 import numpy as np
+import pytest
 from fakes import Events, FakeQuorums, FakeReducer, FakeTransport, OneHost, participant, quorum
 
 from ftjax.runs.events import StepField, digest_fields, step_record
@@ -111,3 +112,54 @@ def test_a_standalone_owner_drains_without_a_peer_to_serve(tmp_path):
     ft.ask()
     ft.drain(replicas=1, timeout_s=5.0)  # returns: everyone (itself) holds the final state
     assert ft.log.kinds() == []
+
+
+def test_a_scripts_record_splits_its_step_as_the_built_in_loops_does(tmp_path):
+    """A script's step record carries the built-in loop's timings: the quorum's wait, the loop's own
+    work between `begin` and `average`, the averaging, the commit. A peer's wait then shows apart
+    from load on the replica's own work (tests/launchrun.py `Launch.waited`); before, a script's
+    record had the step's time alone."""
+    import time
+
+    from ftjax.runtime.faults import InjectedFaults
+    from ftjax.runtime.metrics import MetricsLog
+    from ftjax.runtime.script import FaultTolerance as ScriptFaultTolerance
+
+    a, b = participant("a", 0, 0), participant("b", 0, 0)
+    protocol = StepProtocol(
+        replica_id="a",
+        incarnation="a-inc",
+        group=OneHost(),
+        reducer=FakeReducer(),
+        transport=FakeTransport(),
+        quorums=FakeQuorums([quorum(1, 0, [a, b], "a"), quorum(2, 1, [a, b], "a")]),
+        buffer=ReplayBuffer(tmp_path / "replay", 8),
+        log=Events(),
+    )
+    log = MetricsLog(tmp_path, total_steps=1, label="script")
+    ft = ScriptFaultTolerance(
+        protocol,
+        faults=InjectedFaults(None),
+        replica_id="a",
+        fingerprint="f",
+        quorum_timeout_s=5.0,
+        drain_timeout_s=5.0,
+        replicas=2,
+        log=log,
+        apply=lambda s, u, scale: s - scale * u,
+        abstract_state=None,
+        digest_every=0,
+        steps=1,
+        batch_id=lambda position: position,
+    )
+    ft.init_state(np.ones(4, np.float32))
+    info = ft.begin()
+    time.sleep(0.05)  # the loop's own work: its gradients
+    update, error = ft.average(info.quorum, np.full(4, 2.0, np.float32))
+    assert ft.vote(info.quorum, error) and ft.commit(info.quorum, update, loss=1.0)
+    log.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (record,) = [r for r in records if r.get("step") == 1 and "event" not in r]
+    split = [record[f] for f in (StepField.COMPUTE_S, StepField.QUORUM_WAIT_S, StepField.FTAR_S, StepField.COMMIT_S)]
+    assert all(s >= 0 for s in split) and record[StepField.COMPUTE_S] >= 0.05, record
+    assert sum(split) == pytest.approx(record[StepField.STEP_TIME_S], abs=1e-6), record
