@@ -11,12 +11,13 @@ import pytest
 # process of the suite inherits the flag (limited_env keeps XLA_FLAGS), so what a test compares was
 # compiled alike; the level enters the cache key, so no entry of another level is read. A user's
 # run, `ftjax demo` and the benchmarks keep XLA's default. Set XLA_FLAGS to choose otherwise.
+SUITE_XLA_LEVEL = "--xla_backend_optimization_level=0"  # (a test that compiles as a user's would removes it)
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SUITE_XLA_LEVEL).strip()
 
 # Tests import ftjax before JAX: give this process (and every child, through limited_env) one
 # compute thread and a few simulated CPU devices.
-from ftjax.base.env import configure_process
+from ftjax.base.env import configure_process  # noqa: E402
 
 configure_process(device_count=int(os.environ.get("FTJAX_TEST_DEVICES", "4")))
 

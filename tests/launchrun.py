@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO
 
 from ftjax.base.procs import ProcessGroup
+from ftjax.runs.events import is_step
 from ftjax.runs.jsonl import read_jsonl
 from ftjax.runs.summary import load_run, warm_time
 
@@ -120,7 +121,7 @@ class Launch:
         (a 2.07 s digest once, quiet): that is load, not waiting for a peer."""
         if since is None:
             since = warm_time(load_run(self.run_dir))
-        steps = [m for m in self.metrics(r) if m.get("committed") and "event" not in m]
+        steps = [m for m in self.metrics(r) if is_step(m) and m["committed"]]
         return [
             (b["time"], round(b["time"] - a["time"] - b["compute_s"] - b["commit_s"], 3))
             for a, b in zip(steps, steps[1:])

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import FTJAX, REPO
+from conftest import FTJAX, REPO, SUITE_XLA_LEVEL
 from launchrun import Launch
 
 USER = f"{REPO}/tests/usertasks/scaled_ce.yaml"
@@ -269,7 +269,7 @@ def test_an_own_loop_compiles_before_it_rejoins_so_its_peer_does_not_wait(tmp_pa
     # the restarted replica compiles as a user's would: no cache to load from (filled, it loads the
     # step in tenths of a second), at XLA's default level (the suite's level 0 compiles it in as little)
     args += ["--compile-cache", "none"]
-    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "")
+    flags = os.environ.get("XLA_FLAGS", "").replace(SUITE_XLA_LEVEL, "")
     with ProcessGroup() as procs:
         run = Launch(procs, args, tmp_path / "run", env={"XLA_FLAGS": flags})
         try:

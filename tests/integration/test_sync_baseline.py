@@ -1,7 +1,6 @@
 """The synchronous HSDP baseline of `ftjax bench step` (ftjax_bench/sync_baseline.py), run as its
 two real processes."""
 
-import json
 import subprocess
 import textwrap
 
@@ -9,6 +8,8 @@ import pytest
 from conftest import REPO
 
 from ftjax.base.procs import ProcessGroup, free_port
+from ftjax.runs.events import is_step
+from ftjax.runs.jsonl import read_jsonl
 from ftjax.runtime.args import process_flags
 
 # Process 1 as `python -m ftjax_bench.sync_baseline` runs it, but 35 s slower between building its
@@ -48,6 +49,6 @@ def test_a_process_slower_by_more_than_gloos_30_s_does_not_fail_the_sync_baselin
         ]
         for i, p in enumerate(started):
             assert p.wait(timeout=360) == 0, f"process {i}:\n{logs[i].read_text()[-3000:]}"
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in records if "step" in r and "loss" in r]
+    records = read_jsonl(out / "metrics.jsonl")
+    steps = [r["step"] for r in records if is_step(r)]
     assert steps == [1, 2, 3], records

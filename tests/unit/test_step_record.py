@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from fakes import Events, FakeQuorums, FakeReducer, FakeTransport, OneHost, participant, quorum
 
-from ftjax.runs.events import StepField, digest_fields, step_record
+from ftjax.runs.events import StepField, digest_fields, is_step, step_record
+from ftjax.runs.jsonl import read_jsonl
 from ftjax.runtime.manager import FaultTolerance
 from ftjax.runtime.protocol import StepProtocol
 from ftjax.runtime.replay import ReplayBuffer
@@ -158,8 +159,7 @@ def test_a_scripts_record_splits_its_step_as_the_built_in_loops_does(tmp_path):
     update, error = ft.average(info.quorum, np.full(4, 2.0, np.float32))
     assert ft.vote(info.quorum, error) and ft.commit(info.quorum, update, loss=1.0)
     log.close()
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    (record,) = [r for r in records if r.get("step") == 1 and "event" not in r]
+    (record,) = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if is_step(r) and r["step"] == 1]
     split = [record[f] for f in (StepField.COMPUTE_S, StepField.QUORUM_WAIT_S, StepField.FTAR_S, StepField.COMMIT_S)]
     assert all(s >= 0 for s in split) and record[StepField.COMPUTE_S] >= 0.05, record
     assert sum(split) == pytest.approx(record[StepField.STEP_TIME_S], abs=1e-6), record
