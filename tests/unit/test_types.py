@@ -1,8 +1,8 @@
 """The type checker (issue 57): mypy, pinned in the dev extra and configured in pyproject.toml
 ([tool.mypy]), finds nothing in ftjax/ (`make lint` runs it too), and `Any` annotations stay few.
 
-mypy keeps its cache in .mypy_cache at the repository root: a warm run (nothing changed) takes about a
-second, a cold one (a fresh clone) tens of seconds (docs/dev/testing.md)."""
+mypy keeps its cache in ~/.cache/ftjax/mypy (pyproject.toml), valid for any clone of the same files:
+a warm run takes about a second, a cold one (a fresh machine) tens of seconds (docs/dev/testing.md)."""
 
 from __future__ import annotations
 
