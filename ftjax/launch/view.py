@@ -368,7 +368,8 @@ def print_summary(console: Console, summary: dict, run_dir: str) -> None:
     console.print(
         f"committed steps {summary['committed_steps']}/{summary['steps']}   failures {summary['failures']}   "
         f"wall {num('wall_s', '.1f')} s   ETTR {ettr}   median step {num('median_step_s', '.3f')} s   "
-        f"max healthy stall {num('max_healthy_stall_s', '.3f')} s   final loss {num('final_loss', '.4f')}"
+        f"max healthy stall {num('max_healthy_stall_s', '.3f')} s (waited {num('max_healthy_wait_s', '.3f')} s)   "
+        f"final loss {num('final_loss', '.4f')}"
     )
     equal = digests_verdict(summary)
     once = (

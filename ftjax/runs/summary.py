@@ -20,7 +20,11 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   is a gap, less the time its step spent computing rows of other replicas' batches (a constant
   global batch: the survivors compute an absent peer's rows, `work`), counted at the median rate
   of one batch (median_step_s / the batch's rows): that is work, not waiting. In an elastic run
-  a stall is the gap. `max_healthy_gap_s` is the largest gap itself.
+  a stall is the gap. `max_healthy_gap_s` is the largest gap itself. `max_healthy_wait_s` is the
+  largest *wait* of a replica that never failed: a gap less that replica's own computing and
+  committing in the step (`compute_s`, `commit_s` of its record), so its quorum wait, FTAR and the
+  time between steps; a machine's load on the replica's own work counts in its stall, not here
+  (null where no record splits its step).
 - **timeline**: each replica's lifecycle segments (`ftjax.runs.lifecycle`, the fold the launcher's live
   view uses too) over its records and the launcher's events about it: `starting` (process started,
   no own step yet), `training`, `stalled` (a gap between its own steps that breaks the stall rule:
@@ -194,15 +198,34 @@ def failed_replicas(run: Run) -> set[int]:
     }
 
 
+def _consecutive_steps(run: Run, r: int, t_warm: float) -> list[tuple[dict, dict]]:
+    """Pairs of consecutive committed step records of one incarnation of replica r, after warm-up."""
+    pairs = []
+    for inc in run.incarnations(r):
+        steps = [s for s in _steps(inc.records) if s.get(StepField.COMMITTED) and s[TIME] >= t_warm]
+        pairs += list(zip(steps, steps[1:]))
+    return pairs
+
+
 def step_gaps(run: Run, r: int, t_warm: float) -> list[tuple[float, float, int]]:
     """Gaps between consecutive committed steps of one incarnation of replica r, after warm-up: (the
     later step's time, the gap, the rows of other replicas' batches r computed in that step:
     a survivor computes an absent peer's rows with a constant global batch; 0 in an elastic run)."""
-    gaps = []
-    for inc in run.incarnations(r):
-        steps = [s for s in _steps(inc.records) if s.get(StepField.COMMITTED) and s[TIME] >= t_warm]
-        gaps += [(b[TIME], b[TIME] - a[TIME], taken_over(b, r)) for a, b in zip(steps, steps[1:])]
-    return gaps
+    return [(b[TIME], b[TIME] - a[TIME], taken_over(b, r)) for a, b in _consecutive_steps(run, r, t_warm)]
+
+
+def step_waits(run: Run, r: int, t_warm: float) -> list[tuple[float, float]]:
+    """(the later step's time, the wait) for each gap of `step_gaps` whose later record splits its
+    step (`compute_s` and `commit_s`: the built-in loop's records and a script's): the gap less the
+    replica's own computing and committing, so the time it spent waiting for its quorum, for FTAR
+    (its peers) and between steps. A loaded machine slows a replica's own computing and digest
+    (2 s for a 4 ms digest, once, on a busy 2-core machine): that counts in its stall, not here."""
+    waits = []
+    for a, b in _consecutive_steps(run, r, t_warm):
+        compute, commit = b.get(StepField.COMPUTE_S), b.get(StepField.COMMIT_S)
+        if isinstance(compute, (int, float)) and isinstance(commit, (int, float)):
+            waits.append((b[TIME], max(0.0, b[TIME] - a[TIME] - compute - commit)))
+    return waits
 
 
 def taken_over(step: dict, r: int) -> int:
@@ -222,6 +245,16 @@ def median_step(run: Run, t_warm: float | None) -> tuple[float | None, list[tupl
     median = statistics.median(pool)
     per_row = median / batch_rows(run) if batch_rows(run) else 0.0
     return median, [(t, g, g - extra * per_row) for r in healthy for t, g, extra in gaps[r]]
+
+
+def max_healthy_wait(run: Run, t_warm: float | None) -> float | None:
+    """`max_healthy_wait_s`: the largest `step_waits` wait of a replica that never failed (None when
+    every one failed, before warm-up, or when no record splits its step)."""
+    if t_warm is None:
+        return None
+    failed = failed_replicas(run)
+    waits = [w for r in range(run.replicas) if r not in failed for _, w in step_waits(run, r, t_warm)]
+    return round(max(waits), 4) if waits else None
 
 
 def batch_rows(run: Run) -> int:
@@ -635,6 +668,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "median_step_s": round(median_s, 4) if median_s is not None else None,
         "max_healthy_stall_s": round(max(stall for _, _, stall in healthy), 4) if healthy else None,
         "max_healthy_gap_s": round(max(gap for _, gap, _ in healthy), 4) if healthy else None,
+        "max_healthy_wait_s": max_healthy_wait(run, t_warm),
         "final_loss": round(loss, 5) if loss is not None else None,
         "digests_equal": len(set(digests)) == 1 and None not in digests,
         "digests_missing": [

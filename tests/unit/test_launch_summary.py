@@ -713,3 +713,31 @@ def test_a_summary_that_cannot_be_written_is_one_line_and_a_failed_launch(tmp_pa
     shown = console.file.getvalue()
     assert f"ftjax launch: cannot write {out / 'summary.json'} (No space left on device)" in shown, shown
     assert "committed steps 10/10" in shown and not (out / "summary.json").exists()
+
+
+def test_the_largest_wait_leaves_out_a_replicas_own_computing_and_committing(tmp_path):
+    """`max_healthy_wait_s`: replica 0's 0.6 s gap (step 6, at 111.1) was its own load, 0.5 s of
+    computing and a slow 0.05 s commit, and its 0.1 s gaps each hold a 0.03 s wait; one of them
+    (step 9) took 0.15 s, of which 0.08 s waiting for its peer. The stall counts the whole 0.6 s
+    gap, the wait only the 0.08 s. Replica 1 failed: its waits (0.1 s: its records say it computed
+    nothing) do not count. Records without the split give no wait."""
+    run_dir = make_run(tmp_path)
+    assert build_summary(run_dir)["max_healthy_wait_s"] is None  # (make_run's records have no split)
+    path = run_dir / "replica-0" / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    for rec in records:
+        if "step" in rec:
+            rec["compute_s"], rec["commit_s"] = (0.5, 0.05) if rec["step"] == 6 else (0.06, 0.01)
+    by_step = {rec["step"]: rec for rec in records if "step" in rec}
+    for k in range(9, 11):  # step 9 ends 0.05 s later: a wait for the peer
+        by_step[k]["time"] = round(by_step[k]["time"] + 0.05, 3)
+    _write(path, records)
+    r1 = run_dir / "replica-1" / "metrics.jsonl"
+    r1_records = [json.loads(line) for line in r1.read_text().splitlines()]
+    for rec in r1_records:
+        if "step" in rec:
+            rec["compute_s"], rec["commit_s"] = 0.0, 0.0  # its gaps would all be waits: it failed
+    _write(r1, r1_records)
+    s = build_summary(run_dir)
+    assert s["max_healthy_stall_s"] == pytest.approx(0.6)  # the loaded step
+    assert s["max_healthy_wait_s"] == pytest.approx(0.15 - 0.06 - 0.01)
