@@ -16,7 +16,7 @@ from conftest import REPO
 from ftjax.base.procs import ProcessGroup
 from ftjax.runs.events import is_step
 from ftjax.runs.jsonl import read_jsonl
-from ftjax.runs.summary import load_run, warm_time
+from ftjax.runs.summary import load_run, step_wait, warm_time
 
 TINY = f"{REPO}/configs/tiny.yaml"
 
@@ -122,11 +122,9 @@ class Launch:
         if since is None:
             since = warm_time(load_run(self.run_dir))
         steps = [m for m in self.metrics(r) if is_step(m) and m["committed"]]
-        return [
-            (b["time"], round(b["time"] - a["time"] - b["compute_s"] - b["commit_s"], 3))
-            for a, b in zip(steps, steps[1:])
-            if since <= b["time"] <= until
-        ]
+        waits = [(b["time"], step_wait(a, b)) for a, b in zip(steps, steps[1:]) if since <= b["time"] <= until]
+        assert all(w is not None for _, w in waits), "a step record without compute_s and commit_s"
+        return [(t, round(w, 3)) for t, w in waits]
 
     def pids(self) -> set[int]:
         return job_pids(self.run_dir)

@@ -220,12 +220,17 @@ def step_waits(run: Run, r: int, t_warm: float) -> list[tuple[float, float]]:
     replica's own computing and committing, so the time it spent waiting for its quorum, for FTAR
     (its peers) and between steps. A loaded machine slows a replica's own computing and digest
     (2 s for a 4 ms digest, once, on a busy 2-core machine): that counts in its stall, not here."""
-    waits = []
-    for a, b in _consecutive_steps(run, r, t_warm):
-        compute, commit = b.get(StepField.COMPUTE_S), b.get(StepField.COMMIT_S)
-        if isinstance(compute, (int, float)) and isinstance(commit, (int, float)):
-            waits.append((b[TIME], max(0.0, b[TIME] - a[TIME] - compute - commit)))
-    return waits
+    waits = [(b[TIME], step_wait(a, b)) for a, b in _consecutive_steps(run, r, t_warm)]
+    return [(t, w) for t, w in waits if w is not None]
+
+
+def step_wait(a: dict, b: dict) -> float | None:
+    """The wait of the gap between step records `a` and `b` of one replica: the gap less `b`'s own
+    `compute_s` and `commit_s` (None when `b` does not split its step)."""
+    compute, commit = b.get(StepField.COMPUTE_S), b.get(StepField.COMMIT_S)
+    if not (isinstance(compute, (int, float)) and isinstance(commit, (int, float))):
+        return None
+    return max(0.0, b[TIME] - a[TIME] - compute - commit)
 
 
 def taken_over(step: dict, r: int) -> int:
