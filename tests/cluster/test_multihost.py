@@ -215,6 +215,7 @@ def test_a_run_is_not_forced_onto_simulated_cpu_devices_nor_one_thread():
     assert run_env({**base, "JAX_PLATFORMS": "cuda"}, platform="auto")["JAX_PLATFORMS"] == "cuda"
 
 
+@pytest.mark.timeout(540)
 def test_a_platform_that_is_not_there_is_an_error_naming_it(tmp_path):
     env = {k: v for k, v in run_env().items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     r = subprocess.run(
@@ -553,6 +554,7 @@ def test_each_machine_advertises_the_address_of_its_route_to_the_coordinator(mac
             assert address == want and here == machines.address(machine), (machine, r.stdout)
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["ipv4", "ipv6"])
 def test_two_replicas_on_two_machines_train_and_end_equal(machines, family):

@@ -186,6 +186,7 @@ def _events(run, name, **match):
     return [e for e in run.events() if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.slow
 @pytest.mark.parametrize("hosts", [1, 2])
 def test_one_host_of_a_replica_killed_at_step_30_on_a_virtual_cluster(launch, namespaces, hosts):
@@ -224,6 +225,7 @@ def test_one_host_of_a_replica_killed_at_step_30_on_a_virtual_cluster(launch, na
     assert "coordinator not answering" not in out and "contributing" in out, out[-3000:]
 
 
+@pytest.mark.timeout(660)
 @pytest.mark.slow
 def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_whole(launch, namespaces):
     """Issue 18: 2 replicas x 2 hosts, constant global batch, `ft.on_host_loss: reduce`. Host 1 of
@@ -308,6 +310,7 @@ def test_a_replica_that_loses_a_host_trains_on_at_reduced_degree_then_returns_wh
     _check_no_leftovers(run)
 
 
+@pytest.mark.timeout(480)
 @pytest.mark.slow
 @pytest.mark.parametrize("decision", ["ring", "coordinator"])
 def test_a_partitioned_replica_commits_nothing_then_rejoins(launch, namespaces, decision):
@@ -352,6 +355,7 @@ def test_a_partitioned_replica_commits_nothing_then_rejoins(launch, namespaces, 
     assert code == 0 and s["digests_equal"] and s["exactly_once"], run.output()
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.slow
 def test_with_default_settings_a_cut_non_leader_host_stalls_the_healthy_replica_at_most_15_s(launch, namespaces):
     """Issue 26 item 5: 2 replicas x 2 hosts, every timeout at its default, host 1 of replica 1 cut off

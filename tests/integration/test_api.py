@@ -89,6 +89,7 @@ def test_fit_gives_the_losses_of_a_plain_jax_optax_loop(tmp_path):
     assert (tmp_path / "fit" / "metrics.jsonl").read_bytes() == before
 
 
+@pytest.mark.timeout(1560)
 def test_a_user_loss_weighs_every_row_own_and_covered(tmp_path):
     """Constant global batch, a user loss of 10 x cross-entropy: the rows a replica computes for a
     missing peer go through that loss too. Each step's per-stream loss sums of a run where replica 1
@@ -127,6 +128,7 @@ def test_a_user_loss_weighs_every_row_own_and_covered(tmp_path):
     assert want[(1, 0)] / 8 > 30  # 10 x a byte-level cross-entropy (about 5.5 at the start)
 
 
+@pytest.mark.timeout(660)
 @pytest.mark.parametrize(
     "task, says",
     [
@@ -158,6 +160,7 @@ def test_a_bad_task_is_one_clear_error_before_anything_starts(tmp_path, task, sa
     assert not (tmp_path / "l" / "replica-0").exists()  # refused before any replica started
 
 
+@pytest.mark.timeout(660)
 @pytest.mark.parametrize(
     "example, entry",
     [
@@ -193,6 +196,7 @@ def test_each_example_survives_a_kill_with_equal_digests_and_every_batch_once(tm
         assert set(rec["aux"]) == {"cross_entropy", "z_loss"}
 
 
+@pytest.mark.timeout(360)
 def test_a_parameter_the_mesh_cannot_split_is_one_line_naming_it(tmp_path):
     """A user's model whose width (34) the fsdp axis of 4 devices does not divide: named at the
     program's layout, not a traceback from the step's compile."""
@@ -208,6 +212,7 @@ def test_a_parameter_the_mesh_cannot_split_is_one_line_naming_it(tmp_path):
     assert says in train.stderr and "Traceback" not in train.stderr, train.stderr[-2000:]
 
 
+@pytest.mark.timeout(360)
 def test_a_loss_that_is_not_finite_stops_the_run_before_it_is_checkpointed(tmp_path):
     run = tmp_path / "nan"
     train = subprocess.run(
@@ -256,6 +261,7 @@ def test_a_state_gone_nan_under_a_finite_loss_is_never_checkpointed(tmp_path):
     assert not list((tmp_path / "run" / "checkpoints").glob("[0-9]*")), "a NaN state was checkpointed"
 
 
+@pytest.mark.timeout(660)
 @pytest.mark.slow
 def test_an_own_loop_compiles_before_it_rejoins_so_its_peer_does_not_wait(tmp_path):
     """examples/own_loop.py killed at step 5: its restarted incarnation compiles its step in

@@ -196,6 +196,7 @@ def test_source_killed_mid_transfer_newcomer_uses_another(tmp_path, procs):
     _assert_in_step(job, other, 2, start_after=5)
 
 
+@pytest.mark.timeout(780)
 @pytest.mark.slow
 def test_whole_job_restart_resumes_from_durable_checkpoint(tmp_path, procs):
     # synchronous saves: step 20's checkpoint is whole before step 21 starts. An asynchronous one

@@ -2,6 +2,7 @@
 subdirectory (DIR/replica-R), so that no replica's save collides with or deletes another's, and a
 job whose replicas all die resumes from them (docs/design/checkpoints.md, "Checkpoint layout")."""
 
+import pytest
 from conftest import REPO
 from ftjob import records
 
@@ -34,6 +35,7 @@ def _resumed_from_own_checkpoints(run_dir, ckpt_dir, r: int, step: int) -> None:
     assert (ckpt_dir / f"replica-{r}" / str(step)).is_dir()
 
 
+@pytest.mark.timeout(480)
 def test_a_launch_given_one_checkpoint_dir_saves_per_replica_and_resumes(launch, tmp_path):
     """`ftjax launch --replicas 2 checkpoint.dir=DIR`, both replicas killed at step 13: the launcher
     restarts them, each restores its own step 10 from DIR/replica-R, the job ends with equal digests
@@ -52,6 +54,7 @@ def test_a_launch_given_one_checkpoint_dir_saves_per_replica_and_resumes(launch,
     assert run.summary()["digests_equal"], run.output()
 
 
+@pytest.mark.timeout(780)
 def test_hand_started_members_all_killed_resume_from_one_given_checkpoint_dir(tmp_path, procs):
     """A job with no launcher: a coordinator and two `ftjax train --coordinator` members started by
     hand, given one checkpoint.dir, all killed at step 13 and started again by hand (no --resume):

@@ -193,6 +193,7 @@ def member(procs, address, out, rid, *overrides):
     )
 
 
+@pytest.mark.timeout(360)
 def test_a_replica_of_other_steps_or_wire_dtype_is_refused_naming_the_setting(procs, tmp_path):
     """Replicas of other `steps` (another learning-rate schedule: decay_steps defaults to it) or another
     `ft.wire_dtype` (FTAR frames the peer cannot read: the job stalled at step 0) were admitted. Now the

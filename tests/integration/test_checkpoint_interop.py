@@ -119,6 +119,7 @@ def design_snippets(section: str) -> str:
     return "\n".join(block.split("```", 1)[0] for block in body.split("```python\n")[1:])
 
 
+@pytest.mark.timeout(360)
 def test_the_documented_reader_works_with_its_relative_path(run, tmp_path):
     """docs/design/checkpoints.md's reading recipe and digest, run as written from the directory where its
     relative "RUN/checkpoints" is this run's (orbax refused it: the path must be made absolute)."""

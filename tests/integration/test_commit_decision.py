@@ -103,6 +103,7 @@ def test_a_restarted_coordinator_answers_unknown_and_the_voter_does_not_commit(m
     assert decision == "UNKNOWN" and "restarted" in why
 
 
+@pytest.mark.timeout(360)
 def test_a_job_whose_commits_the_coordinator_decides_survives_kills_in_ftar_and_in_commit(launch):
     # 3 replicas; 1 killed in its ring at step 10 (its peers' votes then abort the step, or its
     # departure does), 2 killed between its vote and its apply at step 20 (the step committed

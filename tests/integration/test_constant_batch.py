@@ -216,6 +216,7 @@ def final_params(run_dir, overrides):
     return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(state["params"])])
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.slow
 def test_without_failures_constant_and_elastic_are_the_same_program(launch):
     runs = {}
@@ -232,7 +233,7 @@ def test_without_failures_constant_and_elastic_are_the_same_program(launch):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # its runs' own bounds below (150-207 s in a hogged suite on a 2-core machine)
+@pytest.mark.timeout(2160)  # its runs' own bounds below (150-207 s in a hogged suite on a 2-core machine)
 def test_kills_at_three_steps_and_phases_change_the_time_not_the_math(launch, tmp_path, procs):
     """Replica 0 always lives (it holds the job's state); 1 dies at step 5 (forward) and again while
     it catches up, 2 at step 15 in FTAR. Each step kill hits a first incarnation, which trains from
@@ -281,6 +282,7 @@ def test_kills_at_three_steps_and_phases_change_the_time_not_the_math(launch, tm
     np.testing.assert_allclose(final_params(chaos.run_dir / "replica-0", job), p_ref, rtol=0, atol=4 * p_floor)
 
 
+@pytest.mark.timeout(1260)
 @pytest.mark.slow
 def test_a_batchnorm_model_gets_the_failure_free_losses_a_missing_batch_computed_whole(tmp_path, procs):
     """examples/linen_batchnorm.py normalizes over its batch: a missing replica's batch split between
@@ -321,6 +323,7 @@ def test_a_batchnorm_model_gets_the_failure_free_losses_a_missing_batch_computed
         assert all((a, b) == (0, 8) for _, _, a, b in w), w
 
 
+@pytest.mark.timeout(360)
 def test_a_batchnorm_model_refuses_what_would_split_its_batch(tmp_path):
     example, why = f"{REPO}/examples/linen_batchnorm.yaml", "task linen_batchnorm:task's rows interact"
     for arg in ("ft.micro_batch_rows=4", "ft.on_host_loss=reduce"):

@@ -30,6 +30,7 @@ def held_out_loss(ckpt_dirs) -> list[float]:
     ]
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.slow
 def test_three_kills_in_three_phases_converge_like_no_failure(launch):
     """3 replicas, 120 steps of tiny.yaml, once without failures and once with three kills late in

@@ -202,6 +202,7 @@ def test_coordinator_restart_mid_run_loses_nothing(job):
         r.next(lambda e: e["event"] == "quorum" and e["step"] >= after["a"]["step"] + 2)
 
 
+@pytest.mark.timeout(180)
 def test_the_benchmark_runs_and_reports_one_json_line():
     # --timeout-s: the benchmark gives up (and kills what it started) before this test would
     result = subprocess.run(

@@ -175,6 +175,7 @@ def _rounds(run: Launch, r: int) -> dict[int, str]:
     return {m["step"]: m["param_digest"] for m in run.metrics(r) if m.get("committed") and m.get("param_digest")}
 
 
+@pytest.mark.timeout(660)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sync,warmup,wire",
@@ -332,6 +333,7 @@ def test_a_streaming_job_stopped_and_resumed_from_its_checkpoint_ends_bitwise_eq
     assert "restore" in (tmp_path / "split" / "metrics.jsonl").read_text()
 
 
+@pytest.mark.timeout(480)
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", ["diloco", "streaming_diloco"])
 def test_a_restarted_replica_contributes_again_within_two_rounds_of_its_heal(procs, tmp_path, sync):
@@ -492,6 +494,7 @@ def test_a_lone_streaming_replica_overlapping_tau_steps_ends_with_the_bits_of_it
     assert [m["inner_steps"] for m in records] == [2, 2, 2] and all("overlap_s" in m for m in records)
 
 
+@pytest.mark.timeout(480)
 @pytest.mark.slow
 def test_a_streaming_rounds_exchange_overlaps_its_last_tau_steps_and_a_peer_killed_meanwhile_is_a_retry(
     procs, tmp_path

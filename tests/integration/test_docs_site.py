@@ -49,6 +49,7 @@ def test_the_readme_marks_its_quick_start_runnable():
     assert "quickstart.py" in kinds and "run" in kinds
 
 
+@pytest.mark.timeout(960)
 @pytest.mark.slow
 def test_the_readme_quick_start_runs_as_written(tmp_path):
     """README.md's own-model example: `python quickstart.py` trains it standalone, and the launch

@@ -109,6 +109,7 @@ def test_eval_on_a_task_without_held_out_data_is_one_line_naming_eval_every(tmp_
     assert "eval.every=2" in done.stderr and "held-out" in done.stderr
 
 
+@pytest.mark.timeout(660)
 @pytest.mark.slow
 def test_a_replica_killed_during_an_evaluation_changes_neither_digests_nor_exactly_once(launch, tokens):
     """2 replicas evaluate every 100 steps, each its own share of 3 held-out batches; replica 1 is

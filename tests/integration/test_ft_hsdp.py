@@ -81,6 +81,7 @@ def test_two_multihost_replicas_equal_one_with_twice_the_batch(tmp_path, procs):
     _equivalence(tmp_path, procs, hosts=2, devices_per_host=1)
 
 
+@pytest.mark.timeout(480)
 @pytest.mark.slow
 def test_survivors_finish_when_a_replica_dies_in_ftar(tmp_path, procs):
     steps = 30

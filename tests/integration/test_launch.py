@@ -13,6 +13,7 @@ def _events(run, name, **match):
     return [e for e in run.events() if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
 
 
+@pytest.mark.timeout(480)
 @pytest.mark.slow
 def test_killed_replica_restarts_and_ends_equal(launch):
     """Issue 7: `--replicas 2 --kill 1@10 steps=60`: equal digests, replica 1 restarted, the healthy
@@ -34,6 +35,7 @@ def test_killed_replica_restarts_and_ends_equal(launch):
         assert (run.run_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
+@pytest.mark.timeout(540)
 @pytest.mark.slow
 def test_one_dead_host_restarts_its_replica_only_and_ctrl_c_stops_everything(launch):
     """Host 1 of 2-host replica 1 dies: the launcher kills its host 0 and starts both hosts again,
@@ -66,6 +68,7 @@ def test_one_dead_host_restarts_its_replica_only_and_ctrl_c_stops_everything(lau
     assert steps0 and all(m["committed"] and not m["healing"] for m in steps0)
 
 
+@pytest.mark.timeout(480)
 @pytest.mark.slow
 def test_coordinator_killed_mid_run_loses_nothing(launch):
     run = launch("--replicas", "2", "--kill-coordinator-at", "1", "steps=120")
@@ -103,6 +106,7 @@ def test_no_process_survives_an_error_or_sigterm(launch, how):
     assert run.leftovers() == []
 
 
+@pytest.mark.timeout(540)
 @pytest.mark.slow
 def test_a_reduced_degree_replica_updates_with_the_full_replicas_bits(launch):
     """Issue 26: host 1 of replica 1 dies for good and the replica trains on at half degree (1 of

@@ -12,6 +12,7 @@ import pytest
 from ftjax.sim.from_run import predict
 
 
+@pytest.mark.timeout(480)
 @pytest.mark.slow
 def test_from_run_predicts_the_ettr_of_a_chaos_run(launch):
     # seed 1: the first kill falls 1.2 s after warm-up, so the run has at least one failure

@@ -84,6 +84,7 @@ def test_a_tensor_size_that_does_not_fit_is_refused_naming_the_field(overrides, 
         load_config("tiny", ["mesh.devices_per_host=2", *overrides])
 
 
+@pytest.mark.timeout(960)
 @pytest.mark.slow
 def test_a_tensor_parallel_llama_job_survives_kills_in_ftar_and_in_catch_up(procs, tmp_path):
     """Issue 28: 3 replicas of llama_tiny on fsdp 1 x tensor 2, replica 1 killed mid-FTAR at step

@@ -145,6 +145,7 @@ def test_incomplete_or_unreadable_tls_flags_are_one_line_exit_2(certs, tmp_path)
         assert r.returncode == 2 and len(lines) == 1 and flag in lines[0], (argv, r.returncode, r.stderr)
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.slow
 def test_launch_with_tls_and_a_kill_ends_with_equal_digests(launch, certs):
     # The launcher gives the flags to the coordinator (gRPC over TLS) and to every replica it starts,

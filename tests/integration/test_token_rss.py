@@ -57,6 +57,7 @@ def sparse_token_files(directory) -> None:
     write_index(directory, {"dtype": "uint16", "vocab_size": 256, "eos_id": 255, "tokenizer": record, "splits": splits})
 
 
+@pytest.mark.timeout(360)
 def test_reading_a_2_gib_token_file_end_to_end_grows_rss_by_less_than_200_mb(tmp_path):
     if shutil.disk_usage(tmp_path).free < 2 * GIB + (256 << 20):
         pytest.skip(f"{tmp_path}: less than 2 GiB free (the file is sparse, but a filesystem may not be)")

@@ -417,6 +417,7 @@ def test_stop_and_resume_on_token_files_is_bitwise(prepared, tmp_path):
     assert resumed["param_digest"] == straight["param_digest"] and resumed["final_loss"] == straight["final_loss"]
 
 
+@pytest.mark.timeout(660)
 @pytest.mark.slow
 def test_a_job_on_token_files_with_random_kills_ends_equal_exactly_once(prepared, launch):
     """Issue 29: 2 replicas on the prepared token files, whole replicas killed at random (`--mtbf-s`,

@@ -33,6 +33,7 @@ def four_devices(tmp_path_factory):
     return run_inprocess(tmp_path_factory.mktemp("d4"), "steps=12", "mesh.devices_per_host=4")
 
 
+@pytest.mark.timeout(420)
 def test_cli_tiny_trains_and_its_output_redirected_to_a_file_is_a_readable_log(tmp_path):
     """`ftjax train configs/tiny.yaml --out RUN > log`: it trains, and the log (stdout is a file, not
     a terminal) has plain lines: the progress every few steps and the final loss."""
@@ -163,6 +164,7 @@ def _limited_files(limit: int, argv: list[str]) -> list[str]:
     return [sys.executable, "-c", _LIMITED, str(limit), *argv]
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize(
     ("limit", "overrides", "names"),
     [

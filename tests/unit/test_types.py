@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 PACKAGE = Path(REPO) / "ftjax"
@@ -19,6 +20,7 @@ ANY_ANNOTATION = re.compile(r": Any\b|-> Any\b")
 MAX_ANY_ANNOTATIONS = 68  # a third of the 205
 
 
+@pytest.mark.timeout(660)
 def test_mypy_finds_nothing_in_ftjax():
     proc = subprocess.run(
         [sys.executable, "-m", "mypy"], cwd=REPO, capture_output=True, text=True, timeout=600, check=False
