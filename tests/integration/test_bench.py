@@ -95,6 +95,7 @@ def test_bench_ftar_on_loopback_compares_busbw_with_raw_tcp():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # two launches with a kill each: 138 s in a hogged suite on a 2-core machine
 def test_bench_outage_compares_both_batch_modes_in_one_run():
     out = _bench("outage", "tiny", "data.batch_size=16", "steps=30", "--kill-at", "10")
     for mode in ("elastic", "constant"):

@@ -136,6 +136,8 @@ def test_a_warmup_step_is_every_step_syncs_update_and_its_replay_the_same_state(
         assert not all(np.array_equal(a, b) for a, b in zip(local, old))  # (not the initial copy)
 
 
+# three `ftjax train` runs in turn: 178 s in a hogged suite on a 2-core machine (59 % of the default 300 s)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("sync_kind", ["diloco", "streaming_diloco"])
 def test_a_warmed_up_job_is_the_every_step_job_until_its_rounds_start(tmp_path, sync_kind):
     """`ftjax train` with ft.sync_warmup_steps=2 and rounds of 3 after them: stopped after its 2

@@ -400,6 +400,7 @@ def _train(run, *args) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
+@pytest.mark.timeout(600)  # three `ftjax train` runs in turn: 166 s in a hogged suite on a 2-core machine
 def test_stop_and_resume_on_token_files_is_bitwise(prepared, tmp_path):
     """Issue 29: `--stop-after 20` then `--resume` on token files ends with the bits of the run that
     was never interrupted, every window trained once and in order."""
