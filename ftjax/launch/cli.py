@@ -324,6 +324,11 @@ def prepare(args: argparse.Namespace) -> Launch:
     cfg = load_config(args.config, overrides)
     replicas = cfg.ft.replicas if args.replicas is None else args.replicas
     cfg = load_config(args.config, [*overrides, f"ft.replicas={replicas}"])
+    if args.entry is not None and cfg.mesh.hosts > 1:  # (RunArgs.parse refuses it in every host, each restart)
+        raise UsageError(
+            f"--entry: FaultTolerance.join runs a script's replica on one host, not mesh.hosts={cfg.mesh.hosts}: "
+            "run a multi-host replica in the built-in loop (ftjax train, ftjax.fit), or give mesh.hosts=1"
+        )
     if cfg.task is not None:
         check_task_in_child(args.config, overrides)
     if cfg.coordinator.min_replicas > replicas:

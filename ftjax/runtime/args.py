@@ -222,7 +222,10 @@ class RunArgs:
         args = build_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
         cfg = parse_config(args)
         if cfg.mesh.live > 1:
-            raise ValueError("FaultTolerance.join: a script's replica runs on one host (mesh.hosts=1)")
+            raise ValueError(
+                f"FaultTolerance.join: a script's replica runs on one host, "
+                f"this one on {cfg.mesh.live} (mesh.hosts={cfg.mesh.hosts})"
+            )
         if "jax" not in sys.modules:
             from ftjax.base.env import configure_run
 

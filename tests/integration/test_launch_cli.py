@@ -102,6 +102,8 @@ BAD_OPTIONS = [
     (["--hosts-per-replica", "0"], "--hosts-per-replica"),
     (["--hosts-per-replica", "-1"], "--hosts-per-replica"),
     (["--devices-per-host", "0"], "--devices-per-host"),
+    (["--entry", "python own.py", "--hosts-per-replica", "2"], "--entry: FaultTolerance.join runs"),
+    (["--entry", "python own.py", "mesh.hosts=2"], "not mesh.hosts=2"),
     (["--seed", "x"], "--seed"),
     (["--out", "{file}"], "--out"),
     (["--out", "{file}/run"], "--out"),

@@ -61,3 +61,11 @@ def test_run_args_parse_sets_the_platform_before_jax_is_imported():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["4"]
+
+
+def test_run_args_parse_refuses_a_multi_host_replica_naming_its_hosts():
+    # (`ftjax launch --entry` refuses it before anything starts: tests/integration/test_launch_cli.py)
+    import pytest
+
+    with pytest.raises(ValueError, match=r"runs on one host, this one on 2 \(mesh.hosts=2\)"):
+        ftjax.RunArgs.parse(["tiny", "mesh.hosts=2", "--dist-address", "10.9.0.1:4000", "--out", "x"])
