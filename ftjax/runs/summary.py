@@ -449,9 +449,10 @@ def divergences(run: Run) -> list[dict[str, Any]]:
 def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
     """The launcher's exit code given the supervisor's `code` (0: every replica finished), and why
     it is not 0: replicas that finished with different digests hold different models, a job the
-    launcher stopped (its `error`) failed, and a step committed in two lineages is two histories,
-    whatever else went right. (A replica that ended behind a finished job holds an older state by
-    design: it is left out.)"""
+    launcher stopped (its `error`) failed, a step committed in two lineages is two histories,
+    whatever else went right, and a job that did not commit its last step did not finish, even when
+    every replica exited 0 (a script given to --entry may end without training). (A replica that
+    ended behind a finished job holds an older state by design: it is left out.)"""
     final = {
         rid: rec["param_digest"]
         for rid, rec in summary["replicas"].items()
@@ -465,6 +466,9 @@ def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
         return code or 1, f"the run failed: {summary['error']}"
     if summary.get("split_history"):
         return code or 1, f"a split history: steps {summary['split_history']['steps'][:10]} were committed twice"
+    if summary["committed_steps"] < summary["steps"]:  # (an --entry script that exited 0 without training)
+        ended = ", though every replica exited 0" if code == 0 else ""
+        return code or 1, f"the job committed {summary['committed_steps']} of its {summary['steps']} steps{ended}"
     return code, ""
 
 
@@ -658,7 +662,8 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "devices_per_host": run.launch.get("devices"),
         "steps": run.steps,
         "replicas": replicas,
-        "ok": bool(end_event and end_event.get("ok")) and split is None,
+        # (every replica exiting 0 is not enough: an --entry script may end without training)
+        "ok": bool(end_event and end_event.get("ok")) and split is None and committed_steps >= run.steps,
         "split_history": split,
         "wall_s": round((end_event or {TIME: run.end})[TIME] - run.start, 3),
         "warmup_s": round(t_warm - run.start, 3) if t_warm is not None else None,

@@ -204,3 +204,17 @@ def test_a_replica_refused_every_time_fails_the_run_with_the_reason_after_two_tr
     assert [r["reason"] for r in summary["replicas"]["1"]["refusals"]] == [reason] * 2
     assert "refused twice in a row for the same reason" in run.output() and reason in run.output()
     assert run.leftovers() == []
+
+
+def test_an_entry_that_exits_0_without_training_fails_the_run(launch, tmp_path):
+    """A script given to --entry that returns before its loop (here: it only prints): every replica
+    exits 0 and the launcher saw nothing fail, but the job committed none of its steps. Before, the
+    launch exited 0 and its summary said ok."""
+    entry = tmp_path / "returns_at_once.py"
+    entry.write_text("print('no loop here')\n")
+    run = launch("--replicas", "2", "--entry", f"python {entry}", "steps=5")
+    assert run.wait(timeout=120) == 1, run.output()
+    summary = run.summary()
+    assert not summary["ok"] and summary["committed_steps"] == 0, summary
+    assert "the job committed 0 of its 5 steps" in run.output()
+    assert run.leftovers() == []

@@ -741,3 +741,19 @@ def test_the_largest_wait_leaves_out_a_replicas_own_computing_and_committing(tmp
     s = build_summary(run_dir)
     assert s["max_healthy_stall_s"] == pytest.approx(0.6)  # the loaded step
     assert s["max_healthy_wait_s"] == pytest.approx(0.15 - 0.06 - 0.01)
+
+
+def test_a_job_whose_replicas_all_exited_0_short_of_its_last_step_failed(tmp_path):
+    # an --entry script that returns without training: every replica "done", the launcher's end ok
+    from ftjax.runs.summary import exit_code
+
+    make_run(tmp_path)
+    assert build_summary(tmp_path)["ok"]
+    events = [json.loads(line) for line in (tmp_path / "launcher.jsonl").read_text().splitlines()]
+    launch = next(e for e in events if e["event"] == "launch")
+    launch["steps"] = 12  # two steps past what the replicas committed
+    _write(tmp_path / "launcher.jsonl", events)
+    s = build_summary(tmp_path)
+    assert not s["ok"] and s["committed_steps"] == 10 and s["steps"] == 12
+    assert exit_code(s, 0) == (1, "the job committed 10 of its 12 steps, though every replica exited 0")
+    assert exit_code(s, 1) == (1, "the job committed 10 of its 12 steps")
