@@ -324,6 +324,11 @@ def prepare(args: argparse.Namespace) -> Launch:
     cfg = load_config(args.config, overrides)
     replicas = cfg.ft.replicas if args.replicas is None else args.replicas
     cfg = load_config(args.config, [*overrides, f"ft.replicas={replicas}"])
+    command = entry_command(args.entry)
+    if (
+        command is not None and args.emit is None and shutil.which(command[0]) is None
+    ):  # (a cluster's own PATH: not here)
+        raise UsageError(f"--entry: {command[0]}: no such command (not on PATH, or not an executable file)")
     if args.entry is not None and cfg.mesh.hosts > 1:  # (RunArgs.parse refuses it in every host, each restart)
         raise UsageError(
             f"--entry: FaultTolerance.join runs a script's replica on one host, not mesh.hosts={cfg.mesh.hosts}: "
