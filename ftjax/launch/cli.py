@@ -277,6 +277,22 @@ def entry_command(entry: str | None) -> list[str] | None:
     return [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else argv
 
 
+def check_entry(args: argparse.Namespace, cfg: Config) -> None:
+    """--entry's command exists here, and its replicas run on one host (`FaultTolerance.join`'s;
+    `RunArgs.parse` refuses more in every host of every incarnation, which would be restarted)."""
+    command = entry_command(args.entry)
+    if command is None:
+        return
+    # (with --emit the command runs on the cluster, whose PATH is not this machine's)
+    if args.emit is None and shutil.which(command[0]) is None:
+        raise UsageError(f"--entry: {command[0]}: no such command (not on PATH, or not an executable file)")
+    if cfg.mesh.hosts > 1:
+        raise UsageError(
+            f"--entry: FaultTolerance.join runs a script's replica on one host, not mesh.hosts={cfg.mesh.hosts}: "
+            "run a multi-host replica in the built-in loop (ftjax train, ftjax.fit), or give mesh.hosts=1"
+        )
+
+
 def check_task_in_child(config: str, overrides: list[str]) -> None:
     """`ftjax check` in a child process (this one keeps JAX unimported: on an accelerator, JAX
     would take the device's memory): a user's task that does not import, or whose loss has the
@@ -324,16 +340,7 @@ def prepare(args: argparse.Namespace) -> Launch:
     cfg = load_config(args.config, overrides)
     replicas = cfg.ft.replicas if args.replicas is None else args.replicas
     cfg = load_config(args.config, [*overrides, f"ft.replicas={replicas}"])
-    command = entry_command(args.entry)
-    if (
-        command is not None and args.emit is None and shutil.which(command[0]) is None
-    ):  # (a cluster's own PATH: not here)
-        raise UsageError(f"--entry: {command[0]}: no such command (not on PATH, or not an executable file)")
-    if args.entry is not None and cfg.mesh.hosts > 1:  # (RunArgs.parse refuses it in every host, each restart)
-        raise UsageError(
-            f"--entry: FaultTolerance.join runs a script's replica on one host, not mesh.hosts={cfg.mesh.hosts}: "
-            "run a multi-host replica in the built-in loop (ftjax train, ftjax.fit), or give mesh.hosts=1"
-        )
+    check_entry(args, cfg)
     if cfg.task is not None:
         check_task_in_child(args.config, overrides)
     if cfg.coordinator.min_replicas > replicas:

@@ -51,7 +51,9 @@ Definitions (times are the replicas' own `time` stamps, all on one machine):
   a step with it (`batch_id`), or when peers committed the step r contributed it to while r did not
   (`batches_committed_by_peers`; a restarted incarnation lists there every batch before its resume
   point, including those an earlier incarnation committed itself, which are no repeat). A batch
-  that r commits after it was trained either way is a repeat.
+  that r commits after it was trained either way is a repeat. A restore from a durable checkpoint
+  (`restore`, at data position P) undoes the batches from P on: the restored state never saw them.
+  A run that is not exactly once fails (`ok` false, the launcher exits 1, naming the batch).
   With a constant global batch (`ft.global_batch: constant`, steps recorded with their `work`)
   the check is per step instead (`constant_batch`): every step from 1 to the last was committed,
   every replica that committed it recorded the same work, and that work trains each row of the
@@ -276,6 +278,11 @@ def exactly_once(run: Run, r: int) -> tuple[bool, str]:
     for rec in run.metrics[r]:
         if rec.get(EVENT) == ReplicaEvent.BATCHES_COMMITTED_BY_PEERS:
             trained.update(rec.get("batch_ids") or [])
+        elif rec.get(EVENT) == ReplicaEvent.RESTORE and rec.get("data_position") is not None:
+            # the state went back to a durable checkpoint: the batches after its position are undone
+            # (trained again from it, they are no repeat; the job's history is the restored one)
+            position = int(rec["data_position"])
+            trained = {b for b in trained if (b - r) // run.replicas < position}
         elif is_step(rec) and rec.get(StepField.COMMITTED) and rec.get(StepField.BATCH_ID) is not None:
             b = int(rec[StepField.BATCH_ID])
             if b in trained:
@@ -450,9 +457,10 @@ def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
     """The launcher's exit code given the supervisor's `code` (0: every replica finished), and why
     it is not 0: replicas that finished with different digests hold different models, a job the
     launcher stopped (its `error`) failed, a step committed in two lineages is two histories,
-    whatever else went right, and a job that did not commit its last step did not finish, even when
-    every replica exited 0 (a script given to --entry may end without training). (A replica that
-    ended behind a finished job holds an older state by design: it is left out.)"""
+    whatever else went right, a batch trained twice or never breaks the job's data contract, and a
+    job that did not commit its last step did not finish, even when every replica exited 0 (a
+    script given to --entry may end without training). (A replica that ended behind a finished job
+    holds an older state by design: it is left out.)"""
     final = {
         rid: rec["param_digest"]
         for rid, rec in summary["replicas"].items()
@@ -466,6 +474,10 @@ def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
         return code or 1, f"the run failed: {summary['error']}"
     if summary.get("split_history"):
         return code or 1, f"a split history: steps {summary['split_history']['steps'][:10]} were committed twice"
+    if not summary["exactly_once"]:
+        r, rec = next((r, rec) for r, rec in summary["replicas"].items() if not rec["exactly_once"])
+        why = rec.get("exactly_once_error") or (summary.get("constant_batch") or {}).get("error") or ""
+        return code or 1, f"not every batch was trained exactly once: replica {r}: {why}".rstrip(": ")
     if summary["committed_steps"] < summary["steps"]:  # (an --entry script that exited 0 without training)
         ended = ", though every replica exited 0" if code == 0 else ""
         return code or 1, f"the job committed {summary['committed_steps']} of its {summary['steps']} steps{ended}"
@@ -654,6 +666,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
     )
     loss = final_loss(run)
     end_event = next((e for e in reversed(run.events) if e[EVENT] == LauncherEvent.END), None)
+    once = all(rec["exactly_once"] for rec in replicas.values())
     return {
         "config": run.launch.get("config"),
         "overrides": run.launch.get("overrides"),
@@ -663,7 +676,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "steps": run.steps,
         "replicas": replicas,
         # (every replica exiting 0 is not enough: an --entry script may end without training)
-        "ok": bool(end_event and end_event.get("ok")) and split is None and committed_steps >= run.steps,
+        "ok": bool(end_event and end_event.get("ok")) and split is None and committed_steps >= run.steps and once,
         "split_history": split,
         "wall_s": round((end_event or {TIME: run.end})[TIME] - run.start, 3),
         "warmup_s": round(t_warm - run.start, 3) if t_warm is not None else None,
@@ -684,7 +697,7 @@ def build_summary(run_dir: str | Path) -> dict[str, Any]:
         "digests_missing": [
             rid for rid, rec in replicas.items() if rec["param_digest"] is None and not rec["ended_behind"]
         ],
-        "exactly_once": all(rec["exactly_once"] for rec in replicas.values()),
+        "exactly_once": once,
         "divergences": divergences(run),
         **({"constant_batch": constant} if constant is not None else {}),
     }

@@ -757,3 +757,47 @@ def test_a_job_whose_replicas_all_exited_0_short_of_its_last_step_failed(tmp_pat
     assert not s["ok"] and s["committed_steps"] == 10 and s["steps"] == 12
     assert exit_code(s, 0) == (1, "the job committed 10 of its 12 steps, though every replica exited 0")
     assert exit_code(s, 1) == (1, "the job committed 10 of its 12 steps")
+
+
+def make_restored_run(tmp_path, *, position=2):
+    """One replica, 8 steps, killed after step 4; its second incarnation restores the durable
+    checkpoint of step 2 (data position `position`) and trains steps 3 to 8 again from there: the
+    batches of steps 3 and 4 are trained twice, but the first time was undone by the restore."""
+    _write(
+        tmp_path / "launcher.jsonl",
+        [
+            {"time": T, "event": "launch", "replicas": 1, "hosts": 1, "devices": 1, "steps": 8},
+            {"time": T, "event": "replica_started", "replica": 0, "incarnation": 1},
+            {"time": 110.5, "event": "replica_down", "replica": 0, "incarnation": 1, "cause": "kill", "step": 4},
+            {"time": 111.0, "event": "replica_started", "replica": 0, "incarnation": 2},
+            {"time": 113.0, "event": "replica_done", "replica": 0, "incarnation": 2, "step": 8},
+            {"time": 113.1, "event": "end", "ok": True},
+        ],
+    )
+    records = [{"time": 105.0, "event": "start"}]
+    records += [_step(110.1 + 0.1 * k, k + 1, batch=k, position=k + 1) for k in range(4)]
+    records += [{"time": 111.5, "event": "start"}]
+    records += [{"time": 111.6, "event": "restore", "restored_step": 2, "data_position": position}]
+    records += [_step(112.0 + 0.1 * k, k + 1, batch=k, position=k + 1) for k in range(2, 8)]
+    _write(tmp_path / "replica-0" / "metrics.jsonl", records)
+    (tmp_path / "replica-0" / "summary.json").write_text(json.dumps({"param_digest": "abc", "data_position": 8}))
+    return tmp_path
+
+
+def test_batches_trained_again_after_a_restore_from_a_checkpoint_are_no_repeat(tmp_path):
+    from ftjax.runs.summary import exit_code
+
+    s = build_summary(make_restored_run(tmp_path))
+    assert s["exactly_once"] and s["ok"] and exit_code(s, 0) == (0, ""), s["replicas"]["0"]
+
+
+def test_a_repeat_fails_the_launch_naming_the_batch(tmp_path):
+    # the restore says position 3, yet the batch of position 2 is trained again after it
+    from ftjax.runs.summary import exit_code
+
+    s = build_summary(make_restored_run(tmp_path, position=3))
+    assert not s["exactly_once"] and not s["ok"]
+    assert exit_code(s, 0) == (
+        1,
+        "not every batch was trained exactly once: replica 0: batch 2 trained twice (again at step 3)",
+    )
