@@ -236,6 +236,8 @@ def read_hf(files: list[Path], m: ModelConfig, dtype: DTypeLike) -> dict:
 
 def hf_files(src: Path) -> tuple[Path, list[Path]]:
     """(config.json, the safetensors files) of a directory or of files named directly."""
+    if not src.exists():  # (else it reads as a file, and the error names its parent's config.json)
+        raise ConfigError(f"{src}: no such file or directory")
     if src.is_dir():
         config, files = src / "config.json", sorted(src.glob("*.safetensors"))
     else:

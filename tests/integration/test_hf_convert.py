@@ -387,6 +387,22 @@ def test_a_truncated_safetensors_file_is_refused_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize(
+    "where, says",
+    [
+        ("missing", "{src}: no such file or directory"),
+        ("missing/model.safetensors", "{src}: no such file or directory"),  # (not missing/config.json)
+        ("empty", "{src}/config.json: no config.json (an HF checkpoint has one beside its safetensors)"),
+    ],
+)
+def test_a_source_that_is_not_there_is_refused_naming_it(where, says, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    src = tmp_path / where
+    assert ftjax(["convert", "hf", str(src), "--out", str(tmp_path / "ckpt")]) == 2
+    assert capsys.readouterr().err.strip() == "ftjax convert: " + says.format(src=src)
+    assert not (tmp_path / "ckpt").exists()
+
+
 # a child that converts and prints its own peak resident memory (KiB) as its last line: VmHWM,
 # its address space's own (getrusage's ru_maxrss is kept across exec: it would be pytest's if larger)
 PEAK = (
