@@ -476,7 +476,7 @@ def exit_code(summary: dict[str, Any], code: int) -> tuple[int, str]:
         return code or 1, f"a split history: steps {summary['split_history']['steps'][:10]} were committed twice"
     if not summary["exactly_once"]:
         r, rec = next((r, rec) for r, rec in summary["replicas"].items() if not rec["exactly_once"])
-        why = rec.get("exactly_once_error") or (summary.get("constant_batch") or {}).get("error") or ""
+        why = rec.get("exactly_once_error", "")  # (a constant batch's error too: each replica's record has it)
         return code or 1, f"not every batch was trained exactly once: replica {r}: {why}".rstrip(": ")
     if summary["committed_steps"] < summary["steps"]:  # (an --entry script that exited 0 without training)
         ended = ", though every replica exited 0" if code == 0 else ""
